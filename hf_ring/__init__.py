@@ -1,0 +1,39 @@
+"""hf_ring: exact ring attention (context parallelism) for Hugging Face Transformers.
+
+Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_attention``, ``RingComm``.
+Transformers integration (imported on first use): ``apply_ring_attention``, ``revert_ring_attention``,
+``shard_batch``, ``reduce_loss``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .comm import RingComm
+from .layout import LAYOUTS, positions, shard, unshard
+from .ring import ring_attention
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "apply_ring_attention": "hf_ring.apply",
+    "revert_ring_attention": "hf_ring.apply",
+    "shard_batch": "hf_ring.batch",
+    "reduce_loss": "hf_ring.batch",
+}
+
+__all__ = [
+    "LAYOUTS",
+    "RingComm",
+    "positions",
+    "shard",
+    "unshard",
+    "ring_attention",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_ring' has no attribute {name!r}")

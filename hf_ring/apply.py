@@ -1,0 +1,63 @@
+"""``apply_ring_attention`` / ``revert_ring_attention``: the one-line switch of a Transformers model to ring attention.
+
+Accepts a ``transformers.PreTrainedModel`` or a PEFT ``PeftModel`` (the wrapped Transformers model is
+patched; the object passed in is returned). The family comes from ``config.model_type`` through the
+registry in ``hf_ring.patches``.
+"""
+
+from __future__ import annotations
+
+from .hf_attention import RingConfig
+
+__all__ = ["apply_ring_attention", "revert_ring_attention"]
+
+
+def _transformers_model(model):
+    """The ``PreTrainedModel`` inside ``model`` (itself, or the base model of a PEFT wrapper)."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return model
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency, but keep the error readable
+        PeftModel = ()  # noqa: N806
+    if PeftModel and isinstance(model, PeftModel):
+        inner = model.get_base_model()
+        if isinstance(inner, PreTrainedModel):
+            return inner
+    raise TypeError(
+        f"apply_ring_attention expects a transformers PreTrainedModel or a peft PeftModel wrapping one, "
+        f"got {type(model).__name__}"
+    )
+
+
+def apply_ring_attention(model, *, group=None, layout: str = "zigzag", backend: str = "auto"):
+    """Switch ``model``'s attention to exact ring attention over the ranks of ``group`` (in place).
+
+    Args:
+        model: a Llama, Mistral, Qwen2 or Qwen3 ``PreTrainedModel``, or a ``PeftModel`` wrapping one.
+        group: the context-parallel process group (None: the default group; none initialised: 1 rank).
+        layout: how the sequence is split across ranks (``"zigzag"``, ``"striped"``, ``"contiguous"``);
+            must match the layout given to ``shard_batch``.
+        backend: local kernel backend (``"auto"``, ``"torch"``, ``"triton"``, ``"flash_attn"``).
+
+    Returns:
+        ``model`` itself. Feed it the output of ``hf_ring.shard_batch``. Calling it again replaces the
+        settings; ``revert_ring_attention`` restores the original attention.
+    """
+    from .patches import get_patch
+
+    cfg = RingConfig(group=group, layout=layout, backend=backend)
+    target = _transformers_model(model)
+    get_patch(getattr(target.config, "model_type", None)).apply(target, cfg)
+    return model
+
+
+def revert_ring_attention(model):
+    """Restore the attention implementation ``model`` had before ``apply_ring_attention`` (in place); returns it."""
+    from .patches import get_patch
+
+    target = _transformers_model(model)
+    get_patch(getattr(target.config, "model_type", None)).revert(target)
+    return model

@@ -1,0 +1,174 @@
+"""``shard_batch`` (a collator's full-sequence batch -> this rank's model kwargs) and ``reduce_loss``.
+
+The loss contract: each rank's ``model(**shard_batch(batch)).loss`` is (sum of its token losses) /
+(number of valid label tokens in the whole unsharded batch), so the shares summed over the
+context-parallel group equal the unsharded loss and the parameter gradients summed over the group
+equal the unsharded gradients. To get there, labels are shifted on the full sequence before sharding
+(``shift_labels``; no target is lost at a chunk boundary) and the global count goes to the loss as
+``num_items_in_batch`` (Transformers' ``ForCausalLMLoss`` divides the summed loss by it).
+
+Masks: packed documents (``position_ids`` that restart, as ``DataCollatorWithFlattening`` makes them,
+or ``cu_seq_lens_q``) and padding (``attention_mask`` zeros, and the tokens ``pad_to_multiple`` adds)
+become global document ids of the unsharded sequence (``ring_document_ids``, -1 = padding), which the
+attention function hands to ``ring_attention``. They stay on the CPU: the ring classifies tiles on
+the host, so a device copy would only cost a sync per layer.
+
+No communication happens here: every rank shards the same full batch (it must be identical on every
+rank of the group), so every error is raised on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .comm import group_rank_and_size
+from .hf_attention import DOCUMENT_IDS_KWARG
+from .layout import check_layout, required_multiple, shard
+
+__all__ = ["shard_batch", "reduce_loss", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+_SEQUENCE_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _group(group) -> tuple[int, int]:
+    if group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "shard_batch: a process group was passed but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first (or pass group=None for one rank)"
+        )
+    return group_rank_and_size(group)
+
+
+def _validate(batch) -> tuple:
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"shard_batch expects a dict of tensors from a collator, got {type(batch).__name__}")
+    unknown = sorted(set(batch) - set(_SEQUENCE_KEYS) - set(_PACKING_KEYS))
+    if unknown:
+        raise ValueError(
+            f"shard_batch does not know how to shard {unknown}; it takes {', '.join(_SEQUENCE_KEYS)} "
+            f"(and the packing keys {', '.join(_PACKING_KEYS)}); remove the others from the batch"
+        )
+    input_ids = batch.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        raise ValueError("shard_batch needs input_ids: an integer tensor [batch, seq_len]")
+    shape = tuple(input_ids.shape)
+    if shape[1] == 0:
+        raise ValueError("shard_batch: input_ids is empty (seq_len 0)")
+    labels, mask, pos = batch.get("labels"), batch.get("attention_mask"), batch.get("position_ids")
+    for name, t in (("labels", labels), ("attention_mask", mask)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"shard_batch: {name} must have the shape of input_ids {shape}, got {got}")
+    if pos is not None:
+        if not isinstance(pos, torch.Tensor) or pos.dim() not in (1, 2) or pos.shape[-1] != shape[1]:
+            raise ValueError(f"shard_batch: position_ids must be [batch or 1, {shape[1]}], got {tuple(pos.shape)}")
+        pos = pos.reshape(-1, shape[1])
+        if pos.shape[0] not in (1, shape[0]):
+            raise ValueError(f"shard_batch: position_ids must be [batch or 1, {shape[1]}], got {tuple(pos.shape)}")
+        pos = pos.expand(shape[0], -1)
+    cu = batch.get("cu_seq_lens_q")
+    if pos is None and cu is not None:
+        if shape[0] != 1:
+            raise ValueError("shard_batch: cu_seq_lens_q describes a batch of one packed row; got batch size > 1")
+        cu = cu.detach().cpu().long()
+        if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != shape[1] or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"shard_batch: cu_seq_lens_q must rise from 0 to seq_len {shape[1]}, got {cu.tolist()}")
+        doc = torch.bucketize(torch.arange(shape[1]), cu[1:], right=True)
+        pos = (torch.arange(shape[1]) - cu[doc])[None].to(input_ids.device)
+    elif pos is None and batch.get("seq_idx") is not None:
+        raise ValueError("shard_batch: a batch packed with seq_idx also needs position_ids (or cu_seq_lens_q)")
+    return input_ids, labels, mask, pos
+
+
+def _documents(pos: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] document index per row: a document starts wherever the position does not rise by 1."""
+    pos = pos.detach().cpu().long()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    return starts.cumsum(-1) - 1
+
+
+def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: bool = True) -> dict:
+    """This rank's shard of a full-sequence batch, as keyword arguments for ``model(**local)``.
+
+    Args:
+        batch: a collator's output: ``input_ids`` [batch, seq_len], optional ``labels`` (unshifted,
+            -100 = ignore), ``attention_mask`` (1 = token, 0 = padding), ``position_ids`` (restarting
+            at each document for packed batches), and optionally ``cu_seq_lens_q/k``,
+            ``max_length_q/k``, ``seq_idx`` (superseded by ``position_ids`` when both are present).
+            Identical on every rank of ``group``.
+        group: the context-parallel process group (None: the default group; none initialised: 1 rank).
+        layout: must match the layout given to ``apply_ring_attention``.
+        pad_to_multiple: pad seq_len to the layout's multiple (2 x group size for zigzag) with ignored
+            tokens; if False, such a length raises ValueError.
+
+    Returns:
+        ``input_ids`` and ``position_ids`` [batch, local_seq] (global positions, or per-document
+        positions for packed batches); with labels: ``labels`` and ``shift_labels`` [batch, local_seq]
+        (both already shifted: the target of each local token) and ``num_items_in_batch`` (valid
+        targets in the whole batch); ``ring_document_ids`` [batch, padded seq_len] (CPU, int32) when
+        the batch is packed or padded.
+    """
+    check_layout(layout)
+    rank, world = _group(group)
+    input_ids, labels, mask, pos = _validate(batch)
+    b, s = input_ids.shape
+    m = required_multiple(layout, world)
+    pad = -s % m
+    if pad and not pad_to_multiple:
+        raise ValueError(
+            f"sequence length {s} is not a multiple of {m} (the {layout} layout over {world} ranks needs a "
+            f"multiple of {m}); pass pad_to_multiple=True to shard_batch, or pad in the collator "
+            f"(e.g. pad_to_multiple_of={m})"
+        )
+    dev = input_ids.device
+    valid = torch.ones(b, s + pad, dtype=torch.bool)
+    valid[:, s:] = False
+    if mask is not None:
+        valid[:, :s] = mask.detach().cpu().bool()
+    if pos is None:
+        pos = torch.arange(s + pad, device=dev).expand(b, -1)
+        docs = torch.zeros(b, s + pad, dtype=torch.long)
+    else:
+        pos = pos.to(dev).long()
+        if pad:
+            pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=dev)], dim=1)
+        docs = _documents(pos)
+    packed = bool((docs[:, -1] > 0).any())
+    padded = not bool(valid.all())
+
+    local = {}
+
+    def put(name, x):
+        local[name] = shard(x, dim=1, rank=rank, world_size=world, layout=layout)
+
+    ids = torch.nn.functional.pad(input_ids, (0, pad), value=0) if pad else input_ids
+    put("input_ids", ids)
+    put("position_ids", pos)
+    if labels is not None:
+        full = torch.full((b, s + pad), IGNORE_INDEX, dtype=torch.long, device=labels.device)
+        full[:, : s - 1] = labels[:, 1:]
+        # a target is ignored when the predicting token or the predicted token is padding
+        keep = (valid[:, :-1] & valid[:, 1:]).to(labels.device)
+        full[:, :-1] = torch.where(keep, full[:, :-1], IGNORE_INDEX)
+        put("shift_labels", full)
+        local["labels"] = local["shift_labels"]
+        local["num_items_in_batch"] = (full != IGNORE_INDEX).sum()
+    if packed or padded:
+        local[DOCUMENT_IDS_KWARG] = torch.where(valid, docs, -1).to(torch.int32)
+    return local
+
+
+def reduce_loss(loss: torch.Tensor, *, group=None) -> torch.Tensor:
+    """The global loss for logging: the sum of every rank's share (detached; no-op for one rank)."""
+    _, world = group_rank_and_size(group)
+    total = loss.detach().clone()
+    if world > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total

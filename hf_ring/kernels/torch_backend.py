@@ -1,0 +1,151 @@
+"""Reference local-block kernels in plain PyTorch (the ``"torch"`` backend; the default on CPU).
+
+One ring step attends the local queries to the key/value block held at that step and merges the
+result into fp32 accumulators with the log-sum-exp rule. Work is tiled over queries and keys, so
+at most ``block_q x block_k`` scores per (batch, kv-head, group) exist at once; tiles the mask
+hides completely are skipped and tiles it shows completely skip the mask. Tile edges follow the
+runs of consecutive positions (the two halves of a zig-zag shard), so a half-visible block costs
+half.
+
+GQA: query head ``h`` reads key/value head ``h // group``; the group is folded into the rows of
+the score matrix, nothing is repeated.
+
+Numerics: scores, softmax and accumulators are fp32 whatever the input dtype; LSE is natural-log.
+A row that sees no key keeps ``lse = -inf`` and output 0; in the backward its probabilities are 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .mask import EMPTY, FULL, BlockMask
+
+__all__ = ["forward", "backward", "merge_", "tiles"]
+
+BLOCK_Q = 512
+BLOCK_K = 512
+
+
+def tiles(pos: torch.Tensor, block: int) -> list[slice]:
+    """Split local indices into tiles of at most ``block`` that never straddle a jump in ``pos``."""
+    n = pos.numel()
+    if n == 0:
+        return []
+    cuts = [0]
+    if n > 1:
+        d = pos[1:] - pos[:-1]
+        breaks = (torch.nonzero(d != d[0]).flatten() + 1).tolist()
+    else:
+        breaks = []
+    for end in breaks + [n]:
+        start = cuts[-1]
+        cuts.extend(range(start + block, end, block))
+        cuts.append(end)
+    return [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """In place: ``(out, lse) <- merge((out, lse), (blk_out, blk_lse))`` by the LSE rule.
+
+    out/blk_out: [..., L, D] fp32 (normalised); lse/blk_lse: [..., L] fp32, -inf for empty rows.
+    """
+    new = torch.logaddexp(lse, blk_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    w_old = torch.exp(lse - safe).unsqueeze(-1)
+    w_blk = torch.exp(blk_lse - safe).unsqueeze(-1)
+    out.mul_(w_old).add_(blk_out * w_blk)
+    lse.copy_(new)
+
+
+def _fold(x: torch.Tensor, kv_heads: int, qs: slice) -> torch.Tensor:
+    """[B, Hq, L, D] -> rows qs of every group member: [B, Hkv, G * tile, D] (fp32)."""
+    b, hq, _, d = x.shape
+    g = hq // kv_heads
+    return x[:, :, qs].reshape(b, kv_heads, g * (qs.stop - qs.start), d).float()
+
+
+def _unfold_rows(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """[B, Hkv, G * tile, ...] -> [B, Hq, tile, ...]."""
+    b, hkv = x.shape[:2]
+    g = hq // hkv
+    return x.reshape(b, hkv * g, x.shape[2] // g, *x.shape[3:])
+
+
+def _tile_mask(mask: BlockMask, qs: slice, ks: slice, group: int) -> torch.Tensor:
+    """Dense mask of a tile, broadcastable to the folded scores [B, Hkv, G * tile_q, tile_k]."""
+    vis = mask.visible(qs, ks)  # [Bd, tq, tk]
+    bd, tq, tk = vis.shape
+    return vis[:, None, None].expand(bd, 1, group, tq, tk).reshape(bd, 1, group * tq, tk)
+
+
+def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor):
+    """Attend ``q`` to one key/value block and merge into the accumulators in place.
+
+    q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
+    out: [batch, q_heads, local_q, head_dim] fp32; lse: [batch, q_heads, local_q] fp32.
+    Returns ``(out, lse)``.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    k_tiles = tiles(mask.k_pos, BLOCK_K)
+    for qs in tiles(mask.q_pos, BLOCK_Q):
+        qf = _fold(q, hkv, qs)
+        m = torch.full(qf.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        acc = torch.zeros_like(qf)
+        denom = torch.zeros_like(m)
+        for ks in k_tiles:
+            kind = mask.classify(qs, ks)
+            if kind == EMPTY:
+                continue
+            s = torch.matmul(qf, k[:, :, ks].float().transpose(-1, -2)).mul_(scale)
+            if kind != FULL:
+                s.masked_fill_(~_tile_mask(mask, qs, ks, group).to(s.device), -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe.unsqueeze(-1))
+            corr = torch.exp(m - m_safe)
+            denom.mul_(corr).add_(p.sum(-1))
+            acc.mul_(corr.unsqueeze(-1)).add_(torch.matmul(p, v[:, :, ks].float()))
+            m = m_new
+        seen = denom > 0
+        blk_lse = torch.where(seen, m + torch.log(torch.where(seen, denom, torch.ones_like(denom))), m.new_tensor(-math.inf))
+        blk_out = acc / torch.where(seen, denom, torch.ones_like(denom)).unsqueeze(-1)
+        merge_(out[:, :, qs], lse[:, :, qs], _unfold_rows(blk_out, hq), _unfold_rows(blk_lse, hq))
+    return out, lse
+
+
+def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv):
+    """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place.
+
+    do, q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
+    lse: [batch, q_heads, local_q] fp32, the final (global) LSE; delta = rowsum(dO * O), same shape.
+    dq: like q, fp32; dk, dv: like k, fp32. Returns ``(dq, dk, dv)``.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    k_tiles = tiles(mask.k_pos, BLOCK_K)
+    # Rows that saw nothing have lse = -inf; +inf makes their probabilities exactly 0.
+    lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf), lse)
+    for qs in tiles(mask.q_pos, BLOCK_Q):
+        qf = _fold(q, hkv, qs)
+        dof = _fold(do, hkv, qs)
+        lse_t = lse_safe[:, :, qs].reshape(qf.shape[:-1]).unsqueeze(-1)
+        delta_t = delta[:, :, qs].reshape(qf.shape[:-1]).unsqueeze(-1)
+        dq_t = torch.zeros_like(qf)
+        for ks in k_tiles:
+            kind = mask.classify(qs, ks)
+            if kind == EMPTY:
+                continue
+            kt, vt = k[:, :, ks].float(), v[:, :, ks].float()
+            s = torch.matmul(qf, kt.transpose(-1, -2)).mul_(scale)
+            p = torch.exp(s - lse_t)
+            if kind != FULL:
+                p.masked_fill_(~_tile_mask(mask, qs, ks, group).to(p.device), 0.0)
+            dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), dof)
+            ds = p * (torch.matmul(dof, vt.transpose(-1, -2)) - delta_t)
+            dq_t += torch.matmul(ds, kt)
+            dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qf).mul_(scale)
+        dq[:, :, qs] += _unfold_rows(dq_t.mul_(scale), hq)
+    return dq, dk, dv

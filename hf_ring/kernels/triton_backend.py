@@ -1,0 +1,247 @@
+"""The ``"triton"`` backend: fused Triton kernels for the local block of one ring step.
+
+Same contract as ``torch_backend`` (``forward`` merges into fp32 ``out`` / natural-log ``lse`` in
+place; ``backward`` accumulates into fp32 ``dq`` / ``dk`` / ``dv``). The kernels live in
+``triton_fwd`` (forward with the merge fused into its epilogue) and ``triton_bwd`` (dQ and dK/dV);
+this module picks a tile configuration, validates shapes and registers the launchers as
+``torch.library`` custom ops (``hf_ring::ring_step_fwd``, ``hf_ring::ring_step_bwd``) with fake
+implementations, so code calling ``ring_attention`` can be traced by ``torch.compile``.
+
+Devices: CUDA tensors run compiled kernels. CPU tensors run in Triton's interpreter, which is only
+available when ``TRITON_INTERPRET=1`` was set before ``triton`` was imported (tests do this); then
+a small tile configuration with fp32 arithmetic is used (the interpreter has no bf16 math).
+float64 inputs are delegated to ``torch_backend``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+
+from . import torch_backend
+from .mask import BlockMask
+from .triton_bwd import _dq_kernel, bwd_launch
+from .triton_fwd import fwd_launch
+
+__all__ = ["KernelConfig", "backward", "default_config", "forward", "interpreted"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch parameters of the three kernels (powers of two, at least 16).
+
+    block_m / block_n: query / key tile of the forward kernel. dq_block_m / dq_block_n: the dQ
+    kernel. dkv_block_n / dkv_block_m: key tile held by a dK/dV program / query tile it walks.
+    scan: tiles classified per step of the in-kernel scan. upcast: convert tiles to fp32 before
+    every dot (always on for fp32 inputs; required in the interpreter).
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    dq_block_m: int = 128
+    dq_block_n: int = 32
+    dkv_block_n: int = 128
+    dkv_block_m: int = 32
+    bwd_num_warps: int = 8
+    bwd_num_stages: int = 3
+    scan: int = 16
+    upcast: bool = False
+
+    def __post_init__(self):
+        for f in ("block_m", "block_n", "dq_block_m", "dq_block_n", "dkv_block_n", "dkv_block_m", "scan"):
+            n = getattr(self, f)
+            if n < 1 or n & (n - 1) or (f != "scan" and n < 16):
+                raise ValueError(f"KernelConfig.{f} must be a power of two (>= 16 for tiles), got {n}")
+
+    def to_list(self) -> list[int]:
+        return [int(getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+    @classmethod
+    def from_list(cls, values) -> KernelConfig:
+        names = [f.name for f in dataclasses.fields(cls)]
+        kw = dict(zip(names, values))
+        kw["upcast"] = bool(kw["upcast"])
+        return cls(**kw)
+
+
+#: The interpreter config: small tiles so that test shapes span several tiles, fp32 arithmetic.
+INTERPRETER_CONFIG = KernelConfig(
+    block_m=32, block_n=16, num_warps=1, num_stages=1, dq_block_m=32, dq_block_n=16,
+    dkv_block_n=32, dkv_block_m=16, bwd_num_warps=1, bwd_num_stages=1, scan=4, upcast=True,
+)  # fmt: skip
+
+
+def default_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> KernelConfig:
+    """The tile configuration for inputs of ``dtype`` and ``head_dim`` on ``device``.
+
+    CPU means the interpreter (``INTERPRETER_CONFIG``). On CUDA: 128x64 forward tiles and the
+    FlashAttention-2 backward split (dQ 128x32, dK/dV 128x32) for head_dim <= 128; half-size tiles
+    for head_dim up to 256 and for fp32 inputs (IEEE fp32 dots need twice the shared memory).
+    """
+    if device.type != "cuda":
+        return INTERPRETER_CONFIG
+    d = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        if d <= 64:
+            return KernelConfig(64, 64, 4, 2, 64, 32, 64, 32, 4, 2)
+        return KernelConfig(64, 32, 4, 2, 64, 16, 64, 16, 4, 1)
+    if d <= 64:
+        return KernelConfig(128, 64, 4, 3, 128, 32, 128, 32, 4, 3)
+    if d <= 128:
+        return KernelConfig(128, 64, 8, 3, 128, 32, 128, 32, 8, 3)
+    return KernelConfig(64, 64, 8, 2, 64, 32, 64, 32, 8, 1)
+
+
+def interpreted() -> bool:
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1`` was set before import)."""
+    return type(_dq_kernel).__name__ == "InterpretedFunction"
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("hf_ring::ring_step_fwd", mutates_args=("out", "lse"))
+def _fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_doc: Optional[torch.Tensor],
+    k_doc: Optional[torch.Tensor],
+    scale: float,
+    causal: bool,
+    window: Optional[int],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    config: list[int],
+) -> None:
+    cfg = KernelConfig.from_list(config)
+    fwd_launch(q, k, v, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, out, lse, cfg)
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, causal, window, out, lse, config) -> None:
+    return None
+
+
+@torch.library.custom_op("hf_ring::ring_step_bwd", mutates_args=("dq", "dk", "dv"))
+def _bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_doc: Optional[torch.Tensor],
+    k_doc: Optional[torch.Tensor],
+    scale: float,
+    causal: bool,
+    window: Optional[int],
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    config: list[int],
+) -> None:
+    cfg = KernelConfig.from_list(config)
+    bwd_launch(do, q, k, v, lse, delta, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, dq, dk, dv, cfg)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, scale, causal, window, dq, dk, dv, config) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _check(q, k, v, mask: BlockMask, acc: dict) -> None:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q [B, Hq, Lq, D] and k, v [B, Hkv, Lk, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+    b, hq, lq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or hq % k.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)} (batch, head_dim, q_heads % kv_heads)")
+    if d > 256:
+        raise ValueError(f"the triton backend supports head_dim up to 256, got {d}; use backend='torch'")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if mask.q_pos.numel() != lq or mask.k_pos.numel() != k.shape[2]:
+        raise ValueError(f"mask positions ({mask.q_pos.numel()}, {mask.k_pos.numel()}) do not match the "
+                         f"query / key lengths ({lq}, {k.shape[2]})")  # fmt: skip
+    for name, (t, shape) in acc.items():
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != q.device:
+            raise ValueError(f"{name} must be fp32 {shape} on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if q.device.type == "cpu" and not interpreted():
+        raise ValueError(
+            "backend='triton' got CPU tensors but Triton's interpreter is off: use CUDA tensors, use "
+            "backend='torch' on CPU, or set TRITON_INTERPRET=1 before triton is first imported"
+        )
+
+
+def _positions(mask: BlockMask, device: torch.device, batch: int):
+    t = mask.device_tensors(device)
+    q_doc, k_doc = t["q_doc"], t["k_doc"]
+    if q_doc is not None:
+        for doc in (q_doc, k_doc):
+            if doc.dim() != 2 or doc.shape[0] not in (1, batch):
+                raise ValueError(f"document ids must be [1 or batch={batch}, L], got {tuple(doc.shape)}")
+    return t["q_pos"], t["k_pos"], q_doc, k_doc
+
+
+def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, config=None):
+    """Attend ``q`` to one key/value block and merge into the accumulators in place.
+
+    q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim]
+    (fp16 / bf16 / fp32, any strides). out: [batch, q_heads, local_q, head_dim] fp32;
+    lse: [batch, q_heads, local_q] fp32 natural-log, ``-inf`` for rows that saw nothing yet.
+    config: a ``KernelConfig`` overriding ``default_config``. Returns ``(out, lse)``.
+    """
+    if q.dtype == torch.float64:
+        return torch_backend.forward(q, k, v, mask, scale, out, lse)
+    b, hq, lq, d = q.shape
+    _check(q, k, v, mask, {"out": (out, (b, hq, lq, d)), "lse": (lse, (b, hq, lq))})
+    if lq == 0 or k.shape[2] == 0:
+        return out, lse
+    q_pos, k_pos, q_doc, k_doc = _positions(mask, q.device, b)
+    cfg = config or default_config(q.device, q.dtype, d)
+    _fwd_op(q, k, v, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window, out, lse, cfg.to_list())
+    return out, lse
+
+
+def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, config=None):
+    """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place.
+
+    do, q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
+    lse: [batch, q_heads, local_q] fp32, the final (global) LSE (``-inf``: the row saw nothing, its
+    gradients are 0); delta = rowsum(dO * O), same shape. dq: like q, fp32; dk, dv: like k, fp32.
+    Returns ``(dq, dk, dv)``.
+    """
+    if q.dtype == torch.float64:
+        return torch_backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv)
+    b, hq, lq, d = q.shape
+    kshape = tuple(k.shape)
+    acc = {
+        "lse": (lse, (b, hq, lq)), "delta": (delta, (b, hq, lq)),
+        "dq": (dq, (b, hq, lq, d)), "dk": (dk, kshape), "dv": (dv, kshape),
+    }  # fmt: skip
+    _check(q, k, v, mask, acc)
+    if do.shape != q.shape or do.dtype != q.dtype:
+        raise ValueError(f"do must match q ({q.dtype} {tuple(q.shape)}), got {do.dtype} {tuple(do.shape)}")
+    if lq == 0 or k.shape[2] == 0:
+        return dq, dk, dv
+    q_pos, k_pos, q_doc, k_doc = _positions(mask, q.device, b)
+    cfg = config or default_config(q.device, q.dtype, d)
+    lse, delta = lse.contiguous(), delta.contiguous()  # the kernels read both with lse's strides
+    _bwd_op(
+        do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window,
+        dq, dk, dv, cfg.to_list(),
+    )  # fmt: skip
+    return dq, dk, dv

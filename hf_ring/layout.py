@@ -1,0 +1,85 @@
+"""How a full sequence maps onto the ranks of a context-parallel group. Pure functions, no communication.
+
+Layouts (N ranks, full length S):
+
+- ``zigzag`` (default): S is cut into 2N equal chunks; rank r holds chunks r and 2N-1-r, in that
+  order. Causal work is balanced and each half is contiguous. Needs S % 2N == 0 (when N > 1).
+- ``striped``: token t lives on rank t mod N (Striped Attention). Needs S % N == 0.
+- ``contiguous``: N equal chunks; rank r holds chunk r. Needs S % N == 0.
+
+With one rank every layout is the identity and any length works.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["LAYOUTS", "check_layout", "required_multiple", "positions", "shard", "unshard"]
+
+LAYOUTS = ("zigzag", "striped", "contiguous")
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+
+
+def required_multiple(layout: str, world_size: int) -> int:
+    """The full sequence length must be a multiple of this (2N for zigzag, N otherwise; 1 for N = 1)."""
+    check_layout(layout)
+    if world_size == 1:
+        return 1
+    return 2 * world_size if layout == "zigzag" else world_size
+
+
+def _check(seq_len: int, rank: int, world_size: int, layout: str) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a group of world_size {world_size}")
+    m = required_multiple(layout, world_size)
+    if seq_len % m:
+        raise ValueError(
+            f"sequence length {seq_len} is not a multiple of {m} (the {layout} layout over "
+            f"{world_size} ranks needs a multiple of {m}); pad it to {-(-seq_len // m) * m}"
+        )
+
+
+def positions(seq_len: int, *, rank: int, world_size: int, layout: str = "zigzag") -> torch.Tensor:
+    """Global token positions (int64, CPU, ascending within each run) that ``rank`` holds."""
+    _check(seq_len, rank, world_size, layout)
+    if world_size == 1:
+        return torch.arange(seq_len)
+    if layout == "striped":
+        return torch.arange(rank, seq_len, world_size)
+    if layout == "contiguous":
+        n = seq_len // world_size
+        return torch.arange(rank * n, (rank + 1) * n)
+    c = seq_len // (2 * world_size)
+    hi = 2 * world_size - 1 - rank
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(hi * c, (hi + 1) * c)])
+
+
+def shard(x: torch.Tensor, *, dim: int, rank: int, world_size: int, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's part of the full-sequence tensor ``x`` along ``dim`` (a new tensor)."""
+    pos = positions(x.shape[dim], rank=rank, world_size=world_size, layout=layout)
+    return x.index_select(dim, pos.to(x.device))
+
+
+def unshard(shards: Sequence[torch.Tensor], *, dim: int, layout: str = "zigzag") -> torch.Tensor:
+    """Reassemble the full tensor from every rank's part (a list in rank order)."""
+    world_size = len(shards)
+    if world_size == 0:
+        raise ValueError("unshard needs at least one shard")
+    lens = {s.shape[dim] for s in shards}
+    if len(lens) != 1:
+        raise ValueError(f"shards disagree on their length along dim {dim}: {sorted(lens)}")
+    seq_len = lens.pop() * world_size
+    ref = shards[0]
+    shape = list(ref.shape)
+    shape[dim] = seq_len
+    out = ref.new_empty(shape)
+    for rank, part in enumerate(shards):
+        pos = positions(seq_len, rank=rank, world_size=world_size, layout=layout)
+        out.index_copy_(dim, pos.to(out.device), part)
+    return out

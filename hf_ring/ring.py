@@ -1,0 +1,336 @@
+"""The ring-attention op: one ring schedule, forward and backward, for every layout.
+
+Each rank keeps its queries. Key/value blocks travel the ring (rank r sends to r+1, receives from
+r-1); at step s rank r holds the block of rank (r - s) mod N, attends its queries to it through a
+local kernel and merges into fp32 accumulators (output, natural-log LSE), while the next block is
+already in flight. Masks follow from the global positions each rank holds (``layout.positions``);
+blocks the mask hides entirely are not computed.
+
+Backward recomputes scores from the saved LSE. dQ accumulates locally; dK/dV accumulators (fp32)
+travel the ring with their block (one hop behind it) and arrive home after N hops.
+
+Validation happens before any communication: every rank checks its own arguments, then one small
+all-gather of a fixed-size summary lets every rank raise the same error (bad input on one rank, or
+ranks that disagree on shapes), so a mistake never turns into a hang. That all-gather is the only
+collective besides the ring itself; on NCCL it costs one small device-to-host sync per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import layout as _layout
+from .comm import RingComm, group_rank_and_size
+from .kernels import BACKENDS, BlockMask, get_backend
+
+__all__ = ["ring_attention"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Everything one call needs besides the tensors: resolved once, before communication."""
+
+    group: object
+    rank: int
+    world_size: int
+    scale: float
+    backend: ModuleType
+    masks: list  # masks[src]: queries of this rank vs the key/value block of rank src
+    empty: list  # empty[src]: the block of rank src is fully masked for this rank
+    comm: Optional[RingComm]
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    causal: bool = True,
+    scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    comm: Optional[RingComm] = None,
+) -> torch.Tensor:
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        q: [batch, q_heads, local_seq, head_dim], this rank's shard (in ``layout``) of the queries.
+        k, v: [batch, kv_heads, local_seq, head_dim], ``q_heads % kv_heads == 0``. Only the kv_heads
+            heads travel the ring; they are never repeated to q_heads.
+        group: process group of the ring (None: the default group; no initialised group: one rank).
+        layout: ``"zigzag"``, ``"striped"`` or ``"contiguous"`` (see ``hf_ring.layout``).
+        causal: key position <= query position.
+        scale: score scale, default ``head_dim ** -0.5``.
+        sliding_window: W. Causal: visible iff ``q - W < k <= q``; non-causal: iff ``|q - k| < W``.
+        cu_seqlens: int [num_docs + 1] boundaries of packed documents in the full (unsharded)
+            sequence; tokens attend only inside their own document. Batch 1, or every batch row
+            packed alike.
+        document_ids: alternative to cu_seqlens: [1 or batch, full_seq] integer document id of every
+            token of the unsharded sequence (the same on every rank); -1 marks padding, which sees
+            nothing and is seen by nothing.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"flash_attn"``.
+        comm: a ``RingComm`` to send through (its byte counters then include this call).
+
+    Returns:
+        [batch, q_heads, local_seq, head_dim] in q's dtype. Rows that see no key are 0.
+    """
+    if comm is not None:
+        group = comm.group
+    plan = _plan(q, k, v, group, layout, causal, scale, sliding_window, cu_seqlens, document_ids, backend, comm)
+    return _RingAttention.apply(q, k, v, plan)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_ids, backend, world_size):
+    """The first problem with this rank's arguments, as a message that says what to do; or None."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return f"{name} must be a 4-D tensor [batch, heads, local_seq, head_dim]"
+    if k.shape != v.shape:
+        return f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+    b, hq, lq, d = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, lq, d):
+        return (
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, local_seq and head_dim "
+            "(layout [batch, heads, local_seq, head_dim])"
+        )
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        return f"q_heads ({hq}) must be a multiple of kv_heads ({k.shape[1]})"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} is not supported; use float16, bfloat16 or float32"
+    if not (q.device == k.device == v.device):
+        return f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}"
+    if d < 8:
+        return f"head_dim must be at least 8, got {d}"
+    if layout not in _layout.LAYOUTS:
+        return f"unknown layout {layout!r}; choose one of {', '.join(_layout.LAYOUTS)}"
+    if backend not in BACKENDS:
+        return f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}"
+    if scale is not None and not (float(scale) > 0 and float(scale) != float("inf")):
+        return f"scale must be a positive finite number, got {scale}"
+    if window is not None and (int(window) != window or window < 1):
+        return f"sliding_window must be a positive integer, got {window}"
+    full = lq * world_size
+    m = _layout.required_multiple(layout, world_size)
+    if full % m:
+        return (
+            f"full sequence length {full} ({world_size} ranks x local_seq {lq}) is not a multiple of {m}: "
+            f"the {layout} layout over {world_size} ranks needs a multiple of {m}; pad the sequence to "
+            f"{-(-full // m) * m} (hf_ring.shard_batch does this with pad_to_multiple=True)"
+        )
+    if cu_seqlens is not None and document_ids is not None:
+        return "pass cu_seqlens or document_ids, not both"
+    if cu_seqlens is not None:
+        cu = cu_seqlens
+        if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
+            return "cu_seqlens must be a 1-D integer tensor [num_docs + 1]"
+        cu = cu.detach().cpu().long()
+        if int(cu[0]) != 0 or int(cu[-1]) != full or bool((cu[1:] < cu[:-1]).any()):
+            return (
+                f"cu_seqlens must rise from 0 to the full (unsharded) length {full}; got "
+                f"{cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}"
+            )
+    if document_ids is not None:
+        if document_ids.dim() != 2 or document_ids.shape[0] not in (1, b) or document_ids.shape[1] != full:
+            return (
+                f"document_ids must be [1 or batch={b}, full_seq={full}] (ids of the unsharded sequence), "
+                f"got {tuple(document_ids.shape)}"
+            )
+        if document_ids.dtype.is_floating_point:
+            return "document_ids must be an integer tensor"
+    return None
+
+
+def _summary(q, k, layout, causal, scale, window, has_docs, error) -> list[int]:
+    """A fixed-size integer summary of this rank's call; every rank must send the same one."""
+    if error is not None:
+        return [1] + [0] * 10
+    b, hq, lq, d = q.shape
+    return [
+        0, lq, b, hq, k.shape[1], d, _DTYPES.index(q.dtype), _layout.LAYOUTS.index(layout),
+        int(causal), -1 if window is None else int(window), int(has_docs),
+    ]  # fmt: skip
+
+
+_FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
+           "sliding_window", "documents")  # fmt: skip
+
+
+def _exchange(summary: list[int], group, device: torch.device) -> list[list[int]]:
+    world = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    on_gpu = device is not None and device.type == "cuda" and "nccl" in backend
+    dev = device if on_gpu else torch.device("cpu")
+    mine = torch.tensor(summary, dtype=torch.int64, device=dev)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    return [t.tolist() for t in every]
+
+
+def _check_everywhere(error, summary, group, rank, world_size, device) -> None:
+    if world_size == 1:
+        if error:
+            raise ValueError(f"ring_attention: {error}")
+        return
+    every = _exchange(summary, group, device)
+    if error:
+        raise ValueError(f"ring_attention (rank {rank}): {error}")
+    bad = [r for r, s in enumerate(every) if s[0]]
+    if bad:
+        raise ValueError(
+            f"ring_attention: rank(s) {bad} rejected their input (see the error raised there); "
+            "no communication was started"
+        )
+    for i, field in enumerate(_FIELDS[1:], start=1):
+        values = [s[i] for s in every]
+        if len(set(values)) > 1:
+            raise ValueError(
+                f"ring_attention: ranks disagree on {field}: {values} (rank order); every rank of the "
+                "ring must pass its shard of the same sequence with the same settings"
+            )
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _document_ids(cu_seqlens, document_ids, full: int) -> Optional[torch.Tensor]:
+    """[1 or batch, full] int32 document ids on the host, or None."""
+    if cu_seqlens is not None:
+        cu = cu_seqlens.detach().cpu().long()
+        return torch.bucketize(torch.arange(full), cu[1:], right=True).to(torch.int32)[None]
+    if document_ids is not None:
+        return document_ids.detach().cpu().to(torch.int32)
+    return None
+
+
+def _plan(q, k, v, group, layout, causal, scale, window, cu_seqlens, document_ids, backend, comm) -> _Plan:
+    rank, world_size = group_rank_and_size(group)
+    error = _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_ids, backend, world_size)
+    docs_given = cu_seqlens is not None or document_ids is not None
+    summary = _summary(q, k, layout, causal, scale, window, docs_given, error)
+    _check_everywhere(error, summary, group, rank, world_size, q.device if isinstance(q, torch.Tensor) else None)
+
+    local = q.shape[2]
+    full = local * world_size
+    docs = _document_ids(cu_seqlens, document_ids, full)
+    pos = [_layout.positions(full, rank=r, world_size=world_size, layout=layout) for r in range(world_size)]
+    q_pos = pos[rank]
+    masks = []
+    for src in range(world_size):
+        masks.append(
+            BlockMask(
+                q_pos=q_pos,
+                k_pos=pos[src],
+                causal=bool(causal),
+                window=None if window is None else int(window),
+                q_doc=None if docs is None else docs[:, q_pos],
+                k_doc=None if docs is None else docs[:, pos[src]],
+            )
+        )
+    return _Plan(
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        backend=get_backend(backend, q.device),
+        masks=masks,
+        empty=[m.is_empty() for m in masks],
+        comm=comm,
+    )
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def _ring_forward(q, k, v, plan: _Plan):
+    n, r = plan.world_size, plan.rank
+    b, hq, lq, d = q.shape
+    out = torch.zeros(b, hq, lq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])  # one contiguous message [2, batch, kv_heads, local_seq, head_dim]
+    spare = torch.empty_like(kv) if n > 1 else None
+    comm = plan.comm or RingComm(plan.group)
+    for step in range(n):
+        src = (r - step) % n
+        if step + 1 < n:
+            nxt = comm.send_recv(kv, spare)
+            comm.commit()
+        if not plan.empty[src]:
+            plan.backend.forward(q, kv[0], kv[1], plan.masks[src], plan.scale, out, lse)
+        if step + 1 < n:
+            comm.wait()
+            kv, spare = nxt, kv
+    out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, plan: _Plan):
+    n, r = plan.world_size, plan.rank
+    delta = (dout.float() * out.float()).sum(-1)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    spare = torch.empty_like(kv) if n > 1 else None
+    kv_comm = plan.comm or RingComm(plan.group)
+    grad_comm = RingComm(plan.group, tag=kv_comm.tag + 1)
+    # dK/dV of the block held: computed into `local`, added to the accumulator that arrived with
+    # the block, sent on; `send`/`recv` alternate so a buffer in flight is never written.
+    acc_shape = (2, *k.shape)
+    send = torch.zeros(acc_shape, dtype=torch.float32, device=k.device)
+    recv = torch.empty_like(send) if n > 1 else None
+    local = torch.empty_like(send) if n > 1 else None
+    for step in range(n):
+        src = (r - step) % n
+        if step + 1 < n:
+            nxt = kv_comm.send_recv(kv, spare)
+            kv_comm.commit()
+        target = send if step == 0 else local
+        if step > 0:
+            target.zero_()
+        if not plan.empty[src]:
+            plan.backend.backward(dout, q, kv[0], kv[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1])
+        if n > 1:
+            if step > 0:
+                grad_comm.wait()
+                recv.add_(local)
+                send, recv = recv, send
+            grad_comm.send_recv(send, recv)
+            grad_comm.commit()
+        if step + 1 < n:
+            kv_comm.wait()
+            kv, spare = nxt, kv
+    if n > 1:
+        grad_comm.wait()
+        send = recv  # after N hops the accumulator of this rank's own block is home
+    return dq.to(q.dtype), send[0].to(k.dtype), send[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = _ring_forward(q, k, v, plan)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan)
+        return dq, dk, dv, None

@@ -1,0 +1,116 @@
+"""What every model family patch does, written once: find the attention modules, switch them to hf_ring, revert.
+
+A ``FamilyPatch`` describes one family (its ``config.model_type`` values, its attention class and a
+config check). ``apply`` registers hf_ring in Transformers' ``AttentionInterface`` /
+``AttentionMaskInterface``, gives every attention module its ``RingConfig`` and switches the model
+with ``set_attn_implementation``; ``revert`` restores the implementation the model had before, so its
+outputs are bit-identical to the unpatched model. Nothing private in Transformers is overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, Optional
+
+import torch
+
+from ..hf_attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, RingConfig, register
+
+__all__ = ["FamilyPatch", "ORIGINAL_ATTR", "is_applied"]
+
+ORIGINAL_ATTR = "hf_ring_original_attn_implementation"
+"""Attribute of a patched model holding the attention implementation to restore on revert."""
+
+
+def _no_check(config) -> None:
+    return None
+
+
+def check_window(config, what: str) -> None:
+    """ValueError unless ``config.sliding_window`` is None or a positive integer."""
+    w = getattr(config, "sliding_window", None)
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+        raise ValueError(f"{what}: config.sliding_window must be None or a positive integer, got {w!r}")
+
+
+def check_layer_types(config, what: str, allowed=("full_attention", "sliding_attention")) -> None:
+    """ValueError unless every ``config.layer_types`` entry is one hf_ring implements (and windows are valid)."""
+    check_window(config, what)
+    types = list(getattr(config, "layer_types", None) or [])
+    unknown = sorted(set(types) - set(allowed))
+    if unknown:
+        raise ValueError(f"{what}: layer types {unknown} are not supported; hf_ring supports {list(allowed)}")
+    if "sliding_attention" in types and getattr(config, "sliding_window", None) is None:
+        raise ValueError(f"{what}: config.layer_types has sliding_attention layers but config.sliding_window is None")
+
+
+def is_applied(model) -> bool:
+    return hasattr(model, ORIGINAL_ATTR)
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyPatch:
+    """One model family: which configs it covers, which modules it patches, what it checks."""
+
+    name: str
+    model_types: tuple
+    attention_class: str  # "transformers.models.llama.modeling_llama.LlamaAttention"
+    check_config: Callable = _no_check
+
+    def attention_type(self) -> type:
+        module, _, cls = self.attention_class.rpartition(".")
+        return getattr(importlib.import_module(module), cls)
+
+    def attention_modules(self, model: torch.nn.Module) -> list:
+        cls = self.attention_type()
+        return [m for m in model.modules() if isinstance(m, cls)]
+
+    def _check_model(self, model) -> None:
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"expected a transformers PreTrainedModel of the {self.name} family, got {type(model).__name__}")
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in self.model_types:
+            raise ValueError(
+                f"the {self.name} patch covers model types {list(self.model_types)}, not {model_type!r}; "
+                "use hf_ring.apply_ring_attention(model), which picks the family from config.model_type"
+            )
+
+    def apply(self, model: Optional[torch.nn.Module], cfg: RingConfig):
+        """Switch ``model`` to ring attention (in place) and return it; with ``model=None`` only register."""
+        register()
+        if model is None:
+            return None
+        self._check_model(model)
+        self.check_config(model.config)
+        modules = self.attention_modules(model)
+        if not modules:
+            raise ValueError(f"found no {self.attention_class.rpartition('.')[2]} module in {type(model).__name__}")
+        original = getattr(model, ORIGINAL_ATTR, model.config._attn_implementation)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"{type(model).__name__} did not accept attn_implementation={ATTN_IMPLEMENTATION!r} "
+                "(it does not dispatch attention through transformers.AttentionInterface)"
+            )
+        for m in modules:
+            setattr(m, CONFIG_ATTR, cfg)
+        setattr(model, ORIGINAL_ATTR, original)
+        return model
+
+    def revert(self, model: torch.nn.Module):
+        """Restore the attention ``model`` had before ``apply`` (in place) and return it."""
+        self._check_model(model)
+        if not is_applied(model):
+            raise ValueError(
+                f"{type(model).__name__} has no ring attention to revert (apply_ring_attention was not called "
+                "on it, or it was reverted already)"
+            )
+        model.set_attn_implementation(getattr(model, ORIGINAL_ATTR))
+        for m in self.attention_modules(model):
+            if hasattr(m, CONFIG_ATTR):
+                delattr(m, CONFIG_ATTR)
+        delattr(model, ORIGINAL_ATTR)
+        return model

@@ -1,0 +1,63 @@
+"""Plain attention on the unsharded sequence: the reference every numeric test compares with."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["dense_mask", "reference_attention", "sdpa_attention", "rel_err", "doc_ids_from_cu"]
+
+
+def doc_ids_from_cu(cu: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[1, seq_len] document id of every token from cu_seqlens boundaries."""
+    return torch.bucketize(torch.arange(seq_len), cu.long()[1:], right=True)[None]
+
+
+def dense_mask(seq_len: int, causal=True, window: Optional[int] = None, docs: Optional[torch.Tensor] = None):
+    """[1 or batch, 1, S, S] bool visibility, written independently of hf_ring's BlockMask."""
+    i = torch.arange(seq_len)[:, None]
+    j = torch.arange(seq_len)[None, :]
+    vis = torch.ones(seq_len, seq_len, dtype=torch.bool)
+    if causal:
+        vis &= j <= i
+    if window is not None:
+        vis &= ((i - j) if causal else (i - j).abs()) < window
+    vis = vis[None, None]
+    if docs is not None:
+        d = docs[:, None]
+        vis = vis & (d[..., :, None] == d[..., None, :]) & (d[..., :, None] >= 0)
+    return vis
+
+
+def reference_attention(q, k, v, *, causal=True, window=None, docs=None, scale=None, dtype=torch.float64):
+    """Softmax attention in ``dtype`` with K/V repeated to the query heads; empty rows give 0."""
+    g = q.shape[1] // k.shape[1]
+    k = k.to(dtype).repeat_interleave(g, 1)
+    v = v.to(dtype).repeat_interleave(g, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~dense_mask(q.shape[2], causal, window, docs), -math.inf)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def sdpa_attention(q, k, v, *, causal=True, window=None, docs=None, scale=None):
+    """PyTorch's own SDPA in the inputs' dtype (the low-precision yardstick of STYLE.md)."""
+    g = q.shape[1] // k.shape[1]
+    mask = dense_mask(q.shape[2], causal, window, docs)
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask, scale=scale
+    )
+    return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (0 when both are 0); NaN anywhere gives inf."""
+    x, ref = x.double(), ref.double()
+    if not torch.isfinite(x).all():
+        return math.inf
+    den = ref.norm().item()
+    num = (x - ref).norm().item()
+    return num / den if den > 0 else num

@@ -1,0 +1,239 @@
+"""Ring attention on real gloo groups against plain attention on the unsharded sequence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+import hf_ring
+from hf_ring.kernels import torch_backend
+
+from .dist_utils import run_distributed
+from .reference import doc_ids_from_cu, reference_attention, rel_err, sdpa_attention
+
+# fp32: the ring computes the same math as the reference in a different order: rounding only.
+FP32_TOL = 1e-5
+# fp16/bf16 (STYLE.md rule): at most 2x the error of PyTorch's SDPA in the same dtype against a
+# float64 reference, plus a small epsilon for outputs whose SDPA error happens to be tiny.
+LOWP_FACTOR, LOWP_EPS = 2.0, 1e-4
+
+FULL_LEN = {1: 40, 2: 48, 3: 60, 4: 96}  # multiples of 2N; chunk edges at 12 (N=2), 10 (N=3), 12 (N=4)
+
+
+def _cases(world_size: int) -> list[dict]:
+    s = FULL_LEN[world_size]
+    cu = torch.tensor([0, 7, 20, 20, 33, s], dtype=torch.int32)  # boundaries off the chunk edges, one empty doc
+    pad = torch.arange(s)[None].repeat(2, 1)
+    pad = torch.where(pad < torch.tensor([[s - 9], [s - 20]]), 0, -1)  # right padding: rows that see nothing
+    base = dict(batch=2, hq=4, hkv=2, d=64, causal=True, window=None, cu=None, docs=None)
+    cases = []
+    for layout in hf_ring.LAYOUTS:
+        cases += [
+            dict(base, layout=layout),
+            dict(base, layout=layout, causal=False),
+            dict(base, layout=layout, hq=4, hkv=4, d=80),
+            dict(base, layout=layout, hq=8, hkv=2, d=128, batch=1),
+            dict(base, layout=layout, hq=4, hkv=1, d=64),  # MQA
+            dict(base, layout=layout, window=9),
+            dict(base, layout=layout, window=9, causal=False, d=80),
+            dict(base, layout=layout, batch=1, cu=cu),
+            dict(base, layout=layout, batch=1, cu=cu, window=6, hkv=1),
+            dict(base, layout=layout, docs=pad),
+        ]
+    return cases
+
+
+def _run_case(rank, world, case, dtype=torch.float32, seed=0):
+    """(out, dq, dk, dv) of this rank, and of the float64 reference sharded the same way."""
+    s = FULL_LEN[world]
+    g = torch.Generator().manual_seed(seed)
+    b, hq, hkv, d = case["batch"], case["hq"], case["hkv"], case["d"]
+    q = torch.randn(b, hq, s, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, s, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, s, d, generator=g).to(dtype)
+    dout = torch.randn(b, hq, s, d, generator=g).to(dtype)
+    lay = case["layout"]
+
+    def part(x):
+        return hf_ring.shard(x, dim=2, rank=rank, world_size=world, layout=lay)
+
+    ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+    out = hf_ring.ring_attention(
+        ql, kl, vl, layout=lay, causal=case["causal"], sliding_window=case["window"],
+        cu_seqlens=case["cu"], document_ids=case["docs"],
+    )  # fmt: skip
+    out.backward(part(dout))
+    docs = case["docs"] if case["cu"] is None else doc_ids_from_cu(case["cu"], s)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*ref_in, causal=case["causal"], window=case["window"], docs=docs)
+    ref.backward(dout.double())
+    mine = (out, ql.grad, kl.grad, vl.grad)
+    refs = (part(ref), *(part(x.grad) for x in ref_in))
+    extra = None
+    if dtype != torch.float32:  # SDPA's own error in the same dtype, for the low-precision rule
+        sd_in = [x.clone().requires_grad_() for x in (q, k, v)]
+        sd = sdpa_attention(*sd_in, causal=case["causal"], window=case["window"], docs=docs)
+        sd.backward(dout)
+        extra = [rel_err(part(a), r) for a, r in zip((sd, *(x.grad for x in sd_in)), refs)]
+    return [rel_err(a, r) for a, r in zip(mine, refs)], extra, [bool(torch.isfinite(a).all()) for a in mine]
+
+
+def _numeric_worker(rank, world):
+    torch_backend.BLOCK_Q = torch_backend.BLOCK_K = 8  # many tiles: exercise tile classes and edges
+    return [_run_case(rank, world, case)[0] for case in _cases(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_matches_plain_attention_fp32(world):
+    per_rank = run_distributed(_numeric_worker, world, timeout=300)
+    cases = _cases(world)
+    for rank, errs in enumerate(per_rank):
+        for case, e in zip(cases, errs):
+            label = {key: val for key, val in case.items() if not isinstance(val, torch.Tensor)}
+            assert max(e) <= FP32_TOL, f"rank {rank} {label}: rel errors (out, dq, dk, dv) {e}"
+
+
+def test_without_process_group_equals_plain_attention():
+    assert not dist.is_initialized()
+    for case in _cases(1)[:10]:
+        errs, _, _ = _run_case(0, 1, case)
+        assert max(errs) <= FP32_TOL, (case["layout"], errs)
+
+
+def _lowp_worker(rank, world, dtype):
+    cases = [c for c in _cases(world) if c["layout"] == "zigzag"]
+    return [_run_case(rank, world, c, dtype=dtype, seed=1) for c in cases]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_within_twice_sdpa_error(dtype):
+    for rank, results in enumerate(run_distributed(_lowp_worker, 2, dtype, timeout=300)):
+        for mine, sdpa, finite in results:
+            assert all(finite), f"rank {rank}: non-finite values"
+            for name, a, b in zip(("out", "dq", "dk", "dv"), mine, sdpa):
+                assert a <= LOWP_FACTOR * b + LOWP_EPS, f"rank {rank} {dtype} {name}: {a:.2e} vs SDPA {b:.2e}"
+
+
+def _masked_rows_worker(rank, world):
+    s = FULL_LEN[world]
+    docs = torch.zeros(1, s, dtype=torch.long)
+    docs[:, 30:] = -1  # padding: these rows see no key
+    q, k, v = (torch.randn(1, 2, s, 16) for _ in range(3))
+
+    def part(x):
+        return hf_ring.shard(x, dim=2, rank=rank, world_size=world).requires_grad_()
+
+    ql, kl, vl = part(q), part(k), part(v)
+    out = hf_ring.ring_attention(ql, kl, vl, document_ids=docs)
+    out.sum().backward()
+    pad = docs[0, hf_ring.positions(s, rank=rank, world_size=world)] < 0
+    return [t[:, :, pad].detach() for t in (out, ql.grad, kl.grad, vl.grad)]
+
+
+def test_fully_masked_rows_give_zero_not_nan():
+    for out, dq, dk, dv in run_distributed(_masked_rows_worker, 2):
+        for t in (out, dq, dk, dv):
+            assert t.numel() > 0
+            assert torch.equal(t, torch.zeros_like(t)), "padding rows must give exactly 0 output and gradient"
+
+
+def _bytes_worker(rank, world):
+    s, b, hq, hkv, d = FULL_LEN[world], 2, 4, 2, 80
+    sent = []
+    for dtype in (torch.float32, torch.float16):
+        q = torch.randn(b, hq, s // world, d).to(dtype)
+        k = torch.randn(b, hkv, s // world, d).to(dtype)
+        comm = hf_ring.RingComm()
+        hf_ring.ring_attention(q, k, k.clone(), comm=comm)
+        sent.append((comm.bytes_sent, 2 * (world - 1) * b * hkv * (s // world) * d * q.element_size()))
+    return sent
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_forward_sends_only_kv_heads(world):
+    for rank, sent in enumerate(run_distributed(_bytes_worker, world)):
+        for got, expected in sent:
+            assert got == expected, f"rank {rank}: sent {got} bytes, expected {expected}"
+
+
+def _flops_worker(rank, world):
+    s, b, h, d = FULL_LEN[world], 1, 2, 16
+    torch_backend.BLOCK_Q = torch_backend.BLOCK_K = s // (2 * world)  # one tile per chunk: count chunk pairs
+    q, k, v = (torch.randn(b, h, s // world, d) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        hf_ring.ring_attention(q, k, v, layout="zigzag")
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zigzag_causal_skips_masked_work(world):
+    s, b, h, d = FULL_LEN[world], 1, 2, 16
+    c = s // (2 * world)
+    # Per rank: own block = 3 chunk-pairs (two diagonal, one full; one skipped); every other block
+    # is exactly half visible = 2 chunk-pairs. Two matmuls (QK^T, PV) of 2*c*c*d flops each.
+    expected = b * h * 2 * (2 * c * c * d) * (3 + 2 * (world - 1))
+    for rank, flops in enumerate(run_distributed(_flops_worker, world)):
+        assert flops == expected, f"rank {rank}: {flops} flops, expected {expected}"
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _error_cases(rank, world):
+    """(name, callable) pairs; each must raise ValueError on every rank."""
+    local = FULL_LEN[world] // world
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape).to(dtype)
+
+    q, k = t(1, 4, local, 16), t(1, 2, local, 16)
+    return [
+        ("length", "multiple of", lambda: hf_ring.ring_attention(t(1, 4, 5, 16), t(1, 2, 5, 16), t(1, 2, 5, 16))),
+        ("heads", "multiple of kv_heads", lambda: hf_ring.ring_attention(t(1, 3, local, 16), k, k)),
+        ("dtype", "one dtype", lambda: hf_ring.ring_attention(q, k.half(), k.half())),
+        ("device", "one device", lambda: hf_ring.ring_attention(q, k.to("meta"), k.to("meta"))),
+        ("shape", "agree on", lambda: hf_ring.ring_attention(q, t(1, 2, local, 8), t(1, 2, local, 8))),
+        ("layout", "unknown layout", lambda: hf_ring.ring_attention(q, k, k, layout="spiral")),
+        ("backend", "unknown backend", lambda: hf_ring.ring_attention(q, k, k, backend="cuda-magic")),
+        ("cu_seqlens", "cu_seqlens", lambda: hf_ring.ring_attention(q, k, k, cu_seqlens=torch.tensor([0, 5, 9]))),
+        # bad input on one rank only: the others must raise too instead of waiting for it
+        ("one rank", "rejected" if rank == 0 else "multiple of kv_heads",
+         lambda: hf_ring.ring_attention(t(1, 3, local, 16) if rank == 1 else q, k, k)),
+        ("local length", "disagree on local_seq",
+         lambda: hf_ring.ring_attention(t(1, 4, local + 2 * rank, 16), t(1, 2, local + 2 * rank, 16),
+                                        t(1, 2, local + 2 * rank, 16))),
+    ]  # fmt: skip
+
+
+def _errors_worker(rank, world):
+    results = []
+    for name, expected, call in _error_cases(rank, world):
+        try:
+            call()
+            results.append((name, expected, None))
+        except ValueError as e:
+            results.append((name, expected, str(e)))
+    # the group still works after every refusal: a real call completes
+    q = torch.randn(1, 2, FULL_LEN[world] // world, 16)
+    hf_ring.ring_attention(q, q, q)
+    return results
+
+
+def test_every_error_raises_on_every_rank():
+    for rank, results in enumerate(run_distributed(_errors_worker, 2, timeout=120)):
+        for name, expected, message in results:
+            assert message is not None, f"rank {rank}: {name} did not raise"
+            assert expected in message, f"rank {rank}: {name}: {message!r} lacks {expected!r}"
+
+
+def test_default_scale_and_custom_scale():
+    q, k, v = (torch.randn(1, 2, 24, 32) for _ in range(3))
+    for scale in (None, 0.05):
+        out = hf_ring.ring_attention(q, k, v, scale=scale)
+        ref = reference_attention(q, k, v, scale=scale)
+        assert rel_err(out, ref) <= FP32_TOL
+    assert math.isclose(rel_err(torch.ones(3), torch.ones(3)), 0.0)
