@@ -16,8 +16,6 @@ backward): give them different ``tag`` values so that gloo never matches one's m
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -54,7 +52,7 @@ class RingComm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def send_recv(self, to_send: torch.Tensor, recv_buf: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def send_recv(self, to_send: torch.Tensor, recv_buf: torch.Tensor | None = None) -> torch.Tensor:
         """Queue sending ``to_send`` to the next rank and receiving into ``recv_buf`` (allocated if None)."""
         if self.world_size == 1:
             raise RuntimeError("RingComm.send_recv called in a group of one rank")

@@ -12,7 +12,7 @@ With one rank every layout is the identity and any length works.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from types import ModuleType
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ class _Plan:
     backend: ModuleType
     masks: list  # masks[src]: queries of this rank vs the key/value block of rank src
     empty: list  # empty[src]: the block of rank src is fully masked for this rank
-    comm: Optional[RingComm]
+    comm: RingComm | None
 
 
 def ring_attention(
@@ -55,12 +54,12 @@ def ring_attention(
     group=None,
     layout: str = "zigzag",
     causal: bool = True,
-    scale: Optional[float] = None,
-    sliding_window: Optional[int] = None,
-    cu_seqlens: Optional[torch.Tensor] = None,
-    document_ids: Optional[torch.Tensor] = None,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
     backend: str = "auto",
-    comm: Optional[RingComm] = None,
+    comm: RingComm | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -208,7 +207,7 @@ def _check_everywhere(error, summary, group, rank, world_size, device) -> None:
 # --------------------------------------------------------------------------- planning
 
 
-def _document_ids(cu_seqlens, document_ids, full: int) -> Optional[torch.Tensor]:
+def _document_ids(cu_seqlens, document_ids, full: int) -> torch.Tensor | None:
     """[1 or batch, full] int32 document ids on the host, or None."""
     if cu_seqlens is not None:
         cu = cu_seqlens.detach().cpu().long()
@@ -302,7 +301,9 @@ def _ring_backward(dout, q, k, v, out, lse, plan: _Plan):
         if step > 0:
             target.zero_()
         if not plan.empty[src]:
-            plan.backend.backward(dout, q, kv[0], kv[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1])
+            plan.backend.backward(
+                dout, q, kv[0], kv[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1]
+            )
         if n > 1:
             if step > 0:
                 grad_comm.wait()
@@ -316,6 +317,8 @@ def _ring_backward(dout, q, k, v, out, lse, plan: _Plan):
     if n > 1:
         grad_comm.wait()
         send = recv  # after N hops the accumulator of this rank's own block is home
+        kv_comm.bytes_sent += grad_comm.bytes_sent
+        kv_comm.bytes_received += grad_comm.bytes_received
     return dq.to(q.dtype), send[0].to(k.dtype), send[1].to(v.dtype)
 
 

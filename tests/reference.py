@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +15,7 @@ def doc_ids_from_cu(cu: torch.Tensor, seq_len: int) -> torch.Tensor:
     return torch.bucketize(torch.arange(seq_len), cu.long()[1:], right=True)[None]
 
 
-def dense_mask(seq_len: int, causal=True, window: Optional[int] = None, docs: Optional[torch.Tensor] = None):
+def dense_mask(seq_len: int, causal=True, window: int | None = None, docs: torch.Tensor | None = None):
     """[1 or batch, 1, S, S] bool visibility, written independently of hf_ring's BlockMask."""
     i = torch.arange(seq_len)[:, None]
     j = torch.arange(seq_len)[None, :]

@@ -185,7 +185,7 @@ def _errors(loss, grads, ref_loss, ref_grads) -> dict:
     }
 
 
-def parity_worker(rank: int, world_size: int, names: list) -> dict:
+def _parity(names: list) -> dict:
     results = {}
     for name in names:
         family, kind, seq_len, opts = CASES[name]
@@ -207,6 +207,60 @@ def parity_worker(rank: int, world_size: int, names: list) -> dict:
     return results
 
 
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _distributed_errors() -> dict:
+    """Every error must reach every rank, and leave the group usable (no rank stuck in a collective)."""
+    import torch.distributed as dist
+
+    import hf_ring
+
+    batch, _ = make_batch("plain", 45)
+    model = make_model("llama")
+    hf_ring.apply_ring_attention(model)
+    local = hf_ring.shard_batch(batch)
+    n = local["input_ids"].shape[1]
+    out = {
+        "not_multiple": _error_of(lambda: hf_ring.shard_batch(batch, pad_to_multiple=False)),
+        "attention_mask": _error_of(lambda: model(**local, attention_mask=torch.ones(2, n, dtype=torch.long))),
+    }
+    model.config.attention_dropout = 0.1
+    for m in model.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.1
+    model.train()
+    out["dropout"] = _error_of(lambda: model(**local))
+    model.eval()  # dropout is off in eval mode: the same model runs
+    out["eval_runs"] = bool(torch.isfinite(model(**local).loss))
+    hf_ring.revert_ring_attention(model)
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    out["group_alive"] = int(alive.item())
+    return out
+
+
+def _shards() -> dict:
+    """shard_batch output of a packed and a padded batch, for the parent to unshard and check."""
+    import hf_ring
+
+    return {kind: hf_ring.shard_batch(make_batch(kind, 45)[0]) for kind in ("packed", "padded")}
+
+
+def worker(rank: int, world_size: int, names: list) -> dict:
+    out = {}
+    if world_size > 1:
+        out["errors"] = _distributed_errors()
+    out["shards"] = _shards()
+    out["parity"] = _parity(names)
+    return out
+
+
 def _check(results: dict, world_size: int) -> None:
     failures = []
     for name, r in results.items():
@@ -224,10 +278,56 @@ def _check(results: dict, world_size: int) -> None:
     assert not failures, f"world size {world_size}:\n" + "\n".join(failures)
 
 
+def _expected_shard_inputs(kind: str) -> dict:
+    """What shard_batch must produce for the whole (unsharded, padded to 48) batch."""
+    batch, _ = make_batch(kind, 45)
+    ids, labels = batch["input_ids"], batch["labels"]
+    b = ids.shape[0]
+    pad = 48 - 45
+    shift = torch.full((b, 48), -100)
+    shift[:, :44] = labels[:, 1:]
+    if kind == "packed":
+        pos = torch.cat([batch["position_ids"], batch["position_ids"][:, -1:] + torch.arange(1, pad + 1)], 1)
+        docs = torch.tensor([[0] * 11 + [1] * 21 + [2] * 13 + [-1] * pad])
+    else:
+        mask = torch.cat([batch["attention_mask"], torch.zeros(b, pad, dtype=torch.long)], 1).bool()
+        shift[:, :47] = shift[:, :47].masked_fill(~(mask[:, :-1] & mask[:, 1:]), -100)
+        pos = torch.arange(48).expand(b, -1)
+        docs = torch.where(mask, 0, -1)
+    return {"shift_labels": shift, "position_ids": pos, "ring_document_ids": docs}
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_loss_and_gradients_match_unmodified_model(world_size):
+def test_hf_integration_distributed(world_size):
+    import hf_ring
+
     names = [n for n in CASES if world_size > 1 or CASES[n][3].get("layout") is None]
-    results = run_distributed(parity_worker, world_size, names, timeout=300)
-    for rank_result in results[1:]:  # every rank sees the same global loss and summed gradients
-        assert rank_result.keys() == results[0].keys()
-    _check(results[0], world_size)
+    results = run_distributed(worker, world_size, names, timeout=300)
+
+    # shard_batch: the ranks' shards reassemble into the full shifted labels / positions; global counts agree
+    for kind in ("packed", "padded"):
+        want = _expected_shard_inputs(kind)
+        shards = [r["shards"][kind] for r in results]
+        for key in ("shift_labels", "position_ids"):
+            full = hf_ring.unshard([s[key] for s in shards], dim=1)  # 45 tokens for 1 rank, else 48
+            assert torch.equal(full, want[key][:, : full.shape[1]]), (kind, key)
+        assert torch.equal(shards[0]["labels"], shards[0]["shift_labels"])
+        assert len({int(s["num_items_in_batch"]) for s in shards}) == 1
+        assert int(shards[0]["num_items_in_batch"]) == int((want["shift_labels"] != -100).sum())
+        docs = shards[0]["ring_document_ids"]
+        assert docs.device.type == "cpu" and docs.dtype == torch.int32
+        assert torch.equal(docs.long(), want["ring_document_ids"][:, : docs.shape[1]])
+        assert all(torch.equal(s["ring_document_ids"], docs) for s in shards)
+        assert all(s["use_cache"] is False for s in shards)
+
+    if world_size > 1:  # every rank raised the same clear error, and the group survived
+        for r in results:
+            e = r["errors"]
+            assert "not a multiple of" in e["not_multiple"] and "pad_to_multiple=True" in e["not_multiple"]
+            assert "shard_batch" in e["attention_mask"]
+            assert "dropout" in e["dropout"]
+            assert e["eval_runs"] and e["group_alive"] == world_size
+
+    for r in results[1:]:  # every rank sees the same global loss and summed gradients
+        assert r["parity"].keys() == results[0]["parity"].keys()
+    _check(results[0]["parity"], world_size)

@@ -141,7 +141,8 @@ def test_fully_masked_rows_give_zero_not_nan():
             assert torch.equal(t, torch.zeros_like(t)), "padding rows must give exactly 0 output and gradient"
 
 
-def _bytes_worker(rank, world):
+def _accounting_worker(rank, world):
+    """Bytes sent by one forward (fp32 and fp16, GQA) and matmul flops of one zig-zag causal forward."""
     s, b, hq, hkv, d = FULL_LEN[world], 2, 4, 2, 80
     sent = []
     for dtype in (torch.float32, torch.float16):
@@ -150,33 +151,32 @@ def _bytes_worker(rank, world):
         comm = hf_ring.RingComm()
         hf_ring.ring_attention(q, k, k.clone(), comm=comm)
         sent.append((comm.bytes_sent, 2 * (world - 1) * b * hkv * (s // world) * d * q.element_size()))
-    return sent
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_forward_sends_only_kv_heads(world):
-    for rank, sent in enumerate(run_distributed(_bytes_worker, world)):
-        for got, expected in sent:
-            assert got == expected, f"rank {rank}: sent {got} bytes, expected {expected}"
-
-
-def _flops_worker(rank, world):
-    s, b, h, d = FULL_LEN[world], 1, 2, 16
     torch_backend.BLOCK_Q = torch_backend.BLOCK_K = s // (2 * world)  # one tile per chunk: count chunk pairs
-    q, k, v = (torch.randn(b, h, s // world, d) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, s // world, 16) for _ in range(3))
     with FlopCounterMode(display=False) as counter:
         hf_ring.ring_attention(q, k, v, layout="zigzag")
-    return counter.get_total_flops()
+    return sent, counter.get_total_flops()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_zigzag_causal_skips_masked_work(world):
-    s, b, h, d = FULL_LEN[world], 1, 2, 16
-    c = s // (2 * world)
-    # Per rank: own block = 3 chunk-pairs (two diagonal, one full; one skipped); every other block
-    # is exactly half visible = 2 chunk-pairs. Two matmuls (QK^T, PV) of 2*c*c*d flops each.
-    expected = b * h * 2 * (2 * c * c * d) * (3 + 2 * (world - 1))
-    for rank, flops in enumerate(run_distributed(_flops_worker, world)):
+@pytest.fixture(scope="module", params=[2, 4])
+def accounting(request):
+    return request.param, run_distributed(_accounting_worker, request.param)
+
+
+def test_forward_sends_only_kv_heads(accounting):
+    world, per_rank = accounting
+    for rank, (sent, _) in enumerate(per_rank):
+        for got, expected in sent:
+            assert got == expected, f"rank {rank}: sent {got} bytes, expected 2*(N-1)*B*Hkv*L*D*itemsize = {expected}"
+
+
+def test_zigzag_causal_skips_masked_work(accounting):
+    world, per_rank = accounting
+    c = FULL_LEN[world] // (2 * world)
+    # Per rank: own block = 3 chunk pairs (two diagonal, one full; one skipped); every other block
+    # is exactly half visible = 2 chunk pairs. Two matmuls (QK^T, PV) of 2*c*c*d flops each, 2 heads.
+    expected = 2 * 2 * (2 * c * c * 16) * (3 + 2 * (world - 1))
+    for rank, (_, flops) in enumerate(per_rank):
         assert flops == expected, f"rank {rank}: {flops} flops, expected {expected}"
 
 

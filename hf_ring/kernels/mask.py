@@ -19,7 +19,6 @@ EMPTY or FULL is exactly that; a tile called PARTIAL may still be either.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -43,9 +42,9 @@ class BlockMask:
     q_pos: torch.Tensor
     k_pos: torch.Tensor
     causal: bool = True
-    window: Optional[int] = None
-    q_doc: Optional[torch.Tensor] = None
-    k_doc: Optional[torch.Tensor] = None
+    window: int | None = None
+    q_doc: torch.Tensor | None = None
+    k_doc: torch.Tensor | None = None
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property

@@ -110,7 +110,9 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
             acc.mul_(corr.unsqueeze(-1)).add_(torch.matmul(p, v[:, :, ks].float()))
             m = m_new
         seen = denom > 0
-        blk_lse = torch.where(seen, m + torch.log(torch.where(seen, denom, torch.ones_like(denom))), m.new_tensor(-math.inf))
+        blk_lse = torch.where(
+            seen, m + torch.log(torch.where(seen, denom, torch.ones_like(denom))), m.new_tensor(-math.inf)
+        )
         blk_out = acc / torch.where(seen, denom, torch.ones_like(denom)).unsqueeze(-1)
         merge_(out[:, :, qs], lse[:, :, qs], _unfold_rows(blk_out, hq), _unfold_rows(blk_lse, hq))
     return out, lse

