@@ -112,8 +112,8 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         ``input_ids`` and ``position_ids`` [batch, local_seq] (global positions, or per-document
         positions for packed batches); with labels: ``labels`` and ``shift_labels`` [batch, local_seq]
         (both already shifted: the target of each local token) and ``num_items_in_batch`` (valid
-        targets in the whole batch); ``ring_document_ids`` [batch, padded seq_len] (CPU, int32) when
-        the batch is packed or padded.
+        targets in the whole batch); ``ring_document_ids``: [batch, padded seq_len] (CPU, int32) when
+        the batch is packed or padded, else None; ``use_cache=False``.
     """
     check_layout(layout)
     rank, world = _group(group)
@@ -143,7 +143,7 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
     packed = bool((docs[:, -1] > 0).any())
     padded = not bool(valid.all())
 
-    local = {}
+    local = {"use_cache": False}  # ring attention never needs a KV cache; do not build one
 
     def put(name, x):
         local[name] = shard(x, dim=1, rank=rank, world_size=world, layout=layout)
@@ -160,8 +160,8 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         put("shift_labels", full)
         local["labels"] = local["shift_labels"]
         local["num_items_in_batch"] = (full != IGNORE_INDEX).sum()
-    if packed or padded:
-        local[DOCUMENT_IDS_KWARG] = torch.where(valid, docs, -1).to(torch.int32)
+    # present even when None: tells the attention function that packing and padding are resolved
+    local[DOCUMENT_IDS_KWARG] = torch.where(valid, docs, -1).to(torch.int32) if packed or padded else None
     return local
 
 

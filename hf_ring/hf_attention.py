@@ -25,7 +25,7 @@ is refused there and restarting ``position_ids`` are read as positions only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,9 +94,9 @@ def ring_mask_function(
     q_offset: int = 0,
     kv_offset: int = 0,
     mask_function=None,
-    attention_mask: Optional[torch.Tensor] = None,
+    attention_mask: torch.Tensor | None = None,
     **kwargs,
-) -> Optional[torch.Tensor]:
+) -> torch.Tensor | None:
     """No dense mask: the 2-D padding mask ``[batch, kv_length]`` (bool) if one was given, else None.
 
     Masks are derived from global positions inside ``ring_attention``; like Transformers' flash-attention
@@ -107,7 +107,7 @@ def ring_mask_function(
     return attention_mask[:, -kv_length:]
 
 
-def _documents_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
     """Transformers' packing rule: a new document starts wherever the position does not rise by 1."""
     pos = position_ids.detach().cpu().long()
     if pos.dim() == 1:
@@ -119,23 +119,27 @@ def _documents_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tens
     return (starts.cumsum(-1) - 1).to(torch.int32)
 
 
-def _documents(attention_mask, kwargs: dict, batch: int, full: int, world_size: int) -> tuple[Any, Any]:
-    """``(document_ids, cu_seqlens)`` for the core call (at most one is not None)."""
-    docs = kwargs.get(DOCUMENT_IDS_KWARG)
+def _documents(attention_mask, kwargs: dict, full: int, world_size: int) -> tuple[Any, Any]:
+    """``(document_ids, cu_seqlens)`` for the core call (at most one is not None).
+
+    ``ring_document_ids`` present (even None) means shard_batch has resolved packing and padding.
+    """
+    from_shard_batch = DOCUMENT_IDS_KWARG in kwargs
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             raise ValueError(
                 "hf_ring attention takes no 4-D or block attention mask; pass padding as a 2-D "
                 "attention_mask (one rank) or through hf_ring.shard_batch"
             )
-        if world_size > 1 or docs is not None:
+        if world_size > 1 or from_shard_batch:
             raise ValueError(
-                f"attention_mask cannot be used with {world_size} context-parallel ranks: padding of the "
-                "unsharded sequence must reach the attention through hf_ring.shard_batch (which turns it "
-                f"into {DOCUMENT_IDS_KWARG}); pass shard_batch's output to the model without attention_mask"
+                f"attention_mask cannot be passed to a ring-attention model over {world_size} ranks, nor next to "
+                "shard_batch's output: padding of the unsharded sequence must reach the attention through "
+                f"hf_ring.shard_batch (which turns it into {DOCUMENT_IDS_KWARG}); pass the full batch, "
+                "attention_mask included, to shard_batch and its output alone to the model"
             )
-    if docs is not None:
-        return None, None
+    if from_shard_batch:
+        return kwargs[DOCUMENT_IDS_KWARG], None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         if cu_q is None or cu_k is None or cu_q.shape != cu_k.shape or not torch.equal(cu_q, cu_k):
@@ -164,10 +168,10 @@ def ring_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
-    scaling: Optional[float] = None,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: Optional[int] = None,
+    sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Transformers attention function backed by ``hf_ring.ring_attention``.
@@ -197,8 +201,9 @@ def ring_attention_forward(
         )
     if dropout:
         raise ValueError(
-            f"attention dropout {dropout} is not supported by hf_ring in training mode; set "
-            "model.config.attention_dropout = 0.0 (and re-apply), or call model.eval()"
+            f"attention dropout {dropout} is not supported by hf_ring in training mode; build the model with "
+            "config.attention_dropout=0.0 (or set attention_dropout = 0.0 on its attention modules), or call "
+            "model.eval()"
         )
     if key.shape[2] != query.shape[2]:
         raise ValueError(
@@ -210,7 +215,7 @@ def ring_attention_forward(
     if causal is None:
         causal = getattr(module, "is_causal", True)
     _, world_size = group_rank_and_size(cfg.group)
-    document_ids, cu_seqlens = _documents(attention_mask, kwargs, query.shape[0], query.shape[2] * world_size, world_size)
+    document_ids, cu_seqlens = _documents(attention_mask, kwargs, query.shape[2] * world_size, world_size)
     out = ring_attention(
         query,
         key,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -70,7 +70,9 @@ class FamilyPatch:
         from transformers import PreTrainedModel
 
         if not isinstance(model, PreTrainedModel):
-            raise TypeError(f"expected a transformers PreTrainedModel of the {self.name} family, got {type(model).__name__}")
+            raise TypeError(
+                f"expected a transformers PreTrainedModel of the {self.name} family, got {type(model).__name__}"
+            )
         model_type = getattr(model.config, "model_type", None)
         if model_type not in self.model_types:
             raise ValueError(
@@ -78,7 +80,7 @@ class FamilyPatch:
                 "use hf_ring.apply_ring_attention(model), which picks the family from config.model_type"
             )
 
-    def apply(self, model: Optional[torch.nn.Module], cfg: RingConfig):
+    def apply(self, model: torch.nn.Module | None, cfg: RingConfig):
         """Switch ``model`` to ring attention (in place) and return it; with ``model=None`` only register."""
         register()
         if model is None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_ring.patches import REGISTRY, get_patch
 
 import hf_ring
 from hf_ring import hf_attention
-from hf_ring.patches import REGISTRY, get_patch
 from tests.test_hf_parity import VOCAB, make_batch, make_model
 
 FAMILIES = sorted({p.name for p in REGISTRY.values()})
@@ -91,9 +91,8 @@ def test_apply_twice_keeps_the_original_for_revert():
 
 
 def test_model_none_registers_for_attn_implementation_hf_ring():
-    from transformers import AutoModelForCausalLM
-
     from hf_ring.patches import apply_ring_attention_to_qwen2
+    from transformers import AutoModelForCausalLM
 
     assert apply_ring_attention_to_qwen2() is None
     ref = make_model("qwen2").eval()
@@ -192,7 +191,8 @@ def test_shard_batch_shifts_labels_counts_targets_and_marks_documents():
     assert torch.equal(local["position_ids"], pos)
 
     plain = hf_ring.shard_batch({"input_ids": ids})
-    assert set(plain) == {"input_ids", "position_ids", "use_cache"}
+    assert set(plain) == {"input_ids", "position_ids", "use_cache", "ring_document_ids"}
+    assert plain["ring_document_ids"] is None
     assert torch.equal(plain["position_ids"], torch.arange(8)[None])
 
     # cu_seq_lens alone (no position_ids) gives the same documents and per-document positions
@@ -214,9 +214,8 @@ def test_shard_batch_shifts_labels_counts_targets_and_marks_documents():
 
 
 def test_apply_errors():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from hf_ring.patches import apply_ring_attention_to_mistral, revert_ring_attention_from_llama
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     with pytest.raises(TypeError, match="PreTrainedModel or a peft PeftModel"):
         hf_ring.apply_ring_attention(torch.nn.Linear(2, 2))
@@ -289,8 +288,8 @@ def test_forward_errors():
         model(input_ids=ids[:1], cu_seq_lens_q=torch.tensor([0, 21]), cu_seq_lens_k=torch.tensor([0, 20, 21]))
     with pytest.raises(ValueError, match="seq_idx must give the document"):
         model(input_ids=ids[:1], seq_idx=torch.zeros(1, 5, dtype=torch.int32))
-    local = hf_ring.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    with pytest.raises(ValueError, match="attention_mask cannot be used"):
+    local = hf_ring.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids).tril(12)})  # padded
+    with pytest.raises(ValueError, match="attention_mask cannot be passed"):
         model(**local, attention_mask=torch.ones_like(ids))
     hf_ring.revert_ring_attention(model)
 

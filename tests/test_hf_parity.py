@@ -46,7 +46,13 @@ def make_config(family: str, **overrides):
         cfg = tf.Qwen2Config(**{**common, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=5,
                              max_window_layers=1)  # fmt: skip
     elif family == "qwen3":  # explicit layer types, sliding first
-        cfg = tf.Qwen3Config(**common, head_dim=24, use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+        cfg = tf.Qwen3Config(
+            **common,
+            head_dim=24,
+            use_sliding_window=True,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+        )
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -126,8 +132,9 @@ def _prepare(family, opts, dtype=None):
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
         model = get_peft_model(model, lora)
-    if opts.get("checkpointing"):
-        model.gradient_checkpointing_enable()
+    if opts.get("checkpointing"):  # reentrant with LoRA (the usual PEFT setup), Transformers' default otherwise
+        kwargs = {"use_reentrant": True} if opts.get("lora") else None
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if opts.get("lora"):
             model.enable_input_require_grads()
     model.train()
@@ -238,6 +245,12 @@ def _distributed_errors() -> dict:
     out["dropout"] = _error_of(lambda: model(**local))
     model.eval()  # dropout is off in eval mode: the same model runs
     out["eval_runs"] = bool(torch.isfinite(model(**local).loss))
+    # the flash-attention packing kwargs (global boundaries) reach the same masks as shard_batch's ids
+    packed = hf_ring.shard_batch(make_batch("packed", 40)[0])
+    cu = torch.tensor([0, 10, 29, 40], dtype=torch.int32)
+    by_cu = {k: v for k, v in packed.items() if k != "ring_document_ids"}
+    with torch.no_grad():
+        out["cu_seq_lens"] = (model(**packed).loss - model(**by_cu, cu_seq_lens_q=cu, cu_seq_lens_k=cu).loss).item()
     hf_ring.revert_ring_attention(model)
     alive = torch.ones(1)
     dist.all_reduce(alive)
@@ -268,7 +281,9 @@ def _check(results: dict, world_size: int) -> None:
             for key in ("loss", "grad"):
                 bound = BF16_FACTOR * r["torch"][key] + BF16_EPS
                 if not r["ring"][key] <= bound:
-                    failures.append(f"{name}: bf16 {key} error {r['ring'][key]:.2e} > {bound:.2e} ({r['ring']['worst']})")
+                    failures.append(
+                        f"{name}: bf16 {key} error {r['ring'][key]:.2e} > {bound:.2e} ({r['ring']['worst']})"
+                    )
             continue
         assert r["n_grads"] > 0
         if not r["loss"] <= RTOL_FP32:
@@ -327,6 +342,7 @@ def test_hf_integration_distributed(world_size):
             assert "shard_batch" in e["attention_mask"]
             assert "dropout" in e["dropout"]
             assert e["eval_runs"] and e["group_alive"] == world_size
+            assert abs(e["cu_seq_lens"]) < 1e-6
 
     for r in results[1:]:  # every rank sees the same global loss and summed gradients
         assert r["parity"].keys() == results[0]["parity"].keys()
