@@ -77,6 +77,15 @@ class RingComm:
 
     def wait(self) -> None:
         """Block until the launched operations are complete."""
-        for req in self._reqs:
+        reqs, self._reqs = self._reqs, []
+        for req in reqs:
             req.wait()
-        self._reqs = []
+
+    def drain(self) -> None:
+        """After an error: drop queued operations and complete the launched ones, so that the group
+        is usable again (pending requests would make its next collective hang)."""
+        self._ops = []
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - called while another error propagates
+            pass

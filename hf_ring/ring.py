@@ -17,7 +17,9 @@ collective besides the ring itself; on NCCL it costs one small device-to-host sy
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import struct
 from types import ModuleType
 
 import torch
@@ -85,6 +87,8 @@ def ring_attention(
         [batch, q_heads, local_seq, head_dim] in q's dtype. Rows that see no key are 0.
     """
     if comm is not None:
+        if group is not None and group is not comm.group:
+            raise ValueError("pass either group or comm (a RingComm carries its own group), not two different groups")
         group = comm.group
     plan = _plan(q, k, v, group, layout, causal, scale, sliding_window, cu_seqlens, document_ids, backend, comm)
     return _RingAttention.apply(q, k, v, plan)
@@ -111,7 +115,7 @@ def _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_id
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.dtype not in _DTYPES:
-        return f"dtype {q.dtype} is not supported; use float16, bfloat16 or float32"
+        return f"dtype {q.dtype} is not supported; use float16, bfloat16 or float32 (float64 is computed in fp32)"
     if not (q.device == k.device == v.device):
         return f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}"
     if d < 8:
@@ -136,7 +140,7 @@ def _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_id
         return "pass cu_seqlens or document_ids, not both"
     if cu_seqlens is not None:
         cu = cu_seqlens
-        if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
             return "cu_seqlens must be a 1-D integer tensor [num_docs + 1]"
         cu = cu.detach().cpu().long()
         if int(cu[0]) != 0 or int(cu[-1]) != full or bool((cu[1:] < cu[:-1]).any()):
@@ -145,7 +149,12 @@ def _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_id
                 f"{cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}"
             )
     if document_ids is not None:
-        if document_ids.dim() != 2 or document_ids.shape[0] not in (1, b) or document_ids.shape[1] != full:
+        if (
+            not isinstance(document_ids, torch.Tensor)
+            or document_ids.dim() != 2
+            or document_ids.shape[0] not in (1, b)
+            or document_ids.shape[1] != full
+        ):
             return (
                 f"document_ids must be [1 or batch={b}, full_seq={full}] (ids of the unsharded sequence), "
                 f"got {tuple(document_ids.shape)}"
@@ -155,19 +164,24 @@ def _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_id
     return None
 
 
-def _summary(q, k, layout, causal, scale, window, has_docs, error) -> list[int]:
+def _summary(q, k, layout, causal, scale, window, docs, error) -> list[int]:
     """A fixed-size integer summary of this rank's call; every rank must send the same one."""
     if error is not None:
-        return [1] + [0] * 10
+        return [1] + [0] * (len(_FIELDS) - 1)
     b, hq, lq, d = q.shape
+    scale_bits = 0 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+    fingerprint = -1
+    if docs is not None:  # cheap O(S) fingerprint of the document layout, position-weighted
+        w = torch.arange(docs.shape[1], dtype=torch.int64) % 65521 + 1
+        fingerprint = (int(((docs.long() + 2) * w).sum()) * 31 + docs.shape[0]) % (1 << 61)
     return [
         0, lq, b, hq, k.shape[1], d, _DTYPES.index(q.dtype), _layout.LAYOUTS.index(layout),
-        int(causal), -1 if window is None else int(window), int(has_docs),
+        int(causal), -1 if window is None else int(window), scale_bits, fingerprint,
     ]  # fmt: skip
 
 
 _FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
-           "sliding_window", "documents")  # fmt: skip
+           "sliding_window", "scale", "documents")  # fmt: skip
 
 
 def _exchange(summary: list[int], group, device: torch.device) -> list[list[int]]:
@@ -217,16 +231,33 @@ def _document_ids(cu_seqlens, document_ids, full: int) -> torch.Tensor | None:
     return None
 
 
+def _backend_module(name: str, q, k, v) -> tuple[ModuleType | None, str | None]:
+    """The kernel module for ``name`` and these inputs, or an error. ``"auto"`` falls back to the
+    torch backend where the preferred one cannot run the inputs (its ``unsupported`` says why)."""
+    try:
+        module = get_backend(name, q.device)
+    except ImportError as e:
+        return None, f"backend {name!r} is not available here ({e}); use backend='auto' or 'torch'"
+    unsupported = getattr(module, "unsupported", None)
+    reason = unsupported(q, k, v) if unsupported is not None else None
+    if reason is None:
+        return module, None
+    if name == "auto":
+        return get_backend("torch", q.device), None
+    return None, f"backend {name!r} cannot run these inputs: {reason}; use backend='auto' or 'torch'"
+
+
 def _plan(q, k, v, group, layout, causal, scale, window, cu_seqlens, document_ids, backend, comm) -> _Plan:
     rank, world_size = group_rank_and_size(group)
     error = _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_ids, backend, world_size)
-    docs_given = cu_seqlens is not None or document_ids is not None
-    summary = _summary(q, k, layout, causal, scale, window, docs_given, error)
+    docs = module = None
+    if error is None:
+        docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * world_size)
+        module, error = _backend_module(backend, q, k, v)
+    summary = _summary(q, k, layout, causal, scale, window, docs, error)
     _check_everywhere(error, summary, group, rank, world_size, q.device if isinstance(q, torch.Tensor) else None)
 
-    local = q.shape[2]
-    full = local * world_size
-    docs = _document_ids(cu_seqlens, document_ids, full)
+    full = q.shape[2] * world_size
     pos = [_layout.positions(full, rank=r, world_size=world_size, layout=layout) for r in range(world_size)]
     q_pos = pos[rank]
     masks = []
@@ -246,7 +277,7 @@ def _plan(q, k, v, group, layout, causal, scale, window, cu_seqlens, document_id
         rank=rank,
         world_size=world_size,
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
-        backend=get_backend(backend, q.device),
+        backend=module,
         masks=masks,
         empty=[m.is_empty() for m in masks],
         comm=comm,
@@ -264,16 +295,17 @@ def _ring_forward(q, k, v, plan: _Plan):
     kv = torch.stack([k, v])  # one contiguous message [2, batch, kv_heads, local_seq, head_dim]
     spare = torch.empty_like(kv) if n > 1 else None
     comm = plan.comm or RingComm(plan.group)
-    for step in range(n):
-        src = (r - step) % n
-        if step + 1 < n:
-            nxt = comm.send_recv(kv, spare)
-            comm.commit()
-        if not plan.empty[src]:
-            plan.backend.forward(q, kv[0], kv[1], plan.masks[src], plan.scale, out, lse)
-        if step + 1 < n:
-            comm.wait()
-            kv, spare = nxt, kv
+    with _drained(comm):
+        for step in range(n):
+            src = (r - step) % n
+            if step + 1 < n:
+                nxt = comm.send_recv(kv, spare)
+                comm.commit()
+            if not plan.empty[src]:
+                plan.backend.forward(q, kv[0], kv[1], plan.masks[src], plan.scale, out, lse)
+            if step + 1 < n:
+                comm.wait()
+                kv, spare = nxt, kv
     out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
     return out, lse
 
@@ -292,28 +324,29 @@ def _ring_backward(dout, q, k, v, out, lse, plan: _Plan):
     send = torch.zeros(acc_shape, dtype=torch.float32, device=k.device)
     recv = torch.empty_like(send) if n > 1 else None
     local = torch.empty_like(send) if n > 1 else None
-    for step in range(n):
-        src = (r - step) % n
-        if step + 1 < n:
-            nxt = kv_comm.send_recv(kv, spare)
-            kv_comm.commit()
-        target = send if step == 0 else local
-        if step > 0:
-            target.zero_()
-        if not plan.empty[src]:
-            plan.backend.backward(
-                dout, q, kv[0], kv[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1]
-            )
-        if n > 1:
+    with _drained(kv_comm, grad_comm):
+        for step in range(n):
+            src = (r - step) % n
+            if step + 1 < n:
+                nxt = kv_comm.send_recv(kv, spare)
+                kv_comm.commit()
+            target = send if step == 0 else local
             if step > 0:
-                grad_comm.wait()
-                recv.add_(local)
-                send, recv = recv, send
-            grad_comm.send_recv(send, recv)
-            grad_comm.commit()
-        if step + 1 < n:
-            kv_comm.wait()
-            kv, spare = nxt, kv
+                target.zero_()
+            if not plan.empty[src]:
+                plan.backend.backward(
+                    dout, q, kv[0], kv[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1]
+                )
+            if n > 1:
+                if step > 0:
+                    grad_comm.wait()
+                    recv.add_(local)
+                    send, recv = recv, send
+                grad_comm.send_recv(send, recv)
+                grad_comm.commit()
+            if step + 1 < n:
+                kv_comm.wait()
+                kv, spare = nxt, kv
     if n > 1:
         grad_comm.wait()
         send = recv  # after N hops the accumulator of this rank's own block is home
@@ -322,11 +355,26 @@ def _ring_backward(dout, q, k, v, out, lse, plan: _Plan):
     return dq.to(q.dtype), send[0].to(k.dtype), send[1].to(v.dtype)
 
 
+@contextlib.contextmanager
+def _drained(*comms: RingComm):
+    """On an error inside the ring loop, complete the exchange in flight before re-raising: requests
+    left pending would make the next collective on the group hang."""
+    try:
+        yield
+    except BaseException:
+        for c in comms:
+            c.drain()
+        raise
+
+
 class _RingAttention(torch.autograd.Function):
+    # Autocast is off inside: the kernels choose their own precision (fp32 scores and accumulators);
+    # under autocast the torch backend's matmuls would otherwise round scores to bf16.
     @staticmethod
     def forward(ctx, q, k, v, plan):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, plan)
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ring_forward(q, k, v, plan)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -335,5 +383,6 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan)
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan)
         return dq, dk, dv, None

@@ -100,12 +100,12 @@ class BlockMask:
         return FULL if full else PARTIAL
 
     def is_empty(self) -> bool:
-        """True when no query of the block sees any key (the whole ring step can be skipped)."""
-        if self.classify() == EMPTY:
-            return True
-        if self.q_pos.numel() * self.k_pos.numel() <= (1 << 22):
-            return not bool(self.visible().any())
-        return False
+        """True when the bounds show that no query of the block sees any key (skip the ring step).
+
+        Conservative, O(local_seq): a block it calls non-empty may still be empty; the kernels then
+        skip its tiles one by one.
+        """
+        return self.classify() == EMPTY
 
     def device_tensors(self, device: torch.device) -> dict:
         """Cached device copies: ``q_pos``, ``k_pos`` (int32) and ``q_doc``, ``k_doc`` (int32 or None)."""
