@@ -1,0 +1,142 @@
+"""Context parallelism for the Hugging Face ``Trainer`` and TRL's ``SFTTrainer``.
+
+``RingAttentionTrainer`` (a ``transformers.Trainer``) and ``RingSFTTrainer`` (a ``trl.SFTTrainer``, when
+TRL is installed) are the stock trainers plus ``RingAttentionTrainerMixin``; mix it into your own
+Trainer subclass the same way (``class MyTrainer(RingAttentionTrainerMixin, Trainer)``). Pass
+``ring_plugin=RingAttentionPlugin(cp_size=...)`` (default: ``RingAttentionPlugin()``, configured from
+``HF_RING_CP_SIZE`` / ``HF_RING_LAYOUT`` / ``HF_RING_BACKEND``, every process in one CP group).
+
+How the numbers stay exact. Batches are built by the Trainer's collator (padding, or packing with
+``DataCollatorWithFlattening``), split over the data-parallel (DP) groups like a ``dp_size``-process
+run, and sharded over the context-parallel (CP) group by the DataLoader (``hf_ring.shard_batch``).
+The Trainer's own token-weighted loss then does the rest: it counts the valid targets of every
+micro-batch on every rank (the local shards add up to the whole global batch), passes that total
+as ``num_items_in_batch`` to the model and multiplies the loss by the number of processes, which
+DDP's average over all processes undoes. So the gradient is the sum of token losses over the CP
+shards, DP replicas and accumulated micro-batches divided by their total number of targets, exactly
+what a single process computes on the full sequences, and the logged training loss is that global
+token-weighted loss. Evaluation returns, per DP group, the loss a plain DP run gives that process and
+gathers it over the DP group only, so ``eval_loss`` equals the plain run's.
+
+Caveats: evaluation returns the loss only (logits are sharded over the CP group, so
+``compute_metrics`` on logits is not supported); ``average_tokens_across_devices`` must stay True;
+``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP and
+DeepSpeed are refused (see ``hf_ring.accelerate``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+
+from .accelerate import RingAttentionPlugin
+
+__all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer"]  # noqa: F822 - RingSFTTrainer is lazy
+
+
+class RingAttentionTrainerMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before it) to train with ring attention across CP groups."""
+
+    def __init__(self, *args, ring_plugin: RingAttentionPlugin | None = None, **kwargs):
+        self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin()
+        super().__init__(*args, **kwargs)
+        plugin = self.ring_plugin
+        # every check that needs no communication first, so a mistake never turns into a hang
+        plugin.validate(int(self.accelerator.num_processes))
+        plugin._check_accelerator(self.accelerator)
+        if not self.args.average_tokens_across_devices:
+            raise ValueError(
+                "context parallelism needs TrainingArguments(average_tokens_across_devices=True): the loss of each "
+                "rank is its share of the global token-weighted loss"
+            )
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            raise ValueError(
+                f"{type(self.model).__name__}.forward takes no loss kwargs (num_items_in_batch), so the Trainer "
+                "cannot weight the CP shards by the global number of targets"
+            )
+        if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
+            raise ValueError(
+                "train_sampling_strategy='batch_rebalance' splits batches over every process; use 'random', "
+                "'sequential' or 'group_by_length' with context parallelism"
+            )
+        plugin.setup(self.accelerator)
+        plugin.apply(self.model)
+
+    # data: split over DP groups, sharded over the CP group
+    def _get_dataloader(self, *args, **kwargs):
+        return self.ring_plugin.reshard_prepared_data_loader(super()._get_dataloader(*args, **kwargs))
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Samples per optimizer step: CP ranks share their samples, so divide the Trainer's count by cp_size."""
+        return super().get_total_train_batch_size(args) // self.ring_plugin.cp_size
+
+    # evaluation: the plain-DP loss of this rank's DP group, gathered over the DP group
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list | None = None):
+        if not prediction_loss_only and not getattr(self, "_ring_warned_logits", False):
+            from transformers.utils import logging
+
+            logging.get_logger(__name__).warning(
+                "hf_ring: evaluation returns the loss only; logits are sharded over the context-parallel group"
+            )
+            self._ring_warned_logits = True
+        loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
+        plugin = self.ring_plugin
+        if loss is not None and plugin.world_size > 1:
+            # each rank holds world * (its token-loss sum) / (global targets); the CP sum over cp_size is
+            # the value process d of a plain dp-process run holds: dp * S_d / N
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=plugin.cp_group)
+            loss = loss / plugin.cp_size
+        return loss, None, None
+
+    def evaluation_loop(self, *args, **kwargs):
+        self.gather_function = self._ring_gather_for_metrics
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = self.accelerator.gather_for_metrics
+
+    def _ring_gather_for_metrics(self, data: Any, **kwargs):
+        """``gather_for_metrics`` over the DP group (every CP rank of a group holds the same values)."""
+        plugin = self.ring_plugin
+        if plugin.world_size == 1 or not isinstance(data, torch.Tensor):
+            return self.accelerator.gather_for_metrics(data, **kwargs)
+        data = data.contiguous()
+        if data.dim() == 0:
+            data = data[None]
+        parts = [torch.empty_like(data) for _ in range(plugin.dp_size)]
+        dist.all_gather(parts, data, group=plugin.dp_group)
+        out = torch.cat(parts)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            out = out[: state.remainder]  # the samples a plain run pads the last batch with
+        return out
+
+
+class RingAttentionTrainer(RingAttentionTrainerMixin, Trainer):
+    """``transformers.Trainer`` with context parallelism (``ring_plugin=RingAttentionPlugin(...)``)."""
+
+
+@functools.cache
+def _ring_sft_trainer() -> type:
+    try:
+        from trl import SFTTrainer
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("RingSFTTrainer needs TRL: pip install trl") from e
+
+    class RingSFTTrainer(RingAttentionTrainerMixin, SFTTrainer):
+        """``trl.SFTTrainer`` with context parallelism (``ring_plugin=RingAttentionPlugin(...)``)."""
+
+    RingSFTTrainer.__module__, RingSFTTrainer.__qualname__ = __name__, "RingSFTTrainer"
+    return RingSFTTrainer
+
+
+def __getattr__(name: str):
+    # RingSFTTrainer is built on first use, so importing hf_ring.trainer does not import TRL
+    if name == "RingSFTTrainer":
+        return _ring_sft_trainer()
+    raise AttributeError(f"module 'hf_ring.trainer' has no attribute {name!r}")

@@ -1,0 +1,251 @@
+"""RingAttentionPlugin configuration and errors (single process), plus helpers shared by the launch tests.
+
+The helpers (tiny Llama, token datasets, the unsharded reference, ``torchrun``) live here so that
+``test_accelerate_cp.py`` and ``test_trainer_cp.py`` share them; their workers import this module as
+``tests.test_accelerate_config`` (the repository root is on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 97
+
+
+def tiny_llama(seed: int = 0):
+    """A tiny random Llama (GQA: 4 query heads, 2 KV heads, head_dim 12), fp32, eager-free (sdpa) attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).float()
+
+
+def token_dataset(n: int, seq_len: int, seed: int = 1) -> list:
+    """``n`` samples of ``seq_len`` tokens; token 0 of sample i is i (to identify it); a few labels are -100."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(1, VOCAB, (seq_len,), generator=g)
+        ids[0] = i % VOCAB
+        labels = ids.clone()
+        k = int(torch.randint(0, seq_len // 2, (1,), generator=g))
+        labels[:k] = -100  # a prompt of varying length: DP groups hold different numbers of targets
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def collate(features: list) -> dict:
+    return {k: torch.stack([f[k] for f in features]) for k in features[0]}
+
+
+def full_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
+    """(sum of token losses, number of targets) of the unmodified model on a full batch."""
+    out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    return out.loss * n, n
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def max_param_rel_err(state_a: dict, state_b: dict) -> float:
+    assert state_a.keys() == state_b.keys()
+    return max(rel_err(state_a[k], state_b[k]) for k in state_a)
+
+
+def torchrun(script: Path, nproc: int, *args, timeout: float = 300, env: dict | None = None) -> str:
+    """Run ``script`` on ``nproc`` CPU processes with torchrun; return its output, fail the test on error."""
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    try:
+        proc = subprocess.run(
+            [*cmd, *map(str, args)], env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{script.name} {args} did not finish within {timeout}s (a hang?)\n{e.stdout}\n{e.stderr}")
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{script.name} {args} failed (exit {proc.returncode}):\n{out[-12000:]}")
+    return out
+
+
+def read_results(folder: Path, world: int) -> list:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+# ---- single-process tests ------------------------------------------------------------------------
+
+
+def _fake_accelerator(num_processes=1, process_index=0, distributed_type="NO", parallelism_config=None):
+    return types.SimpleNamespace(
+        num_processes=num_processes,
+        process_index=process_index,
+        device=torch.device("cpu"),
+        distributed_type=distributed_type,
+        parallelism_config=parallelism_config,
+    )
+
+
+def test_environment_fills_unset_arguments(monkeypatch):
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    monkeypatch.setenv("HF_RING_CP_SIZE", "4")
+    monkeypatch.setenv("HF_RING_LAYOUT", "striped")
+    monkeypatch.setenv("HF_RING_BACKEND", "torch")
+    p = RingAttentionPlugin()
+    assert (p.cp_size, p.layout, p.backend) == (4, "striped", "torch")
+    p = RingAttentionPlugin(cp_size=2, layout="zigzag", backend="auto")  # explicit arguments win
+    assert (p.cp_size, p.layout, p.backend) == (2, "zigzag", "auto")
+    monkeypatch.delenv("HF_RING_CP_SIZE")
+    assert RingAttentionPlugin().validate(8) == 8  # unset: one CP group over every process
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, match",
+    [
+        ({"cp_size": 0}, {}, "at least 1"),
+        ({"layout": "spiral"}, {}, "unknown layout"),
+        ({"backend": "cuda-magic"}, {}, "unknown backend"),
+        ({}, {"HF_RING_CP_SIZE": "two"}, "not an integer"),
+    ],
+)
+def test_bad_configuration_is_refused_at_construction(monkeypatch, kwargs, env, match):
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        RingAttentionPlugin(**kwargs)
+
+
+def test_cp_size_must_divide_world_size():
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    with pytest.raises(ValueError, match="cp_size=3 does not divide the number of processes 4"):
+        RingAttentionPlugin(cp_size=3).validate(4)
+    with pytest.raises(ValueError, match="does not divide"):
+        RingAttentionPlugin(cp_size=2).setup(_fake_accelerator(num_processes=1))
+    assert RingAttentionPlugin(cp_size=2).validate(8) == 2
+
+
+def test_groups_before_setup_raise():
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    p = RingAttentionPlugin(cp_size=1)
+    for name in ("cp_group", "dp_group", "device_mesh", "dp_size", "cp_rank"):
+        with pytest.raises(RuntimeError, match="call plugin.prepare"):
+            getattr(p, name)
+    with pytest.raises(RuntimeError, match="call plugin.prepare"):
+        p.reduce_loss(torch.tensor(1.0))
+
+
+def test_multi_process_without_process_group_raises():
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        RingAttentionPlugin(cp_size=2).setup(_fake_accelerator(num_processes=2))
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"])
+def test_unsupported_distributed_types_raise(kind):
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    with pytest.raises(NotImplementedError, match=f"not distributed_type={kind}"):
+        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(distributed_type=kind), tiny_llama())
+
+
+def test_accelerate_parallelism_config_is_refused():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    pc = ParallelismConfig(dp_replicate_size=1, dp_shard_size=2, cp_size=1, tp_size=1)
+    with pytest.raises(ValueError, match="without parallelism_config"):
+        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(parallelism_config=pc), tiny_llama())
+
+
+def test_unsupported_models_are_refused_before_any_collective():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32))
+    with pytest.raises(ValueError, match="no ring-attention patch for model type 'gpt2'"):
+        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(), gpt2)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(), torch.nn.Linear(2, 2))
+
+
+def test_single_process_prepare_matches_plain_model():
+    """cp_size=1 on one process: the plugin path gives the plain model's loss and gradients."""
+    from accelerate import Accelerator
+
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    data = token_dataset(4, 21)
+    ref = tiny_llama()
+    s, n = full_loss_sum(ref, collate(data[:2]))
+    (s / n).backward()
+
+    model = tiny_llama()
+    plugin = RingAttentionPlugin(cp_size=1)
+    accelerator = Accelerator(cpu=True)
+    try:
+        _check_single_process(accelerator, plugin, model, data, s / n, ref)
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _check_single_process(accelerator, plugin, model, data, ref_loss, ref):
+    dl = torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate)
+    model, dl = plugin.prepare(accelerator, model, dl)
+    assert plugin.device_mesh is None and plugin.cp_group is None and plugin.dp_size == 1
+    batch = next(iter(dl))
+    assert "shift_labels" in batch and batch["input_ids"].shape == (2, 21)
+    loss = model(**batch).loss
+    accelerator.backward(loss)
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert plugin.reduce_loss(loss).item() == pytest.approx(loss.item())
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    assert max_param_rel_err(grads, ref_grads) < 1e-5
+    assert accelerator.unwrap_model(model) is model
+
+
+def test_shard_collate_refuses_pickling():
+    import pickle
+
+    from hf_ring.accelerate import _ShardCollate
+
+    with pytest.raises(TypeError, match="num_workers=0"):
+        pickle.dumps(_ShardCollate(collate, None, "zigzag", True))
