@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "apply_ring_attention": "hf_ring.apply",
     "revert_ring_attention": "hf_ring.apply",
+    "register_attention": "hf_ring.apply",
     "shard_batch": "hf_ring.batch",
     "reduce_loss": "hf_ring.batch",
 }

@@ -2,14 +2,26 @@
 
 Accepts a ``transformers.PreTrainedModel`` or a PEFT ``PeftModel`` (the wrapped Transformers model is
 patched; the object passed in is returned). The family comes from ``config.model_type`` through the
-registry in ``hf_ring.patches``.
+registry in ``hf_ring.patches``. ``register_attention`` only registers ``"hf_ring"`` in Transformers, for
+``from_pretrained(..., attn_implementation="hf_ring")``.
 """
 
 from __future__ import annotations
 
-from .hf_attention import RingConfig
+from .hf_attention import RingConfig, register
 
-__all__ = ["apply_ring_attention", "revert_ring_attention"]
+__all__ = ["apply_ring_attention", "register_attention", "revert_ring_attention"]
+
+
+def register_attention() -> None:
+    """Register hf_ring under ``"hf_ring"`` in ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent).
+
+    Then ``AutoModelForCausalLM.from_pretrained(..., attn_implementation="hf_ring")`` works: its attention
+    modules get the defaults (default process group, ``"zigzag"``, ``"auto"`` backend). For another group,
+    layout or backend call ``apply_ring_attention(model, ...)`` on the loaded model (which also makes
+    ``revert_ring_attention`` fall back to ``"sdpa"``, since the model had no other implementation).
+    """
+    register()
 
 
 def _transformers_model(model):
@@ -26,9 +38,15 @@ def _transformers_model(model):
         inner = model.get_base_model()
         if isinstance(inner, PreTrainedModel):
             return inner
+    hint = ""
+    if hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        hint = (
+            " (a DDP/FSDP/torch.compile/accelerator.prepare wrapper?): apply before wrapping, or pass "
+            "model.module (model._orig_mod for torch.compile)"
+        )
     raise TypeError(
         f"apply_ring_attention expects a transformers PreTrainedModel or a peft PeftModel wrapping one, "
-        f"got {type(model).__name__}"
+        f"got {type(model).__name__}{hint}"
     )
 
 

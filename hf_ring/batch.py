@@ -5,7 +5,8 @@ The loss contract: each rank's ``model(**shard_batch(batch)).loss`` is (sum of i
 context-parallel group equal the unsharded loss and the parameter gradients summed over the group
 equal the unsharded gradients. To get there, labels are shifted on the full sequence before sharding
 (``shift_labels``; no target is lost at a chunk boundary) and the global count goes to the loss as
-``num_items_in_batch`` (Transformers' ``ForCausalLMLoss`` divides the summed loss by it).
+``num_items_in_batch`` (Transformers' ``ForCausalLMLoss`` divides the summed loss by it). The output's
+``labels`` are therefore already shifted: whatever shifts labels again must use ``shift_labels`` as is.
 
 Masks: packed documents (``position_ids`` that restart, as ``DataCollatorWithFlattening`` makes them,
 or ``cu_seq_lens_q``) and padding (``attention_mask`` zeros, and the tokens ``pad_to_multiple`` adds)
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import group_rank_and_size
-from .hf_attention import DOCUMENT_IDS_KWARG
+from .hf_attention import DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, ShardInfo
 from .layout import check_layout, required_multiple, shard
 
 __all__ = ["shard_batch", "reduce_loss", "IGNORE_INDEX"]
@@ -66,7 +67,11 @@ def _validate(batch) -> tuple:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"shard_batch: {name} must have the shape of input_ids {shape}, got {got}")
     if pos is not None:
-        if not isinstance(pos, torch.Tensor) or pos.dim() not in (1, 2) or pos.shape[-1] != shape[1]:
+        if not isinstance(pos, torch.Tensor):
+            raise ValueError(
+                f"shard_batch: position_ids must be a tensor [batch or 1, {shape[1]}], got {type(pos).__name__}"
+            )
+        if pos.dim() not in (1, 2) or pos.shape[-1] != shape[1]:
             raise ValueError(f"shard_batch: position_ids must be [batch or 1, {shape[1]}], got {tuple(pos.shape)}")
         pos = pos.reshape(-1, shape[1])
         if pos.shape[0] not in (1, shape[0]):
@@ -74,6 +79,8 @@ def _validate(batch) -> tuple:
         pos = pos.expand(shape[0], -1)
     cu = batch.get("cu_seq_lens_q")
     if pos is None and cu is not None:
+        if not isinstance(cu, torch.Tensor) or cu.dtype.is_floating_point:
+            raise ValueError(f"shard_batch: cu_seq_lens_q must be an integer tensor, got {type(cu).__name__}")
         if shape[0] != 1:
             raise ValueError("shard_batch: cu_seq_lens_q describes a batch of one packed row; got batch size > 1")
         cu = cu.detach().cpu().long()
@@ -111,9 +118,16 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
     Returns:
         ``input_ids`` and ``position_ids`` [batch, local_seq] (global positions, or per-document
         positions for packed batches); with labels: ``labels`` and ``shift_labels`` [batch, local_seq]
-        (both already shifted: the target of each local token) and ``num_items_in_batch`` (valid
-        targets in the whole batch); ``ring_document_ids``: [batch, padded seq_len] (CPU, int32) when
-        the batch is packed or padded, else None; ``use_cache=False``.
+        and ``num_items_in_batch`` (valid targets in the whole batch); ``ring_document_ids``:
+        [batch, padded seq_len] (CPU, int32) when the batch is packed or padded, else None;
+        ``ring_shard_info``: a ``ShardInfo`` (layout, group size, rank, padded length) that the
+        attention checks against ``apply_ring_attention``'s settings; ``use_cache=False``.
+
+    Warning:
+        ``labels`` in the output are ALREADY SHIFTED (``labels[:, i]`` is the target of token i, equal to
+        ``shift_labels``). Anything that shifts labels again, e.g. a label smoother, a token-accuracy
+        metric or a custom loss, must use ``shift_labels`` as is, else it drops one target per chunk
+        boundary and pairs the others with the wrong token.
     """
     check_layout(layout)
     rank, world = _group(group)
@@ -162,6 +176,7 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         local["num_items_in_batch"] = (full != IGNORE_INDEX).sum()
     # present even when None: tells the attention function that packing and padding are resolved
     local[DOCUMENT_IDS_KWARG] = torch.where(valid, docs, -1).to(torch.int32) if packed or padded else None
+    local[SHARD_INFO_KWARG] = ShardInfo(layout=layout, world_size=world, rank=rank, seq_len=s + pad)
     return local
 
 

@@ -17,14 +17,28 @@ It returns ``[batch, local_seq, q_heads, head_dim]`` and no attention weights.
 ``ring_mask_function`` is registered under the same name in ``AttentionMaskInterface`` so that
 Transformers never builds a dense ``[q, k]`` mask: it hands the 2-D padding mask (or None) through.
 
-Caveat: with more than one rank the batch must come from ``hf_ring.shard_batch``; the function cannot
+Checks against silent mistakes: ``shard_batch`` adds ``ring_shard_info`` (a ``ShardInfo``: layout, group
+size, rank, padded length), which must agree with the module's ``RingConfig`` and the local length,
+else a ValueError says what to change. Errors that only some ranks can see go through the ring's own
+pre-flight exchange (``hf_ring.ring.raise_on_every_rank``), so every rank of the
+group raises and none is left waiting in a collective.
+
+Autocast: under ``torch.autocast`` q, k and v are cast to the autocast dtype (as SDPA is), since RoPE
+leaves q/k in fp32 while v comes from a low-precision projection; the kernels accumulate in fp32.
+
+Caveat: with more than one rank the batch should come from ``hf_ring.shard_batch``; the function cannot
 see packing or padding of the unsharded sequence from the local shard alone, so a 2-D padding mask
-is refused there and restarting ``position_ids`` are read as positions only.
+is refused there. A batch sharded by hand (no ``ring_shard_info`` / ``ring_document_ids``) must carry
+the global positions of its tokens: ``position_ids`` that restart (packing) or are local (missing)
+raise. That check runs once per forward (in the layer with ``layer_idx == 0``) and costs one small
+device-to-host copy when ``position_ids`` live on a GPU; ``shard_batch`` users never pay it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import warnings
 from typing import Any
 
 import torch
@@ -32,14 +46,16 @@ import torch.distributed as dist
 
 from .comm import group_rank_and_size
 from .kernels import BACKENDS
-from .layout import LAYOUTS
-from .ring import ring_attention
+from .layout import LAYOUTS, positions
+from .ring import raise_on_every_rank, ring_attention
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CONFIG_ATTR",
     "DOCUMENT_IDS_KWARG",
     "RingConfig",
+    "SHARD_INFO_KWARG",
+    "ShardInfo",
     "register",
     "ring_attention_forward",
     "ring_mask_function",
@@ -51,13 +67,43 @@ ATTN_IMPLEMENTATION = "hf_ring"
 DOCUMENT_IDS_KWARG = "ring_document_ids"
 """Model keyword argument carrying ``[1 or batch, full_seq]`` global document ids (-1 = padding)."""
 
+SHARD_INFO_KWARG = "ring_shard_info"
+"""Model keyword argument carrying the ``ShardInfo`` of a ``shard_batch`` output."""
+
 CONFIG_ATTR = "hf_ring_config"
 """Attribute of each patched attention module holding its ``RingConfig``."""
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """How ``shard_batch`` cut a batch: layout, group size, this rank, full (padded) length.
+
+    A plain frozen dataclass, so it passes through the model's ``**kwargs`` to the attention function
+    unchanged: ``.to()`` / Accelerate's ``send_to_device`` / the Trainer's ``_prepare_inputs`` leave it alone.
+    """
+
+    layout: str
+    world_size: int
+    rank: int
+    seq_len: int
+
+
+class _Dropped(enum.Enum):
+    """Stands for a process group that was dropped when its ``RingConfig`` was pickled."""
+
+    GROUP = "process group dropped when pickled"
+
+
+@dataclasses.dataclass(frozen=True)
 class RingConfig:
-    """How one model's attention runs: process group, layout and kernel backend (validated)."""
+    """How one model's attention runs: process group, layout and kernel backend (validated).
+
+    ``copy.copy`` / ``copy.deepcopy`` return the same object (a process group is a shared handle, so a
+    deep copy of a patched model, e.g. TRL's reference model or an EMA copy, runs on the same group).
+    Pickling keeps layout and backend but drops an explicit group (it cannot be serialised), with a
+    warning; a model unpickled that way raises on its first forward until ``apply_ring_attention(model,
+    group=...)`` is called again.
+    """
 
     group: Any = None
     layout: str = "zigzag"
@@ -68,14 +114,33 @@ class RingConfig:
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.group is not None and not (dist.is_available() and dist.is_initialized()):
+        explicit = self.group is not None and self.group is not _Dropped.GROUP
+        if explicit and not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
                 "a process group was passed but torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group first (or pass group=None for one rank)"
             )
 
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        group = self.group
+        if group is not None and group is not _Dropped.GROUP:
+            warnings.warn(
+                "hf_ring: pickling a model patched with an explicit process group drops the group (it cannot be "
+                "serialised); after loading, call hf_ring.apply_ring_attention(model, group=...) again",
+                stacklevel=2,
+            )
+            group = _Dropped.GROUP
+        return (RingConfig, (group, self.layout, self.backend))
+
 
 _DEFAULT = RingConfig()
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
 
 def register() -> None:
@@ -119,10 +184,20 @@ def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None
     return (starts.cumsum(-1) - 1).to(torch.int32)
 
 
+def _ids_from_cu_seqlens(cu, full: int) -> torch.Tensor:
+    """[1, full] document ids from global boundaries ``cu`` (validated)."""
+    cu = cu.detach().cpu().long()
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != full or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seq_lens_q must rise from 0 to the sequence length {full}, got {cu.tolist()[:8]}")
+    return torch.bucketize(torch.arange(full), cu[1:], right=True)[None].to(torch.int32)
+
+
 def _documents(attention_mask, kwargs: dict, full: int, world_size: int) -> tuple[Any, Any]:
     """``(document_ids, cu_seqlens)`` for the core call (at most one is not None).
 
-    ``ring_document_ids`` present (even None) means shard_batch has resolved packing and padding.
+    ``ring_document_ids`` present (even None) means shard_batch has resolved packing and padding. With
+    one rank a 2-D padding mask is combined with ``cu_seq_lens`` / ``seq_idx`` (padding -> -1), and wins
+    over restarting ``position_ids`` (as in Transformers, which ignores packing when a mask is given).
     """
     from_shard_batch = DOCUMENT_IDS_KWARG in kwargs
     if attention_mask is not None:
@@ -141,26 +216,94 @@ def _documents(attention_mask, kwargs: dict, full: int, world_size: int) -> tupl
     if from_shard_batch:
         return kwargs[DOCUMENT_IDS_KWARG], None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None or cu_k is not None:
-        if cu_q is None or cu_k is None or cu_q.shape != cu_k.shape or not torch.equal(cu_q, cu_k):
-            raise ValueError("hf_ring needs cu_seq_lens_q == cu_seq_lens_k (self-attention over packed documents)")
-        return None, cu_q
     seq_idx = kwargs.get("seq_idx")
-    if seq_idx is not None:
-        if seq_idx.dim() != 2 or seq_idx.shape[-1] != full:
+    docs = None
+    if cu_q is not None or cu_k is not None:
+        if not (
+            isinstance(cu_q, torch.Tensor)
+            and isinstance(cu_k, torch.Tensor)
+            and cu_q.shape == cu_k.shape
+            and torch.equal(cu_q, cu_k)
+        ):
+            raise ValueError("hf_ring needs cu_seq_lens_q == cu_seq_lens_k (self-attention over packed documents)")
+        if attention_mask is None:
+            return None, cu_q
+        docs = _ids_from_cu_seqlens(cu_q, full)
+    elif seq_idx is not None:
+        if not isinstance(seq_idx, torch.Tensor) or seq_idx.dim() != 2 or seq_idx.shape[-1] != full:
             raise ValueError(
                 f"seq_idx must give the document of every token of the unsharded sequence ([batch, {full}]); "
                 "pass the full batch through hf_ring.shard_batch instead"
             )
-        return seq_idx, None
-    if world_size == 1:
-        if attention_mask is not None:
-            valid = attention_mask.detach().cpu().bool()
-            return torch.where(valid, 0, -1).to(torch.int32), None
+        if attention_mask is None:
+            return seq_idx, None
+        docs = seq_idx.detach().cpu().to(torch.int32)
+    elif world_size == 1 and attention_mask is None:
         position_ids = kwargs.get("position_ids")
-        if position_ids is not None:
-            return _documents_from_positions(position_ids), None
-    return None, None
+        return (None if position_ids is None else _documents_from_positions(position_ids)), None
+    if attention_mask is not None:  # one rank: padding -> -1, on top of the documents
+        valid = attention_mask.detach().cpu().bool()
+        docs = torch.zeros_like(valid, dtype=torch.int32) if docs is None else docs.expand(valid.shape[0], -1)
+        docs = torch.where(valid, docs, -1).to(torch.int32)
+    return docs, None
+
+
+def _shard_info_error(info, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
+    """Why ``shard_batch``'s ``ShardInfo`` does not fit this module's ring (what to change), or None."""
+    if not isinstance(info, ShardInfo):
+        return f"{SHARD_INFO_KWARG} must be the ShardInfo hf_ring.shard_batch makes, got {type(info).__name__}"
+    if info.layout != cfg.layout:
+        return (
+            f"the batch was sharded with layout={info.layout!r} but the model's ring attention uses "
+            f"layout={cfg.layout!r}; pass the same layout to hf_ring.shard_batch and hf_ring.apply_ring_attention"
+        )
+    if (info.world_size, info.rank) != (world_size, rank):
+        return (
+            f"the batch was sharded for rank {info.rank} of a group of {info.world_size} but the model's ring "
+            f"attention runs as rank {rank} of a group of {world_size}; pass the same (context-parallel) group "
+            "to hf_ring.shard_batch(group=...) and hf_ring.apply_ring_attention(group=...)"
+        )
+    if info.seq_len != local_len * world_size:
+        return (
+            f"this rank's shard has {local_len} tokens but shard_batch cut {info.seq_len} tokens into "
+            f"{world_size} shards of {info.seq_len // world_size}; pass shard_batch's output to the model unchanged"
+        )
+    return None
+
+
+def _hand_sharded_error(module, kwargs: dict, cfg: RingConfig, rank: int, world_size: int, local_len: int):
+    """Why this rank's ``position_ids`` are not the global positions of its tokens in the layout, or None.
+
+    Only for batches sharded without ``shard_batch`` over several ranks: restarting positions (packing)
+    or local positions would otherwise pass silently. Checked once per forward (layer 0).
+    """
+    pos = kwargs.get("position_ids")
+    if pos is None or getattr(module, "layer_idx", 0) != 0:
+        return None
+    pos = pos.detach().cpu().long().reshape(-1, pos.shape[-1])  # one small copy per forward on a GPU
+    if pos.shape[-1] != local_len:
+        return None  # not per-token positions (Transformers would fail on them); nothing to compare
+    want = positions(local_len * world_size, rank=rank, world_size=world_size, layout=cfg.layout)
+    offset = pos - want
+    if bool((offset == offset[:, :1]).all()) and bool((offset[:, 0] >= 0).all()):
+        return None
+    return (
+        f"position_ids on rank {rank} are not the global positions of its tokens in the {cfg.layout} layout "
+        "(they restart, as in a packed batch, or are local to the shard); tokens would attend across "
+        "documents or get wrong rotary positions. Pass the batch through hf_ring.shard_batch (or pass "
+        "cu_seq_lens_q/cu_seq_lens_k of the unsharded sequence for packing)"
+    )
+
+
+def _sharding_error(module, kwargs: dict, cfg: RingConfig, rank: int, world_size: int, local_len: int):
+    """Why the batch does not fit this module's ring (shard_batch's ShardInfo, or hand-sharded positions), or None."""
+    info = kwargs.get(SHARD_INFO_KWARG)
+    if info is not None:
+        return _shard_info_error(info, cfg, rank, world_size, local_len)
+    by_hand = DOCUMENT_IDS_KWARG not in kwargs and all(kwargs.get(k) is None for k in _PACKING_KWARGS)
+    if world_size > 1 and by_hand:
+        return _hand_sharded_error(module, kwargs, cfg, rank, world_size, local_len)
+    return None
 
 
 def ring_attention_forward(
@@ -183,13 +326,18 @@ def ring_attention_forward(
         attention_mask: what ``ring_mask_function`` returned: None or a 2-D padding mask (one rank only).
         scaling: score scale (default ``head_dim ** -0.5``); dropout: must be 0 (no attention dropout).
         sliding_window: Transformers' window W (key visible iff ``q - W < k <= q``), or None.
-        kwargs: ``ring_document_ids``, ``cu_seq_lens_q`` / ``cu_seq_lens_k``, ``seq_idx``,
-            ``position_ids``, ``is_causal``, ``output_attentions``; others are ignored.
+        kwargs: ``ring_document_ids``, ``ring_shard_info``, ``cu_seq_lens_q`` / ``cu_seq_lens_k``,
+            ``seq_idx``, ``position_ids``, ``is_causal``, ``output_attentions``; others are ignored.
 
     Returns:
         ``(out, None)``, out: [batch, local_seq, q_heads, head_dim] in query's dtype.
     """
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
+    if cfg.group is _Dropped.GROUP:
+        raise ValueError(
+            "this model's ring attention lost its process group when the model was pickled; call "
+            "hf_ring.apply_ring_attention(model, group=...) again"
+        )
     config = getattr(module, "config", None)
     output_attentions = kwargs.get("output_attentions")
     if output_attentions is None:
@@ -214,8 +362,17 @@ def ring_attention_forward(
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
-    _, world_size = group_rank_and_size(cfg.group)
-    document_ids, cu_seqlens = _documents(attention_mask, kwargs, query.shape[2] * world_size, world_size)
+    rank, world_size = group_rank_and_size(cfg.group)
+    local_len = query.shape[2]
+    error = _sharding_error(module, kwargs, cfg, rank, world_size, local_len)
+    if error:
+        raise_on_every_rank(error, group=cfg.group, device=query.device)
+    if torch.is_autocast_enabled(query.device.type):
+        # Like SDPA under autocast: attention runs in the autocast dtype (RoPE leaves q/k in fp32 while
+        # v comes from a bf16 projection); the kernels still accumulate in fp32.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    document_ids, cu_seqlens = _documents(attention_mask, kwargs, local_len * world_size, world_size)
     out = ring_attention(
         query,
         key,

@@ -29,7 +29,7 @@ from . import layout as _layout
 from .comm import RingComm, group_rank_and_size
 from .kernels import BACKENDS, BlockMask, get_backend
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "raise_on_every_rank"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -216,6 +216,20 @@ def _check_everywhere(error, summary, group, rank, world_size, device) -> None:
                 f"ring_attention: ranks disagree on {field}: {values} (rank order); every rank of the "
                 "ring must pass its shard of the same sequence with the same settings"
             )
+
+
+def raise_on_every_rank(message: str, *, group=None, device: torch.device | None = None):
+    """Raise ``ValueError(message)`` here after taking part in the pre-flight exchange of
+    ``ring_attention``: the other ranks of ``group``, entering ``ring_attention`` at the same point,
+    learn that this rank rejected its input and raise too, instead of waiting for it in the ring.
+
+    For callers above the core (the Transformers integration) that find a problem only some ranks
+    can see. It joins the exchange the other ranks run anyway: no extra collective when all is well.
+    """
+    rank, world_size = group_rank_and_size(group)
+    summary = [1] + [0] * (len(_FIELDS) - 1)
+    _check_everywhere(message, summary, group, rank, world_size, device)
+    raise AssertionError("unreachable: _check_everywhere raises when given an error")
 
 
 # --------------------------------------------------------------------------- planning

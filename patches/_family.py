@@ -4,7 +4,9 @@ A ``FamilyPatch`` describes one family (its ``config.model_type`` values, its at
 config check). ``apply`` registers hf_ring in Transformers' ``AttentionInterface`` /
 ``AttentionMaskInterface``, gives every attention module its ``RingConfig`` and switches the model
 with ``set_attn_implementation``; ``revert`` restores the implementation the model had before, so its
-outputs are bit-identical to the unpatched model. Nothing private in Transformers is overwritten.
+outputs are bit-identical to the unpatched model. A model that was already ``"hf_ring"`` when first
+patched (loaded with ``attn_implementation="hf_ring"``) has no other implementation to go back to:
+revert then switches it to ``"sdpa"``. Nothing private in Transformers is overwritten.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ __all__ = ["FamilyPatch", "ORIGINAL_ATTR", "is_applied"]
 
 ORIGINAL_ATTR = "hf_ring_original_attn_implementation"
 """Attribute of a patched model holding the attention implementation to restore on revert."""
+
+FALLBACK_ATTN_IMPLEMENTATION = "sdpa"
+"""What revert switches to when the model was ``"hf_ring"`` before the first apply."""
 
 
 def _no_check(config) -> None:
@@ -81,7 +86,11 @@ class FamilyPatch:
             )
 
     def apply(self, model: torch.nn.Module | None, cfg: RingConfig):
-        """Switch ``model`` to ring attention (in place) and return it; with ``model=None`` only register."""
+        """Switch ``model`` to ring attention (in place) and return it; with ``model=None`` only register.
+
+        The implementation to restore on revert is remembered at the first apply; ``"sdpa"`` if the model
+        was already ``"hf_ring"`` (loaded with ``attn_implementation="hf_ring"``).
+        """
         register()
         if model is None:
             return None
@@ -91,6 +100,8 @@ class FamilyPatch:
         if not modules:
             raise ValueError(f"found no {self.attention_class.rpartition('.')[2]} module in {type(model).__name__}")
         original = getattr(model, ORIGINAL_ATTR, model.config._attn_implementation)
+        if original == ATTN_IMPLEMENTATION:  # loaded with attn_implementation="hf_ring"
+            original = FALLBACK_ATTN_IMPLEMENTATION
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(

@@ -90,16 +90,28 @@ def test_apply_twice_keeps_the_original_for_revert():
     assert torch.equal(_logits(model, input_ids=_ids()), before)
 
 
-def test_model_none_registers_for_attn_implementation_hf_ring():
+@pytest.mark.parametrize("register", ["register_attention", "family_entry_point"])
+def test_registration_alone_enables_attn_implementation_hf_ring(register):
     from hf_ring.patches import apply_ring_attention_to_qwen2
     from transformers import AutoModelForCausalLM
 
-    assert apply_ring_attention_to_qwen2() is None
+    if register == "register_attention":
+        assert hf_ring.register_attention() is None
+    else:
+        assert apply_ring_attention_to_qwen2() is None
     ref = make_model("qwen2").eval()
     model = AutoModelForCausalLM.from_config(ref.config, attn_implementation="hf_ring").eval()
     model.load_state_dict(ref.state_dict())
+    for m in model.modules():  # make_model's non-default scaling
+        if hasattr(m, "scaling"):
+            m.scaling = get_patch("qwen2").attention_modules(ref)[0].scaling
     assert model.config._attn_implementation == "hf_ring"
     torch.testing.assert_close(_logits(model, input_ids=_ids()), _logits(ref, input_ids=_ids()), atol=ATOL, rtol=0)
+    # loaded as "hf_ring", the model has no other implementation to restore: revert falls back to sdpa
+    hf_ring.apply_ring_attention(model)
+    hf_ring.revert_ring_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(_logits(model, input_ids=_ids()), _logits(ref, input_ids=_ids()), atol=1e-6, rtol=0)
 
 
 def test_peft_model_is_patched_through_its_base_model():
@@ -165,6 +177,29 @@ def test_flash_attention_packing_kwargs_are_honoured():
     assert not torch.allclose(cross, ref, atol=1e-3)
 
 
+def test_one_rank_packing_kwargs_and_padding_mask_are_combined():
+    from transformers import DataCollatorWithFlattening
+
+    feats = [{"input_ids": _ids(seed=s, shape=(n,)).tolist()} for s, n in ((1, 9), (2, 17), (3, 6))]
+    flat = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True, return_seq_idx=True)(feats)
+    ids, pos = flat["input_ids"], flat["position_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, 9:13] = 0  # the second document is left-padded
+    model = make_model("llama").eval()
+    hf_ring.apply_ring_attention(model)
+    # reference: shard_batch (one rank) turns restarting positions + mask into document ids
+    want = _logits(model, **hf_ring.shard_batch({"input_ids": ids, "position_ids": pos, "attention_mask": mask}))
+    cu = {k: flat[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k")}
+    by_cu = _logits(model, input_ids=ids, position_ids=pos, attention_mask=mask, **cu)
+    by_idx = _logits(model, input_ids=ids, position_ids=pos, attention_mask=mask, seq_idx=flat["seq_idx"])
+    no_mask = _logits(model, input_ids=ids, position_ids=pos, **cu)  # the pads are attended to
+    hf_ring.revert_ring_attention(model)
+    real = mask.bool()
+    torch.testing.assert_close(by_cu[real], want[real], atol=ATOL, rtol=0)
+    torch.testing.assert_close(by_idx[real], want[real], atol=ATOL, rtol=0)
+    assert not torch.allclose(no_mask[real], want[real], atol=1e-3)
+
+
 def test_shard_batch_one_rank_loss_matches_unmodified_model():
     batch, ref_batch = make_batch("padded", 37)
     model = make_model("qwen2")
@@ -191,8 +226,9 @@ def test_shard_batch_shifts_labels_counts_targets_and_marks_documents():
     assert torch.equal(local["position_ids"], pos)
 
     plain = hf_ring.shard_batch({"input_ids": ids})
-    assert set(plain) == {"input_ids", "position_ids", "use_cache", "ring_document_ids"}
+    assert set(plain) == {"input_ids", "position_ids", "use_cache", "ring_document_ids", "ring_shard_info"}
     assert plain["ring_document_ids"] is None
+    assert plain["ring_shard_info"] == hf_attention.ShardInfo(layout="zigzag", world_size=1, rank=0, seq_len=8)
     assert torch.equal(plain["position_ids"], torch.arange(8)[None])
 
     # cu_seq_lens alone (no position_ids) gives the same documents and per-document positions
@@ -213,12 +249,20 @@ def test_shard_batch_shifts_labels_counts_targets_and_marks_documents():
 # --------------------------------------------------------------------------- error paths
 
 
+class _Wrapper(torch.nn.Module):  # what DDP / FSDP / accelerator.prepare hand back: the model as .module
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
 def test_apply_errors():
     from hf_ring.patches import apply_ring_attention_to_mistral, revert_ring_attention_from_llama
     from transformers import GPT2Config, GPT2LMHeadModel
 
     with pytest.raises(TypeError, match="PreTrainedModel or a peft PeftModel"):
         hf_ring.apply_ring_attention(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="_Wrapper.*apply before wrapping, or pass model.module"):
+        hf_ring.apply_ring_attention(_Wrapper(make_model("llama")))
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
     with pytest.raises(ValueError, match="model type 'gpt2'.*llama, mistral, qwen2, qwen3"):
         hf_ring.apply_ring_attention(gpt2)
@@ -242,6 +286,20 @@ def test_apply_errors():
     hf_ring.revert_ring_attention(llama)
     with pytest.raises(ValueError, match="reverted already"):
         hf_ring.revert_ring_attention(llama)
+
+
+def test_family_patch_errors(monkeypatch):
+    from hf_ring.patches import FamilyPatch
+
+    llama = make_model("llama")
+    wrong = FamilyPatch("llama", ("llama",), "transformers.models.mistral.modeling_mistral.MistralAttention")
+    with pytest.raises(ValueError, match="found no MistralAttention module in LlamaForCausalLM"):
+        wrong.apply(llama, hf_attention.RingConfig())
+    monkeypatch.setattr(llama, "set_attn_implementation", lambda *args, **kwargs: None)  # ignores the switch
+    with pytest.raises(ValueError, match="did not accept attn_implementation='hf_ring'"):
+        hf_ring.apply_ring_attention(llama)
+    assert llama.config._attn_implementation != "hf_ring"
+    assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in llama.modules())
 
 
 @pytest.mark.parametrize(
@@ -286,12 +344,43 @@ def test_forward_errors():
         model(input_ids=ids, attention_mask=mask4d)
     with pytest.raises(ValueError, match="cu_seq_lens_q == cu_seq_lens_k"):
         model(input_ids=ids[:1], cu_seq_lens_q=torch.tensor([0, 21]), cu_seq_lens_k=torch.tensor([0, 20, 21]))
+    with pytest.raises(ValueError, match="cu_seq_lens_q == cu_seq_lens_k"):
+        model(input_ids=ids[:1], cu_seq_lens_q=[0, 21], cu_seq_lens_k=[0, 21])
     with pytest.raises(ValueError, match="seq_idx must give the document"):
         model(input_ids=ids[:1], seq_idx=torch.zeros(1, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="seq_idx must give the document"):
+        model(input_ids=ids[:1], seq_idx=[[0] * 21])
     local = hf_ring.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids).tril(12)})  # padded
     with pytest.raises(ValueError, match="attention_mask cannot be passed"):
         model(**local, attention_mask=torch.ones_like(ids))
+    # shard_batch's ShardInfo must fit the model's settings (one rank: layouts are still compared)
+    with pytest.raises(ValueError, match="layout='striped' but the model's ring attention uses layout='zigzag'"):
+        model(**hf_ring.shard_batch({"input_ids": ids}, layout="striped"))
+    cut = {
+        k: v[:, :-1] if k in ("input_ids", "position_ids") else v
+        for k, v in hf_ring.shard_batch({"input_ids": ids}).items()
+    }
+    with pytest.raises(ValueError, match="shard has 20 tokens but shard_batch cut 21 tokens"):
+        model(**cut)
+    with pytest.raises(ValueError, match="must be the ShardInfo"):
+        model(input_ids=ids, ring_shard_info=("zigzag", 1, 0, 21))
     hf_ring.revert_ring_attention(model)
+
+
+def test_ring_config_copies_share_the_group_and_pickling_drops_it_with_a_warning():
+    import copy
+    import pickle
+    import warnings
+
+    cfg = hf_attention.RingConfig(layout="striped", backend="torch")
+    assert copy.deepcopy(cfg) is cfg and copy.copy(cfg) is cfg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no group, nothing dropped, no warning
+        assert pickle.loads(pickle.dumps(cfg)) == cfg
+    model = hf_ring.apply_ring_attention(make_model("llama"), layout="striped")
+    twin = copy.deepcopy(model)  # e.g. TRL's create_reference_model; with a group: test_hf_parity's spawn
+    mine, its = (getattr(get_patch("llama").attention_modules(m)[0], hf_attention.CONFIG_ATTR) for m in (model, twin))
+    assert its is mine
 
 
 @pytest.mark.parametrize(
@@ -315,6 +404,10 @@ def test_forward_errors():
          "batch of one packed row"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.long), "seq_idx": torch.zeros(1, 4)}, {}, ValueError,
          "also needs position_ids"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "position_ids": [[0, 1, 2, 3]]}, {}, ValueError,
+         "position_ids must be a tensor"),
+        ({"input_ids": torch.ones(1, 4, dtype=torch.long), "cu_seq_lens_q": [0, 4]}, {}, ValueError,
+         "cu_seq_lens_q must be an integer tensor"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.long)}, {"layout": "diagonal"}, ValueError, "unknown layout"),
         ({"input_ids": torch.ones(1, 4, dtype=torch.long)}, {"group": object()}, ValueError, "not initialised"),
     ],

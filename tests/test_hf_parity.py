@@ -1,9 +1,12 @@
 """Loss and gradient parity of ``apply_ring_attention`` + ``shard_batch`` with the unmodified model (gloo, CPU).
 
-For every case (family x batch kind x option) each rank builds the same tiny random model, computes
-the reference loss and gradients of the unmodified model on the full batch, then applies ring
-attention, runs its shard, and sums its loss share (``reduce_loss``) and its gradients over the
-group. One process group is spawned per world size; all cases run inside it (spawning costs seconds).
+For every case (family x batch kind x option) each rank builds the same tiny random model (with a
+non-default attention ``scaling``), applies ring attention, runs its shard, and sums its loss share
+(``reduce_loss``) and its gradients over the group; rank 0 also computes the reference loss and
+gradients of the unmodified model on the full batch (once, not on every rank: CPU is shared). One
+process group is spawned per world size; all cases, and the distributed error paths (layout or group
+mismatch between ``shard_batch`` and ``apply_ring_attention``, batches sharded by hand, deep copies),
+run inside it (spawning costs seconds).
 """
 
 from __future__ import annotations
@@ -16,12 +19,20 @@ from tests.dist_utils import run_distributed
 VOCAB = 96
 PAD_ID = 0
 
+# every attention module gets scaling = SCALE_FACTOR * head_dim ** -0.5: an implementation that ignored
+# Transformers' `scaling` (and used the default) would fail every parity case
+SCALE_FACTOR = 1.5
+
 # fp32: the ring merges blocks in a different order than SDPA sums a row; both are fp32 with fp32
 # accumulation, so norm-wise relative differences stay ~1e-7 (the issue asks for <= 1e-5).
 RTOL_FP32 = 1e-5
 # bf16 (flash-attention's rule): error vs the fp32 reference at most 2x that of the unmodified bf16
-# model, plus an epsilon for the bf16 rounding of a different but equally valid summation order.
-BF16_FACTOR, BF16_EPS = 2.0, 1e-2
+# model, plus an epsilon per quantity for the bf16 rounding of a different but equally valid order:
+BF16_FACTOR = 2.0
+BF16_EPS = {  # measured (world sizes 1, 2, 4): ring loss 6e-6..8e-6 vs torch bf16 4e-6; worst grad both ~1e-2
+    "loss": 1e-4,  # ~12x the measured ring error, yet ~40x below bf16's unit roundoff (3.9e-3)
+    "grad": 1e-3,  # the 2x factor already covers it (ring 9.9e-3 <= torch 1.02e-2); 10% margin on top
+}
 
 
 def make_config(family: str, **overrides):
@@ -68,6 +79,9 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
     torch.manual_seed(seed)
     model = classes[family](make_config(family, **overrides)).to(dtype)
     model.config.use_cache = False
+    for m in model.modules():  # a non-default attention scale, which the ring must honour
+        if hasattr(m, "scaling") and hasattr(m, "head_dim"):
+            m.scaling = SCALE_FACTOR * m.head_dim**-0.5
     return model
 
 
@@ -111,6 +125,7 @@ CASES = {
     "llama-padded": ("llama", "padded", 40, {}),
     "llama-lora": ("llama", "plain", 40, {"lora": True}),
     "llama-striped": ("llama", "plain", 40, {"layout": "striped"}),
+    "mistral-contiguous": ("mistral", "packed", 45, {"layout": "contiguous"}),
     "mistral-plain": ("mistral", "plain", 40, {}),
     "mistral-packed": ("mistral", "packed", 45, {}),
     "mistral-checkpointing": ("mistral", "plain", 40, {"checkpointing": True}),
@@ -192,25 +207,27 @@ def _errors(loss, grads, ref_loss, ref_grads) -> dict:
     }
 
 
-def _parity(names: list) -> dict:
+def _parity(rank: int, names: list) -> dict:
+    """Per case: the global loss and a gradient checksum (every rank), and the errors (rank 0 only)."""
     results = {}
     for name in names:
         family, kind, seq_len, opts = CASES[name]
         ours_batch, ref_batch = make_batch(kind, seq_len)
         model = _prepare(family, opts)
-        if opts.get("dtype") == torch.bfloat16:
-            ref32 = _prepare(family, opts, dtype=torch.float32)
+        bf16 = opts.get("dtype") == torch.bfloat16
+        if rank == 0:
+            ref32 = _prepare(family, opts, dtype=torch.float32) if bf16 else model
             ref_loss, ref_grads = _reference(ref32, ref_batch)
-            loss16, grads16 = _reference(model, ref_batch)
-            loss, grads = _ring(model, ours_batch, opts.get("layout", "zigzag"))
-            results[name] = {
-                "ring": _errors(loss, {n: g.float() for n, g in grads.items()}, ref_loss, ref_grads),
-                "torch": _errors(loss16, grads16, ref_loss, ref_grads),
-            }
-        else:
-            ref_loss, ref_grads = _reference(model, ref_batch)
-            loss, grads = _ring(model, ours_batch, opts.get("layout", "zigzag"))
-            results[name] = _errors(loss, grads, ref_loss, ref_grads)
+            if bf16:
+                loss16, grads16 = _reference(model, ref_batch)
+        loss, grads = _ring(model, ours_batch, opts.get("layout", "zigzag"))
+        grads = {n: g.float() for n, g in grads.items()}
+        out = {"value": loss.item(), "grad_sum": sum(float(g.double().sum()) for g in grads.values())}
+        if rank == 0:
+            out["ring"] = _errors(loss, grads, ref_loss, ref_grads)
+            if bf16:
+                out["torch"] = _errors(loss16, grads16, ref_loss, ref_grads)
+        results[name] = out
     return results
 
 
@@ -222,8 +239,12 @@ def _error_of(fn) -> str:
     return "no error"
 
 
-def _distributed_errors() -> dict:
+def _distributed_errors(rank: int, world_size: int) -> dict:
     """Every error must reach every rank, and leave the group usable (no rank stuck in a collective)."""
+    import copy
+    import pickle
+    import warnings
+
     import torch.distributed as dist
 
     import hf_ring
@@ -236,7 +257,14 @@ def _distributed_errors() -> dict:
     out = {
         "not_multiple": _error_of(lambda: hf_ring.shard_batch(batch, pad_to_multiple=False)),
         "attention_mask": _error_of(lambda: model(**local, attention_mask=torch.ones(2, n, dtype=torch.long))),
+        # shard_batch and apply_ring_attention disagree: layout, or group (here: shards of a half-size group)
+        "layout_mismatch": _error_of(lambda: model(**hf_ring.shard_batch(batch, layout="contiguous"))),
     }
+    half = world_size // 2
+    halves = [dist.new_group(list(range(i, i + half))) for i in range(0, world_size, half)]  # collective: all ranks
+    sub = halves[rank // half]
+    out["group_mismatch"] = _error_of(lambda: model(**hf_ring.shard_batch(batch, group=sub)))
+
     model.config.attention_dropout = 0.1
     for m in model.modules():
         if hasattr(m, "attention_dropout"):
@@ -251,7 +279,42 @@ def _distributed_errors() -> dict:
     by_cu = {k: v for k, v in packed.items() if k != "ring_document_ids"}
     with torch.no_grad():
         out["cu_seq_lens"] = (model(**packed).loss - model(**by_cu, cu_seq_lens_q=cu, cu_seq_lens_k=cu).loss).item()
+
+    # sharded by hand: global position_ids run as shard_batch's output does; restarting or local ones raise.
+    # The restart at 36 lies in the shards of some ranks only (e.g. rank 0 of 2): every rank must raise.
+    plain = hf_ring.shard_batch(make_batch("plain", 48)[0])
+    ids, pos = plain["input_ids"], plain["position_ids"]
+    with torch.no_grad():
+        out["by_hand_global"] = (
+            (model(input_ids=ids, position_ids=pos).logits - model(**plain).logits).abs().max().item()
+        )
+    restart = hf_ring.shard(
+        torch.cat([torch.arange(36), torch.arange(12)])[None], dim=1, rank=rank, world_size=world_size
+    )
+    out["by_hand_restart"] = _error_of(lambda: model(input_ids=ids, position_ids=restart))
+    out["by_hand_restart_mine"] = bool((restart != pos[:1]).any())  # this rank's own positions are wrong
+    out["by_hand_local"] = _error_of(lambda: model(input_ids=ids))  # Transformers' default: local 0..n-1
     hf_ring.revert_ring_attention(model)
+
+    # DP x CP: a model over the half-size group; a deep copy (TRL's reference model, EMA) shares its group
+    cp_model = make_model("llama")
+    hf_ring.apply_ring_attention(cp_model, group=sub)
+    twin = copy.deepcopy(cp_model)
+    cfg_of = lambda m: next(a.hf_ring_config for a in m.modules() if hasattr(a, "hf_ring_config"))  # noqa: E731
+    out["deepcopy_shares_config"] = cfg_of(twin) is cfg_of(cp_model) and cfg_of(twin).group is sub
+    sub_local = hf_ring.shard_batch(batch, group=sub)
+    with torch.no_grad():
+        out["deepcopy_loss"] = (twin(**sub_local).loss - cp_model(**sub_local).loss).item()
+    out["group_mismatch_dp"] = _error_of(lambda: twin(**local))  # shard_batch(group=None): the whole world
+    with warnings.catch_warnings(record=True) as caught:  # pickling drops the group, with a warning
+        warnings.simplefilter("always")
+        loaded = pickle.loads(pickle.dumps(twin))
+    out["pickle_warned"] = any("drops the group" in str(w.message) for w in caught)
+    out["pickled_forward"] = _error_of(lambda: loaded(**sub_local))
+    hf_ring.apply_ring_attention(loaded, group=sub)
+    with torch.no_grad():
+        out["pickled_reapplied"] = (loaded(**sub_local).loss - cp_model(**sub_local).loss).item()
+
     alive = torch.ones(1)
     dist.all_reduce(alive)
     out["group_alive"] = int(alive.item())
@@ -268,28 +331,27 @@ def _shards() -> dict:
 def worker(rank: int, world_size: int, names: list) -> dict:
     out = {}
     if world_size > 1:
-        out["errors"] = _distributed_errors()
+        out["errors"] = _distributed_errors(rank, world_size)
     out["shards"] = _shards()
-    out["parity"] = _parity(names)
+    out["parity"] = _parity(rank, names)
     return out
 
 
 def _check(results: dict, world_size: int) -> None:
     failures = []
     for name, r in results.items():
-        if "ring" in r:  # bf16
+        ring = r["ring"]
+        assert ring["n_grads"] > 0
+        if "torch" in r:  # bf16
             for key in ("loss", "grad"):
-                bound = BF16_FACTOR * r["torch"][key] + BF16_EPS
-                if not r["ring"][key] <= bound:
-                    failures.append(
-                        f"{name}: bf16 {key} error {r['ring'][key]:.2e} > {bound:.2e} ({r['ring']['worst']})"
-                    )
+                bound = BF16_FACTOR * r["torch"][key] + BF16_EPS[key]
+                if not ring[key] <= bound:
+                    failures.append(f"{name}: bf16 {key} error {ring[key]:.2e} > {bound:.2e} ({ring['worst']})")
             continue
-        assert r["n_grads"] > 0
-        if not r["loss"] <= RTOL_FP32:
-            failures.append(f"{name}: loss relative error {r['loss']:.2e}")
-        if not r["grad"] <= RTOL_FP32:
-            failures.append(f"{name}: gradient of {r['worst']} relative error {r['grad']:.2e}")
+        if not ring["loss"] <= RTOL_FP32:
+            failures.append(f"{name}: loss relative error {ring['loss']:.2e}")
+        if not ring["grad"] <= RTOL_FP32:
+            failures.append(f"{name}: gradient of {ring['worst']} relative error {ring['grad']:.2e}")
     assert not failures, f"world size {world_size}:\n" + "\n".join(failures)
 
 
@@ -340,10 +402,25 @@ def test_hf_integration_distributed(world_size):
             e = r["errors"]
             assert "not a multiple of" in e["not_multiple"] and "pad_to_multiple=True" in e["not_multiple"]
             assert "shard_batch" in e["attention_mask"]
+            assert "layout='contiguous'" in e["layout_mismatch"] and "same layout" in e["layout_mismatch"]
+            for key in ("group_mismatch", "group_mismatch_dp"):
+                assert "same (context-parallel) group" in e[key], (key, e[key])
             assert "dropout" in e["dropout"]
             assert e["eval_runs"] and e["group_alive"] == world_size
             assert abs(e["cu_seq_lens"]) < 1e-6
+            assert e["by_hand_global"] == 0.0
+            assert "hf_ring.shard_batch" in e["by_hand_local"]
+            # a rank whose own positions look fine learns of the others' error through the ring's check
+            want = "hf_ring.shard_batch" if e["by_hand_restart_mine"] else "rejected their input"
+            assert want in e["by_hand_restart"], e["by_hand_restart"]
+            assert e["deepcopy_shares_config"] and e["deepcopy_loss"] == 0.0
+            assert e["pickle_warned"] and "apply_ring_attention(model, group=...) again" in e["pickled_forward"]
+            assert e["pickled_reapplied"] == 0.0
+        mine = [r["errors"]["by_hand_restart_mine"] for r in results]
+        assert any(mine) and not all(mine)  # the case where only some ranks can see the mistake
 
-    for r in results[1:]:  # every rank sees the same global loss and summed gradients
-        assert r["parity"].keys() == results[0]["parity"].keys()
+    for r in results[1:]:  # every rank sees the same global loss and summed gradients (bit-identical)
+        for name, case in results[0]["parity"].items():
+            got = r["parity"][name]
+            assert (got["value"], got["grad_sum"]) == (case["value"], case["grad_sum"]), name
     _check(results[0]["parity"], world_size)

@@ -16,7 +16,6 @@ float64 inputs are delegated to ``torch_backend``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 import triton
@@ -26,12 +25,12 @@ from .mask import BlockMask
 from .triton_bwd import _dq_kernel, bwd_launch
 from .triton_fwd import fwd_launch
 
-__all__ = ["KernelConfig", "backward", "default_config", "forward", "interpreted"]
+__all__ = ["KernelConfig", "backward", "default_config", "forward", "interpreted", "unsupported"]
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Tile sizes and launch parameters of the three kernels (powers of two, at least 16).
+    """Tile sizes and launch parameters of the three kernels (tiles: powers of two, at least 16).
 
     block_m / block_n: query / key tile of the forward kernel. dq_block_m / dq_block_n: the dQ
     kernel. dkv_block_n / dkv_block_m: key tile held by a dK/dV program / query tile it walks.
@@ -45,10 +44,12 @@ class KernelConfig:
     num_stages: int = 3
     dq_block_m: int = 128
     dq_block_n: int = 32
+    dq_num_warps: int = 8
+    dq_num_stages: int = 3
     dkv_block_n: int = 128
     dkv_block_m: int = 32
-    bwd_num_warps: int = 8
-    bwd_num_stages: int = 3
+    dkv_num_warps: int = 8
+    dkv_num_stages: int = 2
     scan: int = 16
     upcast: bool = False
 
@@ -63,38 +64,54 @@ class KernelConfig:
 
     @classmethod
     def from_list(cls, values) -> KernelConfig:
-        names = [f.name for f in dataclasses.fields(cls)]
-        kw = dict(zip(names, values))
-        kw["upcast"] = bool(kw["upcast"])
-        return cls(**kw)
+        kw = dict(zip([f.name for f in dataclasses.fields(cls)], values))
+        return cls(**{**kw, "upcast": bool(kw["upcast"])})
+
+
+def _cfg(fwd, dq, dkv, scan=16, upcast=False) -> KernelConfig:
+    """From ``(block_m, block_n, warps, stages)`` of the forward, ``(m, n, ...)`` of dQ, ``(n, m, ...)`` of dK/dV."""
+    names = ("block_m", "block_n", "num_warps", "num_stages", "dq_block_m", "dq_block_n", "dq_num_warps",
+             "dq_num_stages", "dkv_block_n", "dkv_block_m", "dkv_num_warps", "dkv_num_stages")  # fmt: skip
+    return KernelConfig(**dict(zip(names, (*fwd, *dq, *dkv))), scan=scan, upcast=upcast)
 
 
 #: The interpreter config: small tiles so that test shapes span several tiles, fp32 arithmetic.
-INTERPRETER_CONFIG = KernelConfig(
-    block_m=32, block_n=16, num_warps=1, num_stages=1, dq_block_m=32, dq_block_n=16,
-    dkv_block_n=32, dkv_block_m=16, bwd_num_warps=1, bwd_num_stages=1, scan=4, upcast=True,
-)  # fmt: skip
+INTERPRETER_CONFIG = _cfg((32, 16, 1, 1), (32, 16, 1, 1), (32, 16, 1, 1), scan=4, upcast=True)
+
+# CUDA configs by (input class, padded head_dim), checked to fit the shared memory of sm_90 / sm_80
+# (large: >= 160 KiB per block) or of sm_86 / sm_89 / sm_120 (small: ~99 KiB) when compiled.
+_LARGE_SMEM = {
+    ("half", 64): _cfg((128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 2)),
+    ("half", 128): _cfg((128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 2)),
+    ("half", 256): _cfg((64, 64, 8, 2), (64, 32, 8, 1), (64, 32, 8, 1)),
+    ("fp32", 64): _cfg((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2)),
+    ("fp32", 128): _cfg((64, 32, 4, 2), (64, 16, 4, 1), (64, 16, 4, 1)),
+    ("fp32", 256): _cfg((32, 32, 4, 1), (32, 16, 4, 1), (32, 16, 4, 1)),
+}
+_SMALL_SMEM = {
+    ("half", 64): _cfg((128, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2)),
+    ("half", 128): _cfg((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2)),
+    ("half", 256): _cfg((64, 32, 4, 1), (32, 32, 4, 1), (32, 32, 4, 1)),
+    ("fp32", 64): _cfg((64, 32, 4, 2), (64, 16, 4, 2), (64, 16, 4, 2)),
+    ("fp32", 128): _cfg((32, 32, 4, 1), (32, 16, 4, 1), (32, 16, 4, 1)),
+    ("fp32", 256): _cfg((16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
+}
 
 
 def default_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> KernelConfig:
     """The tile configuration for inputs of ``dtype`` and ``head_dim`` on ``device``.
 
     CPU means the interpreter (``INTERPRETER_CONFIG``). On CUDA: 128x64 forward tiles and the
-    FlashAttention-2 backward split (dQ 128x32, dK/dV 128x32) for head_dim <= 128; half-size tiles
-    for head_dim up to 256 and for fp32 inputs (IEEE fp32 dots need twice the shared memory).
+    FlashAttention-2 backward split (dQ 128x32, dK/dV 128x32) for fp16/bf16 and head_dim <= 128;
+    smaller tiles for head_dim up to 256, for fp32 inputs (IEEE fp32 dots) and for GPUs with
+    ~99 KiB of shared memory per block (consumer parts).
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
-    d = max(16, triton.next_power_of_2(head_dim))
-    if dtype == torch.float32:
-        if d <= 64:
-            return KernelConfig(64, 64, 4, 2, 64, 32, 64, 32, 4, 2)
-        return KernelConfig(64, 32, 4, 2, 64, 16, 64, 16, 4, 1)
-    if d <= 64:
-        return KernelConfig(128, 64, 4, 3, 128, 32, 128, 32, 4, 3)
-    if d <= 128:
-        return KernelConfig(128, 64, 8, 3, 128, 32, 128, 32, 8, 3)
-    return KernelConfig(64, 64, 8, 2, 64, 32, 64, 32, 8, 1)
+    d = min(256, max(64, triton.next_power_of_2(head_dim)))
+    kind = "fp32" if dtype == torch.float32 else "half"
+    large = torch.cuda.get_device_capability(device) in ((8, 0), (9, 0), (10, 0))
+    return (_LARGE_SMEM if large else _SMALL_SMEM)[(kind, d)]
 
 
 def interpreted() -> bool:
@@ -112,11 +129,11 @@ def _fwd_op(
     v: torch.Tensor,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
-    q_doc: Optional[torch.Tensor],
-    k_doc: Optional[torch.Tensor],
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
     scale: float,
     causal: bool,
-    window: Optional[int],
+    window: int | None,
     out: torch.Tensor,
     lse: torch.Tensor,
     config: list[int],
@@ -140,11 +157,11 @@ def _bwd_op(
     delta: torch.Tensor,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
-    q_doc: Optional[torch.Tensor],
-    k_doc: Optional[torch.Tensor],
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
     scale: float,
     causal: bool,
-    window: Optional[int],
+    window: int | None,
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
@@ -162,6 +179,22 @@ def _bwd_fake(do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, scale, causal
 # --------------------------------------------------------------------------- public API
 
 
+def unsupported(q, k, v) -> str | None:
+    """Why this backend cannot run these inputs, or None (the ring falls back from ``"auto"`` on a reason)."""
+    if q.shape[-1] > 256:
+        return f"head_dim {q.shape[-1]} is above 256"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return f"dtype {q.dtype} is not supported (float16, bfloat16, float32)"
+    if q.device.type == "cpu" and not interpreted():
+        return (
+            "CPU tensors run only in Triton's interpreter, which is off (set TRITON_INTERPRET=1 before "
+            "triton is first imported, or use CUDA tensors)"
+        )
+    if q.device.type not in ("cpu", "cuda"):
+        return f"device type {q.device.type!r} is not supported (CUDA, or CPU in Triton's interpreter)"
+    return None
+
+
 def _check(q, k, v, mask: BlockMask, acc: dict) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [B, Hq, Lq, D] and k, v [B, Hkv, Lk, D]; got {tuple(q.shape)}, "
@@ -169,8 +202,6 @@ def _check(q, k, v, mask: BlockMask, acc: dict) -> None:
     b, hq, lq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or hq % k.shape[1]:
         raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)} (batch, head_dim, q_heads % kv_heads)")
-    if d > 256:
-        raise ValueError(f"the triton backend supports head_dim up to 256, got {d}; use backend='torch'")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if mask.q_pos.numel() != lq or mask.k_pos.numel() != k.shape[2]:
@@ -179,15 +210,22 @@ def _check(q, k, v, mask: BlockMask, acc: dict) -> None:
     for name, (t, shape) in acc.items():
         if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != q.device:
             raise ValueError(f"{name} must be fp32 {shape} on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if q.device.type == "cpu" and not interpreted():
-        raise ValueError(
-            "backend='triton' got CPU tensors but Triton's interpreter is off: use CUDA tensors, use "
-            "backend='torch' on CPU, or set TRITON_INTERPRET=1 before triton is first imported"
-        )
+    reason = unsupported(q, k, v)
+    if reason is not None:
+        raise ValueError(f"the triton backend cannot run these inputs: {reason}; use backend='torch'")
 
 
 def _positions(mask: BlockMask, device: torch.device, batch: int):
-    t = mask.device_tensors(device)
+    if torch.compiler.is_compiling():
+        # No side effect on the mask's cache while dynamo traces: a tensor stored there from inside a
+        # traced autograd.Function breaks the trace. The copies become part of the graph instead.
+        fields = ("q_pos", "k_pos", "q_doc", "k_doc")
+        t = {
+            f: None if getattr(mask, f) is None else getattr(mask, f).to(device, torch.int32).contiguous()
+            for f in fields
+        }
+    else:
+        t = mask.device_tensors(device)
     q_doc, k_doc = t["q_doc"], t["k_doc"]
     if q_doc is not None:
         for doc in (q_doc, k_doc):

@@ -345,7 +345,7 @@ def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window,
     """Launch the dQ and dK/dV kernels; ``dq``, ``dk``, ``dv`` (fp32) are accumulated in place.
 
     pos: ``(q_pos, k_pos, q_doc, k_doc)`` int32 device tensors (docs ``[1 or B, L]`` or None).
-    cfg: a ``triton_backend.KernelConfig`` (its ``bwd_*`` fields).
+    cfg: a ``triton_backend.KernelConfig`` (its ``dq_*`` and ``dkv_*`` fields).
     """
     batch, hq, lq, head_dim = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -358,18 +358,20 @@ def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window,
     common = dict(
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SCAN=cfg.scan,
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=has_docs,
-        UPCAST=cfg.upcast or q.dtype == torch.float32, num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+        UPCAST=cfg.upcast or q.dtype == torch.float32,
     )  # fmt: skip
     win = 0 if window is None else int(window)
     _dq_kernel[(triton.cdiv(lq, cfg.dq_block_m), batch * hq)](
         q, k, v, do, lse, delta, dq, q_pos, k_pos, q_doc, k_doc,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *lse.stride(), *doc_strides,
         lq, lk, hq, hq // hkv, scale * LOG2E, scale, win,
-        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common,
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages,
+        **common,
     )  # fmt: skip
     _dkdv_kernel[(triton.cdiv(lk, cfg.dkv_block_n), batch * hkv)](
         q, k, v, do, lse, delta, dk, dv, q_pos, k_pos, q_doc, k_doc,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *lse.stride(),
         *doc_strides, lq, lk, hkv, hq // hkv, scale * LOG2E, scale, win,
-        BLOCK_M=cfg.dkv_block_m, BLOCK_N=cfg.dkv_block_n, **common,
+        BLOCK_M=cfg.dkv_block_m, BLOCK_N=cfg.dkv_block_n, num_warps=cfg.dkv_num_warps,
+        num_stages=cfg.dkv_num_stages, **common,
     )  # fmt: skip

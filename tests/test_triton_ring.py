@@ -1,0 +1,104 @@
+"""The whole ring with ``backend="triton"`` on 2 gloo ranks against plain attention on the unsharded sequence.
+
+Every case runs in one spawn (process start costs seconds); the kernels run in Triton's interpreter,
+inherited by the spawned ranks through TRITON_INTERPRET (set by conftest before the spawn).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_ring
+from hf_ring.kernels import triton_backend
+
+from .dist_utils import run_distributed
+from .reference import doc_ids_from_cu, reference_attention, rel_err, sdpa_attention
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_backend.interpreted()),
+    reason="needs CUDA or Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)",
+)
+
+WORLD = 2
+FULL = 56  # 2 ranks x 28 local tokens: zig-zag chunks of 14, ragged against the 32/16 interpreter tiles
+# fp32: the same math as the float64 reference in another order: rounding only.
+FP32_TOL = 1e-5
+# fp16 (STYLE.md rule): at most 2x the error of PyTorch's SDPA in fp16 against float64, plus eps.
+LOWP_FACTOR, LOWP_EPS = 2.0, 1e-4
+
+
+def _cases() -> list[dict]:
+    cu = torch.tensor([0, 9, 30, 30, 41, FULL], dtype=torch.int32)  # off the chunk edges, one empty doc
+    pad = torch.arange(FULL)[None].repeat(2, 1)
+    pad = torch.where(pad < torch.tensor([[FULL - 6], [FULL - 25]]), pad // 20, -1)  # docs, then right padding
+    base = dict(batch=2, hq=4, hkv=2, d=64, causal=True, window=None, cu=None, docs=None, layout="zigzag")
+    return [
+        dict(base),
+        dict(base, causal=False, d=80),
+        dict(base, batch=1, hq=8, hkv=2, d=128),
+        dict(base, hkv=1),  # MQA
+        dict(base, window=9),
+        dict(base, window=9, causal=False, d=80),
+        dict(base, batch=1, cu=cu),
+        dict(base, docs=pad, hq=2, hkv=2),
+        dict(base, layout="striped"),
+        dict(base, layout="striped", batch=1, cu=cu, window=6),
+        dict(base, layout="contiguous"),
+        dict(base, layout="contiguous", window=13, causal=False),
+    ]
+
+
+def _run_case(rank, world, case, dtype, seed):
+    """Relative errors (out, dq, dk, dv) of this rank vs float64, and those of SDPA in ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    b, hq, hkv, d, lay = case["batch"], case["hq"], case["hkv"], case["d"], case["layout"]
+    q = torch.randn(b, hq, FULL, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, FULL, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, FULL, d, generator=g).to(dtype)
+    dout = torch.randn(b, hq, FULL, d, generator=g).to(dtype)
+
+    def part(x):
+        return hf_ring.shard(x, dim=2, rank=rank, world_size=world, layout=lay)
+
+    ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+    out = hf_ring.ring_attention(
+        ql, kl, vl, layout=lay, causal=case["causal"], sliding_window=case["window"],
+        cu_seqlens=case["cu"], document_ids=case["docs"], backend="triton",
+    )  # fmt: skip
+    out.backward(part(dout))
+    docs = case["docs"] if case["cu"] is None else doc_ids_from_cu(case["cu"], FULL)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*ref_in, causal=case["causal"], window=case["window"], docs=docs)
+    ref.backward(dout.double())
+    refs = (part(ref), *(part(x.grad) for x in ref_in))
+    mine = [rel_err(a, r) for a, r in zip((out, ql.grad, kl.grad, vl.grad), refs)]
+    sdpa = None
+    if dtype != torch.float32:
+        sd_in = [x.clone().requires_grad_() for x in (q, k, v)]
+        sd = sdpa_attention(*sd_in, causal=case["causal"], window=case["window"], docs=docs)
+        sd.backward(dout)
+        sdpa = [rel_err(part(a), r) for a, r in zip((sd, *(x.grad for x in sd_in)), refs)]
+    return mine, sdpa
+
+
+def _worker(rank, world):
+    results = {"fp32": [_run_case(rank, world, c, torch.float32, seed=i) for i, c in enumerate(_cases())]}
+    results["fp16"] = [_run_case(rank, world, _cases()[i], torch.float16, seed=10 + i) for i in (0, 7)]
+    return results
+
+
+def _label(case):
+    return {key: val for key, val in case.items() if not isinstance(val, torch.Tensor)}
+
+
+def test_triton_ring_matches_plain_attention():
+    cases = _cases()
+    for rank, res in enumerate(run_distributed(_worker, WORLD, timeout=600)):
+        for case, (errs, _) in zip(cases, res["fp32"]):
+            assert max(errs) <= FP32_TOL, f"rank {rank} fp32 {_label(case)}: rel errors (out, dq, dk, dv) {errs}"
+        for i, (errs, sdpa) in zip((0, 7), res["fp16"]):
+            for name, e, s in zip(("out", "dq", "dk", "dv"), errs, sdpa):
+                assert e <= LOWP_FACTOR * s + LOWP_EPS, (
+                    f"rank {rank} fp16 {_label(cases[i])} {name}: {e:.2e} vs SDPA {s:.2e}"
+                )
