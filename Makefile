@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf_ring-installed
+# The oldest Transformers release we support (the GPU image's), tested beside the current one:
+# installed into a folder that shadows .venv's copy through PYTHONPATH.
+COMPAT := $(VENV)/compat-transformers-5.17
 
 .PHONY: demo test test-all lint format bench-cpu ring-demo clean
 
@@ -16,8 +19,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## LoRA fine-tuning of SmolLM2-135M with CP=2 on 2 CPU processes
 	$(VENV)/bin/accelerate launch --config_file examples/accelerate_cpu_2proc.yaml examples/finetune_lora_long_context.py
 
-test: $(STAMP)  ## the CI suite (CPU; Triton in its interpreter)
+$(COMPAT)/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(COMPAT) "transformers==5.17.0" "huggingface-hub>=1.5,<2" "httpx<1" "httpcore<2"
+	touch $@
+
+test: $(STAMP) $(COMPAT)/.installed  ## the CI suite (CPU; Triton in its interpreter), then the Transformers tests on 5.17
 	$(PY) -m pytest -q -m "not slow and not gpu"
+	PYTHONPATH=$(COMPAT) $(PY) -m pytest -q -m "not slow and not gpu" tests/test_hf_apply.py tests/test_hf_parity.py
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q
