@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _cpu import cpu_name
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "examples"))
@@ -53,16 +55,6 @@ FIELDS = [
     "step_seconds",
     "status",
 ]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _versions() -> dict:
@@ -187,7 +179,7 @@ def main(argv=None) -> None:
         return worker(args)
 
     cores = os.cpu_count() or 1
-    common = {"date": datetime.date.today().isoformat(), "cpu": _cpu_name(), "cores": cores, **_versions()}
+    common = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "cores": cores, **_versions()}
     common["model"] = "SmolLM2-135M-Instruct LoRA r=16 (q,k,v,o)"
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     new = not Path(args.csv).exists()

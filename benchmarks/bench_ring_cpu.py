@@ -30,18 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _cpu import cpu_name
 
 import hf_ring
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _rss_mib() -> float:
@@ -120,7 +111,7 @@ def main():
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     env = dict(date=stamp, torch=torch.__version__, hf_ring=hf_ring.__version__, python=platform.python_version(),
-               cpu=_cpu_name(), cores=os.cpu_count())  # fmt: skip
+               cpu=cpu_name(), cores=os.cpu_count())  # fmt: skip
     rows = []
     header = f"{'S':>6} {'T1 fwd s':>9} {'TN fwd s':>9} {'eff fwd':>8} {'T1 f+b s':>9} {'TN f+b s':>9} {'eff f+b':>8} {'mem1 MiB':>9} {'memN MiB':>9} {'MiB sent/rank f+b':>17}"
     print(

@@ -1,0 +1,15 @@
+"""What the CPU benchmarks record about the machine."""
+
+import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
