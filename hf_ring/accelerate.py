@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from .apply import unwrap_transformers_model
 from .hf_attention import RingConfig
 from .layout import check_layout
 
@@ -70,21 +71,10 @@ def _env_int(name: str) -> int | None:
         ) from None
 
 
-def _transformers_model(model):
-    """The PreTrainedModel inside ``model`` (itself or a PEFT model's base model), or None."""
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        return model
-    get_base = getattr(model, "get_base_model", None)
-    inner = get_base() if callable(get_base) else None
-    return inner if isinstance(inner, PreTrainedModel) else None
-
-
 def _check_supported_model(model) -> None:
     from .patches import get_patch
 
-    target = _transformers_model(model)
+    target = unwrap_transformers_model(model)
     if target is None:
         raise TypeError(
             f"RingAttentionPlugin.prepare got a model of type {type(model).__name__}; hf_ring patches transformers "

@@ -24,20 +24,22 @@ def register_attention() -> None:
     register()
 
 
-def _transformers_model(model):
-    """The ``PreTrainedModel`` inside ``model`` (itself, or the base model of a PEFT wrapper)."""
+def unwrap_transformers_model(model):
+    """The ``PreTrainedModel`` inside ``model`` (itself, or a PEFT model's base model), or None."""
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
         return model
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency, but keep the error readable
-        PeftModel = ()  # noqa: N806
-    if PeftModel and isinstance(model, PeftModel):
-        inner = model.get_base_model()
-        if isinstance(inner, PreTrainedModel):
-            return inner
+    get_base = getattr(model, "get_base_model", None)  # PeftModel and its kin
+    inner = get_base() if callable(get_base) else None
+    return inner if isinstance(inner, PreTrainedModel) else None
+
+
+def _transformers_model(model):
+    """The ``PreTrainedModel`` inside ``model``; TypeError saying what to pass otherwise."""
+    inner = unwrap_transformers_model(model)
+    if inner is not None:
+        return inner
     hint = ""
     if hasattr(model, "module") or hasattr(model, "_orig_mod"):
         hint = (

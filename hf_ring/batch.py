@@ -27,7 +27,14 @@ import torch.distributed as dist
 
 from .comm import group_rank_and_size
 from .hf_attention import DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, ShardInfo
-from .layout import check_layout, required_multiple, shard
+from .layout import (
+    check_layout,
+    documents_from_cu_seqlens,
+    documents_from_positions,
+    required_multiple,
+    shard,
+    valid_cu_seqlens,
+)
 
 __all__ = ["shard_batch", "reduce_loss", "IGNORE_INDEX"]
 
@@ -84,21 +91,13 @@ def _validate(batch) -> tuple:
         if shape[0] != 1:
             raise ValueError("shard_batch: cu_seq_lens_q describes a batch of one packed row; got batch size > 1")
         cu = cu.detach().cpu().long()
-        if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != shape[1] or bool((cu[1:] < cu[:-1]).any()):
+        if not valid_cu_seqlens(cu, shape[1]):
             raise ValueError(f"shard_batch: cu_seq_lens_q must rise from 0 to seq_len {shape[1]}, got {cu.tolist()}")
-        doc = torch.bucketize(torch.arange(shape[1]), cu[1:], right=True)
+        doc = documents_from_cu_seqlens(cu, shape[1])
         pos = (torch.arange(shape[1]) - cu[doc])[None].to(input_ids.device)
     elif pos is None and batch.get("seq_idx") is not None:
         raise ValueError("shard_batch: a batch packed with seq_idx also needs position_ids (or cu_seq_lens_q)")
     return input_ids, labels, mask, pos
-
-
-def _documents(pos: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] document index per row: a document starts wherever the position does not rise by 1."""
-    pos = pos.detach().cpu().long()
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    return starts.cumsum(-1) - 1
 
 
 def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: bool = True) -> dict:
@@ -153,7 +152,7 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         pos = pos.to(dev).long()
         if pad:
             pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=dev)], dim=1)
-        docs = _documents(pos)
+        docs = documents_from_positions(pos)
     packed = bool((docs[:, -1] > 0).any())
     padded = not bool(valid.all())
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .comm import group_rank_and_size
 from .kernels import BACKENDS
-from .layout import LAYOUTS, positions
+from .layout import LAYOUTS, documents_from_cu_seqlens, documents_from_positions, positions, valid_cu_seqlens
 from .ring import raise_on_every_rank, ring_attention
 
 __all__ = [
@@ -173,23 +173,16 @@ def ring_mask_function(
 
 
 def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Transformers' packing rule: a new document starts wherever the position does not rise by 1."""
-    pos = position_ids.detach().cpu().long()
-    if pos.dim() == 1:
-        pos = pos[None]
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    if not bool(starts[:, 1:].any()):
-        return None
-    return (starts.cumsum(-1) - 1).to(torch.int32)
+    """[batch, seq] int32 document ids where ``position_ids`` restart (packing), or None where they don't."""
+    docs = documents_from_positions(position_ids)
+    return docs.to(torch.int32) if bool((docs[:, -1] > 0).any()) else None
 
 
 def _ids_from_cu_seqlens(cu, full: int) -> torch.Tensor:
     """[1, full] document ids from global boundaries ``cu`` (validated)."""
-    cu = cu.detach().cpu().long()
-    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != full or bool((cu[1:] < cu[:-1]).any()):
+    if not valid_cu_seqlens(cu, full):
         raise ValueError(f"cu_seq_lens_q must rise from 0 to the sequence length {full}, got {cu.tolist()[:8]}")
-    return torch.bucketize(torch.arange(full), cu[1:], right=True)[None].to(torch.int32)
+    return documents_from_cu_seqlens(cu, full)[None].to(torch.int32)
 
 
 def _documents(attention_mask, kwargs: dict, full: int, world_size: int) -> tuple[Any, Any]:

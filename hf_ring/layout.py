@@ -16,7 +16,17 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["LAYOUTS", "check_layout", "required_multiple", "positions", "shard", "unshard"]
+__all__ = [
+    "LAYOUTS",
+    "check_layout",
+    "required_multiple",
+    "positions",
+    "shard",
+    "unshard",
+    "valid_cu_seqlens",
+    "documents_from_cu_seqlens",
+    "documents_from_positions",
+]
 
 LAYOUTS = ("zigzag", "striped", "contiguous")
 
@@ -83,3 +93,28 @@ def unshard(shards: Sequence[torch.Tensor], *, dim: int, layout: str = "zigzag")
         pos = positions(seq_len, rank=rank, world_size=world_size, layout=layout)
         out.index_copy_(dim, pos.to(out.device), part)
     return out
+
+
+# Document structure of a packed sequence (used by the core op, shard_batch and the HF attention).
+
+
+def valid_cu_seqlens(cu: torch.Tensor, seq_len: int) -> bool:
+    """``cu`` is a 1-D integer tensor of boundaries rising from 0 to ``seq_len``."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
+        return False
+    cu = cu.detach().cpu().long()
+    return int(cu[0]) == 0 and int(cu[-1]) == seq_len and not bool((cu[1:] < cu[:-1]).any())
+
+
+def documents_from_cu_seqlens(cu: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len] int64 document index of every token (CPU) from boundaries ``cu`` [num_docs + 1]."""
+    return torch.bucketize(torch.arange(seq_len), cu.detach().cpu().long()[1:], right=True)
+
+
+def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] int64 document index of every token (CPU), by Transformers' packing rule: a new
+    document starts wherever the position does not rise by 1."""
+    pos = position_ids.detach().cpu().long().reshape(-1, position_ids.shape[-1])
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    return starts.cumsum(-1) - 1

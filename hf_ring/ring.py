@@ -142,8 +142,8 @@ def _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_id
         cu = cu_seqlens
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
             return "cu_seqlens must be a 1-D integer tensor [num_docs + 1]"
-        cu = cu.detach().cpu().long()
-        if int(cu[0]) != 0 or int(cu[-1]) != full or bool((cu[1:] < cu[:-1]).any()):
+        if not _layout.valid_cu_seqlens(cu, full):
+            cu = cu.detach().cpu()
             return (
                 f"cu_seqlens must rise from 0 to the full (unsharded) length {full}; got "
                 f"{cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}"
@@ -238,8 +238,7 @@ def raise_on_every_rank(message: str, *, group=None, device: torch.device | None
 def _document_ids(cu_seqlens, document_ids, full: int) -> torch.Tensor | None:
     """[1 or batch, full] int32 document ids on the host, or None."""
     if cu_seqlens is not None:
-        cu = cu_seqlens.detach().cpu().long()
-        return torch.bucketize(torch.arange(full), cu[1:], right=True).to(torch.int32)[None]
+        return _layout.documents_from_cu_seqlens(cu_seqlens, full).to(torch.int32)[None]
     if document_ids is not None:
         return document_ids.detach().cpu().to(torch.int32)
     return None
