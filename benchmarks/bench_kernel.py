@@ -9,11 +9,19 @@ Three kinds of ring step, all with GQA (default 32 query heads : 8 key/value hea
   whole block and skips the hidden tiles from the positions.
 
 FLOPs count only visible (query, key) pairs: forward 4*d per pair, backward 2.5x forward.
-Each result is appended to ``benchmarks/results/bench_kernel.csv`` with the GPU, library versions
-and date. Needs a CUDA GPU; on CPU it says so and exits 0.
+Before timing a step, every implementation's output and gradients are compared with an fp32 SDPA
+reference on the same inputs (``rel_err``, the largest relative error of out, dq, dk, dv); the
+script exits 1 when the Triton kernel is less accurate than 2x SDPA-flash (plus 1e-3) in the same
+dtype, so a speed is never reported for wrong numbers. Each result is appended to
+``benchmarks/results/bench_kernel.csv`` with the GPU, library versions and date.
 
     python benchmarks/bench_kernel.py                      # bf16, head_dim 64 and 128, L 2K..32K
     python benchmarks/bench_kernel.py --seqlens 4096 8192 --head-dims 128 --passes fwd+bwd
+    python benchmarks/bench_kernel.py --device cpu --dtype fp32 --seqlens 128 --head-dims 64 \
+        --q-heads 4 --kv-heads 2                           # dry run in Triton's interpreter
+
+Without a GPU (and without ``--device cpu``) it says so and exits 0. CPU timings measure the
+interpreter, not the kernel: the dry run checks the script and the numbers, nothing else.
 """
 
 from __future__ import annotations
@@ -23,8 +31,11 @@ import csv
 import datetime
 import importlib
 import math
+import os
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,7 +45,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("full", "causal", "zigzag-half")
 PASSES = ("fwd", "bwd", "fwd+bwd")
 FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "impl", "kind", "pass", "dtype",
-          "batch", "q_heads", "kv_heads", "head_dim", "seqlen", "ms", "tflops"]  # fmt: skip
+          "batch", "q_heads", "kv_heads", "head_dim", "seqlen", "ms", "tflops", "rel_err"]  # fmt: skip
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _cpu_name() -> str:
+    try:
+        from _cpu import cpu_name
+    except ImportError:  # imported from outside benchmarks/
+        return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def env_info() -> dict:
@@ -47,7 +67,7 @@ def env_info() -> dict:
             versions[name] = ""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "",
         "cudnn": str(torch.backends.cudnn.version() or ""),
@@ -55,10 +75,37 @@ def env_info() -> dict:
     }
 
 
-def write_rows(name: str, fields: list[str], rows: list[dict]) -> Path:
-    """Append ``rows`` to ``benchmarks/results/<name>.csv`` (header written once)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.csv"
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The options both GPU benchmarks share: device (``cpu`` is a dry run) and results folder."""
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: dry run with the kernels in Triton's interpreter (checks, not timings)",
+    )
+    p.add_argument("--results-dir", type=Path, default=RESULTS, help="folder of the CSV files")  # fmt: skip
+
+
+def resolve_device(args, script: str) -> torch.device | None:
+    """The device to run on, or None (message printed) when CUDA was asked for and there is none.
+
+    ``--device cpu`` turns Triton's interpreter on; it must happen before ``triton`` is imported.
+    """
+    if args.device == "cpu":
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--device cpu needs TRITON_INTERPRET=1 before triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (none found); nothing measured. --device cpu runs a dry run.")
+        return None
+    return torch.device("cuda")
+
+
+def write_rows(name: str, fields: list[str], rows: list[dict], folder: Path = RESULTS) -> Path:
+    """Append ``rows`` to ``<folder>/<name>.csv`` (header written once)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.csv"
     new = not path.exists()
     with path.open("a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
@@ -68,8 +115,24 @@ def write_rows(name: str, fields: list[str], rows: list[dict]) -> Path:
     return path
 
 
-def bench_ms(fn) -> float:
-    """Median milliseconds of ``fn`` (CUDA-synchronised, L2 flushed between runs)."""
+def finish(name: str, fields: list[str], rows: list[dict], folder: Path, inaccurate: list[str], what: str) -> int:
+    """Write the rows, list the inaccurate results; the exit status (1 if any was inaccurate)."""
+    print(f"wrote {len(rows)} rows to {write_rows(name, fields, rows, folder)}")
+    for line in inaccurate:
+        print(f"INACCURATE {what}: {line}")
+    return 1 if inaccurate else 0
+
+
+def bench_ms(fn, device: torch.device | None = None) -> float:
+    """Median milliseconds of ``fn``: CUDA-synchronised with L2 flushed between runs, or 3 CPU runs."""
+    if device is not None and device.type == "cpu":
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -89,36 +152,61 @@ def step_positions(kind: str, seqlen: int):
     return q_pos, k_pos, seqlen * c, slice(0, c), False
 
 
+def reference_grads(q, k, v, do, ks, causal, scale):
+    """fp32 SDPA on the visible keys ``ks``: ``(out, dq, dk, dv)``, dk/dv full-length (0 on hidden keys)."""
+    g = q.shape[1] // k.shape[1]
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    kk, vv = kf[:, :, ks].repeat_interleave(g, 1), vf[:, :, ks].repeat_interleave(g, 1)
+    out = F.scaled_dot_product_attention(qf, kk, vv, is_causal=causal, scale=scale)
+    out.backward(do.float())
+    return out.detach(), qf.grad, kf.grad, vf.grad
+
+
+def rel_err(results, reference) -> float:
+    """Largest ``||x - ref|| / ||ref||`` over (out, dq, dk, dv); inf if anything is not finite."""
+    worst = 0.0
+    for x, ref in zip(results, reference):
+        x, ref = x.double(), ref.double()
+        if not torch.isfinite(x).all():
+            return math.inf
+        worst = max(worst, ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item())
+    return worst
+
+
 def triton_step(q, k, v, do, mask, scale):
-    """(fwd, bwd, fwd+bwd) callables of one ring step with the Triton backend.
+    """(fwd, bwd, fwd+bwd) callables of one ring step with the Triton backend, and its (out, dq, dk, dv).
 
     The forward merges into the same accumulators on every call: the same work as a fresh step.
+    The backward includes ``delta = rowsum(dO * O)``, as SDPA's backward does.
     """
     from hf_ring.kernels import triton_backend
 
     b, hq, lq, d = q.shape
     out = torch.zeros(b, hq, lq, d, device=q.device)
     lse = torch.full((b, hq, lq), -math.inf, device=q.device)
-    triton_backend.forward(q, k, v, mask, scale, out, lse)
-    delta = (do.float() * out).sum(-1)
     dq = torch.zeros(q.shape, device=q.device)
     dk, dv = torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)
+    triton_backend.forward(q, k, v, mask, scale, out, lse)
+    triton_backend.backward(do, q, k, v, lse, (do.float() * out).sum(-1), mask, scale, dq, dk, dv)
+    result = tuple(x.clone() for x in (out, dq, dk, dv))
 
     def fwd():
         triton_backend.forward(q, k, v, mask, scale, out, lse)
 
     def bwd():
+        delta = (do.float() * out).sum(-1)
         triton_backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv)
 
     def both():
         fwd()
         bwd()
 
-    return fwd, bwd, both
+    return (fwd, bwd, both), result
 
 
 def sdpa_step(q, k, v, do, ks, causal, scale, backend):
-    """(fwd, bwd, fwd+bwd) callables of SDPA with one backend, or None if it cannot run this shape."""
+    """(fwd, bwd, fwd+bwd) callables of SDPA with one backend and its (out, dq, dk, dv), or None if
+    the backend cannot run this shape or device."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sdp = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
@@ -139,10 +227,16 @@ def sdpa_step(q, k, v, do, ks, causal, scale, backend):
 
     try:
         out = run()
-        torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)
+        grads = torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)
     except RuntimeError as e:
         print(f"  {backend} cannot run this shape: {str(e).splitlines()[0][:120]}")
         return None
+    # Gradients back to the step's key/value shapes: GQA groups summed, hidden keys 0.
+    dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+    for full, part in ((dk, grads[1]), (dv, grads[2])):
+        part = part.float()
+        full[:, :, ks] = part if gqa else part.unflatten(1, (k.shape[1], g)).sum(2)
+    result = (out.detach().float(), grads[0].float(), dk, dv)
 
     def fwd():
         with torch.no_grad():
@@ -154,7 +248,7 @@ def sdpa_step(q, k, v, do, ks, causal, scale, backend):
     def both():
         torch.autograd.grad(run(), (qr, kr, vr), do)
 
-    return fwd, bwd, both
+    return (fwd, bwd, both), result
 
 
 def main(argv=None) -> int:
@@ -164,53 +258,63 @@ def main(argv=None) -> int:
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
     p.add_argument("--impls", nargs="+", default=["triton", "sdpa-flash", "sdpa-cudnn"])
+    add_common_args(p)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_kernel.py needs a CUDA GPU (none found); nothing measured.")
+    device = resolve_device(args, "bench_kernel.py")
+    if device is None:
         return 0
     from hf_ring.kernels.mask import BlockMask
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     env = env_info()
     print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']}")
-    rows = []
+    rows, inaccurate = [], []
     for d in args.head_dims:
         for seqlen in args.seqlens:
             b, hq, hkv = args.batch, args.q_heads, args.kv_heads
-            q = torch.randn(b, hq, seqlen, d, device="cuda", dtype=dtype)
-            k = torch.randn(b, hkv, seqlen, d, device="cuda", dtype=dtype)
-            v = torch.randn(b, hkv, seqlen, d, device="cuda", dtype=dtype)
-            do = torch.randn(b, hq, seqlen, d, device="cuda", dtype=dtype)
+            g = torch.Generator(device=device).manual_seed(seqlen * 1000 + d)
+            q, do = (torch.randn(b, hq, seqlen, d, device=device, generator=g).to(dtype) for _ in range(2))
+            k, v = (torch.randn(b, hkv, seqlen, d, device=device, generator=g).to(dtype) for _ in range(2))
             scale = d**-0.5
             for kind in args.kinds:
                 q_pos, k_pos, pairs, ks, causal = step_positions(kind, seqlen)
                 mask = BlockMask(q_pos=q_pos, k_pos=k_pos, causal=True)
                 fwd_flops = 4.0 * b * hq * d * pairs
                 flops = {"fwd": fwd_flops, "bwd": 2.5 * fwd_flops, "fwd+bwd": 3.5 * fwd_flops}
+                reference = reference_grads(q, k, v, do, ks, causal, scale)
+                errors = {}
                 for impl in args.impls:
-                    fns = triton_step(q, k, v, do, mask, scale) if impl == "triton" else (
+                    made = triton_step(q, k, v, do, mask, scale) if impl == "triton" else (
                         sdpa_step(q, k, v, do, ks, causal, scale, impl))  # fmt: skip
-                    if fns is None:
+                    if made is None:
                         continue
+                    fns, result = made
+                    errors[impl] = err = rel_err(result, reference)
+                    del result
                     for name, fn in zip(PASSES, fns):
                         if name not in args.passes:
                             continue
-                        ms = bench_ms(fn)
+                        ms = bench_ms(fn, device)
                         tflops = flops[name] / ms / 1e9
-                        print(
-                            f"d={d:3d} L={seqlen:6d} {kind:12s} {impl:11s} {name:8s} {ms:9.3f} ms {tflops:7.1f} TFLOP/s"
-                        )
+                        print(f"d={d:3d} L={seqlen:6d} {kind:12s} {impl:11s} {name:8s} {ms:9.3f} ms "
+                              f"{tflops:7.1f} TFLOP/s  rel_err {err:.1e}")  # fmt: skip
                         rows.append({**env, "impl": impl, "kind": kind, "pass": name, "dtype": args.dtype,
                                      "batch": b, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "seqlen": seqlen,
-                                     "ms": f"{ms:.4f}", "tflops": f"{tflops:.2f}"})  # fmt: skip
+                                     "ms": f"{ms:.4f}", "tflops": f"{tflops:.2f}", "rel_err": f"{err:.3e}"})  # fmt: skip
+                del reference
+                if "triton" in errors:
+                    # The low-precision rule of the test suite; without SDPA-flash, a plain sanity bound.
+                    bound = 2 * errors["sdpa-flash"] + 1e-3 if "sdpa-flash" in errors else 5e-2
+                    if not errors["triton"] <= bound:
+                        inaccurate.append(f"d={d} L={seqlen} {kind}: rel_err {errors['triton']:.2e} > {bound:.2e}")
             del q, k, v, do
-            torch.cuda.empty_cache()
-    print(f"wrote {len(rows)} rows to {write_rows('bench_kernel', FIELDS, rows)}")
-    return 0
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return finish("bench_kernel", FIELDS, rows, args.results_dir, inaccurate, "triton step")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,17 @@ tokens on the same GPU:
 
 the way the field reports ring efficiency (100% = the ring loses nothing against single-device
 attention). Communication is not simulated: on a real ring it overlaps the kernels.
-Rows go to ``benchmarks/results/bench_ring_sim.csv`` with GPU, library versions and date. Needs a
-CUDA GPU; on CPU it says so and exits 0.
+Rows go to ``benchmarks/results/bench_ring_sim.csv`` with GPU, library versions and date. Without
+a GPU (and without ``--device cpu``) it says so and exits 0.
 
     python benchmarks/bench_ring_sim.py                        # N = 2, 4, 8; 8K tokens per rank
     python benchmarks/bench_ring_sim.py --ranks 8 --tokens 4096 8192 --head-dim 128
+    python benchmarks/bench_ring_sim.py --device cpu --dtype fp32 --ranks 2 --tokens 64 \
+        --head-dim 32 --q-heads 4 --kv-heads 2                # dry run in Triton's interpreter
+
+On CPU the reference is SDPA's CPU flash kernel and the kernels run interpreted: the dry run checks
+the script, its schedule and its numbers (every simulated rank's output and gradients are compared
+with dense attention over the same blocks), not the efficiency.
 """
 
 from __future__ import annotations
@@ -25,15 +31,24 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernel import bench_ms, env_info, write_rows
+from bench_kernel import DTYPES, add_common_args, bench_ms, env_info, finish, rel_err, resolve_device
 
 FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "pass", "ranks", "tokens_per_rank",
           "dtype", "batch", "q_heads", "kv_heads", "head_dim", "layout", "t_full_ms", "t_rank_ms", "slowest_rank",
           "efficiency"]  # fmt: skip
 
 
+#: Largest relative error of a simulated rank against fp32 attention that still counts as correct:
+#: a sanity bound per input dtype (a wrong schedule or merge gives errors of order 1).
+BOUND = {"bf16": 5e-2, "fp16": 2e-2, "fp32": 1e-4}
+
+
 def rank_schedule(rank, n, tokens, layout, backend, q, k, v, do, scale):
-    """(fwd, fwd+bwd) callables running the N ring steps of ``rank`` (blocks in ring order)."""
+    """(fwd, fwd+bwd, buffers) of the N ring steps of ``rank`` (blocks in ring order).
+
+    Every step uses the same ``k``/``v`` tensors with the positions of the block it stands for, so
+    the work is a real rank's; ``buffers`` are the fp32 (out, dq, dk, dv) the last call left.
+    """
     from hf_ring.kernels.mask import BlockMask
     from hf_ring.layout import positions
 
@@ -58,20 +73,41 @@ def rank_schedule(rank, n, tokens, layout, backend, q, k, v, do, scale):
     def both():
         fwd()
         delta = (do.float() * out).sum(-1)
+        for g in (dq, dk, dv):
+            g.zero_()
         for m in masks:
             backend.backward(do, q, k, v, lse, delta, m, scale, dq, dk, dv)
 
-    return fwd, both
+    return fwd, both, (out, dq, dk, dv)
 
 
-def full_sdpa_ms(b, hq, hkv, seqlen, d, dtype, scale) -> dict:
+def rank_reference(rank, n, tokens, layout, q, k, v, do, scale):
+    """fp32 attention of ``rank``'s queries over the N blocks it sees (the shared k/v at each
+    block's positions), with autograd, for key/value head 0 and its query heads (memory stays
+    small even if SDPA falls back to its math path): (out, dq, dk, dv), dk/dv summed over the N uses.
+    """
+    from hf_ring.layout import positions
+
+    full = n * tokens
+    pos = [positions(full, rank=r, world_size=n, layout=layout) for r in range(n)]
+    k_pos = torch.cat([pos[r] for r in range(n)]).to(q.device)
+    vis = pos[rank].to(q.device)[:, None] >= k_pos[None, :]
+    g = q.shape[1] // k.shape[1]
+    qf, kf, vf = (x.detach()[:, :h].float().requires_grad_() for x, h in ((q, g), (k, 1), (v, 1)))
+    kk, vv = (x.repeat(1, g, n, 1) for x in (kf, vf))
+    out = F.scaled_dot_product_attention(qf, kk, vv, attn_mask=vis, scale=scale)
+    out.backward(do[:, :g].float())
+    return out.detach(), qf.grad, kf.grad, vf.grad
+
+
+def full_sdpa_ms(b, hq, hkv, seqlen, d, dtype, scale, device) -> dict:
     """Milliseconds of one causal SDPA-flash call (GQA) on the full sequence: ``{"fwd": ..., "fwd+bwd": ...}``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q = torch.randn(b, hq, seqlen, d, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(b, hkv, seqlen, d, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(b, hkv, seqlen, d, device="cuda", dtype=dtype, requires_grad=True)
-    do = torch.randn(b, hq, seqlen, d, device="cuda", dtype=dtype)
+    q = torch.randn(b, hq, seqlen, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hkv, seqlen, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hkv, seqlen, d, device=device, dtype=dtype, requires_grad=True)
+    do = torch.randn(b, hq, seqlen, d, device=device, dtype=dtype)
 
     def sdpa():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -84,7 +120,7 @@ def full_sdpa_ms(b, hq, hkv, seqlen, d, dtype, scale) -> dict:
     def both():
         torch.autograd.grad(sdpa(), (q, k, v), do)
 
-    return {"fwd": bench_ms(fwd), "fwd+bwd": bench_ms(both)}
+    return {"fwd": bench_ms(fwd, device), "fwd+bwd": bench_ms(both, device)}
 
 
 def main(argv=None) -> int:
@@ -95,35 +131,46 @@ def main(argv=None) -> int:
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default="zigzag")
     p.add_argument("--all-ranks", action="store_true", help="time every rank (default: ranks 0 and N-1)")
+    add_common_args(p)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_ring_sim.py needs a CUDA GPU (none found); nothing measured.")
+    device = resolve_device(args, "bench_ring_sim.py")
+    if device is None:
         return 0
     from hf_ring.kernels import triton_backend
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     env = env_info()
     print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']}")
     b, hq, hkv, d = args.batch, args.q_heads, args.kv_heads, args.head_dim
     scale = d**-0.5
-    rows = []
+    rows, inaccurate = [], []
     for tokens in args.tokens:
         for n in args.ranks:
             full = n * tokens
-            t_full = full_sdpa_ms(b, hq, hkv, full, d, dtype, scale)
-            q = torch.randn(b, hq, tokens, d, device="cuda", dtype=dtype)
-            k = torch.randn(b, hkv, tokens, d, device="cuda", dtype=dtype)
-            v = torch.randn(b, hkv, tokens, d, device="cuda", dtype=dtype)
-            do = torch.randn(b, hq, tokens, d, device="cuda", dtype=dtype)
+            t_full = full_sdpa_ms(b, hq, hkv, full, d, dtype, scale, device)
+            gen = torch.Generator(device=device).manual_seed(1000 * n + tokens)
+            q, do = (torch.randn(b, hq, tokens, d, device=device, generator=gen).to(dtype) for _ in range(2))
+            k, v = (torch.randn(b, hkv, tokens, d, device=device, generator=gen).to(dtype) for _ in range(2))
             ranks = range(n) if args.all_ranks else sorted({0, n - 1})
             t_rank = {"fwd": (0.0, 0), "fwd+bwd": (0.0, 0)}
             for r in ranks:
-                fwd, both = rank_schedule(r, n, tokens, args.layout, triton_backend, q, k, v, do, scale)
+                fwd, both, buffers = rank_schedule(r, n, tokens, args.layout, triton_backend, q, k, v, do, scale)
+                both()
+                reference = rank_reference(r, n, tokens, args.layout, q, k, v, do, scale)
+                g = hq // hkv
+                out, dq, dk, dv = buffers
+                err = rel_err((out[:, :g], dq[:, :g], dk[:, :1], dv[:, :1]), reference)
+                del reference
+                print(
+                    f"N={n} T={tokens:6d} rank {r}: out/dq/dk/dv rel_err {err:.1e} against fp32 attention (kv head 0)"
+                )
+                if not err <= BOUND[args.dtype]:
+                    inaccurate.append(f"N={n} T={tokens} rank {r}: rel_err {err:.2e} > {BOUND[args.dtype]:.0e}")
                 for name, fn in (("fwd", fwd), ("fwd+bwd", both)):
-                    t_rank[name] = max(t_rank[name], (bench_ms(fn), r))
+                    t_rank[name] = max(t_rank[name], (bench_ms(fn, device), r))
             for name in ("fwd", "fwd+bwd"):
                 tr, slowest = t_rank[name]
                 eff = t_full[name] / (n * tr)
@@ -131,12 +178,12 @@ def main(argv=None) -> int:
                       f"(rank {slowest})  efficiency={100 * eff:6.1f}%")  # fmt: skip
                 rows.append({**env, "pass": name, "ranks": n, "tokens_per_rank": tokens, "dtype": args.dtype,
                              "batch": b, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "layout": args.layout,
-                             "t_full_ms": f"{t_full[name]:.4f}", "t_rank_ms": f"{tr:.4f}", "slowest_rank": slowest,
-                             "efficiency": f"{eff:.4f}"})  # fmt: skip
+                             "t_full_ms": f"{t_full[name]:.6g}", "t_rank_ms": f"{tr:.6g}", "slowest_rank": slowest,
+                             "efficiency": f"{eff:.5g}"})  # fmt: skip
             del q, k, v, do
-            torch.cuda.empty_cache()
-    print(f"wrote {len(rows)} rows to {write_rows('bench_ring_sim', FIELDS, rows)}")
-    return 0
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return finish("bench_ring_sim", FIELDS, rows, args.results_dir, inaccurate, "simulated rank")
 
 
 if __name__ == "__main__":

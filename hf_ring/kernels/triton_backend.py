@@ -78,23 +78,27 @@ def _cfg(fwd, dq, dkv, scan=16, upcast=False) -> KernelConfig:
 #: The interpreter config: small tiles so that test shapes span several tiles, fp32 arithmetic.
 INTERPRETER_CONFIG = _cfg((32, 16, 1, 1), (32, 16, 1, 1), (32, 16, 1, 1), scan=4, upcast=True)
 
-# CUDA configs by (input class, padded head_dim), checked to fit the shared memory of sm_90 / sm_80
-# (large: >= 160 KiB per block) or of sm_86 / sm_89 / sm_120 (small: ~99 KiB) when compiled.
+# CUDA configs by (input class, padded head_dim). Each one compiles for its targets within their
+# shared memory (sm_90 / sm_80 / sm_100: large, >= 160 KiB per block; sm_86 / sm_89 / sm_120: small,
+# ~99 KiB); `benchmarks/compile_kernels.py` reports shared memory, registers and stack per kernel.
+# fp16/bf16: FlashAttention-2-style tiles. fp32 (IEEE dots, FMA, register-hungry): small tiles
+# chosen for the least stack use (register spills) on Triton 3.6 and 3.9, one table for all.
+_FP32 = {
+    ("fp32", 64): _cfg((32, 16, 4, 2), (32, 16, 4, 2), (64, 16, 4, 1)),
+    ("fp32", 128): _cfg((32, 16, 4, 1), (32, 16, 4, 1), (32, 16, 4, 1)),
+    ("fp32", 256): _cfg((16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
+}
 _LARGE_SMEM = {
     ("half", 64): _cfg((128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 2)),
     ("half", 128): _cfg((128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 2)),
-    ("half", 256): _cfg((64, 64, 8, 2), (64, 32, 8, 1), (64, 32, 8, 1)),
-    ("fp32", 64): _cfg((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2)),
-    ("fp32", 128): _cfg((64, 32, 4, 2), (64, 16, 4, 1), (64, 16, 4, 1)),
-    ("fp32", 256): _cfg((32, 32, 4, 1), (32, 16, 4, 1), (32, 16, 4, 1)),
+    ("half", 256): _cfg((64, 64, 8, 2), (32, 32, 4, 1), (32, 32, 4, 1)),
+    **_FP32,
 }
 _SMALL_SMEM = {
     ("half", 64): _cfg((128, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2)),
     ("half", 128): _cfg((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2)),
     ("half", 256): _cfg((64, 32, 4, 1), (32, 32, 4, 1), (32, 32, 4, 1)),
-    ("fp32", 64): _cfg((64, 32, 4, 2), (64, 16, 4, 2), (64, 16, 4, 2)),
-    ("fp32", 128): _cfg((32, 32, 4, 1), (32, 16, 4, 1), (32, 16, 4, 1)),
-    ("fp32", 256): _cfg((16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
+    **_FP32,
 }
 
 
@@ -103,8 +107,8 @@ def default_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> K
 
     CPU means the interpreter (``INTERPRETER_CONFIG``). On CUDA: 128x64 forward tiles and the
     FlashAttention-2 backward split (dQ 128x32, dK/dV 128x32) for fp16/bf16 and head_dim <= 128;
-    smaller tiles for head_dim up to 256, for fp32 inputs (IEEE fp32 dots) and for GPUs with
-    ~99 KiB of shared memory per block (consumer parts).
+    smaller tiles for head_dim 256 and for GPUs with ~99 KiB of shared memory per block (consumer
+    parts); small spill-free tiles for fp32 inputs (IEEE fp32 dots).
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG

@@ -1,0 +1,102 @@
+"""The GPU benchmark scripts, dry-run on CPU with the kernels in Triton's interpreter.
+
+``bench_kernel.py`` and ``bench_ring_sim.py`` compare every implementation with an fp32 reference
+before timing it and exit 1 when the Triton path is wrong. These tests run both scripts on tiny
+shapes (``--device cpu``), check the rows they write (FLOP counts from independently counted
+visible pairs) and check that a corrupted kernel is caught.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_ring.kernels import triton_backend
+
+pytestmark = pytest.mark.skipif(
+    not triton_backend.interpreted(), reason="needs Triton's interpreter (TRITON_INTERPRET=1 before import)"
+)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_kernel  # noqa: E402
+import bench_ring_sim  # noqa: E402
+
+TINY = ["--device", "cpu", "--dtype", "fp32", "--q-heads", "2", "--kv-heads", "1"]
+
+
+def _rows(folder: Path, name: str) -> list[dict]:
+    with (folder / f"{name}.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def _visible_pairs(kind: str, seqlen: int) -> int:
+    """Visible (query, key) pairs of a step, counted from a dense mask, not from the script."""
+    q = torch.arange(seqlen)
+    if kind == "full":
+        qp, kp = q + seqlen, q
+    elif kind == "causal":
+        qp, kp = q, q
+    else:  # zig-zag, N = 2, rank 1 (chunks 1, 2) against rank 0's block (chunks 0, 3)
+        c = seqlen // 2
+        qp = torch.arange(c, 3 * c)
+        kp = torch.cat([torch.arange(c), torch.arange(3 * c, 4 * c)])
+    return int((kp[None, :] <= qp[:, None]).sum())
+
+
+def _corrupt_forward(monkeypatch):
+    """Make the Triton forward use a 10% wrong softmax scale."""
+    forward = triton_backend.forward
+
+    def wrong(q, k, v, mask, scale, out, lse, **kw):
+        return forward(q, k, v, mask, scale * 1.1, out, lse, **kw)
+
+    monkeypatch.setattr(triton_backend, "forward", wrong)
+
+
+def test_bench_kernel_dry_run_rows_and_accuracy(tmp_path, capsys):
+    argv = [*TINY, "--seqlens", "64", "--head-dims", "16", "--passes", "fwd+bwd", "--impls", "triton",
+            "sdpa-flash", "--results-dir", str(tmp_path)]  # fmt: skip
+    assert bench_kernel.main(argv) == 0
+    rows = _rows(tmp_path, "bench_kernel")
+    assert sorted((r["kind"], r["impl"]) for r in rows) == sorted(
+        (k, i) for k in bench_kernel.KINDS for i in ("triton", "sdpa-flash")
+    )
+    for r in rows:
+        assert r["pass"] == "fwd+bwd" and float(r["ms"]) > 0
+        flops = 3.5 * 4 * 2 * 16 * _visible_pairs(r["kind"], 64)  # fwd 4*d per pair, bwd 2.5x, 2 heads
+        assert float(r["tflops"]) == pytest.approx(flops / float(r["ms"]) / 1e9, rel=1e-2, abs=0.006)
+        # fp32 IEEE dots against fp32 SDPA: rounding only.
+        assert float(r["rel_err"]) < 1e-5, r
+    assert "INACCURATE" not in capsys.readouterr().out
+
+
+def test_bench_kernel_flags_a_wrong_kernel(tmp_path, monkeypatch, capsys):
+    _corrupt_forward(monkeypatch)
+    argv = [*TINY, "--seqlens", "32", "--head-dims", "16", "--kinds", "causal", "--passes", "fwd",
+            "--impls", "triton", "sdpa-flash", "--results-dir", str(tmp_path)]  # fmt: skip
+    assert bench_kernel.main(argv) == 1
+    assert "INACCURATE triton step: d=16 L=32 causal" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_bench_ring_sim_dry_run(tmp_path, capsys, layout):
+    argv = [*TINY, "--ranks", "2", "--tokens", "32", "--head-dim", "16", "--layout", layout,
+            "--results-dir", str(tmp_path)]  # fmt: skip
+    assert bench_ring_sim.main(argv) == 0
+    rows = _rows(tmp_path, "bench_ring_sim")
+    assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
+    for r in rows:
+        assert r["layout"] == layout and int(r["ranks"]) == 2 and int(r["slowest_rank"]) in (0, 1)
+        assert float(r["efficiency"]) == pytest.approx(float(r["t_full_ms"]) / (2 * float(r["t_rank_ms"])), rel=1e-3)
+    out = capsys.readouterr().out
+    assert out.count("against fp32 attention") == 2 and "INACCURATE" not in out
+
+
+def test_bench_ring_sim_flags_a_wrong_kernel(tmp_path, monkeypatch, capsys):
+    _corrupt_forward(monkeypatch)
+    argv = [*TINY, "--ranks", "2", "--tokens", "32", "--head-dim", "16", "--results-dir", str(tmp_path)]
+    assert bench_ring_sim.main(argv) == 1
+    assert "INACCURATE simulated rank: N=2 T=32 rank 0" in capsys.readouterr().out
