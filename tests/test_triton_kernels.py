@@ -87,6 +87,8 @@ CASES = [
           q_doc=torch.zeros(1, 40, dtype=torch.int32), k_doc=((A96 // 32) % 2).to(torch.int32)[None]),
     _case("docs-all-padding-tile", A40, A40, b=2, hq=2, hkv=2,
           q_doc=_docs(A40, [], 2, pad=[(0, 0, 32), (1, 8, 40)]), k_doc=_docs(A40, [], 2, pad=[(1, 0, 5)])),
+    _case("causal-d256", A40, A40, hq=2, hkv=1, d=256),  # the largest head_dim
+    _case("zigzag-half-d40", _cat((24, 72)), ZZ, hq=4, hkv=2, d=40),  # a small head_dim padded to 64
 ]  # fmt: skip
 
 FP16_CASES = [CASES[i] for i in (1, 2, 5, 8, 11)]
@@ -267,6 +269,35 @@ def test_empty_tiles_are_never_read():
     k[:, :, 32:], v[:, :, 32:] = 0.0, 0.0
     ref = _reference(case, q, k, v, do, 0.125)
     assert max(_errors(mine, ref)) <= FP32_TOL
+
+
+def test_strided_inputs_past_int32_offsets_are_copied(monkeypatch):
+    """A [B, L, H, D] view whose (batch, head) slice spans more than int32 offsets reach is copied to
+    the contiguous layout (shown with the limit lowered to sit between the two spans); accumulators
+    are never copied but refused, and a slice too long even when contiguous is unsupported."""
+    case = CASES[1].values[0]  # 40 queries (4 heads), 72 keys (1 head), d=80
+    q, k, v, do = _inputs(case, torch.float32, seed=4, transposed=True)
+    assert triton_backend._slice_span(q) == 39 * 4 * 80 + 79 and triton_backend._slice_span(q.contiguous()) == 3199
+    assert triton_backend._slice_span(k) == 71 * 80 + 79  # one key/value head: the view spans as little
+    ref = _run(triton_backend, case, q, k, v, do, 0.2)
+    monkeypatch.setattr(triton_backend, "INT32_LIMIT", 6000)
+    qc, kc, vc = triton_backend._int32_safe(q, k, v)
+    assert qc.is_contiguous() and torch.equal(qc, q) and kc is k and vc is v
+    copies, safe = [], triton_backend._int32_safe
+
+    def spy(*tensors, copy=True):
+        result = safe(*tensors, copy=copy)
+        copies.extend(r is not t for r, t in zip(result, tensors))
+        return result
+
+    monkeypatch.setattr(triton_backend, "_int32_safe", spy)
+    mine = _run(triton_backend, case, q, k, v, do, 0.2)
+    assert sum(copies) == 3  # q in the forward; do and q in the backward
+    assert max(_errors(mine, ref)) == 0.0  # the same kernel on the same numbers
+    with pytest.raises(ValueError, match="2\\*\\*31 or more elements"):
+        triton_backend._int32_safe(torch.zeros(1, 72, 4, 80).transpose(1, 2), copy=False)
+    monkeypatch.setattr(triton_backend, "INT32_LIMIT", 5000)
+    assert "int32 offsets" in triton_backend.unsupported(q, k, v)  # ring_attention falls back or says why
 
 
 def test_float64_inputs_fall_back_to_torch_backend():

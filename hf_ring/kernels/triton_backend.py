@@ -196,6 +196,8 @@ def unsupported(q, k, v) -> str | None:
         )
     if q.device.type not in ("cpu", "cuda"):
         return f"device type {q.device.type!r} is not supported (CUDA, or CPU in Triton's interpreter)"
+    if max(q.shape[2], k.shape[2]) * q.shape[3] >= INT32_LIMIT:
+        return "a (batch, head) slice holds 2**31 or more elements, beyond the kernels' int32 offsets"
     return None
 
 
@@ -217,6 +219,36 @@ def _check(q, k, v, mask: BlockMask, acc: dict) -> None:
     reason = unsupported(q, k, v)
     if reason is not None:
         raise ValueError(f"the triton backend cannot run these inputs: {reason}; use backend='torch'")
+
+
+#: The kernels add (row, column) offsets inside one (batch, head) slice in int32 (the batch and head
+#: offsets are int64); a slice reaching this far is copied to the contiguous layout first.
+INT32_LIMIT = 2**31
+
+
+def _slice_span(t: torch.Tensor) -> int:
+    """Largest element offset inside one (batch, head) slice of a [B, H, L, D] tensor."""
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:]) if n > 0)
+
+
+def _int32_safe(*tensors, copy: bool = True):
+    """The tensors, each copied to the contiguous [B, H, L, D] layout if its (batch, head) slice
+    spans more elements than int32 offsets reach (e.g. a [B, L, H, D] view with very long L).
+
+    ``copy=False`` (accumulators, updated in place) raises instead of copying.
+    """
+    out = []
+    for t in tensors:
+        if copy and _slice_span(t) >= INT32_LIMIT:
+            t = t.contiguous()
+        if _slice_span(t) >= INT32_LIMIT:
+            raise ValueError(
+                f"a {tuple(t.shape)} tensor with strides {t.stride()} spans 2**31 or more elements per "
+                "(batch, head): too long for the triton backend's int32 offsets; use more ranks or "
+                "backend='torch'"
+            )
+        out.append(t)
+    return out
 
 
 def _positions(mask: BlockMask, device: torch.device, batch: int):
@@ -254,6 +286,8 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
         return out, lse
     q_pos, k_pos, q_doc, k_doc = _positions(mask, q.device, b)
     cfg = config or default_config(q.device, q.dtype, d)
+    q, k, v = _int32_safe(q, k, v)
+    _int32_safe(out, copy=False)
     _fwd_op(q, k, v, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window, out, lse, cfg.to_list())
     return out, lse
 
@@ -282,6 +316,8 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
     q_pos, k_pos, q_doc, k_doc = _positions(mask, q.device, b)
     cfg = config or default_config(q.device, q.dtype, d)
     lse, delta = lse.contiguous(), delta.contiguous()  # the kernels read both with lse's strides
+    do, q, k, v = _int32_safe(do, q, k, v)
+    _int32_safe(dq, dk, dv, copy=False)
     _bwd_op(
         do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window,
         dq, dk, dv, cfg.to_list(),
