@@ -76,7 +76,12 @@ def env_info() -> dict:
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    """The options both GPU benchmarks share: device (``cpu`` is a dry run) and results folder."""
+    """The options both GPU benchmarks share: the attention shape and dtype, the device (``cpu`` is a
+    dry run) and the results folder."""
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument(
         "--device",
         choices=["cuda", "cpu"],
@@ -86,8 +91,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results-dir", type=Path, default=RESULTS, help="folder of the CSV files")  # fmt: skip
 
 
-def resolve_device(args, script: str) -> torch.device | None:
-    """The device to run on, or None (message printed) when CUDA was asked for and there is none.
+def start(args, script: str) -> tuple[torch.device, dict] | None:
+    """The device to run on and the environment recorded with every row (printed), or None (message
+    printed) when CUDA was asked for and there is none.
 
     ``--device cpu`` turns Triton's interpreter on; it must happen before ``triton`` is imported.
     """
@@ -95,11 +101,25 @@ def resolve_device(args, script: str) -> torch.device | None:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--device cpu needs TRITON_INTERPRET=1 before triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
         print(f"{script} needs a CUDA GPU (none found); nothing measured. --device cpu runs a dry run.")
         return None
-    return torch.device("cuda")
+    else:
+        device = torch.device("cuda")
+    env = env_info()
+    print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']}")
+    return device, env
+
+
+def random_inputs(args, seqlen: int, head_dim: int, device: torch.device, seed: int):
+    """Seeded q, k, v, dO of ``seqlen`` tokens in the benchmark's dtype: q/dO with the query heads,
+    k/v with the key/value heads."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    heads = (args.q_heads, args.kv_heads, args.kv_heads, args.q_heads)
+    return tuple(
+        torch.randn(args.batch, h, seqlen, head_dim, device=device, generator=g).to(DTYPES[args.dtype]) for h in heads
+    )
 
 
 def write_rows(name: str, fields: list[str], rows: list[dict], folder: Path = RESULTS) -> Path:
@@ -255,30 +275,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--q-heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
     p.add_argument("--impls", nargs="+", default=["triton", "sdpa-flash", "sdpa-cudnn"])
     add_common_args(p)
     args = p.parse_args(argv)
-    device = resolve_device(args, "bench_kernel.py")
-    if device is None:
+    started = start(args, "bench_kernel.py")
+    if started is None:
         return 0
+    device, env = started
     from hf_ring.kernels.mask import BlockMask
 
-    dtype = DTYPES[args.dtype]
-    env = env_info()
-    print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']}")
     rows, inaccurate = [], []
     for d in args.head_dims:
         for seqlen in args.seqlens:
             b, hq, hkv = args.batch, args.q_heads, args.kv_heads
-            g = torch.Generator(device=device).manual_seed(seqlen * 1000 + d)
-            q, do = (torch.randn(b, hq, seqlen, d, device=device, generator=g).to(dtype) for _ in range(2))
-            k, v = (torch.randn(b, hkv, seqlen, d, device=device, generator=g).to(dtype) for _ in range(2))
+            q, k, v, do = random_inputs(args, seqlen, d, device, seed=seqlen * 1000 + d)
             scale = d**-0.5
             for kind in args.kinds:
                 q_pos, k_pos, pairs, ks, causal = step_positions(kind, seqlen)

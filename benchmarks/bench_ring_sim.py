@@ -31,7 +31,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernel import DTYPES, add_common_args, bench_ms, env_info, finish, rel_err, resolve_device
+from bench_kernel import DTYPES, add_common_args, bench_ms, finish, random_inputs, rel_err, start
 
 FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "pass", "ranks", "tokens_per_rank",
           "dtype", "batch", "q_heads", "kv_heads", "head_dim", "layout", "t_full_ms", "t_rank_ms", "slowest_rank",
@@ -128,22 +128,17 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--tokens", type=int, nargs="+", default=[8192], help="tokens per rank")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--q-heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default="zigzag")
     p.add_argument("--all-ranks", action="store_true", help="time every rank (default: ranks 0 and N-1)")
     add_common_args(p)
     args = p.parse_args(argv)
-    device = resolve_device(args, "bench_ring_sim.py")
-    if device is None:
+    started = start(args, "bench_ring_sim.py")
+    if started is None:
         return 0
+    device, env = started
     from hf_ring.kernels import triton_backend
 
     dtype = DTYPES[args.dtype]
-    env = env_info()
-    print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']}")
     b, hq, hkv, d = args.batch, args.q_heads, args.kv_heads, args.head_dim
     scale = d**-0.5
     rows, inaccurate = [], []
@@ -151,9 +146,7 @@ def main(argv=None) -> int:
         for n in args.ranks:
             full = n * tokens
             t_full = full_sdpa_ms(b, hq, hkv, full, d, dtype, scale, device)
-            gen = torch.Generator(device=device).manual_seed(1000 * n + tokens)
-            q, do = (torch.randn(b, hq, tokens, d, device=device, generator=gen).to(dtype) for _ in range(2))
-            k, v = (torch.randn(b, hkv, tokens, d, device=device, generator=gen).to(dtype) for _ in range(2))
+            q, k, v, do = random_inputs(args, tokens, d, device, seed=1000 * n + tokens)
             ranks = range(n) if args.all_ranks else sorted({0, n - 1})
             t_rank = {"fwd": (0.0, 0), "fwd+bwd": (0.0, 0)}
             for r in ranks:
