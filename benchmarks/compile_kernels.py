@@ -112,24 +112,15 @@ def compile_kernel(fn, arch: int, dtype: str, constexprs: dict, warps: int, stag
     return int(kernel.metadata.shared), registers, stack
 
 
-def config_for(arch: int, dtype: str, head_dim: int):
-    """The ``KernelConfig`` the backend picks on a GPU of compute capability ``arch``."""
-    import triton
-
-    from hf_ring.kernels import triton_backend as tb
-
-    large = arch in (80, 90, 100)
-    d = min(256, max(64, triton.next_power_of_2(head_dim)))
-    return (tb._LARGE_SMEM if large else tb._SMALL_SMEM)[("fp32" if dtype == "fp32" else "half", d)]
-
-
 def reports(arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"), config=None):
     """Compile the three kernels of one (arch, dtype, head_dim) cell: yields a ``Report`` per kernel."""
+    import torch
     import triton
 
-    from hf_ring.kernels import triton_bwd, triton_fwd
+    from hf_ring.kernels import triton_backend, triton_bwd, triton_fwd
 
-    cfg = config or config_for(arch, dtype, head_dim)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    cfg = config or triton_backend.cuda_config(divmod(arch, 10), torch_dtype, head_dim)
     base = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SCAN=cfg.scan,
                 CAUSAL=True, HAS_WINDOW=True, HAS_DOCS=True, UPCAST=cfg.upcast or dtype == "fp32")  # fmt: skip
     plan = {

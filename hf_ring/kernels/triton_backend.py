@@ -25,7 +25,7 @@ from .mask import BlockMask
 from .triton_bwd import _dq_kernel, bwd_launch
 from .triton_fwd import fwd_launch
 
-__all__ = ["KernelConfig", "backward", "default_config", "forward", "interpreted", "unsupported"]
+__all__ = ["KernelConfig", "backward", "cuda_config", "default_config", "forward", "interpreted", "unsupported"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +112,14 @@ def default_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> K
     """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
+    return cuda_config(torch.cuda.get_device_capability(device), dtype, head_dim)
+
+
+def cuda_config(capability: tuple[int, int], dtype: torch.dtype, head_dim: int) -> KernelConfig:
+    """The tile configuration on a GPU of compute ``capability`` (e.g. ``(9, 0)``), no GPU needed."""
     d = min(256, max(64, triton.next_power_of_2(head_dim)))
     kind = "fp32" if dtype == torch.float32 else "half"
-    large = torch.cuda.get_device_capability(device) in ((8, 0), (9, 0), (10, 0))
+    large = tuple(capability) in ((8, 0), (9, 0), (10, 0))
     return (_LARGE_SMEM if large else _SMALL_SMEM)[(kind, d)]
 
 
