@@ -1,6 +1,7 @@
 """hf_ring: exact ring attention (context parallelism) for Hugging Face Transformers.
 
-Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_attention``, ``RingComm``.
+Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_attention``, ``PlanCache``,
+``RingComm``, ``LoopbackComm``.
 Transformers integration (imported on first use): ``apply_ring_attention``, ``revert_ring_attention``,
 ``shard_batch``, ``reduce_loss``.
 """
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 import importlib
 
-from .comm import RingComm
+from .comm import LoopbackComm, RingComm
 from .layout import LAYOUTS, positions, shard, unshard
-from .ring import ring_attention
+from .ring import PlanCache, ring_attention
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,8 @@ _LAZY = {
 
 __all__ = [
     "LAYOUTS",
+    "LoopbackComm",
+    "PlanCache",
     "RingComm",
     "positions",
     "shard",

@@ -11,7 +11,15 @@ Works on any backend torch.distributed supports for P2P (NCCL on GPU, gloo on CP
 size of 1 (or no initialised process group) nothing is sent and ``send_recv`` must not be called.
 
 Two ``RingComm`` objects may be in flight at once (keys/values forward and their gradients
-backward): give them different ``tag`` values so that gloo never matches one's message to the other.
+backward): ``partner()`` gives the second one, with its own ``tag``, so that gloo never matches
+one's message to the other.
+
+``all_gather_ints`` is the one collective besides the ring: ``ring_attention``'s pre-flight check
+(a few integers per rank). On NCCL it costs one small device-to-host copy, so callers run it once
+per batch, not once per layer.
+
+``LoopbackComm`` stands in for ``RingComm`` when N virtual ranks run one after another in one
+process (the ring benchmark on one GPU): it hands each step the block another rank would have sent.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingComm", "group_rank_and_size"]
+__all__ = ["LoopbackComm", "RingComm", "group_rank_and_size"]
 
 
 def group_rank_and_size(group=None) -> tuple[int, int]:
@@ -81,6 +89,24 @@ class RingComm:
         for req in reqs:
             req.wait()
 
+    def partner(self) -> RingComm:
+        """A communicator over the same group with the next tag (for a second exchange in flight)."""
+        return RingComm(self.group, tag=self.tag + 1)
+
+    def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
+        """Every rank's ``values`` (the same length everywhere), in rank order: one small all-gather.
+
+        The tensor lives on ``device`` when the group's backend is NCCL and ``device`` is a GPU (NCCL
+        needs it there; reading the result back is then one small device-to-host copy), else on the CPU.
+        """
+        if self.world_size == 1:
+            return [list(values)]
+        on_gpu = device is not None and device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
+        mine = torch.tensor(values, dtype=torch.int64, device=device if on_gpu else "cpu")
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        return [t.tolist() for t in every]
+
     def drain(self) -> None:
         """After an error: drop queued operations and complete the launched ones, so that the group
         is usable again (pending requests would make its next collective hang)."""
@@ -89,3 +115,57 @@ class RingComm:
             self.wait()
         except Exception:  # noqa: BLE001 - called while another error propagates
             pass
+
+
+class LoopbackComm:
+    """``RingComm``'s interface for N virtual ranks that run one after another in one process.
+
+    ``blocks[r]`` is the message virtual rank r sends first (its stacked keys/values). At the s-th
+    exchange of a pass (s = 1 .. N-1) rank ``rank`` receives ``blocks[(rank - s) % N]``, handed over
+    without a copy, as a P2P receive of another rank's block would deliver it. Every pass of the ring
+    (a forward, a backward) makes N-1 exchanges; the counter wraps after each.
+
+    ``partner()`` carries the dK/dV accumulators of the backward: other ranks' contributions cannot
+    arrive in a sequential run, so each receive is zeros, and with ``record=True`` every accumulator
+    sent is kept (a copy) in ``sent``: with zero inflow, the accumulator sent at step s holds exactly
+    this rank's gradient for the block of rank ``(rank - s) % N``, and summing them over ranks gives
+    dK/dV. The pre-flight check sees every virtual rank agree (they are one caller).
+    """
+
+    def __init__(self, rank: int, world_size: int, blocks=None, *, record: bool = False, tag: int = 0):
+        if world_size < 2 or not 0 <= rank < world_size:
+            raise ValueError(f"LoopbackComm needs 0 <= rank < world_size and world_size >= 2, got {rank}, {world_size}")
+        self.group = None
+        self.rank, self.world_size, self.tag = rank, world_size, tag
+        self.blocks = blocks
+        self.record = record
+        self.sent: list[torch.Tensor] = []
+        self.bytes_sent = self.bytes_received = 0
+        self._count = 0
+
+    def send_recv(self, to_send: torch.Tensor, recv_buf: torch.Tensor | None = None) -> torch.Tensor:
+        nbytes = to_send.numel() * to_send.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
+        if self.blocks is None:  # gradient accumulators: zero inflow, record what leaves
+            if self.record:
+                self.sent.append(to_send.clone())
+            recv = torch.empty_like(to_send) if recv_buf is None else recv_buf
+            return recv.zero_()
+        self._count = self._count % (self.world_size - 1) + 1
+        return self.blocks[(self.rank - self._count) % self.world_size]
+
+    def commit(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def partner(self) -> LoopbackComm:
+        return LoopbackComm(self.rank, self.world_size, None, record=self.record, tag=self.tag + 1)
+
+    def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
+        return [list(values) for _ in range(self.world_size)]

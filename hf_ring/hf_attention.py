@@ -47,7 +47,7 @@ import torch.distributed as dist
 from .comm import group_rank_and_size
 from .kernels import BACKENDS
 from .layout import LAYOUTS, documents_from_cu_seqlens, documents_from_positions, positions, valid_cu_seqlens
-from .ring import raise_on_every_rank, ring_attention
+from .ring import PlanCache, raise_on_every_rank, ring_attention
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -96,7 +96,9 @@ class _Dropped(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
-    """How one model's attention runs: process group, layout and kernel backend (validated).
+    """How one model's attention runs: process group, layout and kernel backend (validated), and the
+    ``PlanCache`` its layers share (``apply_ring_attention`` gives every patched model one; without it
+    each call plans and checks on its own, as with ``register_attention`` alone).
 
     ``copy.copy`` / ``copy.deepcopy`` return the same object (a process group is a shared handle, so a
     deep copy of a patched model, e.g. TRL's reference model or an EMA copy, runs on the same group).
@@ -108,6 +110,7 @@ class RingConfig:
     group: Any = None
     layout: str = "zigzag"
     backend: str = "auto"
+    plans: PlanCache | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -136,7 +139,7 @@ class RingConfig:
                 stacklevel=2,
             )
             group = _Dropped.GROUP
-        return (RingConfig, (group, self.layout, self.backend))
+        return (RingConfig, (group, self.layout, self.backend, self.plans))
 
 
 _DEFAULT = RingConfig()
@@ -378,5 +381,6 @@ def ring_attention_forward(
         cu_seqlens=cu_seqlens,
         document_ids=document_ids,
         backend=cfg.backend,
+        plans=cfg.plans,
     )
     return out.transpose(1, 2).contiguous(), None

@@ -12,11 +12,20 @@ travel the ring with their block (one hop behind it) and arrive home after N hop
 Validation happens before any communication: every rank checks its own arguments, then one small
 all-gather of a fixed-size summary lets every rank raise the same error (bad input on one rank, or
 ranks that disagree on shapes), so a mistake never turns into a hang. That all-gather is the only
-collective besides the ring itself; on NCCL it costs one small device-to-host sync per call.
+collective besides the ring itself; on NCCL it costs one small device-to-host sync.
+
+Plans: what a call needs besides the tensors (positions, per-step masks and their tile classes, the
+masks' device copies, the backend, the checked summary) is a ``_Plan``. Without a ``PlanCache`` every
+call builds and checks its own. With one (``apply_ring_attention`` gives each model one), a plan is
+built once per batch and reused by every layer's forward and backward; the cross-rank check runs
+once per kind of call after each ``PlanCache.new_batch()``, which the model's forward pre-hook calls
+on every rank at the start of every forward. Steady state: no collective but the ring's P2P, no host
+sync, no host-to-device copy per layer.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import struct
@@ -26,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from . import layout as _layout
-from .comm import RingComm, group_rank_and_size
+from .comm import RingComm
 from .kernels import BACKENDS, BlockMask, get_backend
 
-__all__ = ["ring_attention", "raise_on_every_rank"]
+__all__ = ["PlanCache", "ring_attention", "raise_on_every_rank"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -45,7 +54,67 @@ class _Plan:
     backend: ModuleType
     masks: list  # masks[src]: queries of this rank vs the key/value block of rank src
     empty: list  # empty[src]: the block of rank src is fully masked for this rank
-    comm: RingComm | None
+    summary: list  # what every rank sent to the pre-flight check (checked again once per batch)
+
+
+class PlanCache:
+    """Plans of ``ring_attention`` calls, built once per batch and shared by every layer, forward and backward.
+
+    Keyed on what a plan depends on: the group's rank and size, layout, shapes, dtypes and devices of
+    q/k/v, causal, scale, window, backend, and the document tensor (by identity and version; the cache
+    holds it, so its identity cannot be reused by another tensor). At most ``MAX_PLANS`` are kept.
+
+    ``new_batch()`` must be called on every rank at the same point, at the start of every forward
+    (``apply_ring_attention`` installs a forward pre-hook on the model that does). After it, the first
+    call of each key runs the pre-flight check across ranks (one small all-gather; ranks that disagree
+    raise there, on every rank); later calls of that key use the checked plan with no communication.
+    Ranks that agree make the same calls in the same order, so they decide the same way.
+
+    Shared, not duplicated, by ``copy.copy`` / ``copy.deepcopy`` (like ``RingConfig``); a pickled cache
+    comes back empty.
+    """
+
+    MAX_PLANS = 8
+
+    def __init__(self):
+        self._plans: collections.OrderedDict = collections.OrderedDict()  # key -> (documents, plan)
+        self._checked: set = set()
+
+    def new_batch(self) -> None:
+        """Make the next call of every key check its plan across ranks again (start of a forward)."""
+        self._checked.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key, docs) -> _Plan | None:
+        """The plan stored under ``key`` for this very document tensor, or None."""
+        entry = self._plans.get(key)
+        if entry is None or entry[0] is not docs:
+            return None
+        self._plans.move_to_end(key)
+        return entry[1]
+
+    def checked(self, key, docs) -> _Plan | None:
+        """The plan of ``key`` if it was checked across ranks since ``new_batch()``, else None."""
+        return self.get(key, docs) if key in self._checked else None
+
+    def store(self, key, docs, plan: _Plan) -> None:
+        self._plans[key] = (docs, plan)
+        self._plans.move_to_end(key)
+        self._checked.add(key)
+        while len(self._plans) > self.MAX_PLANS:
+            old, _ = self._plans.popitem(last=False)
+            self._checked.discard(old)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (PlanCache, ())
 
 
 def ring_attention(
@@ -62,6 +131,7 @@ def ring_attention(
     document_ids: torch.Tensor | None = None,
     backend: str = "auto",
     comm: RingComm | None = None,
+    plans: PlanCache | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -80,8 +150,11 @@ def ring_attention(
         document_ids: alternative to cu_seqlens: [1 or batch, full_seq] integer document id of every
             token of the unsharded sequence (the same on every rank); -1 marks padding, which sees
             nothing and is seen by nothing.
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"flash_attn"``.
-        comm: a ``RingComm`` to send through (its byte counters then include this call).
+        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"`` or ``"flash_attn"``.
+        comm: a ``RingComm`` to send through (its byte counters then include this call), or a
+            ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
+        plans: a ``PlanCache`` to build the plan once per batch and reuse it (see ``PlanCache``: its
+            ``new_batch()`` must be called on every rank at the start of every forward).
 
     Returns:
         [batch, q_heads, local_seq, head_dim] in q's dtype. Rows that see no key are 0.
@@ -89,9 +162,19 @@ def ring_attention(
     if comm is not None:
         if group is not None and group is not comm.group:
             raise ValueError("pass either group or comm (a RingComm carries its own group), not two different groups")
-        group = comm.group
-    plan = _plan(q, k, v, group, layout, causal, scale, sliding_window, cu_seqlens, document_ids, backend, comm)
-    return _RingAttention.apply(q, k, v, plan)
+    else:
+        comm = RingComm(group)
+    docs = cu_seqlens if cu_seqlens is not None else document_ids
+    key = plan = None
+    if plans is not None:
+        key = _cache_key(q, k, v, comm, layout, causal, scale, sliding_window, cu_seqlens, docs, backend)
+        plan = plans.checked(key, docs) if key is not None else None
+    if plan is None:
+        reuse = plans.get(key, docs) if key is not None else None
+        plan = _plan(q, k, v, comm, layout, causal, scale, sliding_window, cu_seqlens, document_ids, backend, reuse)
+        if key is not None:
+            plans.store(key, docs, plan)
+    return _RingAttention.apply(q, k, v, plan, comm)
 
 
 # --------------------------------------------------------------------------- validation
@@ -184,23 +267,13 @@ _FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "dt
            "sliding_window", "scale", "documents")  # fmt: skip
 
 
-def _exchange(summary: list[int], group, device: torch.device) -> list[list[int]]:
-    world = dist.get_world_size(group)
-    backend = str(dist.get_backend(group))
-    on_gpu = device is not None and device.type == "cuda" and "nccl" in backend
-    dev = device if on_gpu else torch.device("cpu")
-    mine = torch.tensor(summary, dtype=torch.int64, device=dev)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    return [t.tolist() for t in every]
-
-
-def _check_everywhere(error, summary, group, rank, world_size, device) -> None:
+def _check_everywhere(error, summary, comm, device) -> None:
+    rank, world_size = comm.rank, comm.world_size
     if world_size == 1:
         if error:
             raise ValueError(f"ring_attention: {error}")
         return
-    every = _exchange(summary, group, device)
+    every = comm.all_gather_ints(summary, device)
     if error:
         raise ValueError(f"ring_attention (rank {rank}): {error}")
     bad = [r for r, s in enumerate(every) if s[0]]
@@ -226,22 +299,34 @@ def raise_on_every_rank(message: str, *, group=None, device: torch.device | None
     For callers above the core (the Transformers integration) that find a problem only some ranks
     can see. It joins the exchange the other ranks run anyway: no extra collective when all is well.
     """
-    rank, world_size = group_rank_and_size(group)
     summary = [1] + [0] * (len(_FIELDS) - 1)
-    _check_everywhere(message, summary, group, rank, world_size, device)
+    _check_everywhere(message, summary, RingComm(group), device)
     raise AssertionError("unreachable: _check_everywhere raises when given an error")
 
 
 # --------------------------------------------------------------------------- planning
 
 
+#: Document ids at or above this are relabelled (the triton kernels keep sentinels above 2**30).
+_MAX_DOC_ID = 2**30
+
+
 def _document_ids(cu_seqlens, document_ids, full: int) -> torch.Tensor | None:
-    """[1 or batch, full] int32 document ids on the host, or None."""
+    """[1 or batch, full] int32 document ids on the host (negative: padding, as -1), or None.
+
+    Only equality between ids matters, so ids of any integer range are relabelled to 0.. when they
+    would not fit the kernels' int32 range (``unique(return_inverse=True)``: equal ids stay equal).
+    """
     if cu_seqlens is not None:
         return _layout.documents_from_cu_seqlens(cu_seqlens, full).to(torch.int32)[None]
-    if document_ids is not None:
-        return document_ids.detach().cpu().to(torch.int32)
-    return None
+    if document_ids is None:
+        return None
+    ids = document_ids.detach().cpu().long()
+    if ids.numel() and (int(ids.max()) >= _MAX_DOC_ID or int(ids.min()) < -1):
+        pad = ids < 0
+        _, dense = torch.unique(torch.where(pad, ids.max(), ids), return_inverse=True)
+        ids = torch.where(pad, -1, dense)
+    return ids.to(torch.int32)
 
 
 def _backend_module(name: str, q, k, v) -> tuple[ModuleType | None, str | None]:
@@ -260,15 +345,32 @@ def _backend_module(name: str, q, k, v) -> tuple[ModuleType | None, str | None]:
     return None, f"backend {name!r} cannot run these inputs: {reason}; use backend='auto' or 'torch'"
 
 
-def _plan(q, k, v, group, layout, causal, scale, window, cu_seqlens, document_ids, backend, comm) -> _Plan:
-    rank, world_size = group_rank_and_size(group)
+def _cache_key(q, k, v, comm, layout, causal, scale, window, cu_seqlens, docs, backend):
+    """What a plan depends on, without a device sync; None when the arguments are not even tensors."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return None
+    if docs is not None and not isinstance(docs, torch.Tensor):
+        return None
+    tensors = tuple((tuple(t.shape), t.dtype, t.device) for t in (q, k, v))
+    doc_key = None if docs is None else ("cu" if cu_seqlens is not None else "ids", id(docs), docs._version)
+    return (comm.rank, comm.world_size, id(comm.group), layout, tensors, causal, scale, window, backend, doc_key)
+
+
+def _plan(q, k, v, comm, layout, causal, scale, window, cu_seqlens, document_ids, backend, reuse) -> _Plan:
+    """Check this call on every rank (one small all-gather) and return its plan (``reuse`` if given,
+    which was built for the same key: only the check runs again)."""
+    rank, world_size = comm.rank, comm.world_size
+    device = q.device if isinstance(q, torch.Tensor) else None
+    if reuse is not None:
+        _check_everywhere(None, reuse.summary, comm, device)
+        return reuse
     error = _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_ids, backend, world_size)
     docs = module = None
     if error is None:
         docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * world_size)
         module, error = _backend_module(backend, q, k, v)
     summary = _summary(q, k, layout, causal, scale, window, docs, error)
-    _check_everywhere(error, summary, group, rank, world_size, q.device if isinstance(q, torch.Tensor) else None)
+    _check_everywhere(error, summary, comm, device)
 
     full = q.shape[2] * world_size
     pos = [_layout.positions(full, rank=r, world_size=world_size, layout=layout) for r in range(world_size)]
@@ -285,91 +387,111 @@ def _plan(q, k, v, group, layout, causal, scale, window, cu_seqlens, document_id
                 k_doc=None if docs is None else docs[:, pos[src]],
             )
         )
+    empty = [m.is_empty() for m in masks]
+    if q.is_cuda:  # upload the masks' positions once, without blocking (kernels that read them on the device)
+        for m, e in zip(masks, empty):
+            if not e:
+                m.device_tensors(q.device)
     return _Plan(
-        group=group,
+        group=comm.group,
         rank=rank,
         world_size=world_size,
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
         backend=module,
         masks=masks,
-        empty=[m.is_empty() for m in masks],
-        comm=comm,
+        empty=empty,
+        summary=summary,
     )
 
 
 # --------------------------------------------------------------------------- schedule
 
 
-def _ring_forward(q, k, v, plan: _Plan):
+def _ring_buffers(kv: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """Receive buffers for a pass over n ranks: the first block sent (``kv``) is never written, so the
+    forward can keep it for the backward; one buffer for n = 2, two alternating ones beyond."""
+    return [torch.empty_like(kv) for _ in range(min(n - 1, 2))]
+
+
+def _ring_forward(q, k, v, plan: _Plan, comm):
+    """(out fp32, lse fp32, kv): kv is the stacked local keys/values [2, B, Hkv, L, D] that travelled
+    (None with one rank), kept for the backward."""
     n, r = plan.world_size, plan.rank
     b, hq, lq, d = q.shape
     out = torch.zeros(b, hq, lq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
+    if n == 1:
+        if not plan.empty[0]:
+            plan.backend.forward(q, k, v, plan.masks[0], plan.scale, out, lse)
+        out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
+        return out, lse, None
     kv = torch.stack([k, v])  # one contiguous message [2, batch, kv_heads, local_seq, head_dim]
-    spare = torch.empty_like(kv) if n > 1 else None
-    comm = plan.comm or RingComm(plan.group)
+    bufs = _ring_buffers(kv, n)
+    cur = kv
     with _drained(comm):
         for step in range(n):
             src = (r - step) % n
             if step + 1 < n:
-                nxt = comm.send_recv(kv, spare)
+                nxt = comm.send_recv(cur, bufs[step % len(bufs)])
                 comm.commit()
             if not plan.empty[src]:
-                plan.backend.forward(q, kv[0], kv[1], plan.masks[src], plan.scale, out, lse)
+                plan.backend.forward(q, cur[0], cur[1], plan.masks[src], plan.scale, out, lse)
             if step + 1 < n:
                 comm.wait()
-                kv, spare = nxt, kv
+                cur = nxt
     out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
-    return out, lse
+    return out, lse, kv
 
 
-def _ring_backward(dout, q, k, v, out, lse, plan: _Plan):
+def _ring_backward(dout, q, kv, out, lse, plan: _Plan, comm):
+    """(dq, dkv fp32 [2, B, Hkv, L, D]); ``kv``: the stacked local keys/values (or the (k, v) pair with one rank)."""
     n, r = plan.world_size, plan.rank
     delta = (dout.float() * out.float()).sum(-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack([k, v])
-    spare = torch.empty_like(kv) if n > 1 else None
-    kv_comm = plan.comm or RingComm(plan.group)
-    grad_comm = RingComm(plan.group, tag=kv_comm.tag + 1)
     # dK/dV of the block held: computed into `local`, added to the accumulator that arrived with
     # the block, sent on; `send`/`recv` alternate so a buffer in flight is never written.
-    acc_shape = (2, *k.shape)
-    send = torch.zeros(acc_shape, dtype=torch.float32, device=k.device)
-    recv = torch.empty_like(send) if n > 1 else None
-    local = torch.empty_like(send) if n > 1 else None
-    with _drained(kv_comm, grad_comm):
+    send = torch.zeros((2, *kv[0].shape), dtype=torch.float32, device=q.device)
+    if n == 1:
+        if not plan.empty[0]:
+            plan.backend.backward(
+                dout, q, kv[0], kv[1], lse, delta, plan.masks[0], plan.scale, dq, send[0], send[1], out=out
+            )
+        return dq, send
+    bufs = _ring_buffers(kv, n)
+    recv, local = torch.empty_like(send), torch.empty_like(send)
+    grad_comm = comm.partner()
+    cur = kv
+    with _drained(comm, grad_comm):
         for step in range(n):
             src = (r - step) % n
             if step + 1 < n:
-                nxt = kv_comm.send_recv(kv, spare)
-                kv_comm.commit()
+                nxt = comm.send_recv(cur, bufs[step % len(bufs)])
+                comm.commit()
             target = send if step == 0 else local
             if step > 0:
                 target.zero_()
             if not plan.empty[src]:
                 plan.backend.backward(
-                    dout, q, kv[0], kv[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1]
-                )
-            if n > 1:
-                if step > 0:
-                    grad_comm.wait()
-                    recv.add_(local)
-                    send, recv = recv, send
-                grad_comm.send_recv(send, recv)
-                grad_comm.commit()
+                    dout, q, cur[0], cur[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1],
+                    out=out,
+                )  # fmt: skip
+            if step > 0:
+                grad_comm.wait()
+                recv.add_(local)
+                send, recv = recv, send
+            recv = grad_comm.send_recv(send, recv)
+            grad_comm.commit()
             if step + 1 < n:
-                kv_comm.wait()
-                kv, spare = nxt, kv
-    if n > 1:
+                comm.wait()
+                cur = nxt
         grad_comm.wait()
-        send = recv  # after N hops the accumulator of this rank's own block is home
-        kv_comm.bytes_sent += grad_comm.bytes_sent
-        kv_comm.bytes_received += grad_comm.bytes_received
-    return dq.to(q.dtype), send[0].to(k.dtype), send[1].to(v.dtype)
+    comm.bytes_sent += grad_comm.bytes_sent
+    comm.bytes_received += grad_comm.bytes_received
+    return dq, recv  # after N hops the accumulator of this rank's own block is home
 
 
 @contextlib.contextmanager
-def _drained(*comms: RingComm):
+def _drained(*comms):
     """On an error inside the ring loop, complete the exchange in flight before re-raising: requests
     left pending would make the next collective on the group hang."""
     try:
@@ -383,19 +505,28 @@ def _drained(*comms: RingComm):
 class _RingAttention(torch.autograd.Function):
     # Autocast is off inside: the kernels choose their own precision (fp32 scores and accumulators);
     # under autocast the torch backend's matmuls would otherwise round scores to bf16.
+    # q/k/v are taken with their strides (Transformers hands transposed views); nothing is copied but
+    # the one stacked K/V message, which the backward reuses.
     @staticmethod
-    def forward(ctx, q, k, v, plan):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    def forward(ctx, q, k, v, plan, comm):
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = _ring_forward(q, k, v, plan)
+            out, lse, kv = _ring_forward(q, k, v, plan, comm)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
+        if kv is None:
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            ctx.save_for_backward(q, kv, out, lse)
+        ctx.plan, ctx.comm = plan, comm
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        if len(saved) == 5:
+            q, k, v, out, lse = saved
+            kv = (k, v)
+        else:
+            q, kv, out, lse = saved
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan)
-        return dq, dk, dv, None
+            dq, dkv = _ring_backward(dout, q, kv, out, lse, ctx.plan, ctx.comm)
+        return dq.to(q.dtype), dkv[0].to(kv[0].dtype), dkv[1].to(kv[1].dtype), None, None

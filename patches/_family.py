@@ -7,6 +7,11 @@ with ``set_attn_implementation``; ``revert`` restores the implementation the mod
 outputs are bit-identical to the unpatched model. A model that was already ``"hf_ring"`` when first
 patched (loaded with ``attn_implementation="hf_ring"``) has no other implementation to go back to:
 revert then switches it to ``"sdpa"``. Nothing private in Transformers is overwritten.
+
+Plans: ``apply`` gives the model's ``RingConfig`` a ``PlanCache`` and registers a forward pre-hook
+(``StartBatch``) on the model and on every ``PreTrainedModel`` inside it (a causal-LM head and its
+base model), which calls ``new_batch()``: the first attention call of each forward checks the batch
+across ranks, the other layers and the backward reuse its plan. Revert removes the hooks.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from collections.abc import Callable
 import torch
 
 from ..hf_attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, RingConfig, register
+from ..ring import PlanCache
 
-__all__ = ["FamilyPatch", "ORIGINAL_ATTR", "is_applied"]
+__all__ = ["FamilyPatch", "ORIGINAL_ATTR", "StartBatch", "is_applied"]
 
 ORIGINAL_ATTR = "hf_ring_original_attn_implementation"
 """Attribute of a patched model holding the attention implementation to restore on revert."""
@@ -52,6 +58,30 @@ def check_layer_types(config, what: str, allowed=("full_attention", "sliding_att
 
 def is_applied(model) -> bool:
     return hasattr(model, ORIGINAL_ATTR)
+
+
+class StartBatch:
+    """Forward pre-hook: a new forward begins, so its plans are checked across ranks again."""
+
+    def __init__(self, plans: PlanCache):
+        self.plans = plans
+
+    def __call__(self, module, args) -> None:
+        self.plans.new_batch()
+
+
+def _set_hooks(model, plans: PlanCache | None) -> None:
+    """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans``."""
+    from transformers import PreTrainedModel
+
+    for m in model.modules():
+        if not isinstance(m, PreTrainedModel):
+            continue
+        for hook_id, hook in list(m._forward_pre_hooks.items()):
+            if isinstance(hook, StartBatch):
+                del m._forward_pre_hooks[hook_id]
+        if plans is not None:
+            m.register_forward_pre_hook(StartBatch(plans))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +138,11 @@ class FamilyPatch:
                 f"{type(model).__name__} did not accept attn_implementation={ATTN_IMPLEMENTATION!r} "
                 "(it does not dispatch attention through transformers.AttentionInterface)"
             )
+        if cfg.plans is None:
+            cfg = dataclasses.replace(cfg, plans=PlanCache())
         for m in modules:
             setattr(m, CONFIG_ATTR, cfg)
+        _set_hooks(model, cfg.plans)
         setattr(model, ORIGINAL_ATTR, original)
         return model
 
@@ -125,5 +158,6 @@ class FamilyPatch:
         for m in self.attention_modules(model):
             if hasattr(m, CONFIG_ATTR):
                 delattr(m, CONFIG_ATTR)
+        _set_hooks(model, None)
         delattr(model, ORIGINAL_ATTR)
         return model

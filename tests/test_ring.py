@@ -45,7 +45,10 @@ def _cases(world_size: int) -> list[dict]:
     return cases
 
 
-def _run_case(rank, world, case, dtype=torch.float32, seed=0):
+BACKENDS = ("torch", "sdpa")  # the CPU backends; "auto" is "sdpa" on CPU
+
+
+def _run_case(rank, world, case, dtype=torch.float32, seed=0, backend="auto"):
     """(out, dq, dk, dv) of this rank, and of the float64 reference sharded the same way."""
     s = FULL_LEN[world]
     g = torch.Generator().manual_seed(seed)
@@ -62,7 +65,7 @@ def _run_case(rank, world, case, dtype=torch.float32, seed=0):
     ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
     out = hf_ring.ring_attention(
         ql, kl, vl, layout=lay, causal=case["causal"], sliding_window=case["window"],
-        cu_seqlens=case["cu"], document_ids=case["docs"],
+        cu_seqlens=case["cu"], document_ids=case["docs"], backend=backend,
     )  # fmt: skip
     out.backward(part(dout))
     docs = case["docs"] if case["cu"] is None else doc_ids_from_cu(case["cu"], s)
@@ -82,17 +85,18 @@ def _run_case(rank, world, case, dtype=torch.float32, seed=0):
 
 def _numeric_worker(rank, world):
     torch_backend.BLOCK_Q = torch_backend.BLOCK_K = 8  # many tiles: exercise tile classes and edges
-    return [_run_case(rank, world, case)[0] for case in _cases(world)]
+    return {b: [_run_case(rank, world, case, backend=b)[0] for case in _cases(world)] for b in BACKENDS}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_matches_plain_attention_fp32(world):
     per_rank = run_distributed(_numeric_worker, world, timeout=300)
     cases = _cases(world)
-    for rank, errs in enumerate(per_rank):
-        for case, e in zip(cases, errs):
-            label = {key: val for key, val in case.items() if not isinstance(val, torch.Tensor)}
-            assert max(e) <= FP32_TOL, f"rank {rank} {label}: rel errors (out, dq, dk, dv) {e}"
+    for rank, by_backend in enumerate(per_rank):
+        for backend, errs in by_backend.items():
+            for case, e in zip(cases, errs):
+                label = {key: val for key, val in case.items() if not isinstance(val, torch.Tensor)}
+                assert max(e) <= FP32_TOL, f"rank {rank} {backend} {label}: rel errors (out, dq, dk, dv) {e}"
 
 
 def test_without_process_group_equals_plain_attention():
@@ -104,16 +108,19 @@ def test_without_process_group_equals_plain_attention():
 
 def _lowp_worker(rank, world, dtype):
     cases = [c for i, c in enumerate(_cases(world)) if i % 10 in (0, 1, 3, 4, 5, 7, 9)]
-    return [_run_case(rank, world, c, dtype=dtype, seed=1) for c in cases]
+    return {b: [_run_case(rank, world, c, dtype=dtype, seed=1, backend=b) for c in cases] for b in BACKENDS}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_within_twice_sdpa_error(dtype):
-    for rank, results in enumerate(run_distributed(_lowp_worker, 2, dtype, timeout=300)):
-        for mine, sdpa, finite in results:
-            assert all(finite), f"rank {rank}: non-finite values"
-            for name, a, b in zip(("out", "dq", "dk", "dv"), mine, sdpa):
-                assert a <= LOWP_FACTOR * b + LOWP_EPS, f"rank {rank} {dtype} {name}: {a:.2e} vs SDPA {b:.2e}"
+    for rank, by_backend in enumerate(run_distributed(_lowp_worker, 2, dtype, timeout=300)):
+        for backend, results in by_backend.items():
+            for mine, sdpa, finite in results:
+                assert all(finite), f"rank {rank} {backend}: non-finite values"
+                for name, a, b in zip(("out", "dq", "dk", "dv"), mine, sdpa):
+                    assert a <= LOWP_FACTOR * b + LOWP_EPS, (
+                        f"rank {rank} {backend} {dtype} {name}: {a:.2e} vs SDPA {b:.2e}"
+                    )
 
 
 def _masked_rows_worker(rank, world):
@@ -160,7 +167,7 @@ def _accounting_worker(rank, world):
     torch_backend.BLOCK_Q = torch_backend.BLOCK_K = s // (2 * world)  # one tile per chunk: count chunk pairs
     q, k, v = (torch.randn(1, 2, s // world, 16) for _ in range(3))
     with FlopCounterMode(display=False) as counter:
-        hf_ring.ring_attention(q, k, v, layout="zigzag")
+        hf_ring.ring_attention(q, k, v, layout="zigzag", backend="torch")
 
     # overlap: every step but the last computes between launching the next exchange and waiting for it
     events = []
@@ -182,7 +189,7 @@ def _accounting_worker(rank, world):
 
     torch_backend.forward = recording_forward
     try:
-        hf_ring.ring_attention(q, k, v, layout="striped", causal=False, comm=RecordingComm())
+        hf_ring.ring_attention(q, k, v, layout="striped", causal=False, comm=RecordingComm(), backend="torch")
     finally:
         torch_backend.forward = compute
     return sent, counter.get_total_flops(), events
@@ -264,7 +271,7 @@ def _failing_kernel_call(q, k):
 
     torch_backend.forward = failing
     try:
-        hf_ring.ring_attention(q, k, k, causal=False)
+        hf_ring.ring_attention(q, k, k, causal=False, backend="torch")
     finally:
         torch_backend.forward = compute
 
@@ -299,8 +306,8 @@ def test_default_scale_and_custom_scale():
     assert rel_err(hf_ring.ring_attention(q, k, v), hf_ring.ring_attention(q, k, v, scale=0.05)) > 0.01
 
 
-def test_auto_backend_is_torch_on_cpu():
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+def test_auto_backend_is_sdpa_on_cpu():
+    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
     with pytest.raises(ValueError, match="unknown backend"):
         resolve_backend("cuda-magic", torch.device("cpu"))
 

@@ -9,7 +9,11 @@ Visibility of query ``i`` and key ``j`` (all positions are global, in the unshar
   padding token, which sees nothing and is seen by nothing).
 
 Positions and document ids live on the host (CPU) so that tiles can be classified without a device
-sync; ``device_tensors`` gives cached copies for kernels that read them on the device.
+sync; ``device_tensors`` gives cached copies for kernels that read them on the device (uploaded from
+pinned memory without blocking, once per mask: the ring builds its masks once per batch).
+
+``pieces`` cuts a mask into the rectangles that fused attention kernels with only a causal flag can
+run exactly: fully visible rectangles, causal diagonals and the shifted diagonal of the striped layout.
 
 Tile classes: ``EMPTY`` (nothing visible: skip), ``FULL`` (everything visible: no mask needed),
 ``PARTIAL`` (evaluate the mask element-wise). The classification is conservative: a tile called
@@ -22,9 +26,30 @@ import dataclasses
 
 import torch
 
-__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL"]
+__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "runs"]
 
 EMPTY, FULL, PARTIAL = 0, 1, 2
+
+
+def runs(pos: torch.Tensor) -> list[tuple[slice, int]]:
+    """Maximal runs of ``pos`` with a constant step: ``[(slice, step)]`` (step 1 for a run of one)."""
+    n = pos.numel()
+    if n == 0:
+        return []
+    if n == 1:
+        return [(slice(0, 1), 1)]
+    d = pos[1:] - pos[:-1]
+    out, start = [], 0
+    while start < n:
+        if start == n - 1:
+            out.append((slice(start, n), 1))
+            break
+        step = int(d[start])
+        change = torch.nonzero(d[start:] != step).flatten()
+        end = n if change.numel() == 0 else start + int(change[0]) + 1
+        out.append((slice(start, end), step))
+        start = end
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -107,13 +132,70 @@ class BlockMask:
         """
         return self.classify() == EMPTY
 
+    def pieces(self) -> list[tuple[str, slice, slice]] | None:
+        """The mask as rectangles a fused kernel with only a causal flag computes exactly, or None.
+
+        ``[(kind, q_slice, k_slice)]``, kind ``"full"`` (every key visible) or ``"causal"`` (query i of
+        the slices sees key j iff j <= i, equal lengths). Hidden rectangles are left out. A query run and
+        a key run with the same step s and length see each other iff ``j - i <= o`` with ``o =
+        floor((q_start - k_start) / s)``: o = 0 is a diagonal (zig-zag and contiguous layouts, and
+        striped at or below the own rank), o = -1 the shifted diagonal (striped, a higher source rank:
+        queries 1.. against keys ..-1). None for windows, documents, more than 16 rectangles, or any
+        other partial rectangle: those run on a masked kernel. Cached.
+        """
+        if "pieces" in self._cache:
+            return self._cache["pieces"]
+        result: list | None = []
+        if self.window is not None or self.q_doc is not None:
+            result = None
+        else:
+            q_runs, k_runs = runs(self.q_pos), runs(self.k_pos)
+            if len(q_runs) * len(k_runs) > 16:
+                result = None
+            for qs, q_step in q_runs if result is not None else ():
+                for ks, k_step in k_runs:
+                    kind = self.classify(qs, ks)
+                    if kind == EMPTY:
+                        continue
+                    if kind == FULL:
+                        result.append(("full", qs, ks))
+                        continue
+                    n = qs.stop - qs.start
+                    step = q_step if n > 1 else k_step
+                    if not self.causal or n != ks.stop - ks.start or (n > 1 and q_step != k_step):
+                        result = None
+                        break
+                    o = (int(self.q_pos[qs.start]) - int(self.k_pos[ks.start])) // step
+                    if o == 0:
+                        result.append(("causal", qs, ks))
+                    elif o == -1:  # row 0 sees nothing; rows 1.. see keys ..-1 on their diagonal
+                        result.append(("causal", slice(qs.start + 1, qs.stop), slice(ks.start, ks.stop - 1)))
+                    else:
+                        result = None
+                        break
+                if result is None:
+                    break
+        self._cache["pieces"] = result
+        return result
+
     def device_tensors(self, device: torch.device) -> dict:
-        """Cached device copies: ``q_pos``, ``k_pos`` (int32) and ``q_doc``, ``k_doc`` (int32 or None)."""
+        """Cached device copies: ``q_pos``, ``k_pos`` (int32) and ``q_doc``, ``k_doc`` (int32 or None).
+
+        On a GPU the host copies are pinned and uploaded without blocking (the cache keeps the pinned
+        tensors alive until the mask is dropped, so the copy never reads freed memory).
+        """
         key = str(device)
         if key not in self._cache:
+            pinned = device.type == "cuda"
 
             def move(t):
-                return None if t is None else t.to(device=device, dtype=torch.int32).contiguous()
+                if t is None:
+                    return None
+                t = t.to(torch.int32).contiguous()
+                if pinned:
+                    t = t.pin_memory()
+                    self._cache.setdefault("pinned", []).append(t)
+                return t.to(device=device, non_blocking=pinned)
 
             self._cache[key] = {
                 "q_pos": move(self.q_pos),

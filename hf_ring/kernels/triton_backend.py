@@ -297,8 +297,8 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     return out, lse
 
 
-def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, config=None):
-    """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place.
+def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, config=None):
+    """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place (``out`` unused).
 
     do, q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
     lse: [batch, q_heads, local_q] fp32, the final (global) LSE (``-inf``: the row saw nothing, its
