@@ -6,7 +6,7 @@ STAMP := $(VENV)/.hf_ring-installed
 # installed into a folder that shadows .venv's copy through PYTHONPATH.
 COMPAT := $(VENV)/compat-transformers-5.17
 
-.PHONY: demo test test-all lint format bench-cpu ring-demo clean
+.PHONY: demo test test-all lint format bench-cpu bench-gpu ring-demo clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -33,8 +33,12 @@ test-all: $(STAMP)
 ring-demo: $(STAMP)  ## CP=2 ring attention on CPU: exactness against plain attention and bytes sent
 	$(VENV)/bin/torchrun --nproc_per_node 2 examples/ring_attention_cpu.py
 
-bench-cpu: $(STAMP)
+bench-cpu: $(STAMP)  ## CP=2 gloo ranks vs 1 process, torch and sdpa backends
 	$(PY) benchmarks/bench_ring_cpu.py
+
+bench-gpu:  ## on a CUDA machine with the project installed: ring-step kernels, then N virtual ranks through ring_attention
+	python3 benchmarks/bench_kernel.py
+	python3 benchmarks/bench_ring_sim.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""TFLOP/s of one ring step: the Triton backend against PyTorch SDPA (flash and cuDNN backends).
+"""TFLOP/s of one ring step: hf_ring's backends (``triton``, ``sdpa``, ``torch``) against PyTorch SDPA.
 
 Three kinds of ring step, all with GQA (default 32 query heads : 8 key/value heads):
 
@@ -9,10 +9,13 @@ Three kinds of ring step, all with GQA (default 32 query heads : 8 key/value hea
   whole block and skips the hidden tiles from the positions.
 
 FLOPs count only visible (query, key) pairs: forward 4*d per pair, backward 2.5x forward.
+Implementations: ``triton``, ``sdpa`` and ``torch`` are hf_ring's backends running one ring step
+(``forward`` merging into the accumulators, ``backward`` from the final LSE); ``sdpa-flash`` and
+``sdpa-cudnn`` are PyTorch's public SDPA with that backend forced (GPU only).
 Before timing a step, every implementation's output and gradients are compared with an fp32 SDPA
 reference on the same inputs (``rel_err``, the largest relative error of out, dq, dk, dv); the
-script exits 1 when the Triton kernel is less accurate than 2x SDPA-flash (plus 1e-3) in the same
-dtype, so a speed is never reported for wrong numbers. Each result is appended to
+script exits 1 when one of hf_ring's backends is less accurate than 2x SDPA-flash (plus 1e-3) in
+the same dtype, so a speed is never reported for wrong numbers. Each result is appended to
 ``benchmarks/results/bench_kernel.csv`` with the GPU, library versions and date.
 
     python benchmarks/bench_kernel.py                      # bf16, head_dim 64 and 128, L 2K..32K
@@ -20,8 +23,12 @@ dtype, so a speed is never reported for wrong numbers. Each result is appended t
     python benchmarks/bench_kernel.py --device cpu --dtype fp32 --seqlens 128 --head-dims 64 \
         --q-heads 4 --kv-heads 2                           # dry run in Triton's interpreter
 
-Without a GPU (and without ``--device cpu``) it says so and exits 0. CPU timings measure the
-interpreter, not the kernel: the dry run checks the script and the numbers, nothing else.
+    python benchmarks/bench_kernel.py --device cpu --impls torch sdpa --dtype fp32 --seqlens 2048 \
+        --head-dims 64 --q-heads 8 --kv-heads 2        # the CPU backends (what "auto" picks on CPU)
+
+Without a GPU (and without ``--device cpu``) it says so and exits 0. On CPU the triton backend runs
+in the interpreter (its timings mean nothing; the dry run checks the script and the numbers), while
+the torch and sdpa backends run their real CPU kernels.
 """
 
 from __future__ import annotations
@@ -193,29 +200,34 @@ def rel_err(results, reference) -> float:
     return worst
 
 
-def triton_step(q, k, v, do, mask, scale):
-    """(fwd, bwd, fwd+bwd) callables of one ring step with the Triton backend, and its (out, dq, dk, dv).
+OURS = ("triton", "sdpa", "torch")  # hf_ring's backends; the others are PyTorch's SDPA
+
+
+def backend_step(name, q, k, v, do, mask, scale):
+    """(fwd, bwd, fwd+bwd) callables of one ring step with hf_ring's backend ``name``, and its (out, dq, dk, dv).
 
     The forward merges into the same accumulators on every call: the same work as a fresh step.
     The backward includes ``delta = rowsum(dO * O)``, as SDPA's backward does.
     """
-    from hf_ring.kernels import triton_backend
+    from hf_ring.kernels import get_backend
 
+    backend = get_backend(name, q.device)
     b, hq, lq, d = q.shape
     out = torch.zeros(b, hq, lq, d, device=q.device)
     lse = torch.full((b, hq, lq), -math.inf, device=q.device)
     dq = torch.zeros(q.shape, device=q.device)
     dk, dv = torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)
-    triton_backend.forward(q, k, v, mask, scale, out, lse)
-    triton_backend.backward(do, q, k, v, lse, (do.float() * out).sum(-1), mask, scale, dq, dk, dv)
+    backend.forward(q, k, v, mask, scale, out, lse)
+    out_q = out.to(q.dtype)
+    backend.backward(do, q, k, v, lse, (do.float() * out).sum(-1), mask, scale, dq, dk, dv, out=out_q)
     result = tuple(x.clone() for x in (out, dq, dk, dv))
 
     def fwd():
-        triton_backend.forward(q, k, v, mask, scale, out, lse)
+        backend.forward(q, k, v, mask, scale, out, lse)
 
     def bwd():
         delta = (do.float() * out).sum(-1)
-        triton_backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv)
+        backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, out=out_q)
 
     def both():
         fwd()
@@ -277,7 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
-    p.add_argument("--impls", nargs="+", default=["triton", "sdpa-flash", "sdpa-cudnn"])
+    p.add_argument("--impls", nargs="+", default=["triton", "sdpa", "sdpa-flash", "sdpa-cudnn"],
+                   choices=[*OURS, "sdpa-flash", "sdpa-cudnn"])  # fmt: skip
     add_common_args(p)
     args = p.parse_args(argv)
     started = start(args, "bench_kernel.py")
@@ -300,7 +313,7 @@ def main(argv=None) -> int:
                 reference = reference_grads(q, k, v, do, ks, causal, scale)
                 errors = {}
                 for impl in args.impls:
-                    made = triton_step(q, k, v, do, mask, scale) if impl == "triton" else (
+                    made = backend_step(impl, q, k, v, do, mask, scale) if impl in OURS else (
                         sdpa_step(q, k, v, do, ks, causal, scale, impl))  # fmt: skip
                     if made is None:
                         continue
@@ -318,15 +331,15 @@ def main(argv=None) -> int:
                                      "batch": b, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "seqlen": seqlen,
                                      "ms": f"{ms:.4f}", "tflops": f"{tflops:.2f}", "rel_err": f"{err:.3e}"})  # fmt: skip
                 del reference
-                if "triton" in errors:
-                    # The low-precision rule of the test suite; without SDPA-flash, a plain sanity bound.
-                    bound = 2 * errors["sdpa-flash"] + 1e-3 if "sdpa-flash" in errors else 5e-2
-                    if not errors["triton"] <= bound:
-                        inaccurate.append(f"d={d} L={seqlen} {kind}: rel_err {errors['triton']:.2e} > {bound:.2e}")
+                # The low-precision rule of the test suite; without SDPA-flash, a plain sanity bound.
+                bound = 2 * errors["sdpa-flash"] + 1e-3 if "sdpa-flash" in errors else 5e-2
+                for impl in OURS:
+                    if impl in errors and not errors[impl] <= bound:
+                        inaccurate.append(f"{impl} d={d} L={seqlen} {kind}: rel_err {errors[impl]:.2e} > {bound:.2e}")
             del q, k, v, do
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return finish("bench_kernel", FIELDS, rows, args.results_dir, inaccurate, "triton step")
+    return finish("bench_kernel", FIELDS, rows, args.results_dir, inaccurate, "ring step")
 
 
 if __name__ == "__main__":

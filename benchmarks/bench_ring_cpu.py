@@ -1,13 +1,14 @@
 """Ring attention on CPU: CP=N gloo ranks (one thread each) against one process with one thread.
 
-For each full length S (causal, zig-zag), times forward and forward+backward of
-``hf_ring.ring_attention`` in one process (world size 1) and on N gloo ranks, and reports:
+For each full length S (causal, zig-zag) and each backend (``torch`` and ``sdpa`` by default), times
+forward and forward+backward of ``hf_ring.ring_attention`` in one process (world size 1) and on N
+gloo ranks (with a ``PlanCache``, as a patched model has, started anew each iteration), and reports:
 parallel efficiency T1 / (N * TN) (the field's ring efficiency), peak memory per rank (peak RSS
 above the process's baseline before the inputs were made) and bytes sent per rank.
 Each configuration runs in fresh processes so peak RSS belongs to it alone.
 
     python benchmarks/bench_ring_cpu.py                      # S = 4K, 8K, 16K, 32K, N = 2
-    python benchmarks/bench_ring_cpu.py --lengths 4096 8192 --heads 4 --kv-heads 2
+    python benchmarks/bench_ring_cpu.py --lengths 4096 8192 --heads 4 --kv-heads 2 --backends sdpa
 
 Prints a table and appends one CSV row per length to benchmarks/results/ring_cpu.csv with the
 date, library versions and CPU model.
@@ -53,12 +54,14 @@ def _measure(rank, world, args, port, out_q):
     v = torch.randn(1, args.kv_heads, local, d, generator=g, requires_grad=True)
     dout = torch.randn(1, args.heads, local, d, generator=g)
     fwd, fwdbwd, sent = [], [], 0
+    plans = hf_ring.PlanCache()
     for it in range(args.warmup + args.repeats):
         comm = hf_ring.RingComm()
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        out = hf_ring.ring_attention(q, k, v, comm=comm, backend="torch")
+        plans.new_batch()
+        out = hf_ring.ring_attention(q, k, v, comm=comm, backend=args.backend, plans=plans)
         t1 = time.perf_counter()
         out.backward(dout)
         t2 = time.perf_counter()
@@ -101,6 +104,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--backends", nargs="+", default=["torch", "sdpa"], choices=["torch", "sdpa"])
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -113,25 +117,25 @@ def main():
     env = dict(date=stamp, torch=torch.__version__, hf_ring=hf_ring.__version__, python=platform.python_version(),
                cpu=cpu_name(), cores=os.cpu_count())  # fmt: skip
     rows = []
-    header = f"{'S':>6} {'T1 fwd s':>9} {'TN fwd s':>9} {'eff fwd':>8} {'T1 f+b s':>9} {'TN f+b s':>9} {'eff f+b':>8} {'mem1 MiB':>9} {'memN MiB':>9} {'MiB sent/rank f+b':>17}"
+    header = f"{'S':>6} {'backend':>7} {'T1 fwd s':>9} {'TN fwd s':>9} {'eff fwd':>8} {'T1 f+b s':>9} {'TN f+b s':>9} {'eff f+b':>8} {'mem1 MiB':>9} {'memN MiB':>9} {'MiB sent/rank f+b':>17}"
     print(
         f"hf_ring ring attention on CPU, causal zig-zag, CP={args.cp} vs 1 process; heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, fp32"
     )
     print(f"{env['cpu']} ({env['cores']} cores), torch {env['torch']}, {stamp}")
     print(header)
-    for s in args.lengths:
-        args.seq_len = s
+    for s, backend in ((s, b) for s in args.lengths for b in args.backends):
+        args.seq_len, args.backend = s, backend
         one = _run(1, args)
         ring = _run(args.cp, args)
         row = dict(
-            env, seq_len=s, cp=args.cp, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+            env, seq_len=s, backend=backend, cp=args.cp, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
             t1_fwd=one["fwd"], tn_fwd=ring["fwd"], eff_fwd=one["fwd"] / (args.cp * ring["fwd"]),
             t1_fwdbwd=one["fwdbwd"], tn_fwdbwd=ring["fwdbwd"], eff_fwdbwd=one["fwdbwd"] / (args.cp * ring["fwdbwd"]),
             mem1_mib=one["mem"], memn_mib=ring["mem"], bytes_sent_per_rank=ring["sent"],
         )  # fmt: skip
         rows.append(row)
         print(
-            f"{s:>6} {row['t1_fwd']:>9.3f} {row['tn_fwd']:>9.3f} {row['eff_fwd']:>7.1%} {row['t1_fwdbwd']:>9.3f} "
+            f"{s:>6} {backend:>7} {row['t1_fwd']:>9.3f} {row['tn_fwd']:>9.3f} {row['eff_fwd']:>7.1%} {row['t1_fwdbwd']:>9.3f} "
             f"{row['tn_fwdbwd']:>9.3f} {row['eff_fwdbwd']:>7.1%} {row['mem1_mib']:>9.0f} {row['memn_mib']:>9.0f} "
             f"{row['bytes_sent_per_rank'] / 2**20:>17.1f}",
             flush=True,

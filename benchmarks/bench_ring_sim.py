@@ -1,126 +1,159 @@
-"""Ring efficiency simulated on one GPU: the N steps of the slowest rank against one SDPA call.
+"""Ring efficiency on one device: N virtual ranks, each running the real ``ring_attention``, against one call.
 
-For N ranks with T tokens each (zig-zag layout, causal), every rank r runs N ring steps: its
-queries against the key/value block of every rank, through the Triton backend (forward merges
-included, fused in the kernel; backward from the final LSE), skipping blocks the mask hides. The
-slowest rank's time T_rank is compared with one SDPA (flash) call on the full sequence of N*T
-tokens on the same GPU:
+For N ranks with T tokens each (causal; zig-zag by default), every virtual rank r runs its forward
+(and forward + backward) through ``hf_ring.ring_attention`` itself, with a ``LoopbackComm`` in place
+of P2P: at every step it is handed the key/value block another rank would have sent (each rank's
+own, distinct K/V, not one block reused), so planning, plan checks, merges, buffers and any host
+sync are inside the time; only the wire is not (on a real ring it overlaps the kernels). Each
+timed call starts a new batch on its ``PlanCache`` (as a model's first layer does).
 
     efficiency = T_full / (N * T_rank)
 
-the way the field reports ring efficiency (100% = the ring loses nothing against single-device
-attention). Communication is not simulated: on a real ring it overlaps the kernels.
-Rows go to ``benchmarks/results/bench_ring_sim.csv`` with GPU, library versions and date. Without
-a GPU (and without ``--device cpu``) it says so and exits 0.
+where T_rank is the slowest rank and T_full one ``ring_attention`` call of the same backend on the
+full sequence of N*T tokens (one rank), the way the field reports ring efficiency (100% = the ring
+loses nothing against single-device attention). ``vs_sdpa`` = T_sdpa / (N * T_rank) compares with
+the fastest of PyTorch's SDPA backends on the full sequence instead.
+
+Before timing, every rank's output and gradients are checked against fp32 SDPA on the full
+sequence (dK/dV: the loopback records each rank's share of every block's gradient, summed here);
+the script exits 1 when a rank is wrong. Rows go to ``benchmarks/results/bench_ring_sim.csv`` with
+device, library versions and date. Without a GPU (and without ``--device cpu``) it says so and exits 0.
 
     python benchmarks/bench_ring_sim.py                        # N = 2, 4, 8; 8K tokens per rank
-    python benchmarks/bench_ring_sim.py --ranks 8 --tokens 4096 8192 --head-dim 128
+    python benchmarks/bench_ring_sim.py --ranks 8 --tokens 8192 --backends sdpa triton
     python benchmarks/bench_ring_sim.py --device cpu --dtype fp32 --ranks 2 --tokens 64 \
-        --head-dim 32 --q-heads 4 --kv-heads 2                # dry run in Triton's interpreter
-
-On CPU the reference is SDPA's CPU flash kernel and the kernels run interpreted: the dry run checks
-the script, its schedule and its numbers (every simulated rank's output and gradients are compared
-with dense attention over the same blocks), not the efficiency.
+        --head-dim 32 --q-heads 4 --kv-heads 2                # dry run (triton in its interpreter)
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernel import DTYPES, add_common_args, bench_ms, finish, random_inputs, rel_err, start
+from bench_kernel import DTYPES, add_common_args, bench_ms, finish, rel_err, start
 
-FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "pass", "ranks", "tokens_per_rank",
-          "dtype", "batch", "q_heads", "kv_heads", "head_dim", "layout", "t_full_ms", "t_rank_ms", "slowest_rank",
-          "efficiency"]  # fmt: skip
+FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "backend", "through", "pass", "ranks",
+          "tokens_per_rank", "dtype", "batch", "q_heads", "kv_heads", "head_dim", "layout", "t_full_ms", "t_rank_ms",
+          "slowest_rank", "efficiency", "t_sdpa_ms", "vs_sdpa", "rel_err"]  # fmt: skip
 
-
-#: Largest relative error of a simulated rank against fp32 attention that still counts as correct:
+#: Largest relative error of a virtual rank against fp32 attention that still counts as correct:
 #: a sanity bound per input dtype (a wrong schedule or merge gives errors of order 1).
 BOUND = {"bf16": 5e-2, "fp16": 2e-2, "fp32": 1e-4}
 
 
-def rank_schedule(rank, n, tokens, layout, backend, q, k, v, do, scale):
-    """(fwd, fwd+bwd, buffers) of the N ring steps of ``rank`` (blocks in ring order).
-
-    Every step uses the same ``k``/``v`` tensors with the positions of the block it stands for, so
-    the work is a real rank's; ``buffers`` are the fp32 (out, dq, dk, dv) the last call left.
-    """
-    from hf_ring.kernels.mask import BlockMask
-    from hf_ring.layout import positions
-
-    full = n * tokens
-    pos = [positions(full, rank=r, world_size=n, layout=layout) for r in range(n)]
-    masks = [BlockMask(q_pos=pos[rank], k_pos=pos[(rank - s) % n], causal=True) for s in range(n)]
-    masks = [m for m in masks if not m.is_empty()]
-    for m in masks:
-        m.device_tensors(q.device)  # warm the cache, as the ring does after its first call
-    b, hq, lq, d = q.shape
-    out = torch.zeros(b, hq, lq, d, device=q.device)
-    lse = torch.full((b, hq, lq), -math.inf, device=q.device)
-    dq = torch.zeros(q.shape, device=q.device)
-    dk, dv = torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)
-
-    def fwd():
-        out.zero_()
-        lse.fill_(-math.inf)
-        for m in masks:
-            backend.forward(q, k, v, m, scale, out, lse)
-
-    def both():
-        fwd()
-        delta = (do.float() * out).sum(-1)
-        for g in (dq, dk, dv):
-            g.zero_()
-        for m in masks:
-            backend.backward(do, q, k, v, lse, delta, m, scale, dq, dk, dv)
-
-    return fwd, both, (out, dq, dk, dv)
+def full_inputs(args, seqlen, head_dim, device, seed):
+    """Seeded full-sequence q, k, v, dO in the benchmark's dtype."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    heads = (args.q_heads, args.kv_heads, args.kv_heads, args.q_heads)
+    return [torch.randn(args.batch, h, seqlen, head_dim, device=device, generator=g).to(DTYPES[args.dtype])
+            for h in heads]  # fmt: skip
 
 
-def rank_reference(rank, n, tokens, layout, q, k, v, do, scale):
-    """fp32 attention of ``rank``'s queries over the N blocks it sees (the shared k/v at each
-    block's positions), with autograd, for key/value head 0 and its query heads (memory stays
-    small even if SDPA falls back to its math path): (out, dq, dk, dv), dk/dv summed over the N uses.
-    """
-    from hf_ring.layout import positions
+def virtual_rank(rank, n, layout, backend, shards, blocks, record=False):
+    """(fwd, fwd+bwd, run) for virtual rank ``rank``: callables through ``ring_attention`` with a
+    ``LoopbackComm``; ``run()`` returns (out, dq, loopback) of one forward + backward."""
+    import hf_ring
 
-    full = n * tokens
-    pos = [positions(full, rank=r, world_size=n, layout=layout) for r in range(n)]
-    k_pos = torch.cat([pos[r] for r in range(n)]).to(q.device)
-    vis = pos[rank].to(q.device)[:, None] >= k_pos[None, :]
-    g = q.shape[1] // k.shape[1]
-    qf, kf, vf = (x.detach()[:, :h].float().requires_grad_() for x, h in ((q, g), (k, 1), (v, 1)))
-    kk, vv = (x.repeat(1, g, n, 1) for x in (kf, vf))
-    out = F.scaled_dot_product_attention(qf, kk, vv, attn_mask=vis, scale=scale)
-    out.backward(do[:, :g].float())
-    return out.detach(), qf.grad, kf.grad, vf.grad
+    q, k, v, do = shards[rank]
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    plans = hf_ring.PlanCache()
 
-
-def full_sdpa_ms(b, hq, hkv, seqlen, d, dtype, scale, device) -> dict:
-    """Milliseconds of one causal SDPA-flash call (GQA) on the full sequence: ``{"fwd": ..., "fwd+bwd": ...}``."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(b, hq, seqlen, d, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(b, hkv, seqlen, d, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(b, hkv, seqlen, d, device=device, dtype=dtype, requires_grad=True)
-    do = torch.randn(b, hq, seqlen, d, device=device, dtype=dtype)
-
-    def sdpa():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    def call(comm):
+        plans.new_batch()
+        return hf_ring.ring_attention(q, k, v, layout=layout, backend=backend, comm=comm, plans=plans)
 
     def fwd():
         with torch.no_grad():
-            sdpa()
+            call(hf_ring.LoopbackComm(rank, n, blocks))
 
     def both():
-        torch.autograd.grad(sdpa(), (q, k, v), do)
+        torch.autograd.grad(call(hf_ring.LoopbackComm(rank, n, blocks)), (q, k, v), do)
+
+    def run():
+        comm = hf_ring.LoopbackComm(rank, n, blocks, record=True)
+        out = call(comm)
+        dq, _, _ = torch.autograd.grad(out, (q, k, v), do)
+        return out.detach(), dq, comm
+
+    return fwd, both, run
+
+
+def full_call_ms(backend, q, k, v, do, device) -> dict:
+    """Milliseconds of one ``ring_attention`` call (one rank) on the full sequence: fwd and fwd+bwd."""
+    import hf_ring
+
+    qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
+    plans = hf_ring.PlanCache()
+
+    def call():
+        plans.new_batch()
+        return hf_ring.ring_attention(qr, kr, vr, backend=backend, plans=plans)
+
+    def fwd():
+        with torch.no_grad():
+            call()
+
+    def both():
+        torch.autograd.grad(call(), (qr, kr, vr), do)
 
     return {"fwd": bench_ms(fwd, device), "fwd+bwd": bench_ms(both, device)}
+
+
+def best_sdpa_ms(q, k, v, do, device) -> dict:
+    """Milliseconds of the fastest PyTorch SDPA backend (causal, GQA) on the full sequence: fwd and fwd+bwd."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    if device.type == "cpu":
+        kinds = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
+    best = {"fwd": float("inf"), "fwd+bwd": float("inf")}
+    for kind in kinds:
+
+        def run(kind=kind):
+            with sdpa_kernel(kind):
+                return F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)
+
+        def fwd(run=run):
+            with torch.no_grad():
+                run()
+
+        def both(run=run):
+            torch.autograd.grad(run(), (qr, kr, vr), do)
+
+        try:
+            both()
+        except RuntimeError:
+            continue  # this SDPA backend cannot run the shape here
+        best = {"fwd": min(best["fwd"], bench_ms(fwd, device)), "fwd+bwd": min(best["fwd+bwd"], bench_ms(both, device))}
+    return best
+
+
+def check(n, layout, shards, runs, full, device) -> float:
+    """Largest relative error of out, dq, dk, dv of every virtual rank against fp32 SDPA on the full sequence."""
+    import hf_ring
+
+    q, k, v, do = (x.float().detach().requires_grad_() for x in full)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.float())
+    results = [run() for run in runs]
+    # dK/dV: with zero inflow, the accumulator rank r sent at step s is its share of block (r - s) mod N
+    dkv = [torch.zeros(2, *shards[0][1].shape, device=device) for _ in range(n)]
+    for r, (_, _, comm) in enumerate(results):
+        for s, acc in enumerate(comm.sent):
+            dkv[(r - s) % n] += acc
+    worst = 0.0
+    for r, (out, dq, _) in enumerate(results):
+
+        def part(x, r=r):
+            return hf_ring.shard(x, dim=2, rank=r, world_size=n, layout=layout)
+
+        mine = (out, dq, dkv[r][0], dkv[r][1])
+        refs = (part(ref.detach()), part(ref_grads[0]), part(ref_grads[1]), part(ref_grads[2]))
+        worst = max(worst, rel_err(mine, refs))
+    return worst
 
 
 def main(argv=None) -> int:
@@ -129,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[8192], help="tokens per rank")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default="zigzag")
+    p.add_argument("--backends", nargs="+", default=["sdpa", "triton"], choices=["sdpa", "triton", "torch"])
     p.add_argument("--all-ranks", action="store_true", help="time every rank (default: ranks 0 and N-1)")
     add_common_args(p)
     args = p.parse_args(argv)
@@ -136,47 +170,45 @@ def main(argv=None) -> int:
     if started is None:
         return 0
     device, env = started
-    from hf_ring.kernels import triton_backend
+    import hf_ring
 
-    dtype = DTYPES[args.dtype]
     b, hq, hkv, d = args.batch, args.q_heads, args.kv_heads, args.head_dim
-    scale = d**-0.5
     rows, inaccurate = [], []
     for tokens in args.tokens:
         for n in args.ranks:
-            full = n * tokens
-            t_full = full_sdpa_ms(b, hq, hkv, full, d, dtype, scale, device)
-            q, k, v, do = random_inputs(args, tokens, d, device, seed=1000 * n + tokens)
-            ranks = range(n) if args.all_ranks else sorted({0, n - 1})
-            t_rank = {"fwd": (0.0, 0), "fwd+bwd": (0.0, 0)}
-            for r in ranks:
-                fwd, both, buffers = rank_schedule(r, n, tokens, args.layout, triton_backend, q, k, v, do, scale)
-                both()
-                reference = rank_reference(r, n, tokens, args.layout, q, k, v, do, scale)
-                g = hq // hkv
-                out, dq, dk, dv = buffers
-                err = rel_err((out[:, :g], dq[:, :g], dk[:, :1], dv[:, :1]), reference)
-                del reference
-                print(
-                    f"N={n} T={tokens:6d} rank {r}: out/dq/dk/dv rel_err {err:.1e} against fp32 attention (kv head 0)"
-                )
+            full = full_inputs(args, n * tokens, d, device, seed=1000 * n + tokens)
+            t_sdpa = best_sdpa_ms(*full, device)
+            shards = [[hf_ring.shard(x, dim=2, rank=r, world_size=n, layout=args.layout) for x in full]
+                      for r in range(n)]  # fmt: skip
+            blocks = [torch.stack([s[1], s[2]]) for s in shards]  # what each rank sends first
+            for backend in args.backends:
+                ranks = [virtual_rank(r, n, args.layout, backend, shards, blocks) for r in range(n)]
+                err = check(n, args.layout, shards, [run for _, _, run in ranks], full, device)
+                print(f"N={n} T={tokens:6d} {backend:6s}: out/dq/dk/dv rel_err {err:.1e} against fp32 SDPA")
                 if not err <= BOUND[args.dtype]:
-                    inaccurate.append(f"N={n} T={tokens} rank {r}: rel_err {err:.2e} > {BOUND[args.dtype]:.0e}")
-                for name, fn in (("fwd", fwd), ("fwd+bwd", both)):
-                    t_rank[name] = max(t_rank[name], (bench_ms(fn, device), r))
-            for name in ("fwd", "fwd+bwd"):
-                tr, slowest = t_rank[name]
-                eff = t_full[name] / (n * tr)
-                print(f"N={n} T={tokens:6d} {name:8s} T_full={t_full[name]:9.3f} ms  T_rank={tr:9.3f} ms "
-                      f"(rank {slowest})  efficiency={100 * eff:6.1f}%")  # fmt: skip
-                rows.append({**env, "pass": name, "ranks": n, "tokens_per_rank": tokens, "dtype": args.dtype,
-                             "batch": b, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "layout": args.layout,
-                             "t_full_ms": f"{t_full[name]:.6g}", "t_rank_ms": f"{tr:.6g}", "slowest_rank": slowest,
-                             "efficiency": f"{eff:.5g}"})  # fmt: skip
-            del q, k, v, do
+                    inaccurate.append(f"{backend} N={n} T={tokens}: rel_err {err:.2e} > {BOUND[args.dtype]:.0e}")
+                t_full = full_call_ms(backend, *full, device)
+                timed = range(n) if args.all_ranks else sorted({0, n - 1})
+                t_rank = {"fwd": (0.0, 0), "fwd+bwd": (0.0, 0)}
+                for r in timed:
+                    for name, fn in (("fwd", ranks[r][0]), ("fwd+bwd", ranks[r][1])):
+                        t_rank[name] = max(t_rank[name], (bench_ms(fn, device), r))
+                for name in ("fwd", "fwd+bwd"):
+                    tr, slowest = t_rank[name]
+                    eff, vs = t_full[name] / (n * tr), t_sdpa[name] / (n * tr)
+                    print(f"N={n} T={tokens:6d} {backend:6s} {name:8s} T_full={t_full[name]:9.3f} ms  "
+                          f"T_rank={tr:9.3f} ms (rank {slowest})  efficiency={100 * eff:6.1f}%  "
+                          f"vs best SDPA={100 * vs:6.1f}%")  # fmt: skip
+                    rows.append({**env, "backend": backend, "through": "ring_attention", "pass": name, "ranks": n,
+                                 "tokens_per_rank": tokens, "dtype": args.dtype, "batch": b, "q_heads": hq,
+                                 "kv_heads": hkv, "head_dim": d, "layout": args.layout,
+                                 "t_full_ms": f"{t_full[name]:.6g}", "t_rank_ms": f"{tr:.6g}", "slowest_rank": slowest,
+                                 "efficiency": f"{eff:.5g}", "t_sdpa_ms": f"{t_sdpa[name]:.6g}", "vs_sdpa": f"{vs:.5g}",
+                                 "rel_err": f"{err:.3e}"})  # fmt: skip
+            del full, shards, blocks
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return finish("bench_ring_sim", FIELDS, rows, args.results_dir, inaccurate, "simulated rank")
+    return finish("bench_ring_sim", FIELDS, rows, args.results_dir, inaccurate, "virtual ranks")
 
 
 if __name__ == "__main__":

@@ -127,9 +127,9 @@ class LoopbackComm:
 
     ``partner()`` carries the dK/dV accumulators of the backward: other ranks' contributions cannot
     arrive in a sequential run, so each receive is zeros, and with ``record=True`` every accumulator
-    sent is kept (a copy) in ``sent``: with zero inflow, the accumulator sent at step s holds exactly
-    this rank's gradient for the block of rank ``(rank - s) % N``, and summing them over ranks gives
-    dK/dV. The pre-flight check sees every virtual rank agree (they are one caller).
+    the partner sends is kept (a copy) in this comm's ``sent``: with zero inflow, the accumulator sent
+    at step s holds exactly this rank's gradient for the block of rank ``(rank - s) % N``, and summing
+    them over ranks gives dK/dV. The pre-flight check sees every virtual rank agree (one caller).
     """
 
     def __init__(self, rank: int, world_size: int, blocks=None, *, record: bool = False, tag: int = 0):
@@ -165,7 +165,9 @@ class LoopbackComm:
         pass
 
     def partner(self) -> LoopbackComm:
-        return LoopbackComm(self.rank, self.world_size, None, record=self.record, tag=self.tag + 1)
+        grads = LoopbackComm(self.rank, self.world_size, None, record=self.record, tag=self.tag + 1)
+        grads.sent = self.sent
+        return grads
 
     def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
         return [list(values) for _ in range(self.world_size)]

@@ -368,7 +368,14 @@ def ring_attention_forward(
         # v comes from a bf16 projection); the kernels still accumulate in fp32.
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    document_ids, cu_seqlens = _documents(attention_mask, kwargs, local_len * world_size, world_size)
+    full = local_len * world_size
+    if cfg.plans is None:
+        document_ids, cu_seqlens = _documents(attention_mask, kwargs, full, world_size)
+    else:  # the same batch tensors in every layer: derive the documents (a host copy) once per forward
+        sources = (attention_mask, *(kwargs.get(k) for k in (DOCUMENT_IDS_KWARG, *_PACKING_KWARGS, "position_ids")))
+        document_ids, cu_seqlens = cfg.plans.derived(
+            sources, lambda: _documents(attention_mask, kwargs, full, world_size)
+        )
     out = ring_attention(
         query,
         key,

@@ -32,7 +32,6 @@ import struct
 from types import ModuleType
 
 import torch
-import torch.distributed as dist
 
 from . import layout as _layout
 from .comm import RingComm
@@ -79,10 +78,22 @@ class PlanCache:
     def __init__(self):
         self._plans: collections.OrderedDict = collections.OrderedDict()  # key -> (documents, plan)
         self._checked: set = set()
+        self._derived: dict = {}  # identities of sources -> (sources, value), until new_batch()
 
     def new_batch(self) -> None:
         """Make the next call of every key check its plan across ranks again (start of a forward)."""
         self._checked.clear()
+        self._derived.clear()
+
+    def derived(self, sources: tuple, make):
+        """``make()``, computed once per forward for these very ``sources`` (objects compared by identity;
+        held until ``new_batch()``): callers derive per-batch values, e.g. document ids, once, not per layer."""
+        key = tuple(id(s) for s in sources)
+        hit = self._derived.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], sources)):
+            hit = (sources, make())
+            self._derived[key] = hit
+        return hit[1]
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -333,7 +344,7 @@ def _backend_module(name: str, q, k, v) -> tuple[ModuleType | None, str | None]:
     """The kernel module for ``name`` and these inputs, or an error. ``"auto"`` falls back to the
     torch backend where the preferred one cannot run the inputs (its ``unsupported`` says why)."""
     try:
-        module = get_backend(name, q.device)
+        module = get_backend(name, q.device, q.dtype)
     except ImportError as e:
         return None, f"backend {name!r} is not available here ({e}); use backend='auto' or 'torch'"
     unsupported = getattr(module, "unsupported", None)

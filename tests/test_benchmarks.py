@@ -78,25 +78,29 @@ def test_bench_kernel_flags_a_wrong_kernel(tmp_path, monkeypatch, capsys):
     argv = [*TINY, "--seqlens", "32", "--head-dims", "16", "--kinds", "causal", "--passes", "fwd",
             "--impls", "triton", "sdpa-flash", "--results-dir", str(tmp_path)]  # fmt: skip
     assert bench_kernel.main(argv) == 1
-    assert "INACCURATE triton step: d=16 L=32 causal" in capsys.readouterr().out
+    assert "INACCURATE ring step: triton d=16 L=32 causal" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
 def test_bench_ring_sim_dry_run(tmp_path, capsys, layout):
-    argv = [*TINY, "--ranks", "2", "--tokens", "32", "--head-dim", "16", "--layout", layout,
+    argv = [*TINY, "--ranks", "3", "--tokens", "16", "--head-dim", "16", "--layout", layout,
             "--results-dir", str(tmp_path)]  # fmt: skip
     assert bench_ring_sim.main(argv) == 0
     rows = _rows(tmp_path, "bench_ring_sim")
-    assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
+    assert [(r["backend"], r["pass"]) for r in rows] == [(b, p) for b in ("sdpa", "triton") for p in ("fwd", "fwd+bwd")]
     for r in rows:
-        assert r["layout"] == layout and int(r["ranks"]) == 2 and int(r["slowest_rank"]) in (0, 1)
-        assert float(r["efficiency"]) == pytest.approx(float(r["t_full_ms"]) / (2 * float(r["t_rank_ms"])), rel=1e-3)
+        assert r["layout"] == layout and int(r["ranks"]) == 3 and int(r["slowest_rank"]) in (0, 2)
+        assert r["through"] == "ring_attention"
+        assert float(r["efficiency"]) == pytest.approx(float(r["t_full_ms"]) / (3 * float(r["t_rank_ms"])), rel=1e-3)
+        assert float(r["vs_sdpa"]) == pytest.approx(float(r["t_sdpa_ms"]) / (3 * float(r["t_rank_ms"])), rel=1e-3)
+        assert float(r["rel_err"]) < 1e-5  # fp32: every rank's out, dq, dk, dv match fp32 SDPA
     out = capsys.readouterr().out
-    assert out.count("against fp32 attention") == 2 and "INACCURATE" not in out
+    assert out.count("against fp32 SDPA") == 2 and "INACCURATE" not in out
 
 
 def test_bench_ring_sim_flags_a_wrong_kernel(tmp_path, monkeypatch, capsys):
     _corrupt_forward(monkeypatch)
-    argv = [*TINY, "--ranks", "2", "--tokens", "32", "--head-dim", "16", "--results-dir", str(tmp_path)]
+    argv = [*TINY, "--ranks", "2", "--tokens", "32", "--head-dim", "16", "--backends", "triton",
+            "--results-dir", str(tmp_path)]  # fmt: skip
     assert bench_ring_sim.main(argv) == 1
-    assert "INACCURATE simulated rank: N=2 T=32 rank 0" in capsys.readouterr().out
+    assert "INACCURATE virtual ranks: triton N=2 T=32" in capsys.readouterr().out

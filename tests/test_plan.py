@@ -59,7 +59,12 @@ def test_pieces_cover_exactly_the_visible_pairs(layout, world, causal):
 def test_pieces_refuse_what_a_causal_flag_cannot_express():
     p = torch.arange(16)
     assert BlockMask(p, p, causal=True, window=4).pieces() is None
-    assert BlockMask(p, p, q_doc=torch.zeros(1, 16, dtype=torch.int32), k_doc=torch.zeros(1, 16, dtype=torch.int32)).pieces() is None
+    assert (
+        BlockMask(
+            p, p, q_doc=torch.zeros(1, 16, dtype=torch.int32), k_doc=torch.zeros(1, 16, dtype=torch.int32)
+        ).pieces()
+        is None
+    )
     assert BlockMask(p + 2, p, causal=True).pieces() is None  # a diagonal two keys off
     assert BlockMask(p, torch.arange(0, 32, 2), causal=True).pieces() is None  # different steps
 
@@ -157,16 +162,16 @@ class _OpLog(TorchDispatchMode):
 
 def _copies_worker(rank, world):
     torch.manual_seed(rank)
-    b, l, hq, hkv, d = 1, 16, 4, 2, 16
-    q = torch.randn(b, l, hq, d).transpose(1, 2).requires_grad_()  # Transformers' transposed views
-    k = torch.randn(b, l, hkv, d).transpose(1, 2).requires_grad_()
-    v = torch.randn(b, l, hkv, d).transpose(1, 2).requires_grad_()
+    b, n, hq, hkv, d = 1, 16, 4, 2, 16
+    q = torch.randn(b, n, hq, d).transpose(1, 2).requires_grad_()  # Transformers' transposed views
+    k = torch.randn(b, n, hkv, d).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, n, hkv, d).transpose(1, 2).requires_grad_()
     plans = hf_ring.PlanCache()
     hf_ring.ring_attention(q, k, v, backend="sdpa", plans=plans)  # plan built (positions: cat)
     fwd, bwd = _OpLog(), _OpLog()
     with fwd:
         out = hf_ring.ring_attention(q, k, v, backend="sdpa", plans=plans)
-    dout = torch.randn(b, l, hq, d).transpose(1, 2)
+    dout = torch.randn(b, n, hq, d).transpose(1, 2)
     with bwd:
         out.backward(dout)
     return fwd.ops, bwd.ops
@@ -225,7 +230,7 @@ def _plans_worker(rank, world):
     for layers in (2, 6):
         model = hf_ring.apply_ring_attention(_tiny_llama(layers))
         counts = []
-        for step in range(3):  # the first step builds the plan, the others reuse it
+        for _ in range(3):  # the first step builds the plan, the others reuse it
             local = hf_ring.shard_batch(batch)
             with _Collectives() as c:
                 model(**local).loss.backward()
@@ -280,3 +285,22 @@ def test_plan_cache_reuses_plans_and_checks_again_after_new_batch(monkeypatch):
     hf_ring.ring_attention(q, k, v, plans=plans, document_ids=docs.clone())  # new documents: a new plan
     assert built == [True, False, True]
     assert copy.deepcopy(plans) is plans and len(plans) == 2
+
+
+def test_documents_are_derived_once_per_forward(monkeypatch):
+    """One rank, packed position_ids: the host copy that finds the documents runs once per forward, not per layer."""
+    from hf_ring import hf_attention
+
+    calls = []
+    real = hf_attention.documents_from_positions
+    monkeypatch.setattr(hf_attention, "documents_from_positions", lambda p: calls.append(1) or real(p))
+    model = _tiny_llama(3)
+    ids = torch.randint(1, 64, (1, 24))
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]  # two packed documents
+    with torch.no_grad():  # the documents one by one through the unmodified model
+        reference = torch.cat([model(input_ids=ids[:, :10]).logits, model(input_ids=ids[:, 10:]).logits], 1)
+    hf_ring.apply_ring_attention(model)
+    for forward in (1, 2):
+        logits = model(input_ids=ids, position_ids=pos).logits
+        assert len(calls) == forward
+    assert rel_err(logits, reference) <= FP32_TOL

@@ -42,7 +42,7 @@ def _step(backend, q, k, v, do, mask, scale):
     delta = (do.float() * out).sum(-1)
     dq = torch.zeros(q.shape, device=CUDA)
     dk, dv = torch.zeros(k.shape, device=CUDA), torch.zeros(v.shape, device=CUDA)
-    backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv)
+    backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, out=out.to(q.dtype))
     return out, dq, dk, dv
 
 

@@ -333,7 +333,14 @@ def test_flash_backend_plan_and_cpu_fallback():
     ]
     half = flash_backend.plan(BlockMask(_cat((24, 72)), ZZ, causal=True))
     assert [(kind, qs.start, ks.start, ks.stop) for kind, qs, ks in half] == [("full", 0, 0, 24)]
-    assert flash_backend.plan(BlockMask(P72 + 1, P72, causal=True)) is None  # striped: not expressible
+    # striped (stride 2): rank 1 against rank 0 is a diagonal, rank 0 against rank 1 the shifted one
+    assert [(kind, qs, ks) for kind, qs, ks in flash_backend.plan(BlockMask(P72 + 1, P72, causal=True))] == [
+        ("causal", slice(0, 72), slice(0, 72))
+    ]
+    assert [(kind, qs, ks) for kind, qs, ks in flash_backend.plan(BlockMask(P72, P72 + 1, causal=True))] == [
+        ("causal", slice(1, 72), slice(0, 71))
+    ]
+    assert flash_backend.plan(BlockMask(P72 + 4, P72, causal=True)) is None  # two keys off the diagonal
     assert flash_backend.plan(BlockMask(A40, A40, causal=True, window=8)) is None
     case = CASES[5].values[0]
     q, k, v, do = _inputs(case, torch.float32)

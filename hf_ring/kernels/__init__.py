@@ -10,17 +10,18 @@ Every backend module provides the same two functions (see ``torch_backend`` for 
 
 Backends: ``"torch"`` (reference, any device), ``"triton"`` (our fused kernels), ``"sdpa"``
 (PyTorch's fused attention ops, forward and backward, with the masked steps on ``"triton"`` on CUDA
-and on ``"torch"`` elsewhere), ``"flash_attn"`` (optional). ``"auto"`` picks by device from measured
-figures (``AUTO``; docs/kernels.md): ``"sdpa"`` on CPU, where PyTorch's flash op ran a ring step
-2.0-2.8x faster than the torch backend; ``"triton"`` on CUDA (when importable) until GPU figures
-say otherwise; ``"torch"`` elsewhere.
+and on ``"torch"`` elsewhere), ``"flash_attn"`` (optional). ``"auto"`` picks a forward and a
+backward backend by device type and input dtype from measured figures (``AUTO``; the figures are in
+docs/kernels.md): on CPU ``"sdpa"`` for fp32, and for fp16/bf16 ``"sdpa"`` forward with the
+``"torch"`` backward (PyTorch's CPU flash backward is 3.4-6.5x slower than ours there); on CUDA
+``"triton"`` (when importable) until GPU figures say otherwise; ``"torch"`` elsewhere.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -34,19 +35,27 @@ __all__ = [
 BACKENDS = ("auto", "torch", "triton", "sdpa", "flash_attn")
 _MODULES = {"torch": "torch_backend", "triton": "triton_backend", "sdpa": "sdpa_backend", "flash_attn": "flash_backend"}
 
-#: What ``"auto"`` runs on each device type (see the module docstring for the figures behind it).
-AUTO = {"cpu": "sdpa", "cuda": "triton"}
+#: What ``"auto"`` runs: (device type, ``"fp32"`` or ``"half"``) -> (forward backend, backward backend),
+#: from the figures in docs/kernels.md (CPU: ``bench_kernel.py --device cpu --impls torch sdpa``).
+AUTO = {
+    ("cpu", "fp32"): ("sdpa", "sdpa"),
+    ("cpu", "half"): ("sdpa", "torch"),
+    ("cuda", "fp32"): ("triton", "triton"),  # to be decided from GPU figures
+    ("cuda", "half"): ("triton", "triton"),  # to be decided from GPU figures
+}
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The concrete backend name for ``name`` on ``device``; ValueError for an unknown name."""
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    """``(forward, backward)`` concrete backend names for ``name`` on ``device`` with ``dtype`` inputs;
+    ValueError for an unknown name."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name != "auto":
-        return name
-    choice = AUTO.get(device.type, "torch")
-    if choice == "triton" and not triton_importable():
-        return "sdpa"
+        return name, name
+    kind = "half" if dtype in (torch.float16, torch.bfloat16) else "fp32"
+    choice = AUTO.get((device.type, kind), ("torch", "torch"))
+    if not triton_importable():
+        choice = tuple("sdpa" if c == "triton" else c for c in choice)
     return choice
 
 
@@ -61,7 +70,23 @@ def masked_fallback(device: torch.device) -> ModuleType:
     return importlib.import_module(f"{__name__}.{_MODULES[name]}")
 
 
-def get_backend(name: str, device: torch.device) -> ModuleType:
-    """The backend module for ``name`` (after resolving ``"auto"``) on ``device``."""
-    resolved = resolve_backend(name, device)
-    return importlib.import_module(f"{__name__}.{_MODULES[resolved]}")
+def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The backend for ``name`` (after resolving ``"auto"``) on ``device`` with ``dtype`` inputs: a module,
+    or, where ``"auto"`` picks two, an object with the forward of one and the backward of the other."""
+    fwd, bwd = resolve_backend(name, device, dtype)
+    forward = importlib.import_module(f"{__name__}.{_MODULES[fwd]}")
+    if bwd == fwd:
+        return forward
+    backward = importlib.import_module(f"{__name__}.{_MODULES[bwd]}")
+
+    def unsupported(q, k, v):
+        for m in (forward, backward):
+            reason = getattr(m, "unsupported", lambda *a: None)(q, k, v)
+            if reason is not None:
+                return reason
+        return None
+
+    return SimpleNamespace(
+        __name__=f"{fwd} forward, {bwd} backward", forward=forward.forward, backward=backward.backward,
+        unsupported=unsupported,
+    )  # fmt: skip
