@@ -14,13 +14,17 @@ What ``plugin.prepare(accelerator, ...)`` does, and why the result equals plain 
 - everything else goes through ``accelerator.prepare`` unchanged (DDP, optimizer, mixed precision);
 - gradients: each rank's loss is its share of its CP group's loss, so the CP shares must be summed
   and the DP replicas averaged. DDP averages over the whole world (divides by dp x cp), so the plugin
-  registers a DDP communication hook that all-reduces over the world and divides by ``dp_size``;
+  registers a DDP communication hook that all-reduces over the world and divides by ``dp_size``.
+  FSDP2 (``fsdp_version: 2``) shards the model over the whole world with Accelerate's own FSDP2 path;
+  its reduce-scatter then sums over the world and divides by ``dp_size``
+  (``hf_ring.fsdp.set_cp_gradient_reduction``), which needs no special reduce op (gloo and NCCL);
 - LR schedulers step ``dp_size`` times per optimizer step (Accelerate's rule for ``dp_size``
   processes, instead of once per process of the world).
 
-Supported: no distribution, DDP on CPU (gloo) and GPU (NCCL), gradient accumulation, Accelerate mixed
-precision. FSDP, DeepSpeed, Megatron-LM, XLA and Accelerate's own ``ParallelismConfig`` are refused
-with an error (their gradient reduction would average the CP shares instead of summing them).
+Supported: no distribution, DDP and FSDP2 on CPU (gloo) and GPU (NCCL), gradient accumulation,
+Accelerate mixed precision and FSDP2 mixed-precision policies. FSDP1, DeepSpeed, Megatron-LM, XLA and
+Accelerate's own ``ParallelismConfig`` with tp/cp sizes are refused with an error (their gradient
+reduction would average the CP shares instead of summing them, or they were not tested).
 
 Configuration enters here only: arguments, or the environment variables ``HF_RING_CP_SIZE``,
 ``HF_RING_LAYOUT`` and ``HF_RING_BACKEND`` for the arguments left as None.
@@ -415,18 +419,26 @@ class RingAttentionPlugin:
 
     def _check_accelerator(self, accelerator) -> None:
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-        if kind not in _DDP_TYPES:
+        if kind == "FSDP":
+            version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 1)
+            if version != 2:
+                raise NotImplementedError(
+                    f"RingAttentionPlugin supports FSDP2, not FSDP version {version}: set fsdp_version: 2 in the "
+                    "accelerate config file (fsdp_config), or FullyShardedDataParallelPlugin(fsdp_version=2)"
+                )
+        elif kind not in _DDP_TYPES:
             raise NotImplementedError(
-                f"RingAttentionPlugin supports DDP (and single-process) training, not distributed_type={kind}: "
-                "FSDP, DeepSpeed and Megatron-LM reduce gradients over every rank with their own averaging, which "
-                "would average the context-parallel shares instead of summing them. Use DDP (accelerate launch "
-                "--multi_gpu / multi-CPU) with LoRA or a model that fits one device"
+                f"RingAttentionPlugin supports DDP, FSDP2 (fsdp_version: 2) and single-process training, not "
+                f"distributed_type={kind}: DeepSpeed, Megatron-LM and XLA reduce gradients with their own averaging, "
+                "which would average the context-parallel shares instead of summing them, and were not tested with "
+                "hf_ring. Use DDP (accelerate launch --multi_gpu / multi-CPU) or FSDP2"
             )
         pc = getattr(accelerator, "parallelism_config", None)
         if pc is not None and (pc.non_data_parallel_size > 1 or pc.dp_shard_size > 1):
             raise ValueError(
                 "the Accelerator has a ParallelismConfig (Accelerate's own tp/cp/fsdp mesh); hf_ring builds its own "
-                "dp x cp mesh: create the Accelerator without parallelism_config"
+                "dp x cp mesh: create the Accelerator without parallelism_config (FSDP2 then shards over every "
+                "process, and hf_ring sums the context-parallel shares)"
             )
 
     def prepare(self, accelerator, *args, device_placement=None):
@@ -470,8 +482,13 @@ class RingAttentionPlugin:
 
     def _post_prepare(self, obj):
         from accelerate.scheduler import AcceleratedScheduler
+        from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
 
+        from .fsdp import set_cp_gradient_reduction
+
+        if isinstance(obj, FSDPModule) and self.cp_size > 1:
+            set_cp_gradient_reduction(obj, dp_size=self.dp_size)
         if isinstance(obj, DistributedDataParallel) and self.cp_size > 1:
             group = obj.process_group
             size = dist.get_world_size(group)

@@ -20,8 +20,8 @@ gathers it over the DP group only, so ``eval_loss`` equals the plain run's.
 
 Caveats: evaluation returns the loss only (logits are sharded over the CP group, so
 ``compute_metrics`` on logits is not supported); ``average_tokens_across_devices`` must stay True;
-``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP and
-DeepSpeed are refused (see ``hf_ring.accelerate``).
+``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP (also
+FSDP2, which ``RingAttentionPlugin`` supports in an Accelerate loop) and DeepSpeed are refused here.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ class RingAttentionTrainerMixin:
         # every check that needs no communication first, so a mistake never turns into a hang
         plugin.validate(int(self.accelerator.num_processes))
         plugin._check_accelerator(self.accelerator)
+        if str(getattr(self.accelerator.distributed_type, "value", self.accelerator.distributed_type)) == "FSDP":
+            raise NotImplementedError(
+                "the Trainer with FSDP (fsdp / fsdp_config) and context parallelism is not supported yet; with FSDP2 "
+                "use hf_ring.accelerate.RingAttentionPlugin in an Accelerate training loop (docs/accelerate.md)"
+            )
         if not self.args.average_tokens_across_devices:
             raise ValueError(
                 "context parallelism needs TrainingArguments(average_tokens_across_devices=True): the loss of each "

@@ -104,13 +104,14 @@ def read_results(folder: Path, world: int) -> list:
 # ---- single-process tests ------------------------------------------------------------------------
 
 
-def _fake_accelerator(num_processes=1, process_index=0, distributed_type="NO", parallelism_config=None):
+def _fake_accelerator(num_processes=1, process_index=0, distributed_type="NO", parallelism_config=None, fsdp=None):
     return types.SimpleNamespace(
         num_processes=num_processes,
         process_index=process_index,
         device=torch.device("cpu"),
         distributed_type=distributed_type,
         parallelism_config=parallelism_config,
+        state=types.SimpleNamespace(fsdp_plugin=fsdp),
     )
 
 
@@ -174,12 +175,20 @@ def test_multi_process_without_process_group_raises():
         RingAttentionPlugin(cp_size=2).setup(_fake_accelerator(num_processes=2))
 
 
-@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"])
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "MEGATRON_LM", "XLA"])
 def test_unsupported_distributed_types_raise(kind):
     from hf_ring.accelerate import RingAttentionPlugin
 
     with pytest.raises(NotImplementedError, match=f"not distributed_type={kind}"):
         RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(distributed_type=kind), tiny_llama())
+
+
+def test_fsdp1_is_refused_naming_fsdp_version_2():
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    fsdp1 = types.SimpleNamespace(fsdp_version=1)
+    with pytest.raises(NotImplementedError, match="set fsdp_version: 2"):
+        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(distributed_type="FSDP", fsdp=fsdp1), tiny_llama())
 
 
 def test_accelerate_parallelism_config_is_refused():
