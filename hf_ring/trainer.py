@@ -12,7 +12,8 @@ run, and sharded over the context-parallel (CP) group by the DataLoader (``hf_ri
 The Trainer's own token-weighted loss then does the rest: it counts the valid targets of every
 micro-batch on every rank (the local shards add up to the whole global batch), passes that total
 as ``num_items_in_batch`` to the model and multiplies the loss by the number of processes, which
-DDP's average over all processes undoes. So the gradient is the sum of token losses over the CP
+the average over all processes of DDP, or of FSDP2 (``fsdp_version: 2``, sharding over every
+process), undoes. So the gradient is the sum of token losses over the CP
 shards, DP replicas and accumulated micro-batches divided by their total number of targets, exactly
 what a single process computes on the full sequences, and the logged training loss is that global
 token-weighted loss. Evaluation returns, per DP group, the loss a plain DP run gives that process and
@@ -20,8 +21,8 @@ gathers it over the DP group only, so ``eval_loss`` equals the plain run's.
 
 Caveats: evaluation returns the loss only (logits are sharded over the CP group, so
 ``compute_metrics`` on logits is not supported); ``average_tokens_across_devices`` must stay True;
-``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP (also
-FSDP2, which ``RingAttentionPlugin`` supports in an Accelerate loop) and DeepSpeed are refused here.
+``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP1 and
+DeepSpeed are refused (see ``hf_ring.accelerate``).
 """
 
 from __future__ import annotations
@@ -48,11 +49,6 @@ class RingAttentionTrainerMixin:
         # every check that needs no communication first, so a mistake never turns into a hang
         plugin.validate(int(self.accelerator.num_processes))
         plugin._check_accelerator(self.accelerator)
-        if str(getattr(self.accelerator.distributed_type, "value", self.accelerator.distributed_type)) == "FSDP":
-            raise NotImplementedError(
-                "the Trainer with FSDP (fsdp / fsdp_config) and context parallelism is not supported yet; with FSDP2 "
-                "use hf_ring.accelerate.RingAttentionPlugin in an Accelerate training loop (docs/accelerate.md)"
-            )
         if not self.args.average_tokens_across_devices:
             raise ValueError(
                 "context parallelism needs TrainingArguments(average_tokens_across_devices=True): the loss of each "

@@ -11,7 +11,10 @@ per world size; the tests assert on the JSON it writes:
 - an FSDP2 mixed-precision policy (bf16 parameters, fp32 reduction) stays within twice the error of
   the same bf16 arithmetic on one process;
 - the torch-native recipe (device mesh, ``apply_ring_attention(group=...)``, ``fully_shard``,
-  ``hf_ring.fsdp.set_cp_gradient_reduction``) matches single-process training too.
+  ``hf_ring.fsdp.set_cp_gradient_reduction``) matches single-process training too;
+- ``RingAttentionTrainer`` (and TRL's ``SFTTrainer`` through ``RingSFTTrainer``, CP = 2) with
+  ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``: logged losses and final weights equal
+  single-process training with the Trainer's token-weighted loss.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ BATCH = 2
 LR = 0.2
 STEPS = 3
 RTOL = 1e-5  # fp32: ring attention and sharded reduction reorder sums, nothing else changes
+TRAINER_GA = 2  # the Trainer runs: gradient accumulation over 2 micro-batches
 BF16_FACTOR, BF16_EPS = 2.0, 1e-3  # bf16 compute: at most 2x the error of the same bf16 arithmetic unsharded
 
 
@@ -92,6 +96,69 @@ def _fsdp2_accelerator(mixed_precision_policy=None):
         fsdp_version=2, mixed_precision_policy=mixed_precision_policy
     )
     return accelerator
+
+
+class _OnFsdp2:
+    """Mixed into a Trainer class: its Accelerator switched to the FSDP2 plugin its arguments describe,
+    as Accelerate does on a GPU (on CPU it leaves FSDP off)."""
+
+    def create_accelerator_and_postprocess(self):
+        from accelerate import FullyShardedDataParallelPlugin, PartialState
+        from accelerate.utils import DistributedType
+
+        super().create_accelerator_and_postprocess()
+        state = self.accelerator.state
+        state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        self.is_fsdp_enabled = True
+
+
+FSDP2_ARGS = dict(
+    fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+)
+
+
+def _trainers(out: Path, world: int) -> dict:
+    """The Trainer (and at CP = 2 TRL's SFTTrainer) under FSDP2: logged losses and unsharded final weights."""
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.trainer import RingAttentionTrainer
+    from tests.test_trainer_cp import _SFT_KEYS, _args, _losses, _tokenizer
+
+    res: dict = {}
+    train = token_dataset(BATCH * TRAINER_GA * STEPS * (world // 2), SEQ_LEN)
+    trainer = type("FsdpTrainer", (_OnFsdp2, RingAttentionTrainer), {})(
+        model=tiny_llama(),
+        args=_args(out, "trainer", gradient_accumulation_steps=TRAINER_GA, **FSDP2_ARGS),
+        train_dataset=train,
+        data_collator=collate,
+        ring_plugin=RingAttentionPlugin(cp_size=2),
+    )
+    trainer.train()
+    res["trainer_fsdp2"] = type(trainer.model_wrapped).__name__.startswith("FSDP")
+    res["trainer_losses"] = _losses(trainer)
+    res["trainer_state"] = _full_state(trainer.model)
+    if world == 2:
+        from datasets import Dataset
+        from trl import SFTConfig
+
+        from hf_ring.trainer import RingSFTTrainer
+
+        sft_args = {k: v for k, v in _args(out, "sft").to_dict().items() if k in _SFT_KEYS}
+        sft_args["gradient_accumulation_steps"] = TRAINER_GA
+        cfg = SFTConfig(**sft_args, **FSDP2_ARGS, bf16=False, dataset_kwargs={"skip_prepare_dataset": True},
+                        remove_unused_columns=False)  # fmt: skip
+        trainer = type("FsdpSFTTrainer", (_OnFsdp2, RingSFTTrainer), {})(
+            model=tiny_llama(),
+            args=cfg,
+            train_dataset=Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train]),
+            data_collator=lambda rows: {k: torch.tensor([r[k] for r in rows]) for k in rows[0]},
+            processing_class=_tokenizer(),
+            ring_plugin=RingAttentionPlugin(cp_size=2),
+        )
+        trainer.train()
+        res["trl_losses"] = _losses(trainer)
+        res["trl_state"] = _full_state(trainer.model)
+    return res, train
 
 
 def _train(plugin, accelerator, model, data, steps, out=None):
@@ -171,7 +238,20 @@ def worker(out: Path) -> None:
         native_losses.append(float(cp * total[0] / total[1]))
     native_state = _full_state(native)
 
+    # -- D: the Trainer (and TRL) with fsdp_version 2 ----------------------------------------------------
+    trained, train = _trainers(out, world)
+    res.update({k: v for k, v in trained.items() if not k.endswith("_state")})
+
     if rank == 0:
+        from tests.test_trainer_cp import _reference as trainer_reference
+
+        # step s, micro-batch m: DP group d gets batch (s * GA + m) * dp + d of the sequential order
+        steps = [[[collate(train[((s * TRAINER_GA + m) * dp + d) * BATCH :][:BATCH]) for d in range(dp)]
+                  for m in range(TRAINER_GA)] for s in range(STEPS)]  # fmt: skip
+        res["trainer_ref_losses"], trainer_ref_state = trainer_reference(steps)
+        res["trainer_weights_err"] = max_param_rel_err(trained["trainer_state"], trainer_ref_state)
+        if "trl_state" in trained:
+            res["trl_weights_err"] = max_param_rel_err(trained["trl_state"], trainer_ref_state)
         res["ref_losses"], ref_state = _reference(data, dp, STEPS)
         res["weights_err"] = max_param_rel_err(final, ref_state)
         res["native_weights_err"] = max_param_rel_err(native_state, ref_state)
@@ -227,6 +307,18 @@ def test_torch_native_fsdp2_recipe_matches_single_process_training(launch):
     assert ref["native_losses"] == pytest.approx(ref["ref_losses"], rel=RTOL)
 
 
+def test_trainer_and_trl_with_fsdp2_match_single_process(launch):
+    world, _, results = launch
+    ref = results[0]
+    for r in results:
+        assert r["trainer_fsdp2"], "the Trainer did not shard the model with FSDP2"
+        assert r["trainer_losses"] == pytest.approx(ref["trainer_ref_losses"], rel=RTOL)
+    assert ref["trainer_weights_err"] <= RTOL, f"{ref['trainer_weights_err']:.2e}"
+    if world == 2:
+        assert ref["trl_losses"] == pytest.approx(ref["trainer_ref_losses"], rel=RTOL)
+        assert ref["trl_weights_err"] <= RTOL, f"{ref['trl_weights_err']:.2e}"
+
+
 def test_set_cp_gradient_reduction_refuses_a_model_without_fsdp2():
     from hf_ring.fsdp import set_cp_gradient_reduction
 
@@ -234,35 +326,6 @@ def test_set_cp_gradient_reduction_refuses_a_model_without_fsdp2():
         set_cp_gradient_reduction(tiny_llama(), dp_size=1)
     with pytest.raises(ValueError, match="dp_size must be a positive int"):
         set_cp_gradient_reduction(tiny_llama(), dp_size=0)
-
-
-def test_trainer_with_fsdp_is_refused(tmp_path):
-    """Not tested with the Trainer yet: refused with a message naming the supported FSDP2 route."""
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-    from transformers import TrainingArguments
-
-    from hf_ring.accelerate import RingAttentionPlugin
-    from hf_ring.trainer import RingAttentionTrainer
-
-    class FsdpTrainer(RingAttentionTrainer):
-        def create_accelerator_and_postprocess(self):
-            from accelerate import FullyShardedDataParallelPlugin
-
-            super().create_accelerator_and_postprocess()
-            self.accelerator.state.distributed_type = DistributedType.FSDP
-            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-
-    before = PartialState().distributed_type
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    try:
-        with pytest.raises(NotImplementedError, match="FSDP2 use hf_ring.accelerate.RingAttentionPlugin"):
-            FsdpTrainer(model=tiny_llama(), args=args, ring_plugin=RingAttentionPlugin(cp_size=1))
-    finally:
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        assert PartialState().distributed_type == before
 
 
 if __name__ == "__main__":
