@@ -26,8 +26,16 @@ Accelerate mixed precision and FSDP2 mixed-precision policies. FSDP1, DeepSpeed,
 Accelerate's own ``ParallelismConfig`` with tp/cp sizes are refused with an error (their gradient
 reduction would average the CP shares instead of summing them, or they were not tested).
 
+Structure: ``RingAttentionPlugin`` is the frozen, validated configuration; ``plugin.check(accelerator)``
+validates an Accelerator without communicating; ``plugin.setup(accelerator)`` returns a frozen
+``RingSetup`` (sizes, ranks, mesh, groups, engine). The integrations are functions over it, one per
+concern: ``apply_to_model``, ``prepare_data_loader`` / ``reshard_prepared_data_loader`` /
+``shard_collate`` (data), ``reduce_gradients`` (DDP hook or FSDP2), ``data_parallel_scheduler``,
+``reduce_loss``, and ``prepare`` (all of them for ``accelerator.prepare``'s objects).
+``plugin.prepare(accelerator, ...)`` is ``check`` + ``setup`` + ``prepare``.
+
 Configuration enters here only: arguments, or the environment variables ``HF_RING_CP_SIZE``,
-``HF_RING_LAYOUT`` and ``HF_RING_BACKEND`` for the arguments left as None.
+``HF_RING_LAYOUT`` and ``HF_RING_BACKEND`` for the arguments left as None (read at construction).
 """
 
 from __future__ import annotations
@@ -44,7 +52,11 @@ from .apply import unwrap_transformers_model
 from .hf_attention import RingConfig
 from .layout import check_layout
 
-__all__ = ["RingAttentionPlugin", "ENV_CP_SIZE", "ENV_LAYOUT", "ENV_BACKEND"]
+__all__ = [
+    "ENV_BACKEND", "ENV_CP_SIZE", "ENV_LAYOUT", "RingAttentionPlugin", "RingSetup", "apply_to_model",
+    "data_parallel_scheduler", "prepare", "prepare_data_loader", "reduce_gradients", "reduce_loss",
+    "reshard_prepared_data_loader", "shard_collate",
+]  # fmt: skip
 
 ENV_CP_SIZE = "HF_RING_CP_SIZE"
 ENV_LAYOUT = "HF_RING_LAYOUT"
@@ -160,7 +172,56 @@ def _data_parallel_scheduler_class():
     return DataParallelScheduler
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class RingSetup:
+    """What ``RingAttentionPlugin.setup`` built for one Accelerator: sizes, ranks, mesh and groups (frozen).
+
+    Every adapter of this module is a function over it. ``engine`` is ``"ddp"``, ``"fsdp2"`` or ``"none"``
+    (one process or cp_size = world without DDP wrapping). ``dp_size = world_size // cp_size``; this rank
+    is ``cp_rank`` in its CP group (consecutive ranks) and ``dp_rank`` among the replicas.
+    """
+
+    plugin: RingAttentionPlugin
+    world_size: int
+    rank: int
+    cp_size: int
+    engine: str
+    mesh: Any = dataclasses.field(default=None, repr=False)
+    cp_group: Any = dataclasses.field(default=None, repr=False)
+    dp_group: Any = dataclasses.field(default=None, repr=False)
+    loss_counts: _LossCounts = dataclasses.field(default_factory=lambda: _LossCounts(), repr=False, compare=False)
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp_size
+
+    @property
+    def layout(self) -> str:
+        return self.plugin.layout
+
+
+class _LossCounts:
+    """The number of valid targets a patched model saw in its last forward (for ``reduce_loss``)."""
+
+    def __init__(self):
+        self.last = None
+        self.hooked: set = set()
+
+    def __call__(self, module, args, kwargs) -> None:
+        n = kwargs.get("num_items_in_batch")
+        if n is not None:
+            self.last = n
+
+
+@dataclasses.dataclass(frozen=True)
 class RingAttentionPlugin:
     """Context parallelism for Accelerate: CP x DP groups, zig-zag data sharding, exact loss and gradients.
 
@@ -168,42 +229,40 @@ class RingAttentionPlugin:
         cp_size: ranks per context-parallel group; must divide the number of processes. None: the
             environment variable ``HF_RING_CP_SIZE``, else every process (one CP group, no DP).
         layout: ``"zigzag"`` (default), ``"striped"`` or ``"contiguous"``. None: ``HF_RING_LAYOUT`` or zigzag.
-        backend: local attention kernel: ``"auto"``, ``"torch"``, ``"triton"``, ``"flash_attn"``. None:
-            ``HF_RING_BACKEND`` or auto.
+        backend: local attention kernel: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"flash_attn"``.
+            None: ``HF_RING_BACKEND`` or auto.
         pad_to_multiple: pad each batch's sequence to the layout's multiple (2 x cp_size for zigzag)
             with ignored tokens; if False, other lengths raise.
 
-    After ``prepare`` (or ``setup``): ``cp_group``, ``dp_group``, ``device_mesh`` (dims ``("dp", "cp")``),
-    ``cp_rank``, ``dp_rank``, ``dp_size``, ``world_size``.
+    The configuration is frozen and validated at construction (the environment is read there and only
+    there). ``check(accelerator)`` validates an Accelerator without communicating; ``setup(accelerator)``
+    builds the groups and returns a frozen ``RingSetup``; ``prepare`` does both and prepares the objects.
+    After ``prepare`` the plugin also answers for that setup: ``ring``, ``cp_group``, ``dp_group``,
+    ``device_mesh``, ``cp_rank``, ``dp_rank``, ``dp_size``, ``world_size``, ``reduce_loss(loss)``.
     """
 
     cp_size: int | None = None
     layout: str | None = None
     backend: str | None = None
     pad_to_multiple: bool = True
+    _setups: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.cp_size is None:
-            self.cp_size = _env_int(ENV_CP_SIZE)
-        if self.layout is None:
-            self.layout = os.environ.get(ENV_LAYOUT) or "zigzag"
-        if self.backend is None:
-            self.backend = os.environ.get(ENV_BACKEND) or "auto"
+        resolved = {
+            "cp_size": self.cp_size if self.cp_size is not None else _env_int(ENV_CP_SIZE),
+            "layout": self.layout if self.layout is not None else (os.environ.get(ENV_LAYOUT) or "zigzag"),
+            "backend": self.backend if self.backend is not None else (os.environ.get(ENV_BACKEND) or "auto"),
+        }
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
         if self.cp_size is not None and (isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int)):
             raise TypeError(f"cp_size must be an int or None, got {self.cp_size!r}")
         if self.cp_size is not None and self.cp_size < 1:
             raise ValueError(f"cp_size must be at least 1, got {self.cp_size} (set cp_size or {ENV_CP_SIZE})")
         check_layout(self.layout)
         RingConfig(layout=self.layout, backend=self.backend)  # validates the backend name
-        self._mesh = None
-        self._cp_group = None
-        self._dp_group = None
-        self._world = None
-        self._rank = 0
-        self._last_num_items = None
-        self._hooked = set()
 
-    # ---- groups -------------------------------------------------------------------------------
+    # ---- checks (no communication) and setup ---------------------------------------------------
 
     def validate(self, world_size: int) -> int:
         """The CP size for ``world_size`` processes; ValueError (before any collective) if it does not fit."""
@@ -216,245 +275,68 @@ class RingAttentionPlugin:
             )
         return cp
 
-    def setup(self, accelerator) -> RingAttentionPlugin:
-        """Validate against ``accelerator`` (an ``Accelerator`` or ``PartialState``) and build the groups (idempotent)."""
-        world, rank = int(accelerator.num_processes), int(accelerator.process_index)
-        if self._world is not None:
-            if world != self._world:
-                raise ValueError(f"this plugin was set up for {self._world} processes, not {world}")
-            return self
+    def check(self, accelerator) -> int:
+        """Validate ``accelerator`` (sizes, distributed type, parallelism config) without communicating; the CP size."""
+        world = int(accelerator.num_processes)
         cp = self.validate(world)
-        if world > 1 and not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                f"{world} processes but torch.distributed is not initialised; create the Accelerator first "
-                "(launch with accelerate launch or torchrun)"
+        _engine(accelerator)  # raises for what is not supported
+        pc = getattr(accelerator, "parallelism_config", None)
+        if pc is not None and (pc.non_data_parallel_size > 1 or pc.dp_shard_size > 1):
+            cp_hint = (
+                f" Its cp_size={pc.cp_size} would run Accelerate's own (SDPA-only) context parallelism: set "
+                f"RingAttentionPlugin(cp_size={pc.cp_size}) instead."
+                if getattr(pc, "cp_size", 1) > 1
+                else ""
+            )
+            raise ValueError(
+                "the Accelerator has a ParallelismConfig (Accelerate's own tp/cp/fsdp mesh); hf_ring builds its own "
+                "dp x cp mesh: create the Accelerator without parallelism_config (with fsdp_version: 2, FSDP2 then "
+                f"shards over every process, and hf_ring sums the context-parallel shares).{cp_hint}"
             )
         if cp > 1 and world == 1:
             raise ValueError(
                 f"cp_size={cp} needs {cp} processes but this is a single process; launch with "
                 f"accelerate launch --num_processes {cp} (or a multiple of it)"
             )
+        return cp
+
+    def setup(self, accelerator) -> RingSetup:
+        """``check`` it, then build the dp x cp mesh and groups; the same ``RingSetup`` for the same Accelerator."""
+        cp = self.check(accelerator)
+        known = self._setups.get(id(accelerator))
+        if known is not None and known[0] is accelerator:
+            self._setups["last"] = known[1]
+            return known[1]
+        world, rank = int(accelerator.num_processes), int(accelerator.process_index)
+        if world > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{world} processes but torch.distributed is not initialised; create the Accelerator first "
+                "(launch with accelerate launch or torchrun)"
+            )
+        mesh = cp_group = dp_group = None
         if world > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             device_type = torch.device(accelerator.device).type
-            self._mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-            self._cp_group = self._mesh.get_group("cp")
-            self._dp_group = self._mesh.get_group("dp")
-        self.cp_size, self._world, self._rank = cp, world, rank
-        return self
-
-    def _require_setup(self):
-        if self._world is None:
-            raise RuntimeError(
-                "RingAttentionPlugin has no process groups yet: call plugin.prepare(accelerator, ...) "
-                "(or plugin.setup(accelerator)) first"
-            )
-
-    @property
-    def world_size(self) -> int:
-        self._require_setup()
-        return self._world
-
-    @property
-    def dp_size(self) -> int:
-        self._require_setup()
-        return self._world // self.cp_size
-
-    @property
-    def cp_rank(self) -> int:
-        self._require_setup()
-        return self._rank % self.cp_size
-
-    @property
-    def dp_rank(self) -> int:
-        self._require_setup()
-        return self._rank // self.cp_size
-
-    @property
-    def cp_group(self):
-        """The context-parallel process group of this rank (None for a single process)."""
-        self._require_setup()
-        return self._cp_group
-
-    @property
-    def dp_group(self):
-        """The data-parallel process group of this rank: the ranks with the same CP rank (None for one process)."""
-        self._require_setup()
-        return self._dp_group
-
-    @property
-    def device_mesh(self):
-        """``DeviceMesh`` of shape (dp_size, cp_size), dims ``("dp", "cp")`` (None for a single process)."""
-        self._require_setup()
-        return self._mesh
-
-    # ---- models, data, loss -------------------------------------------------------------------
-
-    def apply(self, model):
-        """Switch ``model`` (PreTrainedModel or PeftModel) to ring attention over this rank's CP group."""
-        from .apply import apply_ring_attention
-
-        self._require_setup()
-        _check_supported_model(model)
-        apply_ring_attention(model, group=self._cp_group, layout=self.layout, backend=self.backend)
-        if id(model) not in self._hooked:
-            model.register_forward_pre_hook(self._record_num_items, with_kwargs=True)
-            self._hooked.add(id(model))
-        return model
-
-    def _record_num_items(self, module, args, kwargs):
-        n = kwargs.get("num_items_in_batch")
-        if n is not None:
-            self._last_num_items = n
-
-    def shard_batch(self, batch) -> dict:
-        """This rank's shard of a full batch (``hf_ring.shard_batch`` with this plugin's group and layout)."""
-        from .batch import shard_batch
-
-        self._require_setup()
-        return shard_batch(batch, group=self._cp_group, layout=self.layout, pad_to_multiple=self.pad_to_multiple)
-
-    def collate_fn(self, collate_fn):
-        """Wrap a collate function so that it returns this rank's shard."""
-        self._require_setup()
-        return _ShardCollate(collate_fn, self._cp_group, self.layout, self.pad_to_multiple)
-
-    def prepare_data_loader(self, accelerator, dataloader: DataLoader, device_placement: bool | None = None):
-        """``dataloader`` prepared as Accelerate would for ``dp_size`` processes (index ``dp_rank``), yielding shards."""
-        from accelerate.data_loader import prepare_data_loader
-
-        self.setup(accelerator)
-        if getattr(dataloader, "_is_accelerate_prepared", False):
-            raise ValueError(
-                "this DataLoader was already prepared by accelerator.prepare; pass the plain DataLoader to "
-                "plugin.prepare so that it is split over the data-parallel groups, not over every process"
-            )
-        if accelerator.dispatch_batches:
-            raise ValueError(
-                "dispatch_batches=True is not supported with context parallelism (rank 0 would split batches over "
-                "every process); use DataLoaderConfiguration(dispatch_batches=False)"
-            )
-        if accelerator.use_stateful_dataloader:
-            raise NotImplementedError(
-                "use_stateful_dataloader=True is not supported with context parallelism yet (its resume bookkeeping "
-                "counts every process as a data-parallel replica); use the default DataLoader"
-            )
-        if device_placement is None:
-            device_placement = accelerator.device_placement
-        prepared = prepare_data_loader(
-            dataloader,
-            accelerator.device,
-            num_processes=self.dp_size,
-            process_index=self.dp_rank,
-            split_batches=accelerator.split_batches,
-            put_on_device=device_placement,
-            rng_types=list(accelerator.rng_types),
-            dispatch_batches=False,
-            even_batches=accelerator.even_batches,
-            use_seedable_sampler=accelerator.use_seedable_sampler,
-            data_seed=accelerator.dataloader_config.data_seed,
-            non_blocking=accelerator.non_blocking,
-            use_stateful_dataloader=accelerator.use_stateful_dataloader,
-        )
-        _set_collate(prepared, self.collate_fn(prepared.collate_fn))
-        prepared._is_accelerate_prepared = True
-        return accelerator.prepare_data_loader(prepared)  # registers it for save_state / load_state
-
-    def reshard_prepared_data_loader(self, prepared):
-        """Turn a loader that ``accelerator.prepare`` split over every process into one split over DP groups.
-
-        For integrations that let Accelerate build the loader (the HF Trainer): the batch sampler (or
-        iterable-dataset shard) is re-pointed at ``dp_size`` / ``dp_rank`` and the collate function shards.
-        """
-        from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
-
-        self._require_setup()
-        if isinstance(prepared, DataLoaderDispatcher):
-            raise ValueError(
-                "dispatch_batches=True is not supported with context parallelism; set "
-                "accelerator_config={'dispatch_batches': False} (TrainingArguments) or "
-                "DataLoaderConfiguration(dispatch_batches=False)"
-            )
-        shard = None
-        for holder in (getattr(prepared, "batch_sampler", None), getattr(prepared, "sampler", None)):
-            if isinstance(holder, BatchSamplerShard):
-                shard = holder
-        if shard is None and isinstance(getattr(prepared, "dataset", None), IterableDatasetShard):
-            shard = prepared.dataset
-        if shard is not None:
-            shard.num_processes, shard.process_index = self.dp_size, self.dp_rank
-            if self.dp_size == 1 and isinstance(shard, BatchSamplerShard):
-                shard.even_batches = False  # one replica: plain batches, no padding of the last one
-        elif self._world > 1 and self.dp_size != self._world and getattr(prepared, "dataset", None) is not None:
-            raise ValueError(
-                f"cannot re-split a {type(prepared).__name__} over the data-parallel groups (a sharded datasets "
-                "IterableDataset?); use a map-style dataset or a torch IterableDataset"
-            )
-        _set_collate(prepared, self.collate_fn(prepared.collate_fn))
-        return prepared
-
-    def reduce_loss(self, loss: torch.Tensor, *, num_items=None) -> torch.Tensor:
-        """The global token-weighted loss of the last batch, the same on every rank (detached).
-
-        ``loss`` is this rank's share (``model(**batch).loss``). The CP shares are summed; DP groups are
-        weighted by their number of valid targets (``num_items``, default: the count the model saw in
-        its last forward). Single process: ``loss`` itself.
-        """
-        self._require_setup()
-        loss = loss.detach()
-        if self._world == 1:
-            return loss.clone()
-        n = num_items if num_items is not None else self._last_num_items
-        if self.dp_size == 1 or n is None:
-            total = loss.float().clone()
-            dist.all_reduce(total)
-            return (total / self.dp_size).to(loss.dtype)
-        n = torch.as_tensor(n, dtype=torch.float32).to(loss.device)
-        buf = torch.stack([loss.float() * n, n])
-        dist.all_reduce(buf)
-        return (self.cp_size * buf[0] / buf[1].clamp(min=1)).to(loss.dtype)
-
-    # ---- prepare ------------------------------------------------------------------------------
-
-    def _check_accelerator(self, accelerator) -> None:
-        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-        if kind == "FSDP":
-            version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 1)
-            if version != 2:
-                raise NotImplementedError(
-                    f"RingAttentionPlugin supports FSDP2, not FSDP version {version}: set fsdp_version: 2 in the "
-                    "accelerate config file (fsdp_config), or FullyShardedDataParallelPlugin(fsdp_version=2)"
-                )
-        elif kind not in _DDP_TYPES:
-            raise NotImplementedError(
-                f"RingAttentionPlugin supports DDP, FSDP2 (fsdp_version: 2) and single-process training, not "
-                f"distributed_type={kind}: DeepSpeed, Megatron-LM and XLA reduce gradients with their own averaging, "
-                "which would average the context-parallel shares instead of summing them, and were not tested with "
-                "hf_ring. Use DDP (accelerate launch --multi_gpu / multi-CPU) or FSDP2"
-            )
-        pc = getattr(accelerator, "parallelism_config", None)
-        if pc is not None and (pc.non_data_parallel_size > 1 or pc.dp_shard_size > 1):
-            raise ValueError(
-                "the Accelerator has a ParallelismConfig (Accelerate's own tp/cp/fsdp mesh); hf_ring builds its own "
-                "dp x cp mesh: create the Accelerator without parallelism_config (FSDP2 then shards over every "
-                "process, and hf_ring sums the context-parallel shares)"
-            )
+            mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+            cp_group, dp_group = mesh.get_group("cp"), mesh.get_group("dp")
+        ring = RingSetup(self, world, rank, cp, _engine(accelerator), mesh, cp_group, dp_group)
+        self._setups[id(accelerator)] = (accelerator, ring)
+        self._setups["last"] = ring
+        return ring
 
     def prepare(self, accelerator, *args, device_placement=None):
         """Like ``accelerator.prepare(*args)`` (same objects, same order), with context parallelism.
 
         Models (PreTrainedModel / PeftModel) get ring attention over their CP group, DataLoaders yield
         this rank's shard of its DP group's batches, optimizers and schedulers are prepared by Accelerate
-        (schedulers stepping like a plain ``dp_size``-process run), and DDP sums the CP shares and
-        averages the DP replicas.
+        (schedulers stepping like a plain ``dp_size``-process run), and the gradient reduction (DDP or
+        FSDP2) sums the CP shares and averages the DP replicas.
         """
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
-        placement = list(device_placement) if device_placement is not None else [None] * len(args)
         # every check that needs no communication comes first, so a mistake never turns into a hang
-        self.validate(int(accelerator.num_processes))
-        self._check_accelerator(accelerator)
+        self.check(accelerator)
         for obj in args:
             if isinstance(obj, torch.nn.Module):
                 _check_supported_model(obj)
@@ -462,45 +344,225 @@ class RingAttentionPlugin:
                 raise ValueError(
                     "pass plain DataLoaders to plugin.prepare, not ones already prepared by accelerator.prepare"
                 )
-        self.setup(accelerator)
+        return prepare(self.setup(accelerator), accelerator, *args, device_placement=device_placement)
 
-        out: list[Any] = list(args)
-        rest = []
-        for i, obj in enumerate(args):
-            if isinstance(obj, DataLoader):
-                out[i] = self.prepare_data_loader(accelerator, obj, device_placement=placement[i])
-            else:
-                if isinstance(obj, torch.nn.Module):
-                    self.apply(obj)
-                rest.append(i)
-        if rest:
-            prepared = accelerator.prepare(*[args[i] for i in rest], device_placement=[placement[i] for i in rest])
-            prepared = prepared if len(rest) > 1 else (prepared,)
-            for i, obj in zip(rest, prepared):
-                out[i] = self._post_prepare(obj)
-        return out[0] if len(out) == 1 else tuple(out)
+    # ---- the setup of the last prepare / setup -------------------------------------------------
 
-    def _post_prepare(self, obj):
-        from accelerate.scheduler import AcceleratedScheduler
-        from torch.distributed.fsdp import FSDPModule
-        from torch.nn.parallel import DistributedDataParallel
+    @property
+    def ring(self) -> RingSetup:
+        """The ``RingSetup`` of the last ``prepare`` or ``setup``."""
+        ring = self._setups.get("last")
+        if ring is None:
+            raise RuntimeError(
+                "RingAttentionPlugin has no process groups yet: call plugin.prepare(accelerator, ...) "
+                "(or plugin.setup(accelerator)) first"
+            )
+        return ring
 
-        from .fsdp import set_cp_gradient_reduction
+    world_size = property(lambda self: self.ring.world_size, doc="Number of processes.")
+    dp_size = property(lambda self: self.ring.dp_size, doc="Number of data-parallel replicas.")
+    cp_rank = property(lambda self: self.ring.cp_rank, doc="This rank's index in its CP group.")
+    dp_rank = property(lambda self: self.ring.dp_rank, doc="This rank's data-parallel replica.")
+    cp_group = property(lambda self: self.ring.cp_group, doc="The CP process group (None for one process).")
+    dp_group = property(lambda self: self.ring.dp_group, doc="The DP process group (None for one process).")
+    device_mesh = property(lambda self: self.ring.mesh, doc='``DeviceMesh`` (dp, cp), dims ``("dp", "cp")``.')
 
-        if isinstance(obj, FSDPModule) and self.cp_size > 1:
-            set_cp_gradient_reduction(obj, dp_size=self.dp_size)
-        if isinstance(obj, DistributedDataParallel) and self.cp_size > 1:
-            group = obj.process_group
-            size = dist.get_world_size(group)
-            if size != self._world:
-                raise ValueError(f"the DDP process group has {size} ranks; expected the whole world of {self._world}")
-            try:
-                obj.register_comm_hook(state=(group, self.dp_size), hook=_dp_allreduce_hook)
-            except RuntimeError as e:
-                raise RuntimeError(
-                    "hf_ring registers its own DDP communication hook (sum over CP, average over DP); remove "
-                    f"comm_hook from DistributedDataParallelKwargs ({e})"
-                ) from e
-        if isinstance(obj, AcceleratedScheduler) and self.dp_size != self._world:
-            obj = _data_parallel_scheduler_class()(obj, self.dp_size)
-        return obj
+    def reduce_loss(self, loss: torch.Tensor, *, num_items=None) -> torch.Tensor:
+        """``reduce_loss(plugin.ring, loss, num_items=...)``: the global loss of the last batch, for logging."""
+        return reduce_loss(self.ring, loss, num_items=num_items)
+
+
+# ---- the adapters: functions over a RingSetup --------------------------------------------------------
+
+
+def _engine(accelerator) -> str:
+    """``"fsdp2"``, ``"ddp"`` or ``"none"`` for ``accelerator``; NotImplementedError for what is not supported."""
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind == "FSDP":
+        version = getattr(getattr(getattr(accelerator, "state", None), "fsdp_plugin", None), "fsdp_version", 1)
+        if version != 2:
+            raise NotImplementedError(
+                f"RingAttentionPlugin supports FSDP2, not FSDP version {version}: set fsdp_version: 2 in the "
+                "accelerate config file (fsdp_config), or FullyShardedDataParallelPlugin(fsdp_version=2)"
+            )
+        return "fsdp2"
+    if kind not in _DDP_TYPES:
+        raise NotImplementedError(
+            f"RingAttentionPlugin supports DDP, FSDP2 (fsdp_version: 2) and single-process training, not "
+            f"distributed_type={kind}: DeepSpeed, Megatron-LM and XLA reduce gradients with their own averaging, "
+            "which would average the context-parallel shares instead of summing them, and were not tested with "
+            "hf_ring. Use DDP (accelerate launch --multi_gpu / multi-CPU) or FSDP2"
+        )
+    return "none" if kind == "NO" else "ddp"
+
+
+def apply_to_model(ring: RingSetup, model):
+    """Switch ``model`` (PreTrainedModel or PeftModel) to ring attention over this rank's CP group."""
+    from .apply import apply_ring_attention
+
+    _check_supported_model(model)
+    apply_ring_attention(model, group=ring.cp_group, layout=ring.plugin.layout, backend=ring.plugin.backend)
+    if id(model) not in ring.loss_counts.hooked:
+        model.register_forward_pre_hook(ring.loss_counts, with_kwargs=True)
+        ring.loss_counts.hooked.add(id(model))
+    return model
+
+
+def shard_collate(ring: RingSetup, collate_fn):
+    """``collate_fn`` wrapped so that it returns this rank's shard (``hf_ring.shard_batch``)."""
+    return _ShardCollate(collate_fn, ring.cp_group, ring.plugin.layout, ring.plugin.pad_to_multiple)
+
+
+def prepare_data_loader(ring: RingSetup, accelerator, dataloader: DataLoader, device_placement: bool | None = None):
+    """``dataloader`` prepared as Accelerate would for ``dp_size`` processes (index ``dp_rank``), yielding shards."""
+    from accelerate.data_loader import prepare_data_loader as accelerate_prepare_data_loader
+
+    if getattr(dataloader, "_is_accelerate_prepared", False):
+        raise ValueError(
+            "this DataLoader was already prepared by accelerator.prepare; pass the plain DataLoader to "
+            "plugin.prepare so that it is split over the data-parallel groups, not over every process"
+        )
+    if accelerator.dispatch_batches:
+        raise ValueError(
+            "dispatch_batches=True is not supported with context parallelism (rank 0 would split batches over "
+            "every process); use DataLoaderConfiguration(dispatch_batches=False)"
+        )
+    if accelerator.use_stateful_dataloader:
+        raise NotImplementedError(
+            "use_stateful_dataloader=True is not supported with context parallelism yet (its resume bookkeeping "
+            "counts every process as a data-parallel replica); use the default DataLoader"
+        )
+    if device_placement is None:
+        device_placement = accelerator.device_placement
+    prepared = accelerate_prepare_data_loader(
+        dataloader,
+        accelerator.device,
+        num_processes=ring.dp_size,
+        process_index=ring.dp_rank,
+        split_batches=accelerator.split_batches,
+        put_on_device=device_placement,
+        rng_types=list(accelerator.rng_types),
+        dispatch_batches=False,
+        even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
+    _set_collate(prepared, shard_collate(ring, prepared.collate_fn))
+    prepared._is_accelerate_prepared = True
+    return accelerator.prepare_data_loader(prepared)  # registers it for save_state / load_state
+
+
+def reshard_prepared_data_loader(ring: RingSetup, prepared):
+    """Turn a loader that ``accelerator.prepare`` split over every process into one split over DP groups.
+
+    For integrations that let Accelerate build the loader (the HF Trainer): the batch sampler (or
+    iterable-dataset shard) is re-pointed at ``dp_size`` / ``dp_rank`` and the collate function shards.
+    """
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+
+    if isinstance(prepared, DataLoaderDispatcher):
+        raise ValueError(
+            "dispatch_batches=True is not supported with context parallelism; set "
+            "accelerator_config={'dispatch_batches': False} (TrainingArguments) or "
+            "DataLoaderConfiguration(dispatch_batches=False)"
+        )
+    shard = None
+    for holder in (getattr(prepared, "batch_sampler", None), getattr(prepared, "sampler", None)):
+        if isinstance(holder, BatchSamplerShard):
+            shard = holder
+    if shard is None and isinstance(getattr(prepared, "dataset", None), IterableDatasetShard):
+        shard = prepared.dataset
+    if shard is not None:
+        shard.num_processes, shard.process_index = ring.dp_size, ring.dp_rank
+        if ring.dp_size == 1 and isinstance(shard, BatchSamplerShard):
+            shard.even_batches = False  # one replica: plain batches, no padding of the last one
+    elif ring.world_size > 1 and ring.dp_size != ring.world_size and getattr(prepared, "dataset", None) is not None:
+        raise ValueError(
+            f"cannot re-split a {type(prepared).__name__} over the data-parallel groups (a sharded datasets "
+            "IterableDataset?); use a map-style dataset or a torch IterableDataset"
+        )
+    _set_collate(prepared, shard_collate(ring, prepared.collate_fn))
+    return prepared
+
+
+def reduce_gradients(ring: RingSetup, model):
+    """Make the prepared ``model``'s gradient reduction sum the CP shares and average the DP replicas.
+
+    DDP: a communication hook (all-reduce over the world, divide by ``dp_size``). FSDP2: every FSDP2
+    module sums over its ranks and divides by ``dp_size`` (``hf_ring.fsdp.set_cp_gradient_reduction``).
+    Other objects, and ``cp_size == 1``, are returned unchanged.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .fsdp import set_cp_gradient_reduction
+
+    if ring.cp_size == 1:
+        return model
+    if isinstance(model, FSDPModule):
+        return set_cp_gradient_reduction(model, dp_size=ring.dp_size)
+    if isinstance(model, DistributedDataParallel):
+        group = model.process_group
+        size = dist.get_world_size(group)
+        if size != ring.world_size:
+            raise ValueError(f"the DDP process group has {size} ranks; expected the whole world of {ring.world_size}")
+        try:
+            model.register_comm_hook(state=(group, ring.dp_size), hook=_dp_allreduce_hook)
+        except RuntimeError as e:
+            raise RuntimeError(
+                "hf_ring registers its own DDP communication hook (sum over CP, average over DP); remove "
+                f"comm_hook from DistributedDataParallelKwargs ({e})"
+            ) from e
+    return model
+
+
+def data_parallel_scheduler(ring: RingSetup, scheduler):
+    """An Accelerate-prepared scheduler that steps like a plain ``dp_size``-process run (unchanged without CP)."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    if isinstance(scheduler, AcceleratedScheduler) and ring.dp_size != ring.world_size:
+        return _data_parallel_scheduler_class()(scheduler, ring.dp_size)
+    return scheduler
+
+
+def reduce_loss(ring: RingSetup, loss: torch.Tensor, *, num_items=None) -> torch.Tensor:
+    """The global token-weighted loss of the last batch, the same on every rank (detached).
+
+    ``loss`` is this rank's share (``model(**batch).loss``). The CP shares are summed; DP groups are
+    weighted by their number of valid targets (``num_items``, default: the count the model saw in
+    its last forward). Single process: ``loss`` itself.
+    """
+    loss = loss.detach()
+    if ring.world_size == 1:
+        return loss.clone()
+    n = num_items if num_items is not None else ring.loss_counts.last
+    if ring.dp_size == 1 or n is None:
+        total = loss.float().clone()
+        dist.all_reduce(total)
+        return (total / ring.dp_size).to(loss.dtype)
+    n = torch.as_tensor(n, dtype=torch.float32).to(loss.device)
+    buf = torch.stack([loss.float() * n, n])
+    dist.all_reduce(buf)
+    return (ring.cp_size * buf[0] / buf[1].clamp(min=1)).to(loss.dtype)
+
+
+def prepare(ring: RingSetup, accelerator, *args, device_placement=None):
+    """``RingAttentionPlugin.prepare`` over a ``RingSetup``: the objects prepared, in order."""
+    placement = list(device_placement) if device_placement is not None else [None] * len(args)
+    out: list[Any] = list(args)
+    rest = []
+    for i, obj in enumerate(args):
+        if isinstance(obj, DataLoader):
+            out[i] = prepare_data_loader(ring, accelerator, obj, device_placement=placement[i])
+        else:
+            if isinstance(obj, torch.nn.Module):
+                apply_to_model(ring, obj)
+            rest.append(i)
+    if rest:
+        prepared = accelerator.prepare(*[args[i] for i in rest], device_placement=[placement[i] for i in rest])
+        prepared = prepared if len(rest) > 1 else (prepared,)
+        for i, obj in zip(rest, prepared):
+            out[i] = data_parallel_scheduler(ring, reduce_gradients(ring, obj))
+    return out[0] if len(out) == 1 else tuple(out)

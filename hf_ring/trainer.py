@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from .accelerate import RingAttentionPlugin
+from .accelerate import RingAttentionPlugin, apply_to_model, reshard_prepared_data_loader
 
 __all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer"]  # noqa: F822 - RingSFTTrainer is lazy
 
@@ -47,8 +47,7 @@ class RingAttentionTrainerMixin:
         super().__init__(*args, **kwargs)
         plugin = self.ring_plugin
         # every check that needs no communication first, so a mistake never turns into a hang
-        plugin.validate(int(self.accelerator.num_processes))
-        plugin._check_accelerator(self.accelerator)
+        plugin.check(self.accelerator)
         if not self.args.average_tokens_across_devices:
             raise ValueError(
                 "context parallelism needs TrainingArguments(average_tokens_across_devices=True): the loss of each "
@@ -64,16 +63,16 @@ class RingAttentionTrainerMixin:
                 "train_sampling_strategy='batch_rebalance' splits batches over every process; use 'random', "
                 "'sequential' or 'group_by_length' with context parallelism"
             )
-        plugin.setup(self.accelerator)
-        plugin.apply(self.model)
+        self.ring_setup = plugin.setup(self.accelerator)  # the frozen RingSetup: groups, sizes, ranks
+        apply_to_model(self.ring_setup, self.model)
 
     # data: split over DP groups, sharded over the CP group
     def _get_dataloader(self, *args, **kwargs):
-        return self.ring_plugin.reshard_prepared_data_loader(super()._get_dataloader(*args, **kwargs))
+        return reshard_prepared_data_loader(self.ring_setup, super()._get_dataloader(*args, **kwargs))
 
     def get_total_train_batch_size(self, args) -> int:
         """Samples per optimizer step: CP ranks share their samples, so divide the Trainer's count by cp_size."""
-        return super().get_total_train_batch_size(args) // self.ring_plugin.cp_size
+        return super().get_total_train_batch_size(args) // self.ring_setup.cp_size
 
     # evaluation: the plain-DP loss of this rank's DP group, gathered over the DP group
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list | None = None):
@@ -85,13 +84,13 @@ class RingAttentionTrainerMixin:
             )
             self._ring_warned_logits = True
         loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
-        plugin = self.ring_plugin
-        if loss is not None and plugin.world_size > 1:
+        ring = self.ring_setup
+        if loss is not None and ring.world_size > 1:
             # each rank holds world * (its token-loss sum) / (global targets); the CP sum over cp_size is
             # the value process d of a plain dp-process run holds: dp * S_d / N
             loss = loss.detach().clone()
-            dist.all_reduce(loss, group=plugin.cp_group)
-            loss = loss / plugin.cp_size
+            dist.all_reduce(loss, group=ring.cp_group)
+            loss = loss / ring.cp_size
         return loss, None, None
 
     def evaluation_loop(self, *args, **kwargs):
@@ -103,14 +102,14 @@ class RingAttentionTrainerMixin:
 
     def _ring_gather_for_metrics(self, data: Any, **kwargs):
         """``gather_for_metrics`` over the DP group (every CP rank of a group holds the same values)."""
-        plugin = self.ring_plugin
-        if plugin.world_size == 1 or not isinstance(data, torch.Tensor):
+        ring = self.ring_setup
+        if ring.world_size == 1 or not isinstance(data, torch.Tensor):
             return self.accelerator.gather_for_metrics(data, **kwargs)
         data = data.contiguous()
         if data.dim() == 0:
             data = data[None]
-        parts = [torch.empty_like(data) for _ in range(plugin.dp_size)]
-        dist.all_gather(parts, data, group=plugin.dp_group)
+        parts = [torch.empty_like(data) for _ in range(ring.dp_size)]
+        dist.all_gather(parts, data, group=ring.dp_group)
         out = torch.cat(parts)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:

@@ -199,6 +199,9 @@ def test_accelerate_parallelism_config_is_refused():
     pc = ParallelismConfig(dp_replicate_size=1, dp_shard_size=2, cp_size=1, tp_size=1)
     with pytest.raises(ValueError, match="without parallelism_config"):
         RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(parallelism_config=pc), tiny_llama())
+    pc = ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, cp_size=2, tp_size=1)
+    with pytest.raises(ValueError, match=r"set RingAttentionPlugin\(cp_size=2\) instead"):
+        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(parallelism_config=pc), tiny_llama())
 
 
 def test_unsupported_models_are_refused_before_any_collective():
@@ -249,6 +252,30 @@ def _check_single_process(accelerator, plugin, model, data, ref_loss, ref):
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     assert max_param_rel_err(grads, ref_grads) < 1e-5
     assert accelerator.unwrap_model(model) is model
+
+
+def test_setup_is_a_frozen_value_and_the_plugin_is_never_rewritten():
+    import dataclasses
+
+    from accelerate import Accelerator
+
+    from hf_ring.accelerate import RingAttentionPlugin, RingSetup
+
+    plugin = RingAttentionPlugin()  # cp_size None: every process in one CP group
+    accelerator = Accelerator(cpu=True)
+    try:
+        ring = plugin.setup(accelerator)
+        assert isinstance(ring, RingSetup) and plugin.setup(accelerator) is ring and plugin.ring is ring
+        assert (ring.world_size, ring.cp_size, ring.dp_size, ring.cp_rank, ring.dp_rank) == (1, 1, 1, 0, 0)
+        assert plugin.cp_size is None  # the resolved size lives in the setup, not in the configuration
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            ring.cp_size = 2
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plugin.cp_size = 2
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_shard_collate_refuses_pickling():
