@@ -1,11 +1,17 @@
-"""Peak memory per rank of LoRA fine-tuning SmolLM2-135M with context parallelism on CPU (CP = 1 and CP = 2).
+"""Peak memory per rank of fine-tuning SmolLM2-135M with context parallelism on CPU (LoRA or full; DDP or FSDP2).
 
     .venv/bin/python benchmarks/bench_memory_cpu.py [--lengths 2048,4096,8192,16384] [--cp-sizes 1,2] \\
         [--budget-gib 8] [--time-limit 900]
+    .venv/bin/python benchmarks/bench_memory_cpu.py --full --engines ddp,fsdp2 --cp-sizes 2 --dp-sizes 1,2 \\
+        --lengths 2048                                  # full fine-tuning: DDP beside FSDP2, CP=2 and DP=2 x CP=2
 
-For every (CP size, sequence length) it launches ``torchrun`` with CP processes that each run one
-LoRA training step (CP = 1 is the baseline without hf_ring: plain Transformers sdpa attention) (forward + backward, activation checkpointing on unless ``--no-gc``) on the demo
-model and sample their resident set size; the figure is the largest peak over the ranks. Lengths of
+For every (engine, DP size, CP size, sequence length) it launches ``torchrun`` with DP x CP processes
+that each run one training step (CP = 1 is the baseline without hf_ring: plain Transformers sdpa
+attention) (forward + backward + AdamW, activation checkpointing on unless ``--no-gc``) on the demo
+model, LoRA r=16 on q/k/v/o or with ``--full`` every weight, and sample their resident set size; the
+figure is the largest peak over the ranks. FSDP2 shards the model over every process through
+Accelerate's own FSDP2 path (Accelerate enables FSDP on GPUs only, so on CPU the worker switches the
+Accelerator to FSDP2 as it is on a GPU). Lengths of
 one CP size are run in increasing order and stop at the first that fails or runs past the time limit.
 The end of the run prints, for each CP size, the longest measured length whose peak fits
 ``--budget-gib`` per rank. Every run appends a row to ``benchmarks/results/memory_cpu.csv`` with the
@@ -44,6 +50,8 @@ FIELDS = [
     "hf_ring",
     "model",
     "attention",
+    "engine",
+    "dp_size",
     "cp_size",
     "seq_len",
     "tokens_per_rank",
@@ -90,6 +98,12 @@ def worker(args) -> None:
     from hf_ring.accelerate import RingAttentionPlugin
 
     accelerator = Accelerator(cpu=True)
+    if args.engine == "fsdp2":
+        from accelerate import FullyShardedDataParallelPlugin, PartialState
+        from accelerate.utils import DistributedType
+
+        accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     plugin = RingAttentionPlugin(cp_size=args.cp_size)
     with accelerator.local_main_process_first():
         model, tokenizer = load_model_and_tokenizer(None)
@@ -97,11 +111,12 @@ def worker(args) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     set_seed(0)
-    model = get_peft_model(
-        model,
-        LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    )
-    data = long_documents(tokenizer, args.seq_len, 1)
+    if not args.full:
+        model = get_peft_model(
+            model,
+            LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        )
+    data = long_documents(tokenizer, args.seq_len, accelerator.num_processes // args.cp_size)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     loader = DataLoader(data, batch_size=1, collate_fn=collate)
     if args.cp_size == 1:  # the baseline: plain Transformers attention (sdpa), no hf_ring
@@ -142,13 +157,16 @@ def worker(args) -> None:
 # ---- the driver ----------------------------------------------------------------------------------
 
 
-def run_one(cp: int, seq_len: int, args, threads: int) -> dict:
+def run_one(cp: int, seq_len: int, args, threads: int, dp: int = 1, engine: str = "ddp") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}", str(HERE)]
-        cmd += ["--worker", "--cp-size", str(cp), "--seq-len", str(seq_len), "--json", str(out)]
+        nproc = dp * cp
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(HERE)]
+        cmd += ["--worker", "--cp-size", str(cp), "--seq-len", str(seq_len), "--json", str(out), "--engine", engine]
         if args.no_gc:
             cmd.append("--no-gc")
+        if args.full:
+            cmd.append("--full")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(REPO)}
         t0 = time.perf_counter()
         try:
@@ -166,6 +184,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="2048,4096,8192,16384")
     p.add_argument("--cp-sizes", default="1,2")
+    p.add_argument("--dp-sizes", default="1", help="data-parallel replicas (processes = dp x cp)")
+    p.add_argument("--engines", default="ddp", help="ddp and/or fsdp2 (FSDP2 shards over every process)")
+    p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     p.add_argument("--budget-gib", type=float, default=8.0, help="per-rank memory budget for the summary")
     p.add_argument("--time-limit", type=int, default=900, help="seconds per launch")
     p.add_argument("--no-gc", action="store_true", help="no activation checkpointing")
@@ -174,13 +195,14 @@ def main(argv=None) -> None:
     p.add_argument("--cp-size", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, default=2048, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--engine", default="ddp", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
 
     cores = os.cpu_count() or 1
     common = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "cores": cores, **_versions()}
-    common["model"] = "SmolLM2-135M-Instruct LoRA r=16 (q,k,v,o)"
+    common["model"] = "SmolLM2-135M-Instruct " + ("full fine-tuning" if args.full else "LoRA r=16 (q,k,v,o)")
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     new = not Path(args.csv).exists()
     results = {}
@@ -188,14 +210,22 @@ def main(argv=None) -> None:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         if new:
             writer.writeheader()
-        for cp in (int(x) for x in args.cp_sizes.split(",")):
-            threads = max(1, cores // cp)
+        configs = [
+            (engine, dp, cp)
+            for engine in args.engines.split(",")
+            for dp in (int(x) for x in args.dp_sizes.split(","))
+            for cp in (int(x) for x in args.cp_sizes.split(","))
+        ]
+        for engine, dp, cp in configs:
+            threads = max(1, cores // (dp * cp))
             for seq_len in (int(x) for x in args.lengths.split(",")):
-                r = run_one(cp, seq_len, args, threads)
+                r = run_one(cp, seq_len, args, threads, dp=dp, engine=engine)
                 peaks = r.get("peaks", [])
                 row = {
                     **common,
                     "attention": "sdpa (no hf_ring)" if cp == 1 else "hf_ring ring attention",
+                    "engine": engine if dp * cp > 1 else "none",
+                    "dp_size": dp,
                     "cp_size": cp,
                     "seq_len": seq_len,
                     "tokens_per_rank": seq_len // cp,
@@ -209,9 +239,9 @@ def main(argv=None) -> None:
                 }
                 writer.writerow(row)
                 f.flush()
-                results[(cp, seq_len)] = row
+                results[(engine, dp, cp, seq_len)] = row
                 print(
-                    f"CP={cp} seq_len={seq_len:>6}: peak RSS per rank {row['peak_rss_mib_per_rank'] or '-'} MiB, "
+                    f"{engine} DP={dp} CP={cp} seq_len={seq_len:>6}: peak RSS per rank {row['peak_rss_mib_per_rank'] or '-'} MiB, "
                     f"step {row['step_seconds'] or '-'} s, launch {r['wall']:.0f} s, {r['status']}",
                     flush=True,
                 )
@@ -221,13 +251,13 @@ def main(argv=None) -> None:
                     break  # longer sequences of this CP size would not do better
     budget = args.budget_gib * 1024
     print(f"\nlongest measured sequence within {args.budget_gib:g} GiB per rank:")
-    for cp in sorted({c for c, _ in results}):
+    for config in sorted({k[:3] for k in results}):
         fits = [
-            s
-            for (c, s), row in results.items()
-            if c == cp and row["status"] == "ok" and row["peak_rss_mib_max_rank"] <= budget
+            k[3]
+            for k, row in results.items()
+            if k[:3] == config and row["status"] == "ok" and row["peak_rss_mib_max_rank"] <= budget
         ]
-        print(f"  CP={cp}: {max(fits) if fits else 'none'}")
+        print(f"  {config[0]} DP={config[1]} CP={config[2]}: {max(fits) if fits else 'none'}")
     print(f"rows appended to {args.csv}")
 
 
