@@ -145,6 +145,32 @@ class RingConfig:
 _DEFAULT = RingConfig()
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
+#: Keywords the attention function reads (``_PACKING_KWARGS`` too), and keywords Transformers passes
+#: along that do not change what attention computes. Any other keyword with a value is refused: an
+#: attention feature hf_ring does not implement (Gemma2's ``softcap``, gpt-oss's ``s_aux`` sinks, T5's
+#: ``position_bias``, ...) must raise, never be dropped silently.
+_READ_KWARGS = ("is_causal", "output_attentions", "position_ids", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG)
+_HARMLESS_KWARGS = (
+    "max_length_q", "max_length_k",  # packing metadata; the boundaries come from cu_seq_lens
+    "use_cache", "cache_position", "past_key_values", "past_key_value",  # a KV cache is refused by length
+    "output_hidden_states", "return_dict", "position_embeddings", "layer_idx", "token_type_ids",
+    "num_items_in_batch", "shift_labels",  # loss keywords the model's forward passes along
+)  # fmt: skip
+
+
+def _unknown_kwargs_error(kwargs: dict) -> str | None:
+    """Why keywords this function does not implement were passed with a value, or None."""
+    known = (*_READ_KWARGS, *_PACKING_KWARGS, *_HARMLESS_KWARGS)
+    unknown = sorted(k for k, v in kwargs.items() if k not in known and v is not None and v is not False)
+    if not unknown:
+        return None
+    return (
+        f"hf_ring attention does not implement {unknown}: these keywords change what attention computes (for "
+        "instance attention logit softcapping or learned attention sinks), and dropping them would give wrong "
+        "numbers. hf_ring implements causal and sliding-window attention with scaling, GQA and packed documents; "
+        "use the model's own attention implementation for this model"
+    )
+
 
 def register() -> None:
     """Register ``ring_attention_forward`` and ``ring_mask_function`` under ``"hf_ring"`` (idempotent)."""
@@ -323,12 +349,17 @@ def ring_attention_forward(
         scaling: score scale (default ``head_dim ** -0.5``); dropout: must be 0 (no attention dropout).
         sliding_window: Transformers' window W (key visible iff ``q - W < k <= q``), or None.
         kwargs: ``ring_document_ids``, ``ring_shard_info``, ``cu_seq_lens_q`` / ``cu_seq_lens_k``,
-            ``seq_idx``, ``position_ids``, ``is_causal``, ``output_attentions``; others are ignored.
+            ``seq_idx``, ``position_ids``, ``is_causal``, ``output_attentions``, and keywords that do not
+            change attention (``_HARMLESS_KWARGS``); any other keyword with a value raises ValueError
+            (e.g. ``softcap``, ``s_aux``): a feature hf_ring does not implement is never dropped silently.
 
     Returns:
         ``(out, None)``, out: [batch, local_seq, q_heads, head_dim] in query's dtype.
     """
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
+    unknown = _unknown_kwargs_error(kwargs)
+    if unknown:
+        raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
     if cfg.group is _Dropped.GROUP:
         raise ValueError(
             "this model's ring attention lost its process group when the model was pickled; call "
