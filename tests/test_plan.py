@@ -304,3 +304,18 @@ def test_documents_are_derived_once_per_forward(monkeypatch):
         logits = model(input_ids=ids, position_ids=pos).logits
         assert len(calls) == forward
     assert rel_err(logits, reference) <= FP32_TOL
+
+
+def test_plan_cache_keeps_at_most_max_plans():
+    plans = hf_ring.PlanCache()
+    q = torch.randn(1, 2, 8, 8)
+    for scale in range(1, plans.MAX_PLANS + 2):  # one more kind of call than the cache holds
+        hf_ring.ring_attention(q, q, q, scale=float(scale), plans=plans)
+    assert len(plans) == plans.MAX_PLANS
+
+
+def test_loopback_comm_checks_its_ranks():
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        hf_ring.LoopbackComm(0, 1, [])
+    with pytest.raises(ValueError, match="0 <= rank < world_size"):
+        hf_ring.LoopbackComm(3, 2, [])
