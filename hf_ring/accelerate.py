@@ -302,7 +302,10 @@ class RingAttentionPlugin:
 
     def setup(self, accelerator) -> RingSetup:
         """``check`` it, then build the dp x cp mesh and groups; the same ``RingSetup`` for the same Accelerator."""
-        cp = self.check(accelerator)
+        return self._build(accelerator, self.check(accelerator))
+
+    def _build(self, accelerator, cp: int) -> RingSetup:
+        """The ``RingSetup`` of ``accelerator``, already checked (``cp`` from ``check``): built once, then reused."""
         known = self._setups.get(id(accelerator))
         if known is not None and known[0] is accelerator:
             self._setups["last"] = known[1]
@@ -336,7 +339,7 @@ class RingAttentionPlugin:
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         # every check that needs no communication comes first, so a mistake never turns into a hang
-        self.check(accelerator)
+        cp = self.check(accelerator)
         for obj in args:
             if isinstance(obj, torch.nn.Module):
                 _check_supported_model(obj)
@@ -344,7 +347,7 @@ class RingAttentionPlugin:
                 raise ValueError(
                     "pass plain DataLoaders to plugin.prepare, not ones already prepared by accelerator.prepare"
                 )
-        return prepare(self.setup(accelerator), accelerator, *args, device_placement=device_placement)
+        return prepare(self._build(accelerator, cp), accelerator, *args, device_placement=device_placement)
 
     # ---- the setup of the last prepare / setup -------------------------------------------------
 

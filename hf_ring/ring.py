@@ -35,7 +35,7 @@ import torch
 
 from . import layout as _layout
 from .comm import RingComm
-from .kernels import BACKENDS, BlockMask, get_backend
+from .kernels import BACKENDS, BlockMask, get_backend, unsupported_by
 
 __all__ = ["PlanCache", "ring_attention", "raise_on_every_rank"]
 
@@ -46,7 +46,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class _Plan:
     """Everything one call needs besides the tensors: resolved once, before communication."""
 
-    group: object
     rank: int
     world_size: int
     scale: float
@@ -347,8 +346,7 @@ def _backend_module(name: str, q, k, v) -> tuple[ModuleType | None, str | None]:
         module = get_backend(name, q.device, q.dtype)
     except ImportError as e:
         return None, f"backend {name!r} is not available here ({e}); use backend='auto' or 'torch'"
-    unsupported = getattr(module, "unsupported", None)
-    reason = unsupported(q, k, v) if unsupported is not None else None
+    reason = unsupported_by(module, q, k, v)
     if reason is None:
         return module, None
     if name == "auto":
@@ -404,7 +402,6 @@ def _plan(q, k, v, comm, layout, causal, scale, window, cu_seqlens, document_ids
             if not e:
                 m.device_tensors(q.device)
     return _Plan(
-        group=comm.group,
         rank=rank,
         world_size=world_size,
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),

@@ -84,16 +84,23 @@ def _full_state(model) -> dict:
     }
 
 
-def _fsdp2_accelerator(mixed_precision_policy=None):
-    """An ``Accelerator`` on CPU switched to FSDP2, as it is on a GPU with ``fsdp_version: 2``."""
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
+def _switch_to_fsdp2(accelerator, fsdp_plugin) -> None:
+    """Turn ``accelerator`` to FSDP2 with ``fsdp_plugin``, as Accelerate does on a GPU (on CPU it leaves FSDP off)."""
+    from accelerate import PartialState
     from accelerate.utils import DistributedType
 
-    accelerator = Accelerator(cpu=True)
     # both shared states: every AcceleratorState() made later copies PartialState's fields over its own
     accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, mixed_precision_policy=mixed_precision_policy
+    accelerator.state.fsdp_plugin = fsdp_plugin
+
+
+def _fsdp2_accelerator(mixed_precision_policy=None):
+    """An ``Accelerator`` on CPU switched to FSDP2, as it is on a GPU with ``fsdp_version: 2``."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(cpu=True)
+    _switch_to_fsdp2(
+        accelerator, FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=mixed_precision_policy)
     )
     return accelerator
 
@@ -103,13 +110,10 @@ class _OnFsdp2:
     as Accelerate does on a GPU (on CPU it leaves FSDP off)."""
 
     def create_accelerator_and_postprocess(self):
-        from accelerate import FullyShardedDataParallelPlugin, PartialState
-        from accelerate.utils import DistributedType
+        from accelerate import FullyShardedDataParallelPlugin
 
         super().create_accelerator_and_postprocess()
-        state = self.accelerator.state
-        state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
-        state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        _switch_to_fsdp2(self.accelerator, FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
         self.is_fsdp_enabled = True
 
 
@@ -122,7 +126,7 @@ def _trainers(out: Path, world: int) -> dict:
     """The Trainer (and at CP = 2 TRL's SFTTrainer) under FSDP2: logged losses and unsharded final weights."""
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingAttentionTrainer
-    from tests.test_trainer_cp import _SFT_KEYS, _args, _losses, _tokenizer
+    from tests.test_trainer_cp import _args, _losses, sft_trainer
 
     res: dict = {}
     train = token_dataset(BATCH * TRAINER_GA * STEPS * (world // 2), SEQ_LEN)
@@ -138,23 +142,10 @@ def _trainers(out: Path, world: int) -> dict:
     res["trainer_losses"] = _losses(trainer)
     res["trainer_state"] = _full_state(trainer.model)
     if world == 2:
-        from datasets import Dataset
-        from trl import SFTConfig
-
         from hf_ring.trainer import RingSFTTrainer
 
-        sft_args = {k: v for k, v in _args(out, "sft").to_dict().items() if k in _SFT_KEYS}
-        sft_args["gradient_accumulation_steps"] = TRAINER_GA
-        cfg = SFTConfig(**sft_args, **FSDP2_ARGS, bf16=False, dataset_kwargs={"skip_prepare_dataset": True},
-                        remove_unused_columns=False)  # fmt: skip
-        trainer = type("FsdpSFTTrainer", (_OnFsdp2, RingSFTTrainer), {})(
-            model=tiny_llama(),
-            args=cfg,
-            train_dataset=Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train]),
-            data_collator=lambda rows: {k: torch.tensor([r[k] for r in rows]) for k in rows[0]},
-            processing_class=_tokenizer(),
-            ring_plugin=RingAttentionPlugin(cp_size=2),
-        )
+        cls = type("FsdpSFTTrainer", (_OnFsdp2, RingSFTTrainer), {})
+        trainer = sft_trainer(cls, out, train, gradient_accumulation_steps=TRAINER_GA, **FSDP2_ARGS)
         trainer.train()
         res["trl_losses"] = _losses(trainer)
         res["trl_state"] = _full_state(trainer.model)
@@ -181,6 +172,7 @@ def _train(plugin, accelerator, model, data, steps, out=None):
 
 def worker(out: Path) -> None:
     import torch.distributed as dist
+    from accelerate import FullyShardedDataParallelPlugin
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -212,7 +204,7 @@ def worker(out: Path) -> None:
 
     # -- B: an FSDP2 mixed-precision policy: bf16 parameters, fp32 gradient reduction ------------------
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    accelerator.state.fsdp_plugin = _fsdp2_accelerator(policy).state.fsdp_plugin
+    _switch_to_fsdp2(accelerator, FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy))
     model_b, _, _, res["bf16_losses"] = _train(plugin, accelerator, tiny_llama(), data, 2)
     bf16_state = _full_state(model_b)
 

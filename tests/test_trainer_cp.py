@@ -217,33 +217,43 @@ def _packed_and_trl(out: Path, train: list) -> dict:
     res["packed_state"] = {k: v.detach().clone() for k, v in packed_model.state_dict().items()}
 
     try:
-        from datasets import Dataset
-        from trl import SFTConfig
+        import datasets  # noqa: F401 - sft_trainer builds its dataset with it
 
-        from hf_ring.trainer import RingSFTTrainer
+        from hf_ring.trainer import RingSFTTrainer  # ImportError without TRL
     except ImportError:
         res["trl"] = None
         return res
-    sft_model = tiny_llama()
+    trainer = sft_trainer(RingSFTTrainer, out, train)
+    trainer.train()
+    res["trl"] = _losses(trainer)
+    res["trl_state"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return res
+
+
+def sft_trainer(cls, out: Path, train: list, **overrides):
+    """``cls`` (RingSFTTrainer or a subclass) on a tiny Llama with the run's settings, fp32, CP = 2.
+
+    ``overrides``: SFTConfig arguments on top (gradient accumulation, fsdp, ...)."""
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from hf_ring.accelerate import RingAttentionPlugin
+
     sft_args = {k: v for k, v in _args(out, "sft").to_dict().items() if k in _SFT_KEYS}
     cfg = SFTConfig(
-        **sft_args,
+        **{**sft_args, **overrides},
         bf16=False,  # fp32 parity; TRL turns bf16 on by default
         dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,
     )
-    trainer = RingSFTTrainer(
-        model=sft_model,
+    return cls(
+        model=tiny_llama(),
         args=cfg,
         train_dataset=Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train]),
         data_collator=lambda rows: {k: torch.tensor([r[k] for r in rows]) for k in rows[0]},
         processing_class=_tokenizer(),
         ring_plugin=RingAttentionPlugin(cp_size=2),
     )
-    trainer.train()
-    res["trl"] = _losses(trainer)
-    res["trl_state"] = {k: v.detach().clone() for k, v in sft_model.state_dict().items()}
-    return res
 
 
 _SFT_KEYS = (

@@ -29,7 +29,7 @@ from .mask import EMPTY, FULL, PARTIAL, BlockMask
 
 __all__ = [
     "AUTO", "BACKENDS", "BlockMask", "EMPTY", "FULL", "PARTIAL", "get_backend", "masked_fallback",
-    "resolve_backend", "triton_importable",
+    "resolve_backend", "triton_importable", "unsupported_by",
 ]  # fmt: skip
 
 BACKENDS = ("auto", "torch", "triton", "sdpa", "flash_attn")
@@ -64,6 +64,12 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def unsupported_by(module, q, k, v) -> str | None:
+    """Why ``module`` cannot run these inputs (its ``unsupported``), or None (a module without one runs anything)."""
+    check = getattr(module, "unsupported", None)
+    return None if check is None else check(q, k, v)
+
+
 def masked_fallback(device: torch.device) -> ModuleType:
     """The backend that runs the steps fused attention ops cannot express: triton on CUDA (torch without it)."""
     name = "triton" if device.type == "cuda" and triton_importable() else "torch"
@@ -80,11 +86,7 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.floa
     backward = importlib.import_module(f"{__name__}.{_MODULES[bwd]}")
 
     def unsupported(q, k, v):
-        for m in (forward, backward):
-            reason = getattr(m, "unsupported", lambda *a: None)(q, k, v)
-            if reason is not None:
-                return reason
-        return None
+        return unsupported_by(forward, q, k, v) or unsupported_by(backward, q, k, v)
 
     return SimpleNamespace(
         __name__=f"{fwd} forward, {bwd} backward", forward=forward.forward, backward=backward.backward,

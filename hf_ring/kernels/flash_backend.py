@@ -23,7 +23,7 @@ import inspect
 
 import torch
 
-from . import masked_fallback, torch_backend
+from . import masked_fallback, torch_backend, unsupported_by
 from .mask import BlockMask
 
 try:  # optional dependency
@@ -47,8 +47,7 @@ def plan(mask: BlockMask) -> list[tuple[str, slice, slice]] | None:
 
 def unsupported(q, k, v) -> str | None:
     """Why these inputs cannot run here, or None: whatever flash-attn cannot take goes to the fallback."""
-    fallback = masked_fallback(q.device)
-    return getattr(fallback, "unsupported", lambda *a: None)(q, k, v)
+    return unsupported_by(masked_fallback(q.device), q, k, v)
 
 
 def _usable(q: torch.Tensor) -> bool:

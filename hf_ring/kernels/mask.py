@@ -143,40 +143,39 @@ class BlockMask:
         queries 1.. against keys ..-1). None for windows, documents, more than 16 rectangles, or any
         other partial rectangle: those run on a masked kernel. Cached.
         """
-        if "pieces" in self._cache:
-            return self._cache["pieces"]
-        result: list | None = []
+        if "pieces" not in self._cache:
+            self._cache["pieces"] = self._pieces()
+        return self._cache["pieces"]
+
+    def _pieces(self) -> list[tuple[str, slice, slice]] | None:
         if self.window is not None or self.q_doc is not None:
-            result = None
-        else:
-            q_runs, k_runs = runs(self.q_pos), runs(self.k_pos)
-            if len(q_runs) * len(k_runs) > 16:
-                result = None
-            for qs, q_step in q_runs if result is not None else ():
-                for ks, k_step in k_runs:
-                    kind = self.classify(qs, ks)
-                    if kind == EMPTY:
-                        continue
-                    if kind == FULL:
-                        result.append(("full", qs, ks))
-                        continue
-                    n = qs.stop - qs.start
-                    step = q_step if n > 1 else k_step
-                    if not self.causal or n != ks.stop - ks.start or (n > 1 and q_step != k_step):
-                        result = None
-                        break
-                    o = (int(self.q_pos[qs.start]) - int(self.k_pos[ks.start])) // step
-                    if o == 0:
-                        result.append(("causal", qs, ks))
-                    elif o == -1:  # row 0 sees nothing; rows 1.. see keys ..-1 on their diagonal
-                        result.append(("causal", slice(qs.start + 1, qs.stop), slice(ks.start, ks.stop - 1)))
-                    else:
-                        result = None
-                        break
-                if result is None:
-                    break
-        self._cache["pieces"] = result
-        return result
+            return None
+        q_runs, k_runs = runs(self.q_pos), runs(self.k_pos)
+        if len(q_runs) * len(k_runs) > 16:
+            return None
+        pieces = []
+        for qs, q_step in q_runs:
+            for ks, k_step in k_runs:
+                kind = self.classify(qs, ks)
+                if kind == EMPTY:
+                    continue
+                piece = ("full", qs, ks) if kind == FULL else self._diagonal(qs, q_step, ks, k_step)
+                if piece is None:
+                    return None
+                pieces.append(piece)
+        return pieces
+
+    def _diagonal(self, qs: slice, q_step: int, ks: slice, k_step: int) -> tuple[str, slice, slice] | None:
+        """A partly visible (query run, key run) pair as one causal rectangle, or None if it is none."""
+        n = qs.stop - qs.start
+        if not self.causal or n != ks.stop - ks.start or (n > 1 and q_step != k_step):
+            return None
+        o = (int(self.q_pos[qs.start]) - int(self.k_pos[ks.start])) // (q_step if n > 1 else k_step)
+        if o == 0:
+            return ("causal", qs, ks)
+        if o == -1:  # row 0 sees nothing; rows 1.. see keys ..-1 on their diagonal
+            return ("causal", slice(qs.start + 1, qs.stop), slice(ks.start, ks.stop - 1))
+        return None
 
     def device_tensors(self, device: torch.device) -> dict:
         """Cached device copies: ``q_pos``, ``k_pos`` (int32) and ``q_doc``, ``k_doc`` (int32 or None).

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import masked_fallback, torch_backend
+from . import masked_fallback, torch_backend, unsupported_by
 from .mask import BlockMask
 
 __all__ = ["backward", "forward", "runs_on_fused_ops", "unsupported"]
@@ -46,8 +46,7 @@ def runs_on_fused_ops(q: torch.Tensor) -> bool:
 
 def unsupported(q, k, v) -> str | None:
     """Why these inputs cannot run here, or None: what the fused ops cannot take goes to the fallback."""
-    fallback = masked_fallback(q.device)
-    return getattr(fallback, "unsupported", lambda *a: None)(q, k, v)
+    return unsupported_by(masked_fallback(q.device), q, k, v)
 
 
 def _fwd(q, k, v, causal: bool, scale: float):
