@@ -17,20 +17,31 @@ What ``plugin.prepare(accelerator, ...)`` does, and why the result equals plain 
   registers a DDP communication hook that all-reduces over the world and divides by ``dp_size``.
   FSDP2 (``fsdp_version: 2``) shards the model over the whole world with Accelerate's own FSDP2 path;
   its reduce-scatter then sums over the world and divides by ``dp_size``
-  (``hf_ring.fsdp.set_cp_gradient_reduction``), which needs no special reduce op (gloo and NCCL);
+  (``hf_ring.fsdp.set_cp_gradient_reduction``), which needs no special reduce op (gloo and NCCL).
+  DeepSpeed ZeRO (stages 0-3, Accelerate's own ``deepspeed.initialize`` over every process) averages
+  over the world too; the engine's ``outputs.loss`` keeps its value but back-propagates ``cp_size``
+  times its share, so the average is the CP sum over the DP replicas (clipping sees the exact norm);
 - LR schedulers step ``dp_size`` times per optimizer step (Accelerate's rule for ``dp_size``
-  processes, instead of once per process of the world).
+  processes, instead of once per process of the world); a scheduler from the DeepSpeed config is
+  stepped by the engine, once per optimizer step.
 
-Supported: no distribution, DDP and FSDP2 on CPU (gloo) and GPU (NCCL), gradient accumulation,
-Accelerate mixed precision and FSDP2 mixed-precision policies. FSDP1, DeepSpeed, Megatron-LM, XLA and
-Accelerate's own ``ParallelismConfig`` with tp/cp sizes are refused with an error (their gradient
-reduction would average the CP shares instead of summing them, or they were not tested).
+Accelerate's own ``ParallelismConfig`` (``parallelism_config`` in the accelerate config): its
+``cp_size`` is the CP size (the plugin's must agree or be None), its mesh puts consecutive ranks in a
+CP group as hf_ring does, and ring attention runs in place of Accelerate's SDPA-only context
+parallelism (whose hooks ``prepare`` skips; ``accelerator.maybe_context_parallel`` becomes a no-op,
+the batches being sharded already).
+
+Supported: no distribution, DDP, FSDP2 and DeepSpeed ZeRO 0-3 on CPU (gloo) and GPU (NCCL), gradient
+accumulation, Accelerate mixed precision and FSDP2 mixed-precision policies, a ``ParallelismConfig``
+with dp_shard and cp sizes. FSDP1, Megatron-LM, XLA, tp / sp sizes and HSDP with CP are refused with
+an error (their gradient reduction would average the CP shares instead of summing them, or they were
+not tested).
 
 Structure: ``RingAttentionPlugin`` is the frozen, validated configuration; ``plugin.check(accelerator)``
 validates an Accelerator without communicating; ``plugin.setup(accelerator)`` returns a frozen
 ``RingSetup`` (sizes, ranks, mesh, groups, engine). The integrations are functions over it, one per
 concern: ``apply_to_model``, ``prepare_data_loader`` / ``reshard_prepared_data_loader`` /
-``shard_collate`` (data), ``reduce_gradients`` (DDP hook or FSDP2), ``data_parallel_scheduler``,
+``shard_collate`` (data), ``reduce_gradients`` (DDP hook, FSDP2 or DeepSpeed), ``data_parallel_scheduler``,
 ``reduce_loss``, and ``prepare`` (all of them for ``accelerator.prepare``'s objects).
 ``plugin.prepare(accelerator, ...)`` is ``check`` + ``setup`` + ``prepare``.
 
@@ -40,6 +51,7 @@ Configuration enters here only: arguments, or the environment variables ``HF_RIN
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -176,7 +188,7 @@ def _data_parallel_scheduler_class():
 class RingSetup:
     """What ``RingAttentionPlugin.setup`` built for one Accelerator: sizes, ranks, mesh and groups (frozen).
 
-    Every adapter of this module is a function over it. ``engine`` is ``"ddp"``, ``"fsdp2"`` or ``"none"``
+    Every adapter of this module is a function over it. ``engine`` is ``"ddp"``, ``"fsdp2"``, ``"deepspeed"`` or ``"none"``
     (one process or cp_size = world without DDP wrapping). ``dp_size = world_size // cp_size``; this rank
     is ``cp_rank`` in its CP group (consecutive ranks) and ``dp_rank`` among the replicas.
     """
@@ -278,27 +290,44 @@ class RingAttentionPlugin:
     def check(self, accelerator) -> int:
         """Validate ``accelerator`` (sizes, distributed type, parallelism config) without communicating; the CP size."""
         world = int(accelerator.num_processes)
-        cp = self.validate(world)
-        _engine(accelerator)  # raises for what is not supported
+        engine = _engine(accelerator)  # raises for what is not supported
         pc = getattr(accelerator, "parallelism_config", None)
-        if pc is not None and (pc.non_data_parallel_size > 1 or pc.dp_shard_size > 1):
-            cp_hint = (
-                f" Its cp_size={pc.cp_size} would run Accelerate's own (SDPA-only) context parallelism: set "
-                f"RingAttentionPlugin(cp_size={pc.cp_size}) instead."
-                if getattr(pc, "cp_size", 1) > 1
-                else ""
-            )
-            raise ValueError(
-                "the Accelerator has a ParallelismConfig (Accelerate's own tp/cp/fsdp mesh); hf_ring builds its own "
-                "dp x cp mesh: create the Accelerator without parallelism_config (with fsdp_version: 2, FSDP2 then "
-                f"shards over every process, and hf_ring sums the context-parallel shares).{cp_hint}"
-            )
+        cp = self.validate(world) if pc is None else self._cp_of_parallelism_config(pc, engine, world)
         if cp > 1 and world == 1:
             raise ValueError(
                 f"cp_size={cp} needs {cp} processes but this is a single process; launch with "
                 f"accelerate launch --num_processes {cp} (or a multiple of it)"
             )
         return cp
+
+    def _cp_of_parallelism_config(self, pc, engine: str, world: int) -> int:
+        """The CP size of an Accelerator with a ``ParallelismConfig``: its ``cp_size`` (hf_ring runs it).
+
+        Accelerate's mesh is ``(dp_replicate, dp_shard, cp)`` with consecutive ranks in a CP group, the
+        groups hf_ring builds; its tp / sp dimensions and HSDP with CP are not supported.
+        """
+        if pc.tp_size > 1 or pc.sp_size > 1:
+            raise ValueError(
+                f"the Accelerator's ParallelismConfig has tp_size={pc.tp_size}, sp_size={pc.sp_size}; hf_ring composes "
+                "context parallelism with data parallelism (dp_replicate / dp_shard) only: set tp_size and sp_size to 1"
+            )
+        if self.cp_size is not None and self.cp_size != pc.cp_size:
+            raise ValueError(
+                f"RingAttentionPlugin(cp_size={self.cp_size}) disagrees with the Accelerator's ParallelismConfig "
+                f"cp_size={pc.cp_size}: set the CP size in one place (parallelism_config_cp_size in the accelerate "
+                "config, or RingAttentionPlugin(cp_size=...) without a ParallelismConfig)"
+            )
+        if pc.cp_size > 1 and pc.dp_replicate_size > 1:
+            raise ValueError(
+                f"ParallelismConfig(dp_replicate_size={pc.dp_replicate_size}, cp_size={pc.cp_size}) (HSDP with context "
+                "parallelism) is not supported by hf_ring yet: use dp_shard_size for the data-parallel replicas"
+            )
+        if pc.cp_size > 1 and engine != "fsdp2":
+            raise ValueError(
+                f"a ParallelismConfig with cp_size={pc.cp_size} needs FSDP2 (fsdp_version: 2), as Accelerate requires; "
+                "for DDP or DeepSpeed leave parallelism_config out and set RingAttentionPlugin(cp_size=...)"
+            )
+        return self.validate(world) if pc.total_size == 1 else pc.cp_size
 
     def setup(self, accelerator) -> RingSetup:
         """``check`` it, then build the dp x cp mesh and groups; the same ``RingSetup`` for the same Accelerator."""
@@ -334,12 +363,14 @@ class RingAttentionPlugin:
         Models (PreTrainedModel / PeftModel) get ring attention over their CP group, DataLoaders yield
         this rank's shard of its DP group's batches, optimizers and schedulers are prepared by Accelerate
         (schedulers stepping like a plain ``dp_size``-process run), and the gradient reduction (DDP or
-        FSDP2) sums the CP shares and averages the DP replicas.
+        FSDP2 or DeepSpeed) sums the CP shares and averages the DP replicas.
         """
         if device_placement is not None and len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         # every check that needs no communication comes first, so a mistake never turns into a hang
         cp = self.check(accelerator)
+        if device_placement is not None and _engine(accelerator) == "deepspeed":
+            raise ValueError("device_placement cannot be customised with DeepSpeed (it places the model itself)")
         for obj in args:
             if isinstance(obj, torch.nn.Module):
                 _check_supported_model(obj)
@@ -379,7 +410,7 @@ class RingAttentionPlugin:
 
 
 def _engine(accelerator) -> str:
-    """``"fsdp2"``, ``"ddp"`` or ``"none"`` for ``accelerator``; NotImplementedError for what is not supported."""
+    """``"fsdp2"``, ``"deepspeed"``, ``"ddp"`` or ``"none"`` for ``accelerator``; NotImplementedError for what is not supported."""
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
     if kind == "FSDP":
         version = getattr(getattr(getattr(accelerator, "state", None), "fsdp_plugin", None), "fsdp_version", 1)
@@ -389,14 +420,46 @@ def _engine(accelerator) -> str:
                 "accelerate config file (fsdp_config), or FullyShardedDataParallelPlugin(fsdp_version=2)"
             )
         return "fsdp2"
+    if kind == "DEEPSPEED":
+        return "deepspeed"
     if kind not in _DDP_TYPES:
         raise NotImplementedError(
-            f"RingAttentionPlugin supports DDP, FSDP2 (fsdp_version: 2) and single-process training, not "
-            f"distributed_type={kind}: DeepSpeed, Megatron-LM and XLA reduce gradients with their own averaging, "
+            f"RingAttentionPlugin supports DDP, FSDP2 (fsdp_version: 2), DeepSpeed ZeRO and single-process "
+            f"training, not distributed_type={kind}: Megatron-LM and XLA reduce gradients with their own averaging, "
             "which would average the context-parallel shares instead of summing them, and were not tested with "
-            "hf_ring. Use DDP (accelerate launch --multi_gpu / multi-CPU) or FSDP2"
+            "hf_ring. Use DDP (accelerate launch --multi_gpu / multi-CPU), FSDP2 or DeepSpeed"
         )
     return "none" if kind == "NO" else "ddp"
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``factor`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class _ScaleLossGrad:
+    """Forward hook: ``outputs.loss`` keeps its value, its gradient is multiplied by ``factor`` (the CP size).
+
+    For engines that average gradients over every rank (DeepSpeed): with each rank's gradient scaled
+    by cp_size, the average over dp x cp ranks is the CP shares summed and the DP replicas averaged.
+    """
+
+    def __init__(self, factor: int):
+        self.factor = float(factor)
+
+    def __call__(self, module, args, output):
+        loss = getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            output.loss = _ScaleGrad.apply(loss, self.factor)
+        return output
 
 
 def apply_to_model(ring: RingSetup, model):
@@ -495,6 +558,8 @@ def reduce_gradients(ring: RingSetup, model):
 
     DDP: a communication hook (all-reduce over the world, divide by ``dp_size``). FSDP2: every FSDP2
     module sums over its ranks and divides by ``dp_size`` (``hf_ring.fsdp.set_cp_gradient_reduction``).
+    DeepSpeed (ZeRO 0-3), which averages over every rank: the engine's ``outputs.loss`` gets a gradient
+    ``cp_size`` times its share (its value is unchanged), so the average is the CP sum over DP replicas.
     Other objects, and ``cp_size == 1``, are returned unchanged.
     """
     from torch.distributed.fsdp import FSDPModule
@@ -506,6 +571,10 @@ def reduce_gradients(ring: RingSetup, model):
         return model
     if isinstance(model, FSDPModule):
         return set_cp_gradient_reduction(model, dp_size=ring.dp_size)
+    if ring.engine == "deepspeed" and _is_deepspeed_engine(model):
+        if not any(isinstance(h, _ScaleLossGrad) for h in model._forward_hooks.values()):
+            model.register_forward_hook(_ScaleLossGrad(ring.cp_size))
+        return model
     if isinstance(model, DistributedDataParallel):
         group = model.process_group
         size = dist.get_world_size(group)
@@ -521,10 +590,19 @@ def reduce_gradients(ring: RingSetup, model):
     return model
 
 
+def _is_deepspeed_engine(obj) -> bool:
+    from deepspeed import DeepSpeedEngine
+
+    return isinstance(obj, DeepSpeedEngine)
+
+
 def data_parallel_scheduler(ring: RingSetup, scheduler):
     """An Accelerate-prepared scheduler that steps like a plain ``dp_size``-process run (unchanged without CP)."""
     from accelerate.scheduler import AcceleratedScheduler
+    from accelerate.utils import DeepSpeedSchedulerWrapper
 
+    if isinstance(scheduler, DeepSpeedSchedulerWrapper):
+        return scheduler  # a scheduler from the DeepSpeed config: the engine steps it once per optimizer step
     if isinstance(scheduler, AcceleratedScheduler) and ring.dp_size != ring.world_size:
         return _data_parallel_scheduler_class()(scheduler, ring.dp_size)
     return scheduler
@@ -551,6 +629,52 @@ def reduce_loss(ring: RingSetup, loss: torch.Tensor, *, num_items=None) -> torch
     return (ring.cp_size * buf[0] / buf[1].clamp(min=1)).to(loss.dtype)
 
 
+def _keep(*args):
+    return args
+
+
+def _already_sharded(buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _in_place_of_accelerate_cp(accelerator):
+    """``accelerator.prepare`` without Accelerate's own context parallelism, when its ParallelismConfig has cp_size > 1.
+
+    Accelerate's CP attaches hooks that drop the attention mask for PyTorch's SDPA-only ring and shards
+    buffers inside ``accelerator.maybe_context_parallel``. hf_ring runs the CP attention (ring attention
+    on its own DataLoader shards) instead, so ``prepare`` skips the hooks, and ``maybe_context_parallel``
+    becomes a no-op: a script written for Accelerate's CP runs unchanged, on batches already sharded.
+    """
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is None or not pc.cp_enabled:
+        yield
+        return
+    accelerator._prepare_cp = _keep  # an instance attribute over the method, removed again below
+    try:
+        yield
+    finally:
+        del accelerator._prepare_cp
+    accelerator._cp_context = _already_sharded
+
+
+def _fill_deepspeed_micro_batch(ring: RingSetup, accelerator, loaders: list) -> None:
+    """Fill DeepSpeed's ``train_micro_batch_size_per_gpu: auto`` from the plain loaders, as Accelerate does.
+
+    Accelerate reads it from the loaders passed to the same ``accelerator.prepare`` call; hf_ring prepares
+    its loaders itself (split over the DP groups), so it fills the value: a rank's micro-batch is its
+    DP replica's batch (every CP rank holds a shard of it).
+    """
+    ds_plugin = accelerator.state.deepspeed_plugin
+    sizes = [dl.batch_size for dl in loaders if dl.batch_size is not None]
+    if not sizes or not ds_plugin.is_auto("train_micro_batch_size_per_gpu"):
+        return  # Accelerate raises its own clear error when the value stays unknown
+    size = min(sizes) if ds_plugin.is_train_batch_min else max(sizes)
+    if accelerator.split_batches:
+        size //= ring.dp_size
+    ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = size
+
+
 def prepare(ring: RingSetup, accelerator, *args, device_placement=None):
     """``RingAttentionPlugin.prepare`` over a ``RingSetup``: the objects prepared, in order."""
     placement = list(device_placement) if device_placement is not None else [None] * len(args)
@@ -564,7 +688,12 @@ def prepare(ring: RingSetup, accelerator, *args, device_placement=None):
                 apply_to_model(ring, obj)
             rest.append(i)
     if rest:
-        prepared = accelerator.prepare(*[args[i] for i in rest], device_placement=[placement[i] for i in rest])
+        kwargs = {"device_placement": [placement[i] for i in rest]}
+        if ring.engine == "deepspeed":
+            _fill_deepspeed_micro_batch(ring, accelerator, [obj for obj in args if isinstance(obj, DataLoader)])
+            kwargs = {}
+        with _in_place_of_accelerate_cp(accelerator):
+            prepared = accelerator.prepare(*[args[i] for i in rest], **kwargs)
         prepared = prepared if len(rest) > 1 else (prepared,)
         for i, obj in zip(rest, prepared):
             out[i] = data_parallel_scheduler(ring, reduce_gradients(ring, obj))

@@ -12,8 +12,8 @@ run, and sharded over the context-parallel (CP) group by the DataLoader (``hf_ri
 The Trainer's own token-weighted loss then does the rest: it counts the valid targets of every
 micro-batch on every rank (the local shards add up to the whole global batch), passes that total
 as ``num_items_in_batch`` to the model and multiplies the loss by the number of processes, which
-the average over all processes of DDP, or of FSDP2 (``fsdp_version: 2``, sharding over every
-process), undoes. So the gradient is the sum of token losses over the CP
+the average over all processes of DDP, of FSDP2 (``fsdp_version: 2``, sharding over every
+process) or of DeepSpeed ZeRO (``deepspeed=``, stages 0-3) undoes. So the gradient is the sum of token losses over the CP
 shards, DP replicas and accumulated micro-batches divided by their total number of targets, exactly
 what a single process computes on the full sequences, and the logged training loss is that global
 token-weighted loss. Evaluation returns, per DP group, the loss a plain DP run gives that process and
@@ -21,8 +21,8 @@ gathers it over the DP group only, so ``eval_loss`` equals the plain run's.
 
 Caveats: evaluation returns the loss only (logits are sharded over the CP group, so
 ``compute_metrics`` on logits is not supported); ``average_tokens_across_devices`` must stay True;
-``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP1 and
-DeepSpeed are refused (see ``hf_ring.accelerate``).
+``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP1 is refused
+(see ``hf_ring.accelerate``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ class RingAttentionTrainerMixin:
         plugin = self.ring_plugin
         # every check that needs no communication first, so a mistake never turns into a hang
         plugin.check(self.accelerator)
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and pc.cp_enabled:
+            raise ValueError(
+                f"the Trainer's ParallelismConfig has cp_size={pc.cp_size}, which would run Accelerate's own context "
+                f"parallelism inside the Trainer; leave parallelism_config out and pass "
+                f"ring_plugin=RingAttentionPlugin(cp_size={pc.cp_size}) (with fsdp_version: 2 for FSDP2)"
+            )
         if not self.args.average_tokens_across_devices:
             raise ValueError(
                 "context parallelism needs TrainingArguments(average_tokens_across_devices=True): the loss of each "

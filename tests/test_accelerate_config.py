@@ -175,12 +175,21 @@ def test_multi_process_without_process_group_raises():
         RingAttentionPlugin(cp_size=2).setup(_fake_accelerator(num_processes=2))
 
 
-@pytest.mark.parametrize("kind", ["DEEPSPEED", "MEGATRON_LM", "XLA"])
+@pytest.mark.parametrize("kind", ["MEGATRON_LM", "XLA"])
 def test_unsupported_distributed_types_raise(kind):
     from hf_ring.accelerate import RingAttentionPlugin
 
     with pytest.raises(NotImplementedError, match=f"not distributed_type={kind}"):
         RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(distributed_type=kind), tiny_llama())
+
+
+def test_device_placement_with_deepspeed_is_refused():
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    with pytest.raises(ValueError, match="device_placement cannot be customised with DeepSpeed"):
+        RingAttentionPlugin(cp_size=1).prepare(
+            _fake_accelerator(distributed_type="DEEPSPEED"), tiny_llama(), device_placement=[True]
+        )
 
 
 def test_fsdp1_is_refused_naming_fsdp_version_2():
@@ -191,17 +200,30 @@ def test_fsdp1_is_refused_naming_fsdp_version_2():
         RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(distributed_type="FSDP", fsdp=fsdp1), tiny_llama())
 
 
-def test_accelerate_parallelism_config_is_refused():
+def test_accelerate_parallelism_config_gives_the_cp_size_or_a_clear_error():
     from accelerate.parallelism_config import ParallelismConfig
 
     from hf_ring.accelerate import RingAttentionPlugin
 
-    pc = ParallelismConfig(dp_replicate_size=1, dp_shard_size=2, cp_size=1, tp_size=1)
-    with pytest.raises(ValueError, match="without parallelism_config"):
-        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(parallelism_config=pc), tiny_llama())
-    pc = ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, cp_size=2, tp_size=1)
-    with pytest.raises(ValueError, match=r"set RingAttentionPlugin\(cp_size=2\) instead"):
-        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(parallelism_config=pc), tiny_llama())
+    fsdp2 = dict(distributed_type="FSDP", fsdp=types.SimpleNamespace(fsdp_version=2))
+
+    def acc(world=4, **sizes):
+        return _fake_accelerator(num_processes=world, parallelism_config=ParallelismConfig(**sizes), **fsdp2)
+
+    assert RingAttentionPlugin().check(acc(dp_shard_size=2, cp_size=2)) == 2
+    assert RingAttentionPlugin(cp_size=2).check(acc(dp_shard_size=2, cp_size=2)) == 2
+    assert RingAttentionPlugin().check(acc(dp_shard_size=4)) == 1  # FSDP2 over 4 replicas, no CP
+    with pytest.raises(ValueError, match=r"RingAttentionPlugin\(cp_size=4\) disagrees .* cp_size=2"):
+        RingAttentionPlugin(cp_size=4).check(acc(dp_shard_size=2, cp_size=2))
+    with pytest.raises(ValueError, match="set tp_size and sp_size to 1"):
+        RingAttentionPlugin().check(acc(dp_shard_size=2, tp_size=2))
+    with pytest.raises(ValueError, match="HSDP with context parallelism"):
+        RingAttentionPlugin().check(acc(world=8, dp_replicate_size=2, dp_shard_size=2, cp_size=2))
+    ddp = _fake_accelerator(
+        num_processes=2, distributed_type="MULTI_CPU", parallelism_config=ParallelismConfig(cp_size=2)
+    )
+    with pytest.raises(ValueError, match=r"needs FSDP2 \(fsdp_version: 2\)"):
+        RingAttentionPlugin().check(ddp)
 
 
 def test_unsupported_models_are_refused_before_any_collective():

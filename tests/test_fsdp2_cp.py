@@ -10,6 +10,8 @@ per world size; the tests assert on the JSON it writes:
   resume to the same next loss and weights; ``unwrap_model`` is the model that was passed in;
 - an FSDP2 mixed-precision policy (bf16 parameters, fp32 reduction) stays within twice the error of
   the same bf16 arithmetic on one process;
+- Accelerate's own ``ParallelismConfig(dp_shard_size=dp, cp_size=2)``: hf_ring takes the CP size from it and
+  runs ring attention in place of Accelerate's CP (no SDPA hooks; ``maybe_context_parallel`` a no-op), exactly;
 - the torch-native recipe (device mesh, ``apply_ring_attention(group=...)``, ``fully_shard``,
   ``hf_ring.fsdp.set_cp_gradient_reduction``) matches single-process training too;
 - ``RingAttentionTrainer`` (and TRL's ``SFTTrainer`` through ``RingSFTTrainer``, CP = 2) with
@@ -170,6 +172,52 @@ def _train(plugin, accelerator, model, data, steps, out=None):
     return model, opt, dl, losses
 
 
+def _with_parallelism_config(accelerator, data, dp: int, cp: int) -> dict:
+    """Train under a ``ParallelismConfig`` with cp_size, as a script written for Accelerate's own CP does.
+
+    The loop wraps each forward in ``accelerator.maybe_context_parallel(buffers=...)``, as Accelerate's CP
+    recipe asks; with hf_ring it must leave the (already sharded) batch alone. Accelerate builds the
+    mesh and validates the config at construction, which on CPU it refuses (no FSDP there), so the
+    switched Accelerator gets them the way its constructor sets them on a GPU.
+    """
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.parallelism_config import ParallelismConfig
+    from torch.utils.data import DataLoader
+
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    pc = ParallelismConfig(dp_shard_size=dp, cp_size=cp)
+    _switch_to_fsdp2(accelerator, FullyShardedDataParallelPlugin(fsdp_version=2))
+    accelerator.state.parallelism_config = pc
+    accelerator.state.device_mesh = pc.get_device_mesh("cpu")
+    pc._validate_accelerator(accelerator)
+    try:
+        plugin = RingAttentionPlugin()  # the CP size comes from the ParallelismConfig
+        original = tiny_llama()
+        model, opt, dl = plugin.prepare(
+            accelerator, original, torch.optim.SGD(original.parameters(), lr=LR),
+            DataLoader(data, batch_size=BATCH, collate_fn=collate),
+        )  # fmt: skip
+        hooks = sum(len(layer.self_attn._forward_pre_hooks) for layer in original.model.layers)
+        losses, it = [], iter(dl)
+        for _ in range(STEPS):
+            batch = next(it)
+            ids = batch["input_ids"]
+            with accelerator.maybe_context_parallel(
+                buffers=[batch["input_ids"], batch["labels"]], buffer_seq_dims=[1, 1]
+            ):
+                assert batch["input_ids"] is ids and ids.shape[1] == (SEQ_LEN + 2) // cp  # padded to 2 x cp = 32
+                loss = model(**batch).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(plugin.reduce_loss(loss).item())
+        return {"pc_cp": plugin.ring.cp_size, "pc_attention_hooks": hooks, "pc_losses": losses,
+                "pc_state": _full_state(model)}  # fmt: skip
+    finally:
+        accelerator.state.parallelism_config = accelerator.state.device_mesh = None
+
+
 def worker(out: Path) -> None:
     import torch.distributed as dist
     from accelerate import FullyShardedDataParallelPlugin
@@ -207,6 +255,9 @@ def worker(out: Path) -> None:
     _switch_to_fsdp2(accelerator, FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy))
     model_b, _, _, res["bf16_losses"] = _train(plugin, accelerator, tiny_llama(), data, 2)
     bf16_state = _full_state(model_b)
+
+    # -- E: Accelerate's ParallelismConfig(dp_shard_size=dp, cp_size=2): hf_ring runs its CP ------------
+    res.update(_with_parallelism_config(accelerator, data, dp, cp))
 
     # -- C: the torch-native recipe, no Accelerate -----------------------------------------------------
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
@@ -246,6 +297,7 @@ def worker(out: Path) -> None:
             res["trl_weights_err"] = max_param_rel_err(trained["trl_state"], trainer_ref_state)
         res["ref_losses"], ref_state = _reference(data, dp, STEPS)
         res["weights_err"] = max_param_rel_err(final, ref_state)
+        res["pc_weights_err"] = max_param_rel_err(res["pc_state"], ref_state)
         res["native_weights_err"] = max_param_rel_err(native_state, ref_state)
         res["native_losses"] = native_losses
         ref_bf16_losses, ref_bf16_state = _reference(data, dp, 2, torch.bfloat16)
@@ -256,6 +308,7 @@ def worker(out: Path) -> None:
             "mine_weights": max_param_rel_err(bf16_state, ref32_state),
             "single_weights": max_param_rel_err(ref_bf16_state, ref32_state),
         }
+    res.pop("pc_state")
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     accelerator.wait_for_everyone()
 
@@ -309,6 +362,16 @@ def test_trainer_and_trl_with_fsdp2_match_single_process(launch):
     if world == 2:
         assert ref["trl_losses"] == pytest.approx(ref["trainer_ref_losses"], rel=RTOL)
         assert ref["trl_weights_err"] <= RTOL, f"{ref['trl_weights_err']:.2e}"
+
+
+def test_accelerate_parallelism_config_cp_runs_ring_attention_exactly(launch):
+    world, _, results = launch
+    ref = results[0]
+    for r in results:
+        assert r["pc_cp"] == 2
+        assert r["pc_attention_hooks"] == 0, "Accelerate's own context-parallel hooks were attached"
+        assert r["pc_losses"] == pytest.approx(ref["ref_losses"], rel=RTOL)
+    assert ref["pc_weights_err"] <= RTOL, f"world {world}: final weights differ by {ref['pc_weights_err']:.2e}"
 
 
 def test_set_cp_gradient_reduction_refuses_a_model_without_fsdp2():

@@ -1,0 +1,274 @@
+"""DeepSpeed ZeRO 1-3 with context parallelism in real ``torchrun`` launches on CPU (gloo): CP = 2, DP = 2 x CP = 2.
+
+DeepSpeed runs on CPU with its CPU accelerator (``DS_ACCELERATOR=cpu``) over the gloo group; Accelerate
+enables DeepSpeed on accelerators only, so the worker switches a constructed ``Accelerator`` to
+DeepSpeed (``distributed_type = DEEPSPEED`` and a ``DeepSpeedPlugin``), after which ``plugin.prepare``
+runs Accelerate's own ``deepspeed.initialize`` path, the code a GPU user runs. One launch per world
+size; the tests assert on the JSON it writes:
+
+- ZeRO stages 1, 2 and 3 with ``RingAttentionPlugin``: SGD steps with DeepSpeed's gradient clipping
+  give the per-step losses and final weights of single-process training on the full sequences (CP
+  shares summed, DP replicas averaged, the clipping norm that of the full gradient);
+- ZeRO-3 ``save_state`` / ``load_state`` resume to the same next loss and weights;
+- ``RingAttentionTrainer`` with ``deepspeed=`` (ZeRO-2 and ZeRO-3, gradient accumulation 2), and TRL's
+  ``SFTTrainer`` through ``RingSFTTrainer`` with ZeRO-3 (CP = 2): logged losses and final weights equal
+  single-process training with the Trainer's token-weighted loss.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_accelerate_config import (
+    collate,
+    full_loss_sum,
+    max_param_rel_err,
+    read_results,
+    tiny_llama,
+    token_dataset,
+    torchrun,
+)
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed") if __name__ != "__main__" else None
+
+SEQ_LEN = 30  # shard_batch pads it to a multiple of 2 x cp with ignored tokens
+BATCH = 2
+LR = 0.2
+STEPS = 3
+CLIP = 1.0  # DeepSpeed's gradient clipping (the gradients of the first steps are larger): the norm must be exact
+STAGES = (1, 2, 3)
+TRAINER_STAGES = (2, 3)
+TRAINER_GA = 2
+RTOL = 1e-5  # fp32: ring attention and the sharded reduction reorder sums, nothing else changes
+
+
+def _raw_batch(data, index):
+    return collate(data[index * BATCH : (index + 1) * BATCH])
+
+
+def _reference(data, dp: int, steps: int) -> tuple[list, dict]:
+    """Single-process SGD with gradient-norm clipping on full sequences: per-step losses and final weights."""
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        sums, counts, means = [], [], []
+        for d in range(dp):
+            s, n = full_loss_sum(model, _raw_batch(data, step * dp + d))
+            sums.append(s)
+            counts.append(n)
+            means.append(s / n)
+        torch.stack(means).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(sum(x.detach() for x in sums) / sum(counts)))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _full_state(module) -> dict:
+    """The full state dict of a (possibly ZeRO-3 partitioned) module (every rank takes part)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _switch_to_deepspeed(accelerator, ds_plugin) -> None:
+    """Turn ``accelerator`` to DeepSpeed with ``ds_plugin``, as Accelerate does on a GPU (on CPU it leaves it off)."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    ds_plugin.set_mixed_precision(accelerator.state._mixed_precision)
+    accelerator.state.deepspeed_plugins = ds_plugin
+    # both shared states: every AcceleratorState() made later copies PartialState's fields over its own
+    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.DEEPSPEED
+    ds_plugin.select(_from_accelerator_state=True)
+    accelerator.deepspeed_engine_wrapped = None
+
+
+def _deepspeed_accelerator(stage: int):
+    """A fresh ``Accelerator`` on CPU switched to DeepSpeed ZeRO-``stage`` (one model per Accelerator)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    _reset_accelerate()
+    accelerator = Accelerator(cpu=True)
+    _switch_to_deepspeed(accelerator, DeepSpeedPlugin(zero_stage=stage, gradient_clipping=CLIP))
+    return accelerator
+
+
+class _OnDeepSpeed:
+    """Mixed into a Trainer class: its Accelerator switched to the DeepSpeed plugin its arguments describe."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        _switch_to_deepspeed(self.accelerator, self.args.deepspeed_plugin)
+        self.is_deepspeed_enabled = True
+
+
+def _ds_config(stage: int) -> dict:
+    return {
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def _train(plugin, accelerator, data, steps, out=None):
+    from torch.utils.data import DataLoader
+
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    dl = DataLoader(data, batch_size=BATCH, collate_fn=collate)
+    model, opt, dl = plugin.prepare(accelerator, model, opt, dl)
+    losses, it = [], iter(dl)
+    for step in range(steps):
+        loss = model(**next(it)).loss
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(plugin.reduce_loss(loss).item())
+        if out is not None and step == steps - 2:
+            accelerator.save_state(str(out / "state"))
+    return model, opt, dl, losses
+
+
+def _trainer(out: Path, world: int, stage: int) -> tuple[list, dict, list]:
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.trainer import RingAttentionTrainer
+    from tests.test_trainer_cp import _args, _losses
+
+    _reset_accelerate()
+    train = token_dataset(BATCH * TRAINER_GA * STEPS * (world // 2), SEQ_LEN)
+    trainer = type("DeepSpeedTrainer", (_OnDeepSpeed, RingAttentionTrainer), {})(
+        model=tiny_llama(),
+        args=_args(out, f"trainer_z{stage}", gradient_accumulation_steps=TRAINER_GA, deepspeed=_ds_config(stage)),
+        train_dataset=train,
+        data_collator=collate,
+        ring_plugin=RingAttentionPlugin(cp_size=2),
+    )
+    trainer.train()
+    return _losses(trainer), _full_state(trainer.model_wrapped.module), train
+
+
+def _reset_accelerate() -> None:
+    """Forget the last Accelerator (DeepSpeed allows one model per Accelerator); the process group stays."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    AcceleratorState._reset_state()  # keeps PartialState, the process group
+    if PartialState._shared_state:
+        PartialState().distributed_type = DistributedType.MULTI_CPU  # switched back from DeepSpeed
+
+
+def worker(out: Path) -> None:
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    res: dict = {}
+    states = {}
+    for stage in STAGES:
+        accelerator = _deepspeed_accelerator(stage)
+        world, rank = accelerator.num_processes, accelerator.process_index
+        dp = world // 2
+        data = token_dataset(BATCH * dp * (STEPS + 1), SEQ_LEN)
+        plugin = RingAttentionPlugin(cp_size=2)
+        model, opt, dl, losses = _train(plugin, accelerator, data, STEPS, out if stage == 3 else None)
+        res[f"z{stage}_engine"] = type(model).__name__
+        res[f"z{stage}_losses"] = losses
+        states[stage] = _full_state(model.module)
+        if stage == 3:
+            accelerator.load_state(str(out / "state"))
+            loss = model(**next(iter(accelerator.skip_first_batches(dl, STEPS - 1)))).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            res["resumed_loss"] = plugin.reduce_loss(loss).item()
+            res["resumed_weights_err"] = max_param_rel_err(_full_state(model.module), states[3])
+
+    trainer_states = {}
+    for stage in TRAINER_STAGES:
+        res[f"trainer_z{stage}_losses"], trainer_states[stage], train = _trainer(out, world, stage)
+    if world == 2:  # TRL's SFTTrainer under ZeRO-3
+        from hf_ring.trainer import RingSFTTrainer
+        from tests.test_trainer_cp import _losses, sft_trainer
+
+        _reset_accelerate()
+        cls = type("DeepSpeedSFTTrainer", (_OnDeepSpeed, RingSFTTrainer), {})
+        trainer = sft_trainer(cls, out, train, gradient_accumulation_steps=TRAINER_GA, deepspeed=_ds_config(3))
+        trainer.train()
+        res["trl_losses"] = _losses(trainer)
+        trainer_states["trl"] = _full_state(trainer.model_wrapped.module)
+
+    if rank == 0:
+        from tests.test_trainer_cp import _reference as trainer_reference
+
+        res["ref_losses"], ref_state = _reference(data, dp, STEPS)
+        for stage in STAGES:
+            res[f"z{stage}_weights_err"] = max_param_rel_err(states[stage], ref_state)
+        steps = [[[collate(train[((s * TRAINER_GA + m) * dp + d) * BATCH :][:BATCH]) for d in range(dp)]
+                  for m in range(TRAINER_GA)] for s in range(STEPS)]  # fmt: skip
+        res["trainer_ref_losses"], trainer_ref_state = trainer_reference(steps)
+        for key, state in trainer_states.items():
+            res[f"trainer_{key}_weights_err"] = max_param_rel_err(state, trainer_ref_state)
+    (out / f"rank{rank}.json").write_text(json.dumps(res))
+
+
+# ---- the tests -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "dp2xcp2"])
+def launch(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"deepspeed_w{world}")
+    torchrun(Path(__file__), world, out, timeout=600, env={"DS_ACCELERATOR": "cpu"})
+    return world, read_results(out, world)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_accelerate_deepspeed_zero_matches_single_process_training(launch, stage):
+    world, results = launch
+    ref = results[0]
+    for r in results:
+        assert r[f"z{stage}_engine"] == "DeepSpeedEngine"
+        assert r[f"z{stage}_losses"] == pytest.approx(ref["ref_losses"], rel=RTOL)
+    err = ref[f"z{stage}_weights_err"]
+    assert err <= RTOL, f"world {world}, ZeRO-{stage}: final weights differ by {err:.2e}"
+
+
+def test_accelerate_deepspeed_resumes_from_save_state(launch):
+    for r in launch[1]:
+        assert r["resumed_loss"] == pytest.approx(r["z3_losses"][-1], rel=RTOL)
+        assert r["resumed_weights_err"] <= RTOL
+
+
+@pytest.mark.parametrize("stage", TRAINER_STAGES)
+def test_trainer_with_deepspeed_matches_single_process(launch, stage):
+    world, results = launch
+    ref = results[0]
+    for r in results:
+        assert r[f"trainer_z{stage}_losses"] == pytest.approx(ref["trainer_ref_losses"], rel=RTOL)
+    err = ref[f"trainer_{stage}_weights_err"]
+    assert err <= RTOL, f"world {world}, ZeRO-{stage} Trainer: final weights differ by {err:.2e}"
+
+
+def test_trl_sft_trainer_with_deepspeed_zero3_matches_single_process(launch):
+    world, results = launch
+    if world != 2:
+        pytest.skip("TRL runs in the CP = 2 launch")
+    ref = results[0]
+    for r in results:
+        assert r["trl_losses"] == pytest.approx(ref["trainer_ref_losses"], rel=RTOL)
+    assert ref["trainer_trl_weights_err"] <= RTOL, f"{ref['trainer_trl_weights_err']:.2e}"
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
