@@ -10,6 +10,8 @@ size; the tests assert on the JSON it writes:
   give the per-step losses and final weights of single-process training on the full sequences (CP
   shares summed, DP replicas averaged, the clipping norm that of the full gradient);
 - ZeRO-3 ``save_state`` / ``load_state`` resume to the same next loss and weights;
+- DeepSpeed's bf16 mode (ZeRO-2, fp32 master weights and reduction) stays within twice the error the same
+  mode has without CP;
 - ``RingAttentionTrainer`` with ``deepspeed=`` (ZeRO-2 and ZeRO-3, gradient accumulation 2), and TRL's
   ``SFTTrainer`` through ``RingSFTTrainer`` with ZeRO-3 (CP = 2): logged losses and final weights equal
   single-process training with the Trainer's token-weighted loss.
@@ -45,6 +47,9 @@ STAGES = (1, 2, 3)
 TRAINER_STAGES = (2, 3)
 TRAINER_GA = 2
 RTOL = 1e-5  # fp32: ring attention and the sharded reduction reorder sums, nothing else changes
+# bf16: at most 2x the error DeepSpeed's bf16 mode has without CP (measured in the same launch: its weights
+# are 2.5x further from fp32 than a plain bf16 forward/backward with fp32 updates, CP or not)
+BF16_FACTOR, BF16_EPS = 2.0, 1e-3
 
 
 def _raw_batch(data, index):
@@ -79,12 +84,12 @@ def _full_state(module) -> dict:
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _switch_to_deepspeed(accelerator, ds_plugin) -> None:
+def _switch_to_deepspeed(accelerator, ds_plugin, mixed_precision: str | None = None) -> None:
     """Turn ``accelerator`` to DeepSpeed with ``ds_plugin``, as Accelerate does on a GPU (on CPU it leaves it off)."""
     from accelerate import PartialState
     from accelerate.utils import DistributedType
 
-    ds_plugin.set_mixed_precision(accelerator.state._mixed_precision)
+    ds_plugin.set_mixed_precision(mixed_precision or accelerator.state._mixed_precision)
     accelerator.state.deepspeed_plugins = ds_plugin
     # both shared states: every AcceleratorState() made later copies PartialState's fields over its own
     accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.DEEPSPEED
@@ -92,14 +97,14 @@ def _switch_to_deepspeed(accelerator, ds_plugin) -> None:
     accelerator.deepspeed_engine_wrapped = None
 
 
-def _deepspeed_accelerator(stage: int):
+def _deepspeed_accelerator(stage: int, mixed_precision: str = "no"):
     """A fresh ``Accelerator`` on CPU switched to DeepSpeed ZeRO-``stage`` (one model per Accelerator)."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
     _reset_accelerate()
     accelerator = Accelerator(cpu=True)
-    _switch_to_deepspeed(accelerator, DeepSpeedPlugin(zero_stage=stage, gradient_clipping=CLIP))
+    _switch_to_deepspeed(accelerator, DeepSpeedPlugin(zero_stage=stage, gradient_clipping=CLIP), mixed_precision)
     return accelerator
 
 
@@ -171,6 +176,8 @@ def _reset_accelerate() -> None:
 
 
 def worker(out: Path) -> None:
+    import deepspeed
+
     from hf_ring.accelerate import RingAttentionPlugin
 
     res: dict = {}
@@ -194,6 +201,17 @@ def worker(out: Path) -> None:
             res["resumed_loss"] = plugin.reduce_loss(loss).item()
             res["resumed_weights_err"] = max_param_rel_err(_full_state(model.module), states[3])
 
+    # DeepSpeed's bf16 mode (bf16 model, fp32 master weights, fp32 reduction) under ZeRO-2, two steps, with
+    # CP and, as the baseline of DeepSpeed's own bf16 error, as plain data parallelism (cp_size=1)
+    for key, cp in (("bf16", 2), ("bf16_base", 1)):
+        accelerator = _deepspeed_accelerator(2, "bf16")
+        accelerator.state.deepspeed_plugin.deepspeed_config["communication_data_type"] = "fp32"
+        model, _, _, res[f"{key}_losses"] = _train(RingAttentionPlugin(cp_size=cp), accelerator, data, 2)
+        res[f"{key}_dtype"] = str(next(model.module.parameters()).dtype)
+        states[key] = {  # the fp32 master weights
+            k: deepspeed.utils.safe_get_full_fp32_param(p).clone() for k, p in model.module.named_parameters()
+        }
+
     trainer_states = {}
     for stage in TRAINER_STAGES:
         res[f"trainer_z{stage}_losses"], trainer_states[stage], train = _trainer(out, world, stage)
@@ -214,6 +232,14 @@ def worker(out: Path) -> None:
         res["ref_losses"], ref_state = _reference(data, dp, STEPS)
         for stage in STAGES:
             res[f"z{stage}_weights_err"] = max_param_rel_err(states[stage], ref_state)
+        ref32_losses, ref32_state = _reference(data, dp, 2)
+        base32_losses, base32_state = _reference(data, world, 2)  # the plain DP run: every rank a replica
+        res["bf16"] = {
+            "mine_loss": max(abs(a - b) / abs(b) for a, b in zip(res["bf16_losses"], ref32_losses)),
+            "mine_weights": max_param_rel_err(states["bf16"], ref32_state),
+            "base_loss": max(abs(a - b) / abs(b) for a, b in zip(res["bf16_base_losses"], base32_losses)),
+            "base_weights": max_param_rel_err(states["bf16_base"], base32_state),
+        }
         steps = [[[collate(train[((s * TRAINER_GA + m) * dp + d) * BATCH :][:BATCH]) for d in range(dp)]
                   for m in range(TRAINER_GA)] for s in range(STEPS)]  # fmt: skip
         res["trainer_ref_losses"], trainer_ref_state = trainer_reference(steps)
@@ -248,6 +274,14 @@ def test_accelerate_deepspeed_resumes_from_save_state(launch):
     for r in launch[1]:
         assert r["resumed_loss"] == pytest.approx(r["z3_losses"][-1], rel=RTOL)
         assert r["resumed_weights_err"] <= RTOL
+
+
+def test_deepspeed_bf16_within_twice_its_own_bf16_error(launch):
+    ref = launch[1][0]
+    bf16 = ref["bf16"]
+    assert ref["bf16_dtype"] == ref["bf16_base_dtype"] == "torch.bfloat16"
+    assert bf16["mine_loss"] <= BF16_FACTOR * bf16["base_loss"] + BF16_EPS, bf16
+    assert bf16["mine_weights"] <= BF16_FACTOR * bf16["base_weights"] + BF16_EPS, bf16
 
 
 @pytest.mark.parametrize("stage", TRAINER_STAGES)
