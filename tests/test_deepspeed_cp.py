@@ -35,25 +35,17 @@ from tests.test_accelerate_config import (
     token_dataset,
     torchrun,
 )
+from tests.test_fsdp2_cp import BATCH, LR, SEQ_LEN, STEPS, TRAINER_GA, _raw_batch, _train
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed") if __name__ != "__main__" else None
 
-SEQ_LEN = 30  # shard_batch pads it to a multiple of 2 x cp with ignored tokens
-BATCH = 2
-LR = 0.2
-STEPS = 3
 CLIP = 1.0  # DeepSpeed's gradient clipping (the gradients of the first steps are larger): the norm must be exact
 STAGES = (1, 2, 3)
 TRAINER_STAGES = (2, 3)
-TRAINER_GA = 2
 RTOL = 1e-5  # fp32: ring attention and the sharded reduction reorder sums, nothing else changes
 # bf16: at most 2x the error DeepSpeed's bf16 mode has without CP (measured in the same launch: its weights
 # are 2.5x further from fp32 than a plain bf16 forward/backward with fp32 updates, CP or not)
 BF16_FACTOR, BF16_EPS = 2.0, 1e-3
-
-
-def _raw_batch(data, index):
-    return collate(data[index * BATCH : (index + 1) * BATCH])
 
 
 def _reference(data, dp: int, steps: int) -> tuple[list, dict]:
@@ -127,25 +119,6 @@ def _ds_config(stage: int) -> dict:
     }
 
 
-def _train(plugin, accelerator, data, steps, out=None):
-    from torch.utils.data import DataLoader
-
-    model = tiny_llama()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    dl = DataLoader(data, batch_size=BATCH, collate_fn=collate)
-    model, opt, dl = plugin.prepare(accelerator, model, opt, dl)
-    losses, it = [], iter(dl)
-    for step in range(steps):
-        loss = model(**next(it)).loss
-        accelerator.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(plugin.reduce_loss(loss).item())
-        if out is not None and step == steps - 2:
-            accelerator.save_state(str(out / "state"))
-    return model, opt, dl, losses
-
-
 def _trainer(out: Path, world: int, stage: int) -> tuple[list, dict, list]:
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingAttentionTrainer
@@ -188,8 +161,10 @@ def worker(out: Path) -> None:
         dp = world // 2
         data = token_dataset(BATCH * dp * (STEPS + 1), SEQ_LEN)
         plugin = RingAttentionPlugin(cp_size=2)
-        model, opt, dl, losses = _train(plugin, accelerator, data, STEPS, out if stage == 3 else None)
+        original = tiny_llama()
+        model, opt, dl, losses = _train(plugin, accelerator, original, data, STEPS, out if stage == 3 else None)
         res[f"z{stage}_engine"] = type(model).__name__
+        res[f"z{stage}_unwrap_is_original"] = accelerator.unwrap_model(model) is original
         res[f"z{stage}_losses"] = losses
         states[stage] = _full_state(model.module)
         if stage == 3:
@@ -206,7 +181,7 @@ def worker(out: Path) -> None:
     for key, cp in (("bf16", 2), ("bf16_base", 1)):
         accelerator = _deepspeed_accelerator(2, "bf16")
         accelerator.state.deepspeed_plugin.deepspeed_config["communication_data_type"] = "fp32"
-        model, _, _, res[f"{key}_losses"] = _train(RingAttentionPlugin(cp_size=cp), accelerator, data, 2)
+        model, _, _, res[f"{key}_losses"] = _train(RingAttentionPlugin(cp_size=cp), accelerator, tiny_llama(), data, 2)
         res[f"{key}_dtype"] = str(next(model.module.parameters()).dtype)
         states[key] = {  # the fp32 master weights
             k: deepspeed.utils.safe_get_full_fp32_param(p).clone() for k, p in model.module.named_parameters()
@@ -264,7 +239,7 @@ def test_accelerate_deepspeed_zero_matches_single_process_training(launch, stage
     world, results = launch
     ref = results[0]
     for r in results:
-        assert r[f"z{stage}_engine"] == "DeepSpeedEngine"
+        assert r[f"z{stage}_engine"] == "DeepSpeedEngine" and r[f"z{stage}_unwrap_is_original"]
         assert r[f"z{stage}_losses"] == pytest.approx(ref["ref_losses"], rel=RTOL)
     err = ref[f"z{stage}_weights_err"]
     assert err <= RTOL, f"world {world}, ZeRO-{stage}: final weights differ by {err:.2e}"
