@@ -106,7 +106,8 @@ def _check_supported_model(model) -> None:
     if target is None:
         raise TypeError(
             f"RingAttentionPlugin.prepare got a model of type {type(model).__name__}; hf_ring patches transformers "
-            "PreTrainedModel (Llama, Mistral, Qwen2, Qwen3) or peft PeftModel wrapping one. Pass the model before "
+            "PreTrainedModel (of a family in hf_ring.patches.supported_model_types()) or peft PeftModel wrapping one. "
+            "Pass the model before "
             "accelerator.prepare (not a DDP/FSDP-wrapped one)"
         )
     get_patch(getattr(target.config, "model_type", None))  # ValueError naming the supported families

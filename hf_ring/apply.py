@@ -56,7 +56,8 @@ def apply_ring_attention(model, *, group=None, layout: str = "zigzag", backend: 
     """Switch ``model``'s attention to exact ring attention over the ranks of ``group`` (in place).
 
     Args:
-        model: a Llama, Mistral, Qwen2 or Qwen3 ``PreTrainedModel``, or a ``PeftModel`` wrapping one.
+        model: a ``PreTrainedModel`` of a supported family (``hf_ring.patches.supported_model_types()``),
+            or a ``PeftModel`` wrapping one.
         group: the context-parallel process group (None: the default group; none initialised: 1 rank).
         layout: how the sequence is split across ranks (``"zigzag"``, ``"striped"``, ``"contiguous"``);
             must match the layout given to ``shard_batch``.

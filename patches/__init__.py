@@ -1,14 +1,15 @@
 """Per-family model patches (installed as ``hf_ring.patches``), in a registry keyed by ``config.model_type``.
 
-Each family module (``llama``, ``mistral``, ``qwen2``, ``qwen3``) exposes ``PATCH`` (a ``FamilyPatch``
-with ``apply`` / ``revert``) and the Liger-style entry points ``apply_ring_attention_to_<family>(...,
-model=None)`` and ``revert_ring_attention_from_<family>(model)``. ``hf_ring.apply_ring_attention``
-looks the family up here; adding a family means adding a module and one registry line.
+Each dedicated family module (``llama``, ``mistral``, ``qwen2``, ``qwen3``) exposes ``PATCH`` (a
+``FamilyPatch`` with ``apply`` / ``revert``) and the Liger-style entry points
+``apply_ring_attention_to_<family>(..., model=None)`` and ``revert_ring_attention_from_<family>(model)``.
+Families that need nothing special share the ``generic`` patch (one line each in ``generic.FAMILIES``).
+``hf_ring.apply_ring_attention`` looks the family up here.
 """
 
 from __future__ import annotations
 
-from . import llama, mistral, qwen2, qwen3
+from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch, is_applied
 from .llama import apply_ring_attention_to_llama, revert_ring_attention_from_llama
 from .mistral import apply_ring_attention_to_mistral, revert_ring_attention_from_mistral
@@ -31,7 +32,10 @@ __all__ = [
     "revert_ring_attention_from_qwen3",
 ]
 
-REGISTRY: dict = {t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types}
+REGISTRY: dict = {
+    **{t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types},
+    **generic.PATCHES,
+}
 """``config.model_type`` -> ``FamilyPatch``."""
 
 

@@ -31,17 +31,37 @@ def _ids(seed=3, shape=(2, 21)):
 # --------------------------------------------------------------------------- registry invariants
 
 
-def test_registry_has_the_four_families_and_their_liger_style_entry_points():
+DEDICATED = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
     import importlib
 
-    assert FAMILIES == ["llama", "mistral", "qwen2", "qwen3"]
+    from hf_ring.patches import generic
+
+    assert FAMILIES == sorted(DEDICATED + list(generic.FAMILIES))
     for model_type, patch in REGISTRY.items():
         assert model_type in patch.model_types
-        mod = importlib.import_module(f"hf_ring.patches.{patch.name}")
+        assert patch.attention_type().__name__.endswith("Attention")
+        if patch.name in generic.FAMILIES:  # one line each in the generic table, one shared check
+            assert generic.PATCHES[model_type] is patch and patch.model_types == (model_type,)
+            assert patch.check_config is generic.check
+            continue
+        mod = importlib.import_module(f"hf_ring.patches.{patch.name}")  # a dedicated module, Liger-style entry points
         assert mod.PATCH is patch
         assert callable(getattr(mod, f"apply_ring_attention_to_{patch.name}"))
         assert callable(getattr(mod, f"revert_ring_attention_from_{patch.name}"))
-        assert patch.attention_type().__name__.endswith("Attention")
+    classes = [p.attention_class for p in REGISTRY.values()]
+    assert len(set(classes)) == len(classes)  # no attention class claimed by two families
+
+
+def test_generic_patch_refuses_what_it_does_not_implement():
+    with pytest.raises(ValueError, match=r"gemma3_text: attention logit softcapping .* not supported"):
+        hf_ring.apply_ring_attention(make_model("gemma3_text", attn_logit_softcapping=30.0))
+    with pytest.raises(ValueError, match="output_router_logits=True adds the MoE router's load-balancing loss"):
+        hf_ring.apply_ring_attention(make_model("mixtral", output_router_logits=True))
+    with pytest.raises(ValueError, match=r"cohere2: layer types \['chunked_attention'\] are not supported"):
+        hf_ring.apply_ring_attention(make_model("cohere2", layer_types=["chunked_attention", "full_attention"]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -69,6 +89,8 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in modules)
     assert torch.equal(_logits(model, input_ids=ids), before)  # bit-identical
 
+    if family not in DEDICATED:
+        return
     # the Liger-style family entry points do the same
     mod = __import__(f"hf_ring.patches.{family}", fromlist=["x"])
     assert getattr(mod, f"apply_ring_attention_to_{family}")(model=model) is model
@@ -264,7 +286,7 @@ def test_apply_errors():
     with pytest.raises(TypeError, match="_Wrapper.*apply before wrapping, or pass model.module"):
         hf_ring.apply_ring_attention(_Wrapper(make_model("llama")))
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
-    with pytest.raises(ValueError, match="model type 'gpt2'.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="model type 'gpt2'; supported model types: cohere2, gemma3_text, .*, qwen3_moe, smollm3"):
         hf_ring.apply_ring_attention(gpt2)
     with pytest.raises(ValueError, match="model type 'gpt2'"):
         hf_ring.revert_ring_attention(gpt2)

@@ -48,6 +48,8 @@ def make_config(family: str, **overrides):
         num_key_value_heads=2,
         max_position_embeddings=256,
         pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     if family == "llama":
         cfg = tf.LlamaConfig(**common)
@@ -64,6 +66,28 @@ def make_config(family: str, **overrides):
             sliding_window=6,
             layer_types=["sliding_attention", "full_attention"],
         )
+    elif family == "phi3":  # fused qkv projection, every layer sliding
+        cfg = tf.Phi3Config(**common, sliding_window=7)
+    elif family == "olmo2":  # QK norm over the whole projection
+        cfg = tf.Olmo2Config(**common)
+    elif family == "qwen3_moe":  # sparse MoE MLPs, sliding and full layers
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                use_sliding_window=True, sliding_window=6,
+                                layer_types=["full_attention", "sliding_attention"])  # fmt: skip
+    elif family == "mixtral":  # sparse MoE MLPs, every layer sliding
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=7)
+    elif family == "granite":  # attention multiplier (the scaling), embedding / residual / logit multipliers
+        cfg = tf.GraniteConfig(**common, attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5,
+                               logits_scaling=2.0)  # fmt: skip
+    elif family == "smollm3":  # layer 1 without RoPE, layer 0 sliding
+        cfg = tf.SmolLM3Config(**common, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=6,
+                               layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    elif family == "cohere2":  # sliding / full mix, parallel attention + MLP block, logit scale
+        cfg = tf.Cohere2Config(**common, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                               logit_scale=0.5)  # fmt: skip
+    elif family == "gemma3_text":  # sliding / full mix, QK norm, query_pre_attn_scalar
+        cfg = tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=20, sliding_window=6,
+                                  layer_types=["sliding_attention", "full_attention"])  # fmt: skip
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -75,7 +99,10 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
     import transformers as tf
 
     classes = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-               "qwen3": tf.Qwen3ForCausalLM}  # fmt: skip
+               "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
+               "qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
+               "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
+               "cohere2": tf.Cohere2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM}  # fmt: skip
     torch.manual_seed(seed)
     model = classes[family](make_config(family, **overrides)).to(dtype)
     model.config.use_cache = False
@@ -135,6 +162,17 @@ CASES = {
     "qwen3-plain": ("qwen3", "plain", 40, {}),
     "qwen3-packed": ("qwen3", "packed", 40, {}),
     "llama-bf16": ("llama", "plain", 40, {"dtype": torch.bfloat16}),
+    # the families of the generic patch
+    "phi3-packed": ("phi3", "packed", 45, {}),
+    "olmo2-plain": ("olmo2", "plain", 45, {}),
+    "qwen3_moe-packed": ("qwen3_moe", "packed", 40, {}),
+    "mixtral-plain": ("mixtral", "plain", 45, {}),
+    "mixtral-lora": ("mixtral", "packed", 40, {"lora": True}),
+    "granite-padded": ("granite", "padded", 40, {}),
+    "smollm3-packed": ("smollm3", "packed", 45, {}),
+    "cohere2-plain": ("cohere2", "plain", 40, {}),
+    "gemma3_text-packed": ("gemma3_text", "packed", 45, {}),
+    "gemma3_text-lora-checkpointing": ("gemma3_text", "plain", 40, {"lora": True, "checkpointing": True}),
 }
 
 
