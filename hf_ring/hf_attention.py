@@ -147,9 +147,12 @@ _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
 #: Keywords the attention function reads (``_PACKING_KWARGS`` too), and keywords Transformers passes
 #: along that do not change what attention computes. Any other keyword with a value is refused: an
-#: attention feature hf_ring does not implement (Gemma2's ``softcap``, gpt-oss's ``s_aux`` sinks, T5's
-#: ``position_bias``, ...) must raise, never be dropped silently.
-_READ_KWARGS = ("is_causal", "output_attentions", "position_ids", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG)
+#: attention feature hf_ring does not implement (T5's ``position_bias``, ...) must raise, never be
+#: dropped silently. ``softcap`` (Gemma2's attention logit softcapping) and ``s_aux`` (gpt-oss's learned
+#: sinks) are implemented.
+_READ_KWARGS = (
+    "is_causal", "output_attentions", "position_ids", "softcap", "s_aux", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG,
+)  # fmt: skip
 _HARMLESS_KWARGS = (
     "max_length_q", "max_length_k",  # packing metadata; the boundaries come from cu_seq_lens
     "use_cache", "cache_position", "past_key_values", "past_key_value",  # a KV cache is refused by length
@@ -165,10 +168,10 @@ def _unknown_kwargs_error(kwargs: dict) -> str | None:
     if not unknown:
         return None
     return (
-        f"hf_ring attention does not implement {unknown}: these keywords change what attention computes (for "
-        "instance attention logit softcapping or learned attention sinks), and dropping them would give wrong "
-        "numbers. hf_ring implements causal and sliding-window attention with scaling, GQA and packed documents; "
-        "use the model's own attention implementation for this model"
+        f"hf_ring attention does not implement {unknown}: these keywords change what attention computes, and "
+        "dropping them would give wrong numbers. hf_ring implements causal and sliding-window attention with "
+        "scaling, GQA, packed documents, logit softcapping (softcap) and learned sinks (s_aux); use the model's "
+        "own attention implementation for this model"
     )
 
 
@@ -349,9 +352,10 @@ def ring_attention_forward(
         scaling: score scale (default ``head_dim ** -0.5``); dropout: must be 0 (no attention dropout).
         sliding_window: Transformers' window W (key visible iff ``q - W < k <= q``), or None.
         kwargs: ``ring_document_ids``, ``ring_shard_info``, ``cu_seq_lens_q`` / ``cu_seq_lens_k``,
-            ``seq_idx``, ``position_ids``, ``is_causal``, ``output_attentions``, and keywords that do not
-            change attention (``_HARMLESS_KWARGS``); any other keyword with a value raises ValueError
-            (e.g. ``softcap``, ``s_aux``): a feature hf_ring does not implement is never dropped silently.
+            ``seq_idx``, ``position_ids``, ``is_causal``, ``output_attentions``, ``softcap`` (attention logit
+            softcapping), ``s_aux`` (learned sinks, [q_heads]), and keywords that do not change attention
+            (``_HARMLESS_KWARGS``); any other keyword with a value raises ValueError (e.g. ``position_bias``):
+            a feature hf_ring does not implement is never dropped silently.
 
     Returns:
         ``(out, None)``, out: [batch, local_seq, q_heads, head_dim] in query's dtype.
@@ -416,6 +420,8 @@ def ring_attention_forward(
         causal=bool(causal),
         scale=scaling,
         sliding_window=sliding_window,
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
         cu_seqlens=cu_seqlens,
         document_ids=document_ids,
         backend=cfg.backend,

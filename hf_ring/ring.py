@@ -49,10 +49,16 @@ class _Plan:
     rank: int
     world_size: int
     scale: float
+    softcap: float | None
     backend: ModuleType
     masks: list  # masks[src]: queries of this rank vs the key/value block of rank src
     empty: list  # empty[src]: the block of rank src is fully masked for this rank
     summary: list  # what every rank sent to the pre-flight check (checked again once per batch)
+
+    @property
+    def kernel_kwargs(self) -> dict:
+        """Keywords every backend call gets beyond the common ones (softcapping, when asked for)."""
+        return {} if self.softcap is None else {"softcap": self.softcap}
 
 
 class PlanCache:
@@ -137,6 +143,8 @@ def ring_attention(
     causal: bool = True,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     backend: str = "auto",
@@ -154,6 +162,11 @@ def ring_attention(
         causal: key position <= query position.
         scale: score scale, default ``head_dim ** -0.5``.
         sliding_window: W. Causal: visible iff ``q - W < k <= q``; non-causal: iff ``|q - k| < W``.
+        softcap: attention logit softcapping: scores ``s`` become ``softcap * tanh(s / softcap)`` before
+            masking (Gemma2). ``"auto"`` runs it on a backend that implements it.
+        sinks: [q_heads] learned attention sinks (gpt-oss): one extra logit per head in every row's
+            softmax, with no value. Merged once into the final LSE of the whole ring (not per step);
+            differentiable (its gradient is this rank's rows' share).
         cu_seqlens: int [num_docs + 1] boundaries of packed documents in the full (unsharded)
             sequence; tokens attend only inside their own document. Batch 1, or every batch row
             packed alike.
@@ -177,20 +190,23 @@ def ring_attention(
     docs = cu_seqlens if cu_seqlens is not None else document_ids
     key = plan = None
     if plans is not None:
-        key = _cache_key(q, k, v, comm, layout, causal, scale, sliding_window, cu_seqlens, docs, backend)
+        key = _cache_key(q, k, v, comm, layout, causal, scale, sliding_window, softcap, cu_seqlens, docs, backend)
         plan = plans.checked(key, docs) if key is not None else None
     if plan is None:
         reuse = plans.get(key, docs) if key is not None else None
-        plan = _plan(q, k, v, comm, layout, causal, scale, sliding_window, cu_seqlens, document_ids, backend, reuse)
+        plan = _plan(
+            q, k, v, comm, layout, causal, scale, sliding_window, softcap, sinks, cu_seqlens, document_ids, backend,
+            reuse,
+        )  # fmt: skip
         if key is not None:
             plans.store(key, docs, plan)
-    return _RingAttention.apply(q, k, v, plan, comm)
+    return _RingAttention.apply(q, k, v, sinks, plan, comm)
 
 
 # --------------------------------------------------------------------------- validation
 
 
-def _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_ids, backend, world_size):
+def _local_error(q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, world_size):
     """The first problem with this rank's arguments, as a message that says what to do; or None."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -221,6 +237,16 @@ def _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_id
         return f"scale must be a positive finite number, got {scale}"
     if window is not None and (int(window) != window or window < 1):
         return f"sliding_window must be a positive integer, got {window}"
+    if softcap is not None and not (float(softcap) > 0 and float(softcap) != float("inf")):
+        return f"softcap must be a positive finite number (or None), got {softcap}"
+    if sinks is not None and (
+        not isinstance(sinks, torch.Tensor)
+        or sinks.shape != (hq,)
+        or not sinks.dtype.is_floating_point
+        or sinks.device != q.device
+    ):
+        got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        return f"sinks must be a floating-point tensor [q_heads={hq}] on q's device, got {got}"
     full = lq * world_size
     m = _layout.required_multiple(layout, world_size)
     if full % m:
@@ -257,24 +283,29 @@ def _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_id
     return None
 
 
-def _summary(q, k, layout, causal, scale, window, docs, error) -> list[int]:
+def _bits(x) -> int:
+    """A float's exact bits as an int (0 for None), for the cross-rank summary."""
+    return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error) -> list[int]:
     """A fixed-size integer summary of this rank's call; every rank must send the same one."""
     if error is not None:
         return [1] + [0] * (len(_FIELDS) - 1)
     b, hq, lq, d = q.shape
-    scale_bits = 0 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
     fingerprint = -1
     if docs is not None:  # cheap O(S) fingerprint of the document layout, position-weighted
         w = torch.arange(docs.shape[1], dtype=torch.int64) % 65521 + 1
         fingerprint = (int(((docs.long() + 2) * w).sum()) * 31 + docs.shape[0]) % (1 << 61)
     return [
         0, lq, b, hq, k.shape[1], d, _DTYPES.index(q.dtype), _layout.LAYOUTS.index(layout),
-        int(causal), -1 if window is None else int(window), scale_bits, fingerprint,
+        int(causal), -1 if window is None else int(window), _bits(scale), _bits(softcap), int(sinks is not None),
+        fingerprint,
     ]  # fmt: skip
 
 
 _FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
-           "sliding_window", "scale", "documents")  # fmt: skip
+           "sliding_window", "scale", "softcap", "sinks", "documents")  # fmt: skip
 
 
 def _check_everywhere(error, summary, comm, device) -> None:
@@ -339,14 +370,14 @@ def _document_ids(cu_seqlens, document_ids, full: int) -> torch.Tensor | None:
     return ids.to(torch.int32)
 
 
-def _backend_module(name: str, q, k, v) -> tuple[ModuleType | None, str | None]:
+def _backend_module(name: str, q, k, v, softcap) -> tuple[ModuleType | None, str | None]:
     """The kernel module for ``name`` and these inputs, or an error. ``"auto"`` falls back to the
     torch backend where the preferred one cannot run the inputs (its ``unsupported`` says why)."""
     try:
         module = get_backend(name, q.device, q.dtype)
     except ImportError as e:
         return None, f"backend {name!r} is not available here ({e}); use backend='auto' or 'torch'"
-    reason = unsupported_by(module, q, k, v)
+    reason = unsupported_by(module, q, k, v, softcap=softcap)
     if reason is None:
         return module, None
     if name == "auto":
@@ -354,7 +385,7 @@ def _backend_module(name: str, q, k, v) -> tuple[ModuleType | None, str | None]:
     return None, f"backend {name!r} cannot run these inputs: {reason}; use backend='auto' or 'torch'"
 
 
-def _cache_key(q, k, v, comm, layout, causal, scale, window, cu_seqlens, docs, backend):
+def _cache_key(q, k, v, comm, layout, causal, scale, window, softcap, cu_seqlens, docs, backend):
     """What a plan depends on, without a device sync; None when the arguments are not even tensors."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None
@@ -362,10 +393,22 @@ def _cache_key(q, k, v, comm, layout, causal, scale, window, cu_seqlens, docs, b
         return None
     tensors = tuple((tuple(t.shape), t.dtype, t.device) for t in (q, k, v))
     doc_key = None if docs is None else ("cu" if cu_seqlens is not None else "ids", id(docs), docs._version)
-    return (comm.rank, comm.world_size, id(comm.group), layout, tensors, causal, scale, window, backend, doc_key)
+    return (
+        comm.rank,
+        comm.world_size,
+        id(comm.group),
+        layout,
+        tensors,
+        causal,
+        scale,
+        window,
+        softcap,
+        backend,
+        doc_key,
+    )
 
 
-def _plan(q, k, v, comm, layout, causal, scale, window, cu_seqlens, document_ids, backend, reuse) -> _Plan:
+def _plan(q, k, v, comm, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, reuse):
     """Check this call on every rank (one small all-gather) and return its plan (``reuse`` if given,
     which was built for the same key: only the check runs again)."""
     rank, world_size = comm.rank, comm.world_size
@@ -373,12 +416,14 @@ def _plan(q, k, v, comm, layout, causal, scale, window, cu_seqlens, document_ids
     if reuse is not None:
         _check_everywhere(None, reuse.summary, comm, device)
         return reuse
-    error = _local_error(q, k, v, layout, causal, scale, window, cu_seqlens, document_ids, backend, world_size)
+    error = _local_error(
+        q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, world_size
+    )
     docs = module = None
     if error is None:
         docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * world_size)
-        module, error = _backend_module(backend, q, k, v)
-    summary = _summary(q, k, layout, causal, scale, window, docs, error)
+        module, error = _backend_module(backend, q, k, v, softcap)
+    summary = _summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error)
     _check_everywhere(error, summary, comm, device)
 
     full = q.shape[2] * world_size
@@ -405,6 +450,7 @@ def _plan(q, k, v, comm, layout, causal, scale, window, cu_seqlens, document_ids
         rank=rank,
         world_size=world_size,
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        softcap=None if softcap is None else float(softcap),
         backend=module,
         masks=masks,
         empty=empty,
@@ -430,7 +476,7 @@ def _ring_forward(q, k, v, plan: _Plan, comm):
     lse = torch.full((b, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
     if n == 1:
         if not plan.empty[0]:
-            plan.backend.forward(q, k, v, plan.masks[0], plan.scale, out, lse)
+            plan.backend.forward(q, k, v, plan.masks[0], plan.scale, out, lse, **plan.kernel_kwargs)
         out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
         return out, lse, None
     kv = torch.stack([k, v])  # one contiguous message [2, batch, kv_heads, local_seq, head_dim]
@@ -443,7 +489,7 @@ def _ring_forward(q, k, v, plan: _Plan, comm):
                 nxt = comm.send_recv(cur, bufs[step % len(bufs)])
                 comm.commit()
             if not plan.empty[src]:
-                plan.backend.forward(q, cur[0], cur[1], plan.masks[src], plan.scale, out, lse)
+                plan.backend.forward(q, cur[0], cur[1], plan.masks[src], plan.scale, out, lse, **plan.kernel_kwargs)
             if step + 1 < n:
                 comm.wait()
                 cur = nxt
@@ -451,10 +497,10 @@ def _ring_forward(q, k, v, plan: _Plan, comm):
     return out, lse, kv
 
 
-def _ring_backward(dout, q, kv, out, lse, plan: _Plan, comm):
-    """(dq, dkv fp32 [2, B, Hkv, L, D]); ``kv``: the stacked local keys/values (or the (k, v) pair with one rank)."""
+def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
+    """(dq, dkv fp32 [2, B, Hkv, L, D]); ``kv``: the stacked local keys/values (or the (k, v) pair with one
+    rank); ``delta``: rowsum(dout * out) fp32."""
     n, r = plan.world_size, plan.rank
-    delta = (dout.float() * out.float()).sum(-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     # dK/dV of the block held: computed into `local`, added to the accumulator that arrived with
     # the block, sent on; `send`/`recv` alternate so a buffer in flight is never written.
@@ -462,7 +508,19 @@ def _ring_backward(dout, q, kv, out, lse, plan: _Plan, comm):
     if n == 1:
         if not plan.empty[0]:
             plan.backend.backward(
-                dout, q, kv[0], kv[1], lse, delta, plan.masks[0], plan.scale, dq, send[0], send[1], out=out
+                dout,
+                q,
+                kv[0],
+                kv[1],
+                lse,
+                delta,
+                plan.masks[0],
+                plan.scale,
+                dq,
+                send[0],
+                send[1],
+                out=out,
+                **plan.kernel_kwargs,
             )
         return dq, send
     bufs = _ring_buffers(kv, n)
@@ -481,7 +539,7 @@ def _ring_backward(dout, q, kv, out, lse, plan: _Plan, comm):
             if not plan.empty[src]:
                 plan.backend.backward(
                     dout, q, cur[0], cur[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1],
-                    out=out,
+                    out=out, **plan.kernel_kwargs,
                 )  # fmt: skip
             if step > 0:
                 grad_comm.wait()
@@ -515,26 +573,33 @@ class _RingAttention(torch.autograd.Function):
     # under autocast the torch backend's matmuls would otherwise round scores to bf16.
     # q/k/v are taken with their strides (Transformers hands transposed views); nothing is copied but
     # the one stacked K/V message, which the backward reuses.
+    #
+    # Sinks: one extra logit per head with no value, merged once into the final LSE:
+    # lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). The backward then runs on (out', lse')
+    # unchanged (the kernels' probabilities exp(s - lse') are the softmax with the sink), and the
+    # sink's gradient is -sum over rows of exp(sink - lse') * rowsum(dout * out').
     @staticmethod
-    def forward(ctx, q, k, v, plan, comm):
+    def forward(ctx, q, k, v, sinks, plan, comm):
         with torch.autocast(q.device.type, enabled=False):
             out, lse, kv = _ring_forward(q, k, v, plan, comm)
+            if sinks is not None:
+                merged = torch.logaddexp(lse, sinks.detach().float()[None, :, None])
+                out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+                lse = merged
         out = out.to(q.dtype)
-        if kv is None:
-            ctx.save_for_backward(q, k, v, out, lse)
-        else:
-            ctx.save_for_backward(q, kv, out, lse)
+        ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks)
         ctx.plan, ctx.comm = plan, comm
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        saved = ctx.saved_tensors
-        if len(saved) == 5:
-            q, k, v, out, lse = saved
-            kv = (k, v)
-        else:
-            q, kv, out, lse = saved
+        q, *kv, out, lse, sinks = ctx.saved_tensors
+        kv = kv[0] if len(kv) == 1 else tuple(kv)
         with torch.autocast(q.device.type, enabled=False):
-            dq, dkv = _ring_backward(dout, q, kv, out, lse, ctx.plan, ctx.comm)
-        return dq.to(q.dtype), dkv[0].to(kv[0].dtype), dkv[1].to(kv[1].dtype), None, None
+            delta = (dout.float() * out.float()).sum(-1)
+            dq, dkv = _ring_backward(dout, q, kv, out, lse, delta, ctx.plan, ctx.comm)
+            dsinks = None
+            if sinks is not None and ctx.needs_input_grad[3]:
+                p_sink = torch.exp(sinks.float()[None, :, None] - lse)
+                dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(kv[0].dtype), dkv[1].to(kv[1].dtype), dsinks, None, None

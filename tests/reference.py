@@ -31,14 +31,25 @@ def dense_mask(seq_len: int, causal=True, window: int | None = None, docs: torch
     return vis
 
 
-def reference_attention(q, k, v, *, causal=True, window=None, docs=None, scale=None, dtype=torch.float64):
-    """Softmax attention in ``dtype`` with K/V repeated to the query heads; empty rows give 0."""
+def reference_attention(
+    q, k, v, *, causal=True, window=None, docs=None, scale=None, softcap=None, sinks=None, dtype=torch.float64
+):
+    """Softmax attention in ``dtype`` with K/V repeated to the query heads; empty rows give 0.
+
+    ``softcap``: scores become ``softcap * tanh(s / softcap)`` before masking (Gemma2). ``sinks``: [heads]
+    logits appended to every row's softmax and dropped after it (gpt-oss's learned sinks).
+    """
     g = q.shape[1] // k.shape[1]
     k = k.to(dtype).repeat_interleave(g, 1)
     v = v.to(dtype).repeat_interleave(g, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~dense_mask(q.shape[2], causal, window, docs), -math.inf)
+    if sinks is not None:
+        col = sinks.to(dtype)[None, :, None, None].expand(*s.shape[:-1], 1)
+        return torch.softmax(torch.cat([s, col], -1), -1)[..., :-1] @ v
     return torch.softmax(s, -1).nan_to_num(0.0) @ v
 
 

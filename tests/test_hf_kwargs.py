@@ -1,8 +1,9 @@
 """The attention function refuses keywords it does not implement, instead of dropping them (one process).
 
 A model loaded with ``attn_implementation="hf_ring"`` (after ``hf_ring.register_attention()``) skips the
-family check of ``apply_ring_attention``; its attention calls still must not lose Gemma2's logit
-softcapping or gpt-oss's learned sinks silently.
+family check of ``apply_ring_attention``; its attention calls still must not lose an attention feature
+silently: unknown ones raise, and Gemma2's logit softcapping (``softcap``) and gpt-oss's learned sinks
+(``s_aux``) are honoured.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ def _call(**kwargs):
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        ({"softcap": 50.0}, "softcap"),
-        ({"s_aux": torch.zeros(4)}, "s_aux"),
         ({"sinks": torch.zeros(4)}, "sinks"),
         ({"position_bias": torch.zeros(1, 4, 12, 12)}, "position_bias"),
         ({"attention_chunk_size": 8}, "attention_chunk_size"),
@@ -50,17 +49,32 @@ def test_harmless_and_unset_keywords_pass():
     assert rel_err(out, ref) <= 1e-5
 
 
-def test_registered_gemma2_with_softcapping_raises_naming_it():
-    """register_attention + attn_implementation="hf_ring" on a softcapping model: a clear error, not wrong numbers."""
+def test_softcap_and_sinks_keywords_are_honoured():
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2))
+    for kwargs in ({"softcap": 3.0}, {"s_aux": sinks}, {"softcap": 3.0, "s_aux": sinks}):
+        out, (q, k, v) = _call(**kwargs)
+        ref = reference_attention(
+            q.double(), k.double(), v.double(), scale=0.25, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
+        )
+        assert rel_err(out, ref.transpose(1, 2)) <= 1e-5, kwargs
+
+
+def test_registered_gemma2_with_softcapping_matches_eager():
+    """register_attention + attn_implementation="hf_ring" on a softcapping model: the eager model's logits."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     hf_ring.register_attention()
     cfg = Gemma2Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, attn_logit_softcapping=50.0, sliding_window=8,
+        num_key_value_heads=2, head_dim=8, attn_logit_softcapping=5.0, sliding_window=8,
         max_position_embeddings=64, attention_dropout=0.0,
     )  # fmt: skip
-    cfg._attn_implementation = "hf_ring"
-    model = Gemma2ForCausalLM(cfg)
-    with pytest.raises(ValueError, match=r"does not implement \['softcap'\]"):
-        model(input_ids=torch.randint(0, 64, (1, 16)))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 16))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        model.set_attn_implementation("hf_ring")
+        got = model(input_ids=ids).logits
+    assert rel_err(got, want) <= 1e-5

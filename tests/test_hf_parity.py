@@ -88,6 +88,13 @@ def make_config(family: str, **overrides):
     elif family == "gemma3_text":  # sliding / full mix, QK norm, query_pre_attn_scalar
         cfg = tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=20, sliding_window=6,
                                   layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    elif family == "gemma2":  # attention and final logit softcapping, sliding / full mix
+        cfg = tf.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=20, attn_logit_softcapping=3.0,
+                              final_logit_softcapping=2.0, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    elif family == "gpt_oss":  # learned attention sinks, sliding / full mix, MoE
+        cfg = tf.GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention"])  # fmt: skip
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -102,10 +109,13 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
                "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
                "qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
                "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
-               "cohere2": tf.Cohere2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM}  # fmt: skip
+               "cohere2": tf.Cohere2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
+               "gemma2": tf.Gemma2ForCausalLM, "gpt_oss": tf.GptOssForCausalLM}  # fmt: skip
     torch.manual_seed(seed)
     model = classes[family](make_config(family, **overrides)).to(dtype)
     model.config.use_cache = False
+    if family in ("gemma2", "gpt_oss"):  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
+        model.set_attn_implementation("eager")
     for m in model.modules():  # a non-default attention scale, which the ring must honour
         if hasattr(m, "scaling") and hasattr(m, "head_dim"):
             m.scaling = SCALE_FACTOR * m.head_dim**-0.5
@@ -173,6 +183,13 @@ CASES = {
     "cohere2-plain": ("cohere2", "plain", 40, {}),
     "gemma3_text-packed": ("gemma3_text", "packed", 45, {}),
     "gemma3_text-lora-checkpointing": ("gemma3_text", "plain", 40, {"lora": True, "checkpointing": True}),
+    # attention logit softcapping (Gemma2) and learned attention sinks (gpt-oss)
+    "gemma2-plain": ("gemma2", "plain", 45, {}),
+    "gemma2-packed-lora": ("gemma2", "packed", 40, {"lora": True}),
+    "gemma2-bf16": ("gemma2", "plain", 40, {"dtype": torch.bfloat16}),
+    "gpt_oss-plain": ("gpt_oss", "plain", 45, {}),
+    "gpt_oss-packed-lora": ("gpt_oss", "packed", 40, {"lora": True}),
+    "gpt_oss-padded": ("gpt_oss", "padded", 40, {}),
 }
 
 
@@ -204,10 +221,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _reference(model, batch):
+    """Loss and gradients of the unmodified model; a packed batch as every document on its own (gpt-oss's
+    eager attention, for one, does not see packing in position_ids)."""
     model.zero_grad(set_to_none=True)
-    out = model(**batch, use_cache=False)
-    out.loss.backward()
-    return out.loss.detach().float(), {n: g.float() for n, g in _grads(model).items()}
+    pos = batch.get("position_ids")
+    if pos is None:
+        loss = model(**batch, use_cache=False).loss
+    else:  # the collator's labels start every document with -100: no target crosses a boundary
+        starts = (pos[0] == 0).nonzero().flatten().tolist() + [pos.shape[1]]
+        total, count = 0.0, 0
+        for a, e in zip(starts[:-1], starts[1:]):
+            labels = batch["labels"][:, a:e]
+            n = int((labels[:, 1:] != -100).sum())
+            if n:
+                total = total + n * model(input_ids=batch["input_ids"][:, a:e], labels=labels, use_cache=False).loss
+                count += n
+        loss = total / count
+    loss.backward()
+    return loss.detach().float(), {n: g.float() for n, g in _grads(model).items()}
 
 
 def _ring(model, batch, layout):

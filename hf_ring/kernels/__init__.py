@@ -8,6 +8,10 @@ Every backend module provides the same two functions (see ``torch_backend`` for 
   accumulate the block's gradients into fp32 ``dq`` / ``dk`` / ``dv`` in place (``out``: the global
   output in q's dtype, which fused backward kernels take instead of ``delta``).
 
+A module with ``SOFTCAP = True`` also takes ``softcap=`` (attention logit softcapping, the scores
+``s`` replaced by ``softcap * tanh(s / softcap)`` before masking) in both; the ring passes it only
+when it is set, and ``"auto"`` falls back to the torch backend where the chosen one lacks it.
+
 Backends: ``"torch"`` (reference, any device), ``"triton"`` (our fused kernels), ``"sdpa"``
 (PyTorch's fused attention ops, forward and backward, with the masked steps on ``"triton"`` on CUDA
 and on ``"torch"`` elsewhere), ``"flash_attn"`` (optional). ``"auto"`` picks a forward and a
@@ -64,10 +68,16 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def unsupported_by(module, q, k, v) -> str | None:
-    """Why ``module`` cannot run these inputs (its ``unsupported``), or None (a module without one runs anything)."""
+def unsupported_by(module, q, k, v, *, softcap: float | None = None) -> str | None:
+    """Why ``module`` cannot run these inputs (its ``unsupported``), or None (a module without one runs anything).
+
+    ``softcap``: attention logit softcapping is asked for; only modules with ``SOFTCAP = True`` implement it.
+    """
     check = getattr(module, "unsupported", None)
-    return None if check is None else check(q, k, v)
+    reason = None if check is None else check(q, k, v)
+    if reason is None and softcap is not None and not getattr(module, "SOFTCAP", False):
+        reason = f"attention logit softcapping is not implemented by {module.__name__}"
+    return reason
 
 
 def masked_fallback(device: torch.device) -> ModuleType:
@@ -90,5 +100,5 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.floa
 
     return SimpleNamespace(
         __name__=f"{fwd} forward, {bwd} backward", forward=forward.forward, backward=backward.backward,
-        unsupported=unsupported,
+        unsupported=unsupported, SOFTCAP=getattr(forward, "SOFTCAP", False) and getattr(backward, "SOFTCAP", False),
     )  # fmt: skip

@@ -22,10 +22,11 @@ import torch
 
 from .mask import EMPTY, FULL, BlockMask
 
-__all__ = ["forward", "backward", "merge_", "tiles"]
+__all__ = ["SOFTCAP", "forward", "backward", "merge_", "tiles"]
 
 BLOCK_Q = 512
 BLOCK_K = 512
+SOFTCAP = True  # implements attention logit softcapping (``softcap=``)
 
 
 def tiles(pos: torch.Tensor, block: int) -> list[slice]:
@@ -80,11 +81,22 @@ def _tile_mask(mask: BlockMask, qs: slice, ks: slice, group: int) -> torch.Tenso
     return vis[:, None, None].expand(bd, 1, group, tq, tk).reshape(bd, 1, group * tq, tk)
 
 
-def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor):
+def _scores(qf, kt, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scores, tanh)``: ``scale * q k^T``, softcapped (``softcap * tanh(s / softcap)``) when asked; the
+    tanh is returned for the backward's chain rule (None without softcapping)."""
+    s = torch.matmul(qf, kt.transpose(-1, -2)).mul_(scale)
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s.div_(softcap))
+    return t * softcap, t
+
+
+def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None):
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
     q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
     out: [batch, q_heads, local_q, head_dim] fp32; lse: [batch, q_heads, local_q] fp32.
+    softcap: None, or the cap of attention logit softcapping (applied before masking).
     Returns ``(out, lse)``.
     """
     hq, hkv = q.shape[1], k.shape[1]
@@ -99,7 +111,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
             kind = mask.classify(qs, ks)
             if kind == EMPTY:
                 continue
-            s = torch.matmul(qf, k[:, :, ks].float().transpose(-1, -2)).mul_(scale)
+            s, _ = _scores(qf, k[:, :, ks].float(), scale, softcap)
             if kind != FULL:
                 s.masked_fill_(~_tile_mask(mask, qs, ks, group).to(s.device), -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
@@ -118,12 +130,13 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     return out, lse
 
 
-def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None):
+def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, softcap=None):
     """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place (``out`` unused).
 
     do, q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
     lse: [batch, q_heads, local_q] fp32, the final (global) LSE; delta = rowsum(dO * O), same shape.
-    dq: like q, fp32; dk, dv: like k, fp32. Returns ``(dq, dk, dv)``.
+    dq: like q, fp32; dk, dv: like k, fp32. softcap: as in ``forward`` (its derivative, ``1 - tanh^2``,
+    scales the score gradients). Returns ``(dq, dk, dv)``.
     """
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
@@ -141,12 +154,14 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
             if kind == EMPTY:
                 continue
             kt, vt = k[:, :, ks].float(), v[:, :, ks].float()
-            s = torch.matmul(qf, kt.transpose(-1, -2)).mul_(scale)
+            s, t = _scores(qf, kt, scale, softcap)
             p = torch.exp(s - lse_t)
             if kind != FULL:
                 p.masked_fill_(~_tile_mask(mask, qs, ks, group).to(p.device), 0.0)
             dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), dof)
             ds = p * (torch.matmul(dof, vt.transpose(-1, -2)) - delta_t)
+            if t is not None:
+                ds.mul_(1.0 - t * t)  # d(softcap * tanh(s / softcap)) / ds
             dq_t += torch.matmul(ds, kt)
             dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qf).mul_(scale)
         dq[:, :, qs] += _unfold_rows(dq_t.mul_(scale), hq)
