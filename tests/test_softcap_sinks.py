@@ -1,7 +1,8 @@
 """Attention logit softcapping and learned attention sinks in ``ring_attention``, against float64 plain attention.
 
 Softcapping (Gemma2: scores ``s`` become ``cap * tanh(s / cap)`` before masking) runs inside every
-ring step on a backend that implements it; sinks (gpt-oss: one extra logit per head with no value)
+ring step on a backend that implements it (torch, and triton: in its CPU interpreter here, where the
+interpreter is on); sinks (gpt-oss: one extra logit per head with no value)
 are merged once into the final LSE of the whole ring. Both are checked forward and backward (the
 sink's gradient included) at 1 rank in-process and on a real 2-rank gloo group, over layouts, GQA,
 windows, packed documents and fully padded rows.
@@ -73,15 +74,23 @@ def _run(rank: int, world: int, case: dict, backend: str) -> dict:
     }
 
 
+def _backends() -> tuple:
+    """torch (the reference backend) and auto everywhere; triton where it runs (CUDA, or its CPU interpreter)."""
+    from hf_ring.kernels import triton_backend
+
+    runs_triton = torch.cuda.is_available() or triton_backend.interpreted()
+    return ("torch", "auto", "triton") if runs_triton else ("torch", "auto")
+
+
 def _worker(rank: int, world: int) -> list:
     torch_backend.BLOCK_Q = torch_backend.BLOCK_K = 8  # many tiles: exercise tile classes and edges
-    return [{b: _run(rank, world, case, b) for b in ("torch", "auto")} for case in _cases(48)]
+    return [{b: _run(rank, world, case, b) for b in _backends()} for case in _cases(48)]
 
 
 def _check(per_rank: list) -> None:
     for i, case in enumerate(_cases(48)):
         label = {k: v for k, v in case.items() if not isinstance(v, torch.Tensor)}
-        for backend in ("torch", "auto"):
+        for backend in per_rank[0][i]:
             runs = [r[i][backend] for r in per_rank]
             for rank, run in enumerate(runs):
                 assert run["finite"], (label, backend, rank)

@@ -25,7 +25,11 @@ from .mask import BlockMask
 from .triton_bwd import _dq_kernel, bwd_launch
 from .triton_fwd import fwd_launch
 
-__all__ = ["KernelConfig", "backward", "cuda_config", "default_config", "forward", "interpreted", "unsupported"]
+__all__ = [
+    "SOFTCAP", "KernelConfig", "backward", "cuda_config", "default_config", "forward", "interpreted", "unsupported",
+]  # fmt: skip
+
+SOFTCAP = True  # attention logit softcapping, a compile-time option of the kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +150,14 @@ def _fwd_op(
     out: torch.Tensor,
     lse: torch.Tensor,
     config: list[int],
+    softcap: float | None = None,
 ) -> None:
     cfg = KernelConfig.from_list(config)
-    fwd_launch(q, k, v, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, out, lse, cfg)
+    fwd_launch(q, k, v, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, out, lse, cfg, softcap)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, causal, window, out, lse, config) -> None:
+def _fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, causal, window, out, lse, config, softcap=None) -> None:
     return None
 
 
@@ -175,13 +180,16 @@ def _bwd_op(
     dk: torch.Tensor,
     dv: torch.Tensor,
     config: list[int],
+    softcap: float | None = None,
 ) -> None:
     cfg = KernelConfig.from_list(config)
-    bwd_launch(do, q, k, v, lse, delta, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, dq, dk, dv, cfg)
+    bwd_launch(do, q, k, v, lse, delta, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, dq, dk, dv, cfg, softcap)
 
 
 @_bwd_op.register_fake
-def _bwd_fake(do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, scale, causal, window, dq, dk, dv, config) -> None:
+def _bwd_fake(
+    do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, scale, causal, window, dq, dk, dv, config, softcap=None
+) -> None:
     return None
 
 
@@ -275,16 +283,17 @@ def _positions(mask: BlockMask, device: torch.device, batch: int):
     return t["q_pos"], t["k_pos"], q_doc, k_doc
 
 
-def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, config=None):
+def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, config=None, softcap=None):
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
     q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim]
     (fp16 / bf16 / fp32, any strides). out: [batch, q_heads, local_q, head_dim] fp32;
     lse: [batch, q_heads, local_q] fp32 natural-log, ``-inf`` for rows that saw nothing yet.
-    config: a ``KernelConfig`` overriding ``default_config``. Returns ``(out, lse)``.
+    config: a ``KernelConfig`` overriding ``default_config``. softcap: attention logit softcapping
+    (a compile-time option of the kernels; None compiles it out). Returns ``(out, lse)``.
     """
     if q.dtype == torch.float64:
-        return torch_backend.forward(q, k, v, mask, scale, out, lse)
+        return torch_backend.forward(q, k, v, mask, scale, out, lse, softcap=softcap)
     b, hq, lq, d = q.shape
     _check(q, k, v, mask, {"out": (out, (b, hq, lq, d)), "lse": (lse, (b, hq, lq))})
     if lq == 0 or k.shape[2] == 0:
@@ -293,20 +302,25 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     cfg = config or default_config(q.device, q.dtype, d)
     q, k, v = _int32_safe(q, k, v)
     _int32_safe(out, copy=False)
-    _fwd_op(q, k, v, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window, out, lse, cfg.to_list())
+    _fwd_op(
+        q, k, v, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window, out, lse, cfg.to_list(),
+        None if softcap is None else float(softcap),
+    )  # fmt: skip
     return out, lse
 
 
-def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, config=None):
+def backward(
+    do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, config=None, softcap=None
+):
     """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place (``out`` unused).
 
     do, q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
     lse: [batch, q_heads, local_q] fp32, the final (global) LSE (``-inf``: the row saw nothing, its
     gradients are 0); delta = rowsum(dO * O), same shape. dq: like q, fp32; dk, dv: like k, fp32.
-    Returns ``(dq, dk, dv)``.
+    softcap: as in ``forward``. Returns ``(dq, dk, dv)``.
     """
     if q.dtype == torch.float64:
-        return torch_backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv)
+        return torch_backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, softcap=softcap)
     b, hq, lq, d = q.shape
     kshape = tuple(k.shape)
     acc = {
@@ -325,6 +339,6 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
     _int32_safe(dq, dk, dv, copy=False)
     _bwd_op(
         do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window,
-        dq, dk, dv, cfg.to_list(),
+        dq, dk, dv, cfg.to_list(), None if softcap is None else float(softcap),
     )  # fmt: skip
     return dq, dk, dv

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import _LOG2E, LOG2E, _bounds, _scan, _tile_class
+from .triton_fwd import _LOG2E, LOG2E, _bounds, _scan, _tanh, _tile_class, softcap_constexpr
 
 __all__ = ["bwd_launch"]
 
@@ -51,6 +51,7 @@ def _dq_tile(
     start_n, Lk, qk_scale, window,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -72,7 +73,11 @@ def _dq_tile(
     else:
         s = tl.dot(q, kt)
         dp = tl.dot(do, vt)
-    p = tl.math.exp2(s * qk_scale - lse2[:, None])
+    s = s * qk_scale
+    if SOFTCAP > 0.0:
+        t = _tanh(s / SOFTCAP)
+        s = SOFTCAP * t
+    p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
         kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
         if HAS_DOCS:
@@ -81,6 +86,8 @@ def _dq_tile(
             kd = kp
         p = tl.where(_visible(qp, kp, qd, kd, m_ok, n_ok, window, CAUSAL, HAS_WINDOW, HAS_DOCS), p, 0.0)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP > 0.0:
+        ds = ds * (1.0 - t * t)  # d(c * tanh(x / c)) / dx
     if UPCAST:
         dq += tl.dot(ds, tl.trans(kt), input_precision="ieee")
     else:
@@ -101,7 +108,7 @@ def _dq_kernel(
     Lq, Lk, HQ, GROUP, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SCAN: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -147,19 +154,19 @@ def _dq_kernel(
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                     stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             elif empty == 0:
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                     stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
         for t in range(f_first, f_end):
             dq = _dq_tile(
                 dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                 stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
             )  # fmt: skip
         for t in range(f_end, end):
             empty, full = _tile_class(
@@ -169,13 +176,13 @@ def _dq_kernel(
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                     stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             elif empty == 0:
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                     stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
         g_ptrs = (
             DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
@@ -191,6 +198,7 @@ def _dkdv_tile(
     start_m, Lq, qk_scale, window,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One query tile against the program's key tile, in transposed form (keys are the rows)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -219,7 +227,11 @@ def _dkdv_tile(
     else:
         st = tl.dot(kk, qt)
         dpt = tl.dot(vv, tl.trans(do))
-    pt = tl.math.exp2(st * qk_scale - lse2[None, :])
+    st = st * qk_scale
+    if SOFTCAP > 0.0:
+        tt = _tanh(st / SOFTCAP)
+        st = SOFTCAP * tt
+    pt = tl.math.exp2(st - lse2[None, :])
     if MASKED:
         qp = tl.load(QPOS + offs_m, mask=m_ok, other=0)
         if HAS_DOCS:
@@ -229,6 +241,8 @@ def _dkdv_tile(
         vis = _visible(qp, kp, qd, kd, m_ok, n_ok, window, CAUSAL, HAS_WINDOW, HAS_DOCS)
         pt = tl.where(tl.trans(vis), pt, 0.0)
     dst = pt * (dpt - delta[None, :])
+    if SOFTCAP > 0.0:
+        dst = dst * (1.0 - tt * tt)
     if UPCAST:
         dv += tl.dot(pt, do, input_precision="ieee")
         dk += tl.dot(dst, tl.trans(qt), input_precision="ieee")
@@ -252,7 +266,7 @@ def _dkdv_kernel(
     Lq, Lk, HKV, GROUP, qk_scale, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SCAN: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -299,19 +313,19 @@ def _dkdv_kernel(
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                         stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                        False, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                        False, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                     )  # fmt: skip
                 elif empty == 0:
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                         stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                        True, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                        True, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                     )  # fmt: skip
             for t in range(f_first, f_end):
                 dk, dv = _dkdv_tile(
                     dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                     stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                    False, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             for t in range(f_end, end):
                 empty, full = _tile_class(
@@ -321,13 +335,13 @@ def _dkdv_kernel(
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                         stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                        False, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                        False, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                     )  # fmt: skip
                 elif empty == 0:
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                         stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                        True, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                        True, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                     )  # fmt: skip
         dk_ptrs = (
             DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
@@ -341,11 +355,11 @@ def _dkdv_kernel(
         tl.store(dv_ptrs, tl.load(dv_ptrs, mask=tile_mask, other=0.0) + dv, mask=tile_mask)
 
 
-def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window, dq, dk, dv, cfg) -> None:
+def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window, dq, dk, dv, cfg, softcap=None):
     """Launch the dQ and dK/dV kernels; ``dq``, ``dk``, ``dv`` (fp32) are accumulated in place.
 
     pos: ``(q_pos, k_pos, q_doc, k_doc)`` int32 device tensors (docs ``[1 or B, L]`` or None).
-    cfg: a ``triton_backend.KernelConfig`` (its ``dq_*`` and ``dkv_*`` fields).
+    cfg: a ``triton_backend.KernelConfig`` (its ``dq_*`` and ``dkv_*`` fields). softcap: as in ``fwd_launch``.
     """
     batch, hq, lq, head_dim = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -358,7 +372,7 @@ def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window,
     common = dict(
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SCAN=cfg.scan,
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=has_docs,
-        UPCAST=cfg.upcast or q.dtype == torch.float32,
+        UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
     )  # fmt: skip
     win = 0 if window is None else int(window)
     _dq_kernel[(triton.cdiv(lq, cfg.dq_block_m), batch * hq)](

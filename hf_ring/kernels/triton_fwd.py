@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "fwd_launch"]
+__all__ = ["LOG2E", "fwd_launch", "softcap_constexpr"]
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -140,14 +140,34 @@ def _scan(
     return first, f_first, f_end, end
 
 
+def softcap_constexpr(softcap: float | None) -> float:
+    """The ``SOFTCAP`` compile-time value of the kernels: the cap in log2 units, 0.0 for none.
+
+    Scores are in log2 units (``scale * log2(e) * q.k``), so ``c * tanh(x / c)`` on natural scores is
+    ``c2 * tanh(s / c2)`` on them with ``c2 = c * log2(e)``. A model has one cap, so one compilation.
+    """
+    return 0.0 if softcap is None else float(softcap) * LOG2E
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 (Triton has no tanh): sign(x) * (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1]."""
+    neg = x < 0.0
+    e = tl.math.exp2(tl.where(neg, x, -x) * 2.8853900817779268)  # exp(-2|x|): 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(neg, -t, t)
+
+
 @triton.jit
 def _fwd_tile(
     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
     start_n, Lk, qk_scale, window,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """One key tile of the online softmax; ``MASKED`` evaluates the mask element-wise."""
+    """One key tile of the online softmax; ``MASKED`` evaluates the mask element-wise; ``SOFTCAP`` > 0
+    caps the (log2-unit) scores at ``SOFTCAP * tanh(s / SOFTCAP)`` before the mask."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kt_ptrs = K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
@@ -168,6 +188,8 @@ def _fwd_tile(
         s = tl.dot(q, kt, input_precision="ieee") * qk_scale
     else:
         s = tl.dot(q, kt) * qk_scale
+    if SOFTCAP > 0.0:
+        s = SOFTCAP * _tanh(s / SOFTCAP)
     if MASKED:
         kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
         vis = n_ok[None, :]
@@ -211,7 +233,7 @@ def _fwd_kernel(
     Lq, Lk, HQ, GROUP, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SCAN: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -254,20 +276,20 @@ def _fwd_kernel(
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                     t * BLOCK_N, Lk, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             elif empty == 0:
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                     t * BLOCK_N, Lk, qk_scale, window,
-                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
         # The run of fully visible tiles: no mask, no branch.
         for t in range(f_first, f_end):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                 t * BLOCK_N, Lk, qk_scale, window,
-                False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
             )  # fmt: skip
         # Tiles after it (the diagonal of a causal block, the edge of a window).
         for t in range(f_end, end):
@@ -278,13 +300,13 @@ def _fwd_kernel(
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                     t * BLOCK_N, Lk, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             elif empty == 0:
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                     t * BLOCK_N, Lk, qk_scale, window,
-                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST,
+                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
         # Epilogue: merge (acc / l_i, m_i + log2 l_i) into the natural-log accumulators in place.
         o_ptrs = (
@@ -308,11 +330,11 @@ def _fwd_kernel(
         tl.store(l_ptrs, lse_new * _LN2, mask=m_ok)
 
 
-def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg) -> None:
+def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, softcap=None) -> None:
     """Launch the forward kernel; ``out`` [B, Hq, Lq, D] and ``lse`` [B, Hq, Lq] fp32 are updated in place.
 
     pos: ``(q_pos, k_pos, q_doc, k_doc)`` int32 device tensors (docs ``[1 or B, L]`` or None).
-    cfg: a ``triton_backend.KernelConfig``.
+    cfg: a ``triton_backend.KernelConfig``. softcap: attention logit softcapping (None: off).
     """
     batch, hq, lq, head_dim = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -330,6 +352,6 @@ def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg) 
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SCAN=cfg.scan,
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=has_docs,
-        UPCAST=cfg.upcast or q.dtype == torch.float32,
+        UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
