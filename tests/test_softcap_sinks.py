@@ -1,8 +1,8 @@
 """Attention logit softcapping and learned attention sinks in ``ring_attention``, against float64 plain attention.
 
 Softcapping (Gemma2: scores ``s`` become ``cap * tanh(s / cap)`` before masking) runs inside every
-ring step on a backend that implements it (torch, and triton: in its CPU interpreter here, where the
-interpreter is on); sinks (gpt-oss: one extra logit per head with no value)
+ring step, on every backend (torch; triton, in its CPU interpreter here; sdpa and flash_attn on their
+fallback where their fused kernels cannot); sinks (gpt-oss: one extra logit per head with no value)
 are merged once into the final LSE of the whole ring. Both are checked forward and backward (the
 sink's gradient included) at 1 rank in-process and on a real 2-rank gloo group, over layouts, GQA,
 windows, packed documents and fully padded rows.
@@ -75,11 +75,12 @@ def _run(rank: int, world: int, case: dict, backend: str) -> dict:
 
 
 def _backends() -> tuple:
-    """torch (the reference backend) and auto everywhere; triton where it runs (CUDA, or its CPU interpreter)."""
+    """torch (the reference backend), sdpa (PyTorch's fused ops; softcapped steps on its fallback) and auto
+    everywhere; triton where it runs (CUDA, or its CPU interpreter)."""
     from hf_ring.kernels import triton_backend
 
     runs_triton = torch.cuda.is_available() or triton_backend.interpreted()
-    return ("torch", "auto", "triton") if runs_triton else ("torch", "auto")
+    return ("torch", "sdpa", "auto", "triton") if runs_triton else ("torch", "sdpa", "auto")
 
 
 def _worker(rank: int, world: int) -> list:
@@ -117,12 +118,21 @@ def test_softcapping_changes_the_result_and_sinks_take_probability():
     assert hf_ring.ring_attention(q, k, v, sinks=torch.full((2,), 100.0)).abs().max() < 1e-6
 
 
-def test_backends_without_softcapping_refuse_it_and_auto_falls_back():
+def test_every_backend_implements_softcapping_and_one_without_it_is_refused():
+    import types
+
+    from hf_ring.kernels import BACKENDS, get_backend, unsupported_by
+
     q = k = v = torch.randn(1, 2, 16, 16)
-    with pytest.raises(ValueError, match="attention logit softcapping is not implemented by .*sdpa"):
-        hf_ring.ring_attention(q, k, v, softcap=CAP, backend="sdpa")
+    for name in BACKENDS:
+        assert get_backend(name, q.device, q.dtype).SOFTCAP, name
+    without = types.SimpleNamespace(__name__="a backend without softcapping", forward=None, backward=None)
+    assert "softcapping is not implemented by a backend without softcapping" in unsupported_by(
+        without, q, k, v, softcap=CAP
+    )
+    assert unsupported_by(without, q, k, v) is None
     want = reference_attention(q, k, v, softcap=CAP)
-    assert rel_err(hf_ring.ring_attention(q, k, v, softcap=CAP, backend="auto"), want) <= FP32_TOL
+    assert rel_err(hf_ring.ring_attention(q, k, v, softcap=CAP, backend="flash_attn"), want) <= FP32_TOL
     for bad, match in ((0.0, "softcap must be a positive finite number"), (float("inf"), "softcap must be")):
         with pytest.raises(ValueError, match=match):
             hf_ring.ring_attention(q, k, v, softcap=bad)

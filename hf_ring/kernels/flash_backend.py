@@ -10,6 +10,7 @@ them, which is exactly the global delta, so each rectangle yields its exact shar
 
 Everything else falls back to the ``"triton"`` backend on CUDA (``"torch"`` elsewhere): blocks with
 sliding windows or documents, fp32 inputs, head_dim > 256, machines without ``flash_attn``.
+Attention logit softcapping is flash-attn's own ``softcap`` argument, forward and backward.
 
 Caveat: flash-attn returns outputs and gradients in the input dtype (bf16/fp16), so each rectangle
 is rounded once more than with the fused triton kernel, whose accumulators stay fp32.
@@ -32,7 +33,9 @@ try:  # optional dependency
 except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_func = _flash_attn_backward = None
 
-__all__ = ["available", "backward", "forward", "plan", "unsupported"]
+__all__ = ["SOFTCAP", "available", "backward", "forward", "plan", "unsupported"]
+
+SOFTCAP = True  # flash-attn's ``softcap``; the fallbacks implement it too
 
 
 def available() -> bool:
@@ -59,29 +62,30 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor):
+def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None):
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
     q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
     out: [batch, q_heads, local_q, head_dim] fp32; lse: [batch, q_heads, local_q] fp32.
-    Returns ``(out, lse)``.
+    softcap: attention logit softcapping (None: off). Returns ``(out, lse)``.
     """
     pieces = plan(mask) if _usable(q) else None
     if pieces is None:
-        return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse)
+        extra = {} if softcap is None else {"softcap": softcap}
+        return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse, **extra)
     for kind, qs, ks in pieces:
         o, blk_lse, _ = flash_attn_func(
             _t(q[:, :, qs]), _t(k[:, :, ks]), _t(v[:, :, ks]),
-            softmax_scale=scale, causal=kind == "causal", return_attn_probs=True,
+            softmax_scale=scale, causal=kind == "causal", softcap=softcap or 0.0, return_attn_probs=True,
         )  # fmt: skip
         torch_backend.merge_(out[:, :, qs], lse[:, :, qs], _t(o).float(), blk_lse.float())
     return out, lse
 
 
-def _backward_kwargs(scale: float, causal: bool) -> dict:
+def _backward_kwargs(scale: float, causal: bool, softcap: float | None) -> dict:
     """Keyword arguments of flash-attn's ``_flash_attn_backward`` for this version (2.6 and 2.7+ differ)."""
     params = inspect.signature(_flash_attn_backward).parameters
-    kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
+    kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=softcap or 0.0, alibi_slopes=None,
               deterministic=False, rng_state=None)  # fmt: skip
     if "window_size" in params:
         kw["window_size"] = (-1, -1)
@@ -90,21 +94,22 @@ def _backward_kwargs(scale: float, causal: bool) -> dict:
     return {name: value for name, value in kw.items() if name in params}
 
 
-def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None):
+def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, softcap=None):
     """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place.
 
     Shapes as in ``torch_backend.backward``; ``out``: the global output in q's dtype (without it the
-    step runs on the fallback). Returns ``(dq, dk, dv)``.
+    step runs on the fallback); softcap: as in ``forward``. Returns ``(dq, dk, dv)``.
     """
     pieces = plan(mask) if out is not None and _usable(q) and _flash_attn_backward is not None else None
     if pieces is None:
-        return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv)
+        extra = {} if softcap is None else {"softcap": softcap}
+        return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, **extra)
     for kind, qs, ks in pieces:
         qq, kk, vv = (_t(x).contiguous() for x in (q[:, :, qs], k[:, :, ks], v[:, :, ks]))
         g_q, g_k, g_v = torch.empty_like(qq), torch.empty_like(kk), torch.empty_like(vv)
         _flash_attn_backward(
             _t(do[:, :, qs]).contiguous(), qq, kk, vv, _t(out[:, :, qs]).contiguous(), lse[:, :, qs].contiguous(),
-            g_q, g_k, g_v, **_backward_kwargs(scale, kind == "causal"),
+            g_q, g_k, g_v, **_backward_kwargs(scale, kind == "causal", softcap),
         )  # fmt: skip
         dq[:, :, qs] += _t(g_q)
         dk[:, :, ks] += _t(g_k)

@@ -15,7 +15,8 @@ the global ``out`` and ``lse`` (it derives ``delta = rowsum(dO * O)`` from them)
 rectangle's share of dQ, dK and dV.
 
 Steps these ops cannot express (sliding windows, packed documents, fp32 on CUDA, float64) run on the
-``triton`` backend on CUDA and on the ``torch`` backend elsewhere, inside the same call.
+``triton`` backend on CUDA and on the ``torch`` backend elsewhere, inside the same call. The ops have
+no attention logit softcapping: with ``softcap`` every step runs on that fallback.
 
 Caveat: the ops return their output and gradients in the input dtype, so in fp16/bf16 each rectangle
 is rounded once before it is merged (the triton kernels keep fp32 until the end of the ring).
@@ -29,9 +30,10 @@ import torch
 from . import masked_fallback, torch_backend, unsupported_by
 from .mask import BlockMask
 
-__all__ = ["backward", "forward", "runs_on_fused_ops", "unsupported"]
+__all__ = ["SOFTCAP", "backward", "forward", "runs_on_fused_ops", "unsupported"]
 
 _HALF = (torch.float16, torch.bfloat16)
+SOFTCAP = True  # on the masked fallback (the fused ops have no softcapping)
 
 
 def runs_on_fused_ops(q: torch.Tensor) -> bool:
@@ -78,31 +80,35 @@ def _kv_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g.unflatten(1, (kv_heads, g.shape[1] // kv_heads)).sum(2)
 
 
-def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor):
+def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None):
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
     q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim] (any strides
     with a contiguous last dimension). out: [batch, q_heads, local_q, head_dim] fp32; lse: [batch,
-    q_heads, local_q] fp32. Returns ``(out, lse)``.
+    q_heads, local_q] fp32. softcap: logit softcapping (the step then runs on the fallback).
+    Returns ``(out, lse)``.
     """
-    pieces = mask.pieces() if runs_on_fused_ops(q) else None
+    pieces = mask.pieces() if runs_on_fused_ops(q) and softcap is None else None
     if pieces is None:
-        return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse)
+        extra = {} if softcap is None else {"softcap": softcap}
+        return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse, **extra)
     for kind, qs, ks in pieces:
         o, blk_lse = _fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], kind == "causal", scale)
         torch_backend.merge_(out[:, :, qs], lse[:, :, qs], o.float(), blk_lse.float())
     return out, lse
 
 
-def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None):
+def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, softcap=None):
     """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place.
 
     Shapes as in ``torch_backend.backward``; ``out``: the global output [batch, q_heads, local_q,
-    head_dim] in q's dtype (without it the step runs on the fallback). Returns ``(dq, dk, dv)``.
+    head_dim] in q's dtype (without it, or with ``softcap``, the step runs on the fallback).
+    Returns ``(dq, dk, dv)``.
     """
-    pieces = mask.pieces() if out is not None and runs_on_fused_ops(q) else None
+    pieces = mask.pieces() if out is not None and runs_on_fused_ops(q) and softcap is None else None
     if pieces is None:
-        return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv)
+        extra = {} if softcap is None else {"softcap": softcap}
+        return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, **extra)
     hkv = k.shape[1]
     for kind, qs, ks in pieces:
         g_q, g_k, g_v = _bwd(
