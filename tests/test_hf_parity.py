@@ -190,6 +190,7 @@ CASES = {
     "gpt_oss-plain": ("gpt_oss", "plain", 45, {}),
     "gpt_oss-packed-lora": ("gpt_oss", "packed", 40, {"lora": True}),
     "gpt_oss-padded": ("gpt_oss", "padded", 40, {}),
+    "gpt_oss-bf16": ("gpt_oss", "plain", 40, {"dtype": torch.bfloat16}),
 }
 
 
