@@ -112,8 +112,10 @@ def compile_kernel(fn, arch: int, dtype: str, constexprs: dict, warps: int, stag
     return int(kernel.metadata.shared), registers, stack
 
 
-def reports(arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"), config=None):
-    """Compile the three kernels of one (arch, dtype, head_dim) cell: yields a ``Report`` per kernel."""
+def reports(arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"), config=None, softcap=None):
+    """Compile the three kernels of one (arch, dtype, head_dim) cell: yields a ``Report`` per kernel.
+
+    ``softcap``: compile the attention-logit-softcapping variant (a compile-time option) with that cap."""
     import torch
     import triton
 
@@ -122,7 +124,8 @@ def reports(arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"),
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     cfg = config or triton_backend.cuda_config(divmod(arch, 10), torch_dtype, head_dim)
     base = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SCAN=cfg.scan,
-                CAUSAL=True, HAS_WINDOW=True, HAS_DOCS=True, UPCAST=cfg.upcast or dtype == "fp32")  # fmt: skip
+                CAUSAL=True, HAS_WINDOW=True, HAS_DOCS=True, UPCAST=cfg.upcast or dtype == "fp32",
+                SOFTCAP=triton_fwd.softcap_constexpr(softcap))  # fmt: skip
     plan = {
         "fwd": (triton_fwd._fwd_kernel, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages),
         "dq": (triton_bwd._dq_kernel, cfg.dq_block_m, cfg.dq_block_n, cfg.dq_num_warps, cfg.dq_num_stages),
@@ -130,7 +133,8 @@ def reports(arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"),
     }
     for name in kernels:
         fn, m, n, warps, stages = plan[name]
-        rep = Report(arch, dtype, head_dim, name, f"M{m} N{n} w{warps} s{stages}")
+        cap = "" if softcap is None else f" cap{softcap:g}"
+        rep = Report(arch, dtype, head_dim, name, f"M{m} N{n} w{warps} s{stages}{cap}")
         t0 = time.perf_counter()
         try:
             rep.shared, rep.registers, rep.stack = compile_kernel(
@@ -148,6 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp16", "fp32"])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--kernels", nargs="+", default=["fwd", "dq", "dkdv"], choices=["fwd", "dq", "dkdv"])
+    p.add_argument("--softcap", type=float, default=None, help="compile the logit-softcapping variant with this cap")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler this script reports on")
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
     for arch in args.arch:
         for dtype in args.dtypes:
             for head_dim in args.head_dims:
-                for rep in reports(arch, dtype, head_dim, args.kernels):
+                for rep in reports(arch, dtype, head_dim, args.kernels, softcap=args.softcap):
                     print(rep.line(), flush=True)
                     failed += not rep.ok
     print(f"{failed} kernel(s) failed or do not fit" if failed else "every kernel compiled and fits")

@@ -3,7 +3,7 @@
 Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_attention``, ``PlanCache``,
 ``RingComm``, ``LoopbackComm``.
 Transformers integration (imported on first use): ``apply_ring_attention``, ``revert_ring_attention``,
-``shard_batch``, ``reduce_loss``.
+``shard_batch``, ``reduce_loss``, ``apply_chunked_loss``, ``revert_chunked_loss``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ _LAZY = {
     "register_attention": "hf_ring.apply",
     "shard_batch": "hf_ring.batch",
     "reduce_loss": "hf_ring.batch",
+    "apply_chunked_loss": "hf_ring.loss",
+    "revert_chunked_loss": "hf_ring.loss",
 }
 
 __all__ = [

@@ -46,7 +46,11 @@ concern: ``apply_to_model``, ``prepare_data_loader`` / ``reshard_prepared_data_l
 ``plugin.prepare(accelerator, ...)`` is ``check`` + ``setup`` + ``prepare``.
 
 Configuration enters here only: arguments, or the environment variables ``HF_RING_CP_SIZE``,
-``HF_RING_LAYOUT`` and ``HF_RING_BACKEND`` for the arguments left as None (read at construction).
+``HF_RING_LAYOUT``, ``HF_RING_BACKEND`` and ``HF_RING_CHUNKED_LOSS`` for the arguments left as None
+(read at construction).
+
+Memory: models get the chunked loss by default (``chunked_loss=True``, ``hf_ring.apply_chunked_loss``):
+with labels they compute the loss without the ``[tokens, vocab]`` logits and return ``logits=None``.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ from .hf_attention import RingConfig
 from .layout import check_layout
 
 __all__ = [
-    "ENV_BACKEND", "ENV_CP_SIZE", "ENV_LAYOUT", "RingAttentionPlugin", "RingSetup", "apply_to_model",
+    "ENV_BACKEND", "ENV_CHUNKED_LOSS", "ENV_CP_SIZE", "ENV_LAYOUT", "RingAttentionPlugin", "RingSetup", "apply_to_model",
     "data_parallel_scheduler", "prepare", "prepare_data_loader", "reduce_gradients", "reduce_loss",
     "reshard_prepared_data_loader", "shard_collate",
 ]  # fmt: skip
@@ -73,6 +77,7 @@ __all__ = [
 ENV_CP_SIZE = "HF_RING_CP_SIZE"
 ENV_LAYOUT = "HF_RING_LAYOUT"
 ENV_BACKEND = "HF_RING_BACKEND"
+ENV_CHUNKED_LOSS = "HF_RING_CHUNKED_LOSS"
 
 _DDP_TYPES = (
     "NO",
@@ -97,6 +102,17 @@ def _env_int(name: str) -> int | None:
         raise ValueError(
             f"{name}={raw!r} is not an integer; set it to the context-parallel size, e.g. {name}=2"
         ) from None
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = (os.environ.get(name) or "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; set it to 1 or 0")
 
 
 def _check_supported_model(model) -> None:
@@ -246,6 +262,11 @@ class RingAttentionPlugin:
             None: ``HF_RING_BACKEND`` or auto.
         pad_to_multiple: pad each batch's sequence to the layout's multiple (2 x cp_size for zigzag)
             with ignored tokens; if False, other lengths raise.
+        chunked_loss: compute the loss chunk by chunk of tokens, never holding the [tokens, vocab] logits
+            (``hf_ring.apply_chunked_loss``; outputs with labels then have ``logits=None``). None:
+            ``HF_RING_CHUNKED_LOSS`` (``0`` turns it off), else on. A model whose forward another library
+            already replaced (TRL's fused LM head) keeps that one.
+        loss_chunk_size: tokens per chunk of the chunked loss (None: one chunk's fp32 logits within 256 MiB).
 
     The configuration is frozen and validated at construction (the environment is read there and only
     there). ``check(accelerator)`` validates an Accelerator without communicating; ``setup(accelerator)``
@@ -258,6 +279,8 @@ class RingAttentionPlugin:
     layout: str | None = None
     backend: str | None = None
     pad_to_multiple: bool = True
+    chunked_loss: bool | None = None
+    loss_chunk_size: int | None = None
     _setups: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -265,6 +288,7 @@ class RingAttentionPlugin:
             "cp_size": self.cp_size if self.cp_size is not None else _env_int(ENV_CP_SIZE),
             "layout": self.layout if self.layout is not None else (os.environ.get(ENV_LAYOUT) or "zigzag"),
             "backend": self.backend if self.backend is not None else (os.environ.get(ENV_BACKEND) or "auto"),
+            "chunked_loss": self.chunked_loss if self.chunked_loss is not None else _env_flag(ENV_CHUNKED_LOSS, True),
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
@@ -274,6 +298,11 @@ class RingAttentionPlugin:
             raise ValueError(f"cp_size must be at least 1, got {self.cp_size} (set cp_size or {ENV_CP_SIZE})")
         check_layout(self.layout)
         RingConfig(layout=self.layout, backend=self.backend)  # validates the backend name
+        if not isinstance(self.chunked_loss, bool):
+            raise TypeError(f"chunked_loss must be a bool or None, got {self.chunked_loss!r}")
+        size = self.loss_chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"loss_chunk_size must be a positive int (tokens per chunk) or None, got {size!r}")
 
     # ---- checks (no communication) and setup ---------------------------------------------------
 
@@ -464,11 +493,16 @@ class _ScaleLossGrad:
 
 
 def apply_to_model(ring: RingSetup, model):
-    """Switch ``model`` (PreTrainedModel or PeftModel) to ring attention over this rank's CP group."""
-    from .apply import apply_ring_attention
+    """Switch ``model`` (PreTrainedModel or PeftModel) to ring attention over this rank's CP group, and to the
+    chunked loss if the plugin asks for it (unless another library already replaced its forward)."""
+    from .apply import apply_ring_attention, unwrap_transformers_model
+    from .loss import apply_chunked_loss, is_chunked
 
     _check_supported_model(model)
     apply_ring_attention(model, group=ring.cp_group, layout=ring.plugin.layout, backend=ring.plugin.backend)
+    target = unwrap_transformers_model(model)
+    if ring.plugin.chunked_loss and (is_chunked(target) or "forward" not in vars(target)):
+        apply_chunked_loss(target, chunk_size=ring.plugin.loss_chunk_size)
     if id(model) not in ring.loss_counts.hooked:
         model.register_forward_pre_hook(ring.loss_counts, with_kwargs=True)
         ring.loss_counts.hooked.add(id(model))

@@ -92,6 +92,9 @@ class FamilyPatch:
     model_types: tuple
     attention_class: str  # "transformers.models.llama.modeling_llama.LlamaAttention"
     check_config: Callable = _no_check
+    # what the family's causal-LM head does to the lm_head output before the loss: (config, logits) ->
+    # logits (final logit softcapping, logit scales); None: nothing (``hf_ring.apply_chunked_loss`` uses it)
+    logit_transform: Callable | None = None
 
     def attention_type(self) -> type:
         module, _, cls = self.attention_class.rpartition(".")

@@ -437,3 +437,31 @@ def test_ring_config_copies_share_the_group_and_pickling_drops_it_with_a_warning
 def test_shard_batch_errors(batch, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         hf_ring.shard_batch(batch, **kwargs)
+
+
+@pytest.mark.parametrize("model_type", sorted(REGISTRY))
+def test_plugin_prepares_every_supported_family(model_type):
+    """plugin.prepare (one process) takes every family of the registry; its DataLoader's shards give the
+    unmodified model's loss (the multi-rank parity of each family is in test_hf_parity.py)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from hf_ring.accelerate import RingAttentionPlugin
+    from tests.test_accelerate_config import collate
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(1, VOCAB, (2, 21), generator=g)]
+    ref = make_model(model_type)
+    with torch.no_grad():
+        want = ref(**collate(data)).loss
+    accelerator = Accelerator(cpu=True)
+    try:
+        model, dl = RingAttentionPlugin(cp_size=1).prepare(
+            accelerator, make_model(model_type), torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate)
+        )
+        assert model.config._attn_implementation == "hf_ring"
+        with torch.no_grad():
+            got = model(**next(iter(dl))).loss
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert float((got - want).abs() / want.abs()) < 1e-5

@@ -89,6 +89,22 @@ def _reference(batches_per_step: list) -> tuple[list, dict]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _token_metrics_reference(micro_batches: list) -> list:
+    """TRL's logged (entropy, mean_token_accuracy) of the first step, from the initial model on full sequences:
+    per micro-batch, the mean over its target tokens (of every rank), then the mean over the micro-batches."""
+    model = tiny_llama()
+    entropies, accuracies = [], []
+    with torch.no_grad():
+        for (batch,) in micro_batches:  # one DP group (CP = 2 on 2 ranks)
+            logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+            target = batch["labels"][:, 1:]
+            valid = target != -100
+            logp = logits.float().log_softmax(-1)
+            entropies.append(float(-(logp.exp() * logp).sum(-1)[valid].mean()))
+            accuracies.append(float((logits.argmax(-1) == target)[valid].float().mean()))
+    return [(sum(entropies) / len(entropies), sum(accuracies) / len(accuracies))]
+
+
 def _eval_reference(eval_data: list, state: dict, dp: int) -> float:
     """The eval loss a plain ``dp``-process Trainer reports, computed in one process.
 
@@ -138,6 +154,7 @@ def worker(out: Path, world: int) -> None:
     import torch.distributed as dist
 
     from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.loss import is_chunked
     from hf_ring.trainer import RingAttentionTrainer
 
     rank = int(os.environ.get("RANK", "0"))
@@ -157,6 +174,7 @@ def worker(out: Path, world: int) -> None:
         ring_plugin=RingAttentionPlugin(cp_size=2),
     )
     trainer.train()
+    res["chunked"] = is_chunked(model)  # the plugin's default: the loss without [tokens, vocab] logits
     res["losses"] = _losses(trainer)
     res["eval_loss"] = trainer.evaluate()["eval_loss"]
     res["total_batch"] = trainer.get_total_train_batch_size(trainer.args)
@@ -188,6 +206,7 @@ def worker(out: Path, world: int) -> None:
             res["packed_weights_err"] = max_param_rel_err(extra["packed_state"], packed_ref_state)
         if "trl_state" in extra:
             res["trl_weights_err"] = max_param_rel_err(extra["trl_state"], ref_state)
+            res["trl_metrics_ref"] = _token_metrics_reference(steps[0])
     res.pop("feats", None)
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     if dist.is_initialized():
@@ -199,6 +218,7 @@ def _packed_and_trl(out: Path, train: list) -> dict:
     from transformers import DataCollatorWithFlattening
 
     from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.loss import is_chunked
     from hf_ring.trainer import RingAttentionTrainer
 
     res: dict = {}
@@ -209,9 +229,10 @@ def _packed_and_trl(out: Path, train: list) -> dict:
         args=_args(out, "packed", per_device_train_batch_size=3, gradient_accumulation_steps=1),
         train_dataset=feats,
         data_collator=DataCollatorWithFlattening(),
-        ring_plugin=RingAttentionPlugin(cp_size=2),
+        ring_plugin=RingAttentionPlugin(cp_size=2, chunked_loss=False),  # the switch off: the model's own loss
     )
     trainer.train()
+    res["packed_chunked"] = is_chunked(packed_model)
     res["feats"] = feats
     res["packed_losses"] = _losses(trainer)
     res["packed_state"] = {k: v.detach().clone() for k, v in packed_model.state_dict().items()}
@@ -225,6 +246,11 @@ def _packed_and_trl(out: Path, train: list) -> dict:
         return res
     trainer = sft_trainer(RingSFTTrainer, out, train)
     trainer.train()
+    # TRL's own fused LM head (no full logits either) stays in charge; its metrics come from it
+    res["trl_keeps_its_head"] = "forward" in vars(trainer.model) and not is_chunked(trainer.model)
+    res["trl_metrics"] = [
+        (h["entropy"], h["mean_token_accuracy"]) for h in trainer.state.log_history if "entropy" in h
+    ][:1]
     res["trl"] = _losses(trainer)
     res["trl_state"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return res
@@ -294,6 +320,7 @@ def _close(got, ref):
 
 def test_trainer_losses_and_weights_match_single_process(launch):
     r = launch[0]
+    assert all(x["chunked"] for x in launch)  # under the plugin's default chunked loss
     _close(r["losses"], r["ref_losses"])
     assert r["weights_err"] <= RTOL
     assert all(x["losses"] == r["losses"] for x in launch)
@@ -312,6 +339,7 @@ def test_trainer_packing_with_data_collator_with_flattening(launch):
         pytest.skip("checked once, on the CP = 2 launch")
     _close(r["packed_losses"], r["packed_ref_losses"])
     assert r["packed_weights_err"] <= RTOL
+    assert not r["packed_chunked"]  # chunked_loss=False: the model's own loss, exact as well
 
 
 def test_trl_sft_trainer(launch):
@@ -322,6 +350,11 @@ def test_trl_sft_trainer(launch):
         pytest.skip("TRL is not installed")
     _close(r["trl"], r["ref_losses"])
     assert r["trl_weights_err"] <= RTOL
+    assert all(x["trl_keeps_its_head"] for x in launch)
+    # entropy and token accuracy, exact over the CP group (TRL gathers its per-rank sums over every process)
+    ((entropy, accuracy),) = r["trl_metrics"]
+    ((want_entropy, want_accuracy),) = r["trl_metrics_ref"]
+    assert abs(entropy - want_entropy) <= 1e-4 * want_entropy and abs(accuracy - want_accuracy) <= 1e-6
 
 
 if __name__ == "__main__":

@@ -1,0 +1,233 @@
+"""``apply_chunked_loss``: the causal-LM loss without ever holding the ``[tokens, vocab]`` logits.
+
+At long context the logits dominate a step's memory: fp32 logits are ``4 x vocab`` bytes per token
+(512 KB for a 128K vocabulary), and their gradient as much again. With labels, a model switched by
+``apply_chunked_loss`` computes the lm_head projection, the family's logit transform (final logit
+softcapping, logit scales) and the cross-entropy chunk by chunk of tokens, each chunk under
+activation checkpointing: its logits are freed after the forward and recomputed, one chunk at a
+time, in the backward. Only tokens with a target are projected at all (prompt and padding tokens of
+a supervised batch cost nothing).
+
+The loss is the one the unmodified model computes (Transformers' ``ForCausalLMLoss``): fp32
+cross-entropy over ``shift_labels`` (or ``labels`` shifted by one), summed and divided by
+``num_items_in_batch`` when given, averaged over the targets otherwise; ``ignore_index`` -100. So the
+context-parallel loss contract of ``shard_batch`` holds unchanged. The output has ``logits=None``;
+without labels the model's own forward runs (logits as before).
+
+Works with any lm_head module (tied embeddings, LoRA on the head), gradient checkpointing,
+``torch.compile`` and PEFT models. Refused with a clear error: a family hf_ring does not know (its
+logit transform would be unknown), ``output_router_logits`` (an MoE auxiliary loss), a custom
+``loss_type``, ``logits_to_keep`` with labels.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "CHUNK_BYTES", "apply_chunked_loss", "chunked_causal_lm_loss", "default_chunk_size", "is_chunked",
+    "revert_chunked_loss",
+]  # fmt: skip
+
+CHUNK_BYTES = 256 * 2**20
+"""The default chunk keeps one chunk's fp32 logits within this many bytes (256 MiB)."""
+
+_ATTR = "hf_ring_chunked_loss"
+"""Attribute of a switched model: its chunk size (None: the default for its vocabulary)."""
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk so that a chunk's fp32 logits stay within ``CHUNK_BYTES``."""
+    return max(1, CHUNK_BYTES // (4 * int(vocab_size)))
+
+
+def _chunk_loss(hidden, head, transform, targets, ignore_index):
+    """Summed fp32 cross-entropy of one chunk (its logits exist only inside this call)."""
+    logits = head(hidden)
+    if transform is not None:
+        logits = transform(logits)
+    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+def chunked_causal_lm_loss(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    *,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+    transform=None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Transformers' causal-LM loss of ``head(hidden)``, computed chunk by chunk of tokens.
+
+    Args:
+        hidden: [batch, seq, hidden] final hidden states.
+        head: the lm_head module (any module mapping hidden states to logits).
+        labels: [batch, seq] token ids, shifted here by one (the last position has no target), or
+        shift_labels: [batch, seq] targets already aligned with the positions (``shard_batch``'s).
+        num_items_in_batch: divide the summed loss by it (the Trainer's / shard_batch's global count);
+            None: the mean over this call's targets.
+        transform: applied to each chunk's logits before the loss (a family's final logit transform).
+        chunk_size: tokens per chunk (default: ``default_chunk_size`` of the head's output width).
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("chunked_causal_lm_loss needs labels or shift_labels")
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if targets.shape[0] != flat.shape[0]:
+        raise ValueError(
+            f"labels cover {targets.shape[0]} positions but the hidden states {flat.shape[0]}; pass labels of the "
+            "input's [batch, seq] shape"
+        )
+    keep = (targets != ignore_index).nonzero().squeeze(1)  # only positions with a target are projected
+    flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
+    if chunk_size is None:
+        width = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [1])[0]
+        chunk_size = default_chunk_size(width)
+    total = flat.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        if torch.is_grad_enabled() and flat.requires_grad:
+            loss = checkpoint(
+                _chunk_loss, flat[part], head, transform, targets[part], ignore_index, use_reentrant=False
+            )
+        else:
+            loss = _chunk_loss(flat[part], head, transform, targets[part], ignore_index)
+        total = total + loss
+    if num_items_in_batch is None:
+        return total / keep.numel()  # the mean over targets (NaN without any, as Transformers)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _patch_of(target):
+    from .patches import get_patch
+
+    return get_patch(getattr(target.config, "model_type", None))
+
+
+def _check(target) -> None:
+    """ValueError (before anything is changed) for what the chunked loss cannot reproduce exactly."""
+    _patch_of(target)  # ValueError naming the supported model types
+    loss_type = getattr(target, "loss_type", None) or getattr(target.config, "loss_type", None)
+    if loss_type not in (None, "ForCausalLM"):
+        raise ValueError(
+            f"{type(target).__name__} uses loss_type={loss_type!r}; hf_ring's chunked loss computes the causal-LM "
+            "cross-entropy (ForCausalLM) only"
+        )
+    for name in ("lm_head", target.base_model_prefix):
+        if not isinstance(getattr(target, name, None), torch.nn.Module):
+            raise ValueError(
+                f"{type(target).__name__} has no {name!r} module: hf_ring's chunked loss applies to causal-LM "
+                "models (XForCausalLM) with a base model and an lm_head"
+            )
+
+
+def _chunked_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    **kwargs,
+):
+    """The causal-LM forward with the chunked loss when labels are given (installed per instance)."""
+    if labels is None:
+        return type(self).forward(
+            self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+            logits_to_keep=logits_to_keep, **kwargs,
+        )  # fmt: skip
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError("logits_to_keep cannot be combined with labels under hf_ring's chunked loss")
+    if kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False)):
+        raise ValueError(
+            "output_router_logits=True adds the MoE router's auxiliary loss, which hf_ring's chunked loss does "
+            "not compute; set config.output_router_logits=False (or revert_chunked_loss(model))"
+        )
+    return_dict = kwargs.pop("return_dict", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    outputs = getattr(self, self.base_model_prefix)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+    )  # fmt: skip
+    transform = _patch_of(self).logit_transform
+    loss = chunked_causal_lm_loss(
+        outputs.last_hidden_state,
+        self.lm_head,
+        labels=labels,
+        shift_labels=shift_labels,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        ignore_index=ignore_index,
+        transform=None if transform is None else (lambda logits: transform(self.config, logits)),
+        chunk_size=getattr(self, _ATTR),
+    )
+    out = _output(loss, outputs)
+    return out.to_tuple() if return_dict is False else out
+
+
+def _output(loss, outputs):
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    common = dict(
+        loss=loss, logits=None, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )  # fmt: skip
+    if hasattr(outputs, "router_logits"):
+        return MoeCausalLMOutputWithPast(aux_loss=None, router_logits=outputs.router_logits, **common)
+    return CausalLMOutputWithPast(**common)
+
+
+def apply_chunked_loss(model, *, chunk_size: int | None = None):
+    """Compute ``model``'s loss chunk by chunk, never holding the ``[tokens, vocab]`` logits (in place).
+
+    Args:
+        model: a causal-LM ``PreTrainedModel`` of a family hf_ring supports, or a ``PeftModel`` wrapping one.
+        chunk_size: tokens per chunk; None keeps one chunk's fp32 logits within ``CHUNK_BYTES`` (256 MiB).
+
+    Returns ``model``. With labels, ``model(**batch).loss`` equals the unmodified model's loss (and its
+    gradients), and ``logits`` is None; without labels nothing changes. Calling it again replaces the
+    chunk size; ``revert_chunked_loss`` restores the model's own forward.
+    """
+    from .apply import _transformers_model
+
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None, got {chunk_size!r}")
+    target = _transformers_model(model)
+    _check(target)
+    setattr(target, _ATTR, chunk_size)
+    target.forward = types.MethodType(_chunked_forward, target)
+    return model
+
+
+def revert_chunked_loss(model):
+    """Restore the forward ``model`` had before ``apply_chunked_loss`` (in place); returns it."""
+    from .apply import _transformers_model
+
+    target = _transformers_model(model)
+    if not hasattr(target, _ATTR):
+        raise ValueError(f"{type(target).__name__} has no chunked loss to revert (apply_chunked_loss was not called)")
+    del target.forward
+    delattr(target, _ATTR)
+    return model
+
+
+def is_chunked(model) -> bool:
+    """True when ``apply_chunked_loss`` switched ``model`` (or the Transformers model inside it)."""
+    from .apply import unwrap_transformers_model
+
+    target = unwrap_transformers_model(model)
+    return target is not None and hasattr(target, _ATTR)

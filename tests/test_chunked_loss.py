@@ -1,0 +1,176 @@
+"""``apply_chunked_loss``: the unmodified model's loss and gradients without the ``[tokens, vocab]`` logits.
+
+Every registered family (their final logit transforms included) against the unmodified model on the
+same batch, plain and padded, with many small chunks; tied embeddings, LoRA with gradient
+checkpointing, ``num_items_in_batch`` / ``shift_labels`` (the context-parallel contract, on a real
+2-rank gloo group with ring attention), no labels (the model's own forward), that no tensor of
+``[tokens, vocab]`` is kept for the backward, and the errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_ring
+from hf_ring.loss import default_chunk_size, is_chunked
+
+from .dist_utils import run_distributed
+from .test_hf_parity import make_batch, make_model
+
+RTOL = 1e-5  # fp32: the chunked sum reorders the additions of the loss, nothing else
+CHUNK = 7  # tokens per chunk: many chunks, a ragged last one
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _loss_and_grads(model, batch) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _families() -> list:
+    from hf_ring.patches import supported_model_types
+
+    return supported_model_types()
+
+
+@pytest.mark.parametrize("family", _families())
+def test_every_family_matches_the_unmodified_loss_and_gradients(family):
+    model = make_model(family)
+    for kind in ("plain", "padded"):
+        batch, _ = make_batch(kind, 40)
+        ref, ref_grads = _loss_and_grads(model, batch)
+        assert hf_ring.apply_chunked_loss(model, chunk_size=CHUNK) is model and is_chunked(model)
+        out, grads = _loss_and_grads(model, batch)
+        hf_ring.revert_chunked_loss(model)
+        assert out.logits is None and not is_chunked(model)
+        assert _rel(out.loss, ref.loss) <= RTOL, (family, kind)
+        assert grads.keys() == ref_grads.keys()
+        worst = max(grads, key=lambda n: _rel(grads[n], ref_grads[n]))
+        assert _rel(grads[worst], ref_grads[worst]) <= RTOL, (family, kind, worst)
+
+
+def test_without_labels_the_model_runs_as_before_and_revert_restores_it():
+    model = make_model("gemma2").eval()
+    ids = make_batch("plain", 40)[0]["input_ids"]
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        hf_ring.apply_chunked_loss(model)
+        during = model(input_ids=ids).logits
+        hf_ring.revert_chunked_loss(model)
+        after = model(input_ids=ids, labels=ids)
+    assert torch.equal(during, before)
+    assert after.logits is not None and torch.equal(after.logits, before)  # the model's own forward again
+    assert "forward" not in vars(model)
+
+
+def test_tied_embeddings_lora_and_gradient_checkpointing():
+    from peft import LoraConfig, get_peft_model
+
+    batch, _ = make_batch("packed", 40)
+    tied = make_model("llama", tie_word_embeddings=True)
+    tied.tie_weights()
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    ref, ref_grads = _loss_and_grads(tied, batch)
+    hf_ring.apply_chunked_loss(tied, chunk_size=CHUNK)
+    out, grads = _loss_and_grads(tied, batch)
+    assert _rel(out.loss, ref.loss) <= RTOL
+    assert max(_rel(grads[n], ref_grads[n]) for n in ref_grads) <= RTOL
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                      target_modules=["q_proj", "v_proj", "lm_head"])  # fmt: skip
+    peft = get_peft_model(make_model("qwen2"), lora)
+    peft.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    peft.train()
+    ref, ref_grads = _loss_and_grads(peft, batch)
+    assert hf_ring.apply_chunked_loss(peft, chunk_size=CHUNK) is peft
+    out, grads = _loss_and_grads(peft, batch)
+    assert any("lm_head" in n for n in grads)  # LoRA on the head: its adapters get gradients through the chunks
+    assert _rel(out.loss, ref.loss) <= RTOL
+    assert max(_rel(grads[n], ref_grads[n]) for n in ref_grads) <= RTOL
+
+
+def test_no_tensor_of_tokens_by_vocab_is_kept_for_backward():
+    vocab = 211  # a width no other tensor of the model has
+    model = make_model("llama", vocab_size=vocab)
+    batch, _ = make_batch("plain", 40)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() if vocab in t.shape else 0)
+        return t
+
+    hf_ring.apply_chunked_loss(model, chunk_size=CHUNK)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch).loss.backward()
+    assert max(saved) <= CHUNK * vocab  # at most one chunk's logits (here none: each chunk is recomputed)
+    hf_ring.revert_chunked_loss(model)
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch).loss.backward()
+    assert max(saved) >= batch["input_ids"].numel() * vocab  # the yardstick: the unmodified model keeps them
+
+
+def test_default_chunk_size_keeps_a_chunk_of_fp32_logits_within_256_mib():
+    assert default_chunk_size(128256) == 523  # Llama-3: 523 x 128256 x 4 bytes = 255.9 MiB
+    assert default_chunk_size(49152) * 49152 * 4 <= 256 * 2**20 < (default_chunk_size(49152) + 1) * 49152 * 4
+
+
+def test_errors_name_what_is_unsupported():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="no ring-attention patch for model type 'gpt2'"):
+        hf_ring.apply_chunked_loss(GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32)))
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        hf_ring.apply_chunked_loss(make_model("llama"), chunk_size=0)
+    with pytest.raises(ValueError, match="no chunked loss to revert"):
+        hf_ring.revert_chunked_loss(make_model("llama"))
+    batch, _ = make_batch("plain", 40)
+    moe = hf_ring.apply_chunked_loss(make_model("mixtral"))
+    with pytest.raises(ValueError, match="output_router_logits=True adds the MoE router's auxiliary loss"):
+        moe(**batch, output_router_logits=True)
+    with pytest.raises(ValueError, match="logits_to_keep cannot be combined with labels"):
+        hf_ring.apply_chunked_loss(make_model("llama"))(**batch, logits_to_keep=1)
+    custom = make_model("llama")
+    custom.loss_type = "ForMaskedLM"
+    with pytest.raises(ValueError, match="loss_type='ForMaskedLM'"):
+        hf_ring.apply_chunked_loss(custom)
+
+
+# ---- the context-parallel contract: shard_batch's shift_labels and num_items_in_batch, 2 ranks ----------
+
+
+def _cp_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    res = {}
+    for family, kind in (("llama", "packed"), ("gemma2", "plain")):
+        batch, ref_batch = make_batch(kind, 40)
+        model = make_model(family)
+        ref, ref_grads = _loss_and_grads(model, ref_batch)
+        hf_ring.apply_ring_attention(model)
+        hf_ring.apply_chunked_loss(model, chunk_size=CHUNK)
+        local = hf_ring.shard_batch(batch)
+        out, grads = _loss_and_grads(model, local)
+        for g in grads.values():
+            dist.all_reduce(g)
+        res[family] = {
+            "logits_none": out.logits is None,
+            "loss": _rel(hf_ring.reduce_loss(out.loss), ref.loss),
+            "grad": max(_rel(grads[n], ref_grads[n]) for n in ref_grads),
+        }
+    return res
+
+
+def test_context_parallel_shares_sum_to_the_unsharded_loss_and_gradients():
+    for res in run_distributed(_cp_worker, 2, timeout=180):
+        for family, r in res.items():
+            assert r["logits_none"], family
+            assert r["loss"] <= RTOL and r["grad"] <= RTOL, (family, r)
