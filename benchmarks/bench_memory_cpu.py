@@ -4,12 +4,16 @@
         [--budget-gib 8] [--time-limit 900]
     .venv/bin/python benchmarks/bench_memory_cpu.py --full --engines ddp,fsdp2 --cp-sizes 2 --dp-sizes 1,2 \\
         --lengths 2048                                  # full fine-tuning: DDP beside FSDP2, CP=2 and DP=2 x CP=2
+    .venv/bin/python benchmarks/bench_memory_cpu.py --losses chunked,full --cp-sizes 2 --lengths 4096,8192
+                                                        # hf_ring's chunked loss beside the full logits
 
 For every (engine, DP size, CP size, sequence length) it launches ``torchrun`` with DP x CP processes
 that each run one training step (CP = 1 is the baseline without hf_ring: plain Transformers sdpa
 attention) (forward + backward + AdamW, activation checkpointing on unless ``--no-gc``) on the demo
 model, LoRA r=16 on q/k/v/o or with ``--full`` every weight, and sample their resident set size; the
-figure is the largest peak over the ranks. FSDP2 shards the model over every process through
+figure is the largest peak over the ranks. ``--losses``: ``chunked`` (``hf_ring.apply_chunked_loss``,
+the plugin's default; also applied to the CP = 1 baseline) and/or ``full`` (the model's own loss over
+the full ``[tokens, vocab]`` logits). FSDP2 shards the model over every process through
 Accelerate's own FSDP2 path (Accelerate enables FSDP on GPUs only, so on CPU the worker switches the
 Accelerator to FSDP2 as it is on a GPU). Lengths of
 one CP size are run in increasing order and stop at the first that fails or runs past the time limit.
@@ -56,6 +60,7 @@ FIELDS = [
     "seq_len",
     "tokens_per_rank",
     "activation_checkpointing",
+    "loss",
     "threads_per_rank",
     "peak_rss_mib_max_rank",
     "peak_rss_mib_per_rank",
@@ -104,7 +109,8 @@ def worker(args) -> None:
 
         accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-    plugin = RingAttentionPlugin(cp_size=args.cp_size)
+    chunked = args.loss == "chunked"
+    plugin = RingAttentionPlugin(cp_size=args.cp_size, chunked_loss=chunked)
     with accelerator.local_main_process_first():
         model, tokenizer = load_model_and_tokenizer(None)
     if not args.no_gc:
@@ -119,7 +125,11 @@ def worker(args) -> None:
     data = long_documents(tokenizer, args.seq_len, accelerator.num_processes // args.cp_size)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     loader = DataLoader(data, batch_size=1, collate_fn=collate)
-    if args.cp_size == 1:  # the baseline: plain Transformers attention (sdpa), no hf_ring
+    if args.cp_size == 1:  # the baseline: plain Transformers attention (sdpa), no ring attention
+        if chunked:
+            from hf_ring import apply_chunked_loss
+
+            apply_chunked_loss(model)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     else:
         model, optimizer, loader = plugin.prepare(accelerator, model, optimizer, loader)
@@ -157,12 +167,13 @@ def worker(args) -> None:
 # ---- the driver ----------------------------------------------------------------------------------
 
 
-def run_one(cp: int, seq_len: int, args, threads: int, dp: int = 1, engine: str = "ddp") -> dict:
+def run_one(cp: int, seq_len: int, args, threads: int, dp: int = 1, engine: str = "ddp", loss: str = "full") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         nproc = dp * cp
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(HERE)]
         cmd += ["--worker", "--cp-size", str(cp), "--seq-len", str(seq_len), "--json", str(out), "--engine", engine]
+        cmd += ["--loss", loss]
         if args.no_gc:
             cmd.append("--no-gc")
         if args.full:
@@ -196,6 +207,8 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--engine", default="ddp", help=argparse.SUPPRESS)
+    p.add_argument("--losses", default="chunked", help="chunked (hf_ring's chunked loss) and/or full (the full logits)")
+    p.add_argument("--loss", default="chunked", choices=["chunked", "full"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -204,6 +217,7 @@ def main(argv=None) -> None:
     common = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "cores": cores, **_versions()}
     common["model"] = "SmolLM2-135M-Instruct " + ("full fine-tuning" if args.full else "LoRA r=16 (q,k,v,o)")
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+    _add_loss_column(Path(args.csv))
     new = not Path(args.csv).exists()
     results = {}
     with open(args.csv, "a", newline="") as f:
@@ -211,15 +225,16 @@ def main(argv=None) -> None:
         if new:
             writer.writeheader()
         configs = [
-            (engine, dp, cp)
+            (engine, dp, cp, loss)
             for engine in args.engines.split(",")
             for dp in (int(x) for x in args.dp_sizes.split(","))
             for cp in (int(x) for x in args.cp_sizes.split(","))
+            for loss in args.losses.split(",")
         ]
-        for engine, dp, cp in configs:
+        for engine, dp, cp, loss in configs:
             threads = max(1, cores // (dp * cp))
             for seq_len in (int(x) for x in args.lengths.split(",")):
-                r = run_one(cp, seq_len, args, threads, dp=dp, engine=engine)
+                r = run_one(cp, seq_len, args, threads, dp=dp, engine=engine, loss=loss)
                 peaks = r.get("peaks", [])
                 row = {
                     **common,
@@ -230,6 +245,7 @@ def main(argv=None) -> None:
                     "seq_len": seq_len,
                     "tokens_per_rank": seq_len // cp,
                     "activation_checkpointing": not args.no_gc,
+                    "loss": loss,
                     "threads_per_rank": threads,
                     "peak_rss_mib_max_rank": round(max(peaks)) if peaks else "",
                     "peak_rss_mib_per_rank": " ".join(str(round(x)) for x in peaks),
@@ -239,9 +255,10 @@ def main(argv=None) -> None:
                 }
                 writer.writerow(row)
                 f.flush()
-                results[(engine, dp, cp, seq_len)] = row
+                results[(engine, dp, cp, loss, seq_len)] = row
                 print(
-                    f"{engine} DP={dp} CP={cp} seq_len={seq_len:>6}: peak RSS per rank {row['peak_rss_mib_per_rank'] or '-'} MiB, "
+                    f"{engine} DP={dp} CP={cp} {loss} loss seq_len={seq_len:>6}: peak RSS per rank "
+                    f"{row['peak_rss_mib_per_rank'] or '-'} MiB, "
                     f"step {row['step_seconds'] or '-'} s, launch {r['wall']:.0f} s, {r['status']}",
                     flush=True,
                 )
@@ -251,14 +268,27 @@ def main(argv=None) -> None:
                     break  # longer sequences of this CP size would not do better
     budget = args.budget_gib * 1024
     print(f"\nlongest measured sequence within {args.budget_gib:g} GiB per rank:")
-    for config in sorted({k[:3] for k in results}):
+    for config in sorted({k[:4] for k in results}):
         fits = [
-            k[3]
+            k[4]
             for k, row in results.items()
-            if k[:3] == config and row["status"] == "ok" and row["peak_rss_mib_max_rank"] <= budget
+            if k[:4] == config and row["status"] == "ok" and row["peak_rss_mib_max_rank"] <= budget
         ]
-        print(f"  {config[0]} DP={config[1]} CP={config[2]}: {max(fits) if fits else 'none'}")
+        print(f"  {config[0]} DP={config[1]} CP={config[2]} {config[3]} loss: {max(fits) if fits else 'none'}")
     print(f"rows appended to {args.csv}")
+
+
+def _add_loss_column(path: Path) -> None:
+    """Rows written before the ``loss`` column existed computed the full logits: fill it in for them."""
+    if not path.exists():
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and "loss" not in rows[0]:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows({**row, "loss": "full"} for row in rows)
 
 
 if __name__ == "__main__":

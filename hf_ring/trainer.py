@@ -19,6 +19,10 @@ what a single process computes on the full sequences, and the logged training lo
 token-weighted loss. Evaluation returns, per DP group, the loss a plain DP run gives that process and
 gathers it over the DP group only, so ``eval_loss`` equals the plain run's.
 
+Memory: the model computes its loss chunk by chunk (``hf_ring.apply_chunked_loss``, the plugin's
+default ``chunked_loss=True``), never holding the ``[tokens, vocab]`` logits; under ``RingSFTTrainer``
+TRL's own fused LM head, installed by ``SFTTrainer``, stays in charge instead.
+
 Caveats: evaluation returns the loss only (logits are sharded over the CP group, so
 ``compute_metrics`` on logits is not supported); ``average_tokens_across_devices`` must stay True;
 ``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP1 is refused
