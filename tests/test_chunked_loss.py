@@ -174,3 +174,17 @@ def test_context_parallel_shares_sum_to_the_unsharded_loss_and_gradients():
         for family, r in res.items():
             assert r["logits_none"], family
             assert r["loss"] <= RTOL and r["grad"] <= RTOL, (family, r)
+
+
+@pytest.mark.slow  # compiling the model on CPU takes about a minute
+def test_torch_compile_gives_the_same_loss_and_gradients():
+    model = make_model("llama")
+    batch, _ = make_batch("plain", 40)
+    ref, ref_grads = _loss_and_grads(model, batch)
+    hf_ring.apply_chunked_loss(model, chunk_size=16)
+    model.zero_grad(set_to_none=True)
+    out = torch.compile(model)(**batch)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert out.logits is None and _rel(out.loss, ref.loss) <= RTOL
+    assert max(_rel(grads[n], ref_grads[n]) for n in ref_grads) <= RTOL
