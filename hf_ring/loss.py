@@ -22,8 +22,6 @@ logit transform would be unknown), ``output_router_logits`` (an MoE auxiliary lo
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -179,6 +177,17 @@ def _chunked_forward(
     return out.to_tuple() if return_dict is False else out
 
 
+class _ChunkedForward:
+    """The instance ``forward`` of a switched model: ``_chunked_forward`` bound to it, picklable and
+    deep-copyable with the model (a bound method of a module-level function would not unpickle)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        return _chunked_forward(self.model, *args, **kwargs)
+
+
 def _output(loss, outputs):
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
@@ -209,7 +218,7 @@ def apply_chunked_loss(model, *, chunk_size: int | None = None):
     target = _transformers_model(model)
     _check(target)
     setattr(target, _ATTR, chunk_size)
-    target.forward = types.MethodType(_chunked_forward, target)
+    target.forward = _ChunkedForward(target)
     return model
 
 

@@ -71,6 +71,20 @@ def test_without_labels_the_model_runs_as_before_and_revert_restores_it():
     assert "forward" not in vars(model)
 
 
+def test_a_switched_model_pickles_and_deep_copies():
+    import copy
+    import pickle
+
+    model = hf_ring.apply_chunked_loss(make_model("llama"), chunk_size=CHUNK)
+    batch, _ = make_batch("plain", 40)
+    with torch.no_grad():
+        want = model(**batch).loss
+        for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+            assert is_chunked(twin) and twin.forward.model is twin  # bound to the copy, not the original
+            out = twin(**batch)
+            assert out.logits is None and torch.equal(out.loss, want)
+
+
 def test_tied_embeddings_lora_and_gradient_checkpointing():
     from peft import LoraConfig, get_peft_model
 
