@@ -36,9 +36,10 @@ ring-demo: $(STAMP)  ## CP=2 ring attention on CPU: exactness against plain atte
 bench-cpu: $(STAMP)  ## CP=2 gloo ranks vs 1 process, torch and sdpa backends
 	$(PY) benchmarks/bench_ring_cpu.py
 
-bench-gpu:  ## on a CUDA machine with the project installed: ring-step kernels, then N virtual ranks through ring_attention
+bench-gpu:  ## on a CUDA machine with the project installed: ring-step kernels, N virtual ranks through ring_attention, longest sequence
 	python3 benchmarks/bench_kernel.py
 	python3 benchmarks/bench_ring_sim.py
+	python3 benchmarks/bench_longest_gpu.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

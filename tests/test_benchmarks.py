@@ -104,3 +104,15 @@ def test_bench_ring_sim_flags_a_wrong_kernel(tmp_path, monkeypatch, capsys):
             "--results-dir", str(tmp_path)]  # fmt: skip
     assert bench_ring_sim.main(argv) == 1
     assert "INACCURATE virtual ranks: triton N=2 T=32" in capsys.readouterr().out
+
+
+def test_bench_longest_gpu_dry_run_bisects_to_the_budget(tmp_path, capsys):
+    """The search of bench_longest_gpu.py on CPU, with a simulated budget of 200 tokens (steps of 16)."""
+    import bench_longest_gpu
+
+    assert bench_longest_gpu.main(["--dry-run", "--dry-run-budget", "200", "--results-dir", str(tmp_path)]) == 0
+    assert "chunked loss: 192" in capsys.readouterr().out  # the largest multiple of 16 within the budget
+    rows = _rows(tmp_path, "longest_gpu")
+    for loss in ("chunked", "full"):
+        mine = {int(r["seq_len"]): r["status"] for r in rows if r["loss"] == loss}
+        assert mine[192] == "ok" and mine[208].startswith("out of memory") and mine[256].startswith("out of memory")
