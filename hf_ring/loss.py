@@ -90,6 +90,9 @@ def chunked_causal_lm_loss(
         width = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [1])[0]
         chunk_size = default_chunk_size(width)
     total = flat.new_zeros((), dtype=torch.float32)
+    if flat.shape[0] == 0:  # no target here (a shard of prompt or padding): the head still takes part, so
+        # its gradient is a zero tensor as with the full logits (DDP and FSDP2 expect one on every rank)
+        return _chunk_loss(flat, head, transform, targets, ignore_index) / _denominator(num_items_in_batch, 0, total)
     for start in range(0, flat.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         if torch.is_grad_enabled() and flat.requires_grad:
@@ -99,11 +102,17 @@ def chunked_causal_lm_loss(
         else:
             loss = _chunk_loss(flat[part], head, transform, targets[part], ignore_index)
         total = total + loss
+    return total / _denominator(num_items_in_batch, keep.numel(), total)
+
+
+def _denominator(num_items_in_batch, targets: int, like: torch.Tensor):
+    """What the summed loss is divided by: ``num_items_in_batch``, else this call's number of targets
+    (the mean; 0 targets give NaN, as in Transformers)."""
     if num_items_in_batch is None:
-        return total / keep.numel()  # the mean over targets (NaN without any, as Transformers)
+        return targets
     if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+        return num_items_in_batch.to(like.device)
+    return num_items_in_batch
 
 
 def _patch_of(target):

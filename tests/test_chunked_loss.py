@@ -71,6 +71,17 @@ def test_without_labels_the_model_runs_as_before_and_revert_restores_it():
     assert "forward" not in vars(model)
 
 
+def test_a_shard_without_targets_gives_zero_loss_and_zero_head_gradient():
+    """A CP shard of prompt or padding only: loss 0 (with num_items_in_batch), and every parameter, the head
+    included, gets a gradient tensor of zeros, as with the full logits (DDP / FSDP2 expect one on every rank)."""
+    model = hf_ring.apply_chunked_loss(make_model("llama"), chunk_size=CHUNK)
+    ids = make_batch("plain", 40)[0]["input_ids"]
+    out = model(input_ids=ids, labels=torch.full_like(ids, -100), num_items_in_batch=torch.tensor(17))
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
+
+
 def test_a_switched_model_pickles_and_deep_copies():
     import copy
     import pickle
