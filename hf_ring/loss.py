@@ -22,6 +22,8 @@ logit transform would be unknown), ``output_router_logits`` (an MoE auxiliary lo
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -188,10 +190,18 @@ def _chunked_forward(
 
 class _ChunkedForward:
     """The instance ``forward`` of a switched model: ``_chunked_forward`` bound to it, picklable and
-    deep-copyable with the model (a bound method of a module-level function would not unpickle)."""
+    deep-copyable with the model (a bound method of a module-level function would not unpickle).
+
+    It shows the signature of the model's own forward: the Trainer keeps the dataset columns the forward
+    names, and ``generate`` validates its keywords against it."""
 
     def __init__(self, model):
         self.model = model
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        sig = inspect.signature(type(self.model).forward)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])  # bound: without self
 
     def __call__(self, *args, **kwargs):
         return _chunked_forward(self.model, *args, **kwargs)

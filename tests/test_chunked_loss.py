@@ -9,6 +9,8 @@ checkpointing, ``num_items_in_batch`` / ``shift_labels`` (the context-parallel c
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -69,6 +71,10 @@ def test_without_labels_the_model_runs_as_before_and_revert_restores_it():
     assert torch.equal(during, before)
     assert after.logits is not None and torch.equal(after.logits, before)  # the model's own forward again
     assert "forward" not in vars(model)
+    # while switched, the forward shows the model's own signature (the Trainer keeps the columns it names)
+    hf_ring.apply_chunked_loss(model)
+    assert inspect.signature(model.forward) == inspect.signature(type(model).forward.__get__(model))
+    hf_ring.revert_chunked_loss(model)
 
 
 def test_a_shard_without_targets_gives_zero_loss_and_zero_head_gradient():
