@@ -167,7 +167,7 @@ def worker(args) -> None:
 # ---- the driver ----------------------------------------------------------------------------------
 
 
-def run_one(cp: int, seq_len: int, args, threads: int, dp: int = 1, engine: str = "ddp", loss: str = "full") -> dict:
+def run_one(cp: int, seq_len: int, args, threads: int, dp: int = 1, engine: str = "ddp", loss: str = "chunked") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         nproc = dp * cp

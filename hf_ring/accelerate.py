@@ -67,6 +67,7 @@ from torch.utils.data import DataLoader
 from .apply import unwrap_transformers_model
 from .hf_attention import RingConfig
 from .layout import check_layout
+from .loss import check_chunk_size
 
 __all__ = [
     "ENV_BACKEND", "ENV_CHUNKED_LOSS", "ENV_CP_SIZE", "ENV_LAYOUT", "RingAttentionPlugin", "RingSetup", "apply_to_model",
@@ -300,9 +301,7 @@ class RingAttentionPlugin:
         RingConfig(layout=self.layout, backend=self.backend)  # validates the backend name
         if not isinstance(self.chunked_loss, bool):
             raise TypeError(f"chunked_loss must be a bool or None, got {self.chunked_loss!r}")
-        size = self.loss_chunk_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"loss_chunk_size must be a positive int (tokens per chunk) or None, got {size!r}")
+        check_chunk_size(self.loss_chunk_size, "loss_chunk_size")
 
     # ---- checks (no communication) and setup ---------------------------------------------------
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
-    "CHUNK_BYTES", "apply_chunked_loss", "chunked_causal_lm_loss", "default_chunk_size", "is_chunked",
+    "CHUNK_BYTES", "apply_chunked_loss", "check_chunk_size", "chunked_causal_lm_loss", "default_chunk_size", "is_chunked",
     "revert_chunked_loss",
 ]  # fmt: skip
 
@@ -37,6 +37,12 @@ CHUNK_BYTES = 256 * 2**20
 
 _ATTR = "hf_ring_chunked_loss"
 """Attribute of a switched model: its chunk size (None: the default for its vocabulary)."""
+
+
+def check_chunk_size(value, name: str = "chunk_size") -> None:
+    """ValueError unless ``value`` is None or a positive int (tokens per chunk)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int (tokens per chunk) or None, got {value!r}")
 
 
 def default_chunk_size(vocab_size: int) -> int:
@@ -91,30 +97,19 @@ def chunked_causal_lm_loss(
     if chunk_size is None:
         width = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [1])[0]
         chunk_size = default_chunk_size(width)
-    total = flat.new_zeros((), dtype=torch.float32)
-    if flat.shape[0] == 0:  # no target here (a shard of prompt or padding): the head still takes part, so
-        # its gradient is a zero tensor as with the full logits (DDP and FSDP2 expect one on every rank)
-        return _chunk_loss(flat, head, transform, targets, ignore_index) / _denominator(num_items_in_batch, 0, total)
-    for start in range(0, flat.shape[0], chunk_size):
-        part = slice(start, start + chunk_size)
-        if torch.is_grad_enabled() and flat.requires_grad:
-            loss = checkpoint(
-                _chunk_loss, flat[part], head, transform, targets[part], ignore_index, use_reentrant=False
-            )
-        else:
-            loss = _chunk_loss(flat[part], head, transform, targets[part], ignore_index)
-        total = total + loss
-    return total / _denominator(num_items_in_batch, keep.numel(), total)
-
-
-def _denominator(num_items_in_batch, targets: int, like: torch.Tensor):
-    """What the summed loss is divided by: ``num_items_in_batch``, else this call's number of targets
-    (the mean; 0 targets give NaN, as in Transformers)."""
+    recompute = torch.is_grad_enabled() and flat.requires_grad
+    # no target here (a shard of prompt or padding): one empty chunk, so the head still takes part and its
+    # gradient is a zero tensor as with the full logits (DDP and FSDP2 expect one on every rank)
+    starts = range(0, flat.shape[0], chunk_size) if flat.shape[0] else [0]
+    total = 0
+    for a in starts:
+        args = (flat[a : a + chunk_size], head, transform, targets[a : a + chunk_size], ignore_index)
+        total = total + (checkpoint(_chunk_loss, *args, use_reentrant=False) if recompute else _chunk_loss(*args))
     if num_items_in_batch is None:
-        return targets
+        return total / keep.numel()  # the mean over targets (NaN without any, as Transformers)
     if torch.is_tensor(num_items_in_batch):
-        return num_items_in_batch.to(like.device)
-    return num_items_in_batch
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
 def _patch_of(target):
@@ -232,8 +227,7 @@ def apply_chunked_loss(model, *, chunk_size: int | None = None):
     """
     from .apply import _transformers_model
 
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None, got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     target = _transformers_model(model)
     _check(target)
     setattr(target, _ATTR, chunk_size)

@@ -394,18 +394,8 @@ def _cache_key(q, k, v, comm, layout, causal, scale, window, softcap, cu_seqlens
     tensors = tuple((tuple(t.shape), t.dtype, t.device) for t in (q, k, v))
     doc_key = None if docs is None else ("cu" if cu_seqlens is not None else "ids", id(docs), docs._version)
     return (
-        comm.rank,
-        comm.world_size,
-        id(comm.group),
-        layout,
-        tensors,
-        causal,
-        scale,
-        window,
-        softcap,
-        backend,
-        doc_key,
-    )
+        comm.rank, comm.world_size, id(comm.group), layout, tensors, causal, scale, window, softcap, backend, doc_key,
+    )  # fmt: skip
 
 
 def _plan(q, k, v, comm, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, reuse):
@@ -508,20 +498,9 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
     if n == 1:
         if not plan.empty[0]:
             plan.backend.backward(
-                dout,
-                q,
-                kv[0],
-                kv[1],
-                lse,
-                delta,
-                plan.masks[0],
-                plan.scale,
-                dq,
-                send[0],
-                send[1],
-                out=out,
+                dout, q, kv[0], kv[1], lse, delta, plan.masks[0], plan.scale, dq, send[0], send[1], out=out,
                 **plan.kernel_kwargs,
-            )
+            )  # fmt: skip
         return dq, send
     bufs = _ring_buffers(kv, n)
     recv, local = torch.empty_like(send), torch.empty_like(send)

@@ -79,9 +79,12 @@ LOGIT_TRANSFORMS = {
 
 PATCHES = {
     model_type: FamilyPatch(
-        name=model_type, model_types=(model_type,), attention_class=path, check_config=check,
+        name=model_type,
+        model_types=(model_type,),
+        attention_class=path,
+        check_config=check,
         logit_transform=LOGIT_TRANSFORMS.get(model_type),
-    )  # fmt: skip
+    )
     for model_type, path in FAMILIES.items()
 }
 """``config.model_type`` -> its ``FamilyPatch``."""

@@ -24,18 +24,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.test_accelerate_config import (
     collate,
-    full_loss_sum,
     max_param_rel_err,
     read_results,
     tiny_llama,
     token_dataset,
     torchrun,
 )
-from tests.test_fsdp2_cp import BATCH, LR, SEQ_LEN, STEPS, TRAINER_GA, _raw_batch, _train
+from tests.test_fsdp2_cp import BATCH, SEQ_LEN, STEPS, TRAINER_GA, _reference, _train
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed") if __name__ != "__main__" else None
 
@@ -46,26 +44,6 @@ RTOL = 1e-5  # fp32: ring attention and the sharded reduction reorder sums, noth
 # bf16: at most 2x the error DeepSpeed's bf16 mode has without CP (measured in the same launch: its weights
 # are 2.5x further from fp32 than a plain bf16 forward/backward with fp32 updates, CP or not)
 BF16_FACTOR, BF16_EPS = 2.0, 1e-3
-
-
-def _reference(data, dp: int, steps: int) -> tuple[list, dict]:
-    """Single-process SGD with gradient-norm clipping on full sequences: per-step losses and final weights."""
-    model = tiny_llama()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        sums, counts, means = [], [], []
-        for d in range(dp):
-            s, n = full_loss_sum(model, _raw_batch(data, step * dp + d))
-            sums.append(s)
-            counts.append(n)
-            means.append(s / n)
-        torch.stack(means).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(sum(x.detach() for x in sums) / sum(counts)))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _full_state(module) -> dict:
@@ -204,11 +182,11 @@ def worker(out: Path) -> None:
     if rank == 0:
         from tests.test_trainer_cp import _reference as trainer_reference
 
-        res["ref_losses"], ref_state = _reference(data, dp, STEPS)
+        res["ref_losses"], ref_state = _reference(data, dp, STEPS, clip=CLIP)
         for stage in STAGES:
             res[f"z{stage}_weights_err"] = max_param_rel_err(states[stage], ref_state)
-        ref32_losses, ref32_state = _reference(data, dp, 2)
-        base32_losses, base32_state = _reference(data, world, 2)  # the plain DP run: every rank a replica
+        ref32_losses, ref32_state = _reference(data, dp, 2, clip=CLIP)
+        base32_losses, base32_state = _reference(data, world, 2, clip=CLIP)  # the plain DP run: every rank a replica
         res["bf16"] = {
             "mine_loss": max(abs(a - b) / abs(b) for a, b in zip(res["bf16_losses"], ref32_losses)),
             "mine_weights": max_param_rel_err(states["bf16"], ref32_state),

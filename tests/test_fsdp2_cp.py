@@ -52,11 +52,12 @@ def _raw_batch(data, index):
     return collate(data[index * BATCH : (index + 1) * BATCH])
 
 
-def _reference(data, dp: int, steps: int, dtype=torch.float32) -> tuple[list, dict]:
+def _reference(data, dp: int, steps: int, dtype=torch.float32, clip: float | None = None) -> tuple[list, dict]:
     """Single-process SGD on full sequences: per-step token-weighted losses and final weights.
 
     ``dtype=torch.bfloat16`` runs forward and backward on a bf16 copy and applies the fp32 gradients to
-    the fp32 weights, as an FSDP2 policy with bf16 parameters and fp32 reduction does.
+    the fp32 weights, as an FSDP2 policy with bf16 parameters and fp32 reduction does. ``clip``: the
+    gradient-norm clipping of the update (DeepSpeed's ``gradient_clipping``).
     """
     master = tiny_llama()
     opt = torch.optim.SGD(master.parameters(), lr=LR)
@@ -73,6 +74,8 @@ def _reference(data, dp: int, steps: int, dtype=torch.float32) -> tuple[list, di
         if model is not master:
             for p, q in zip(master.parameters(), model.parameters()):
                 p.grad = q.grad.float()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(float(sum(x.detach().float() for x in sums) / sum(counts)))

@@ -71,8 +71,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     """
     pieces = plan(mask) if _usable(q) else None
     if pieces is None:
-        extra = {} if softcap is None else {"softcap": softcap}
-        return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse, **extra)
+        return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse, softcap=softcap)
     for kind, qs, ks in pieces:
         o, blk_lse, _ = flash_attn_func(
             _t(q[:, :, qs]), _t(k[:, :, ks]), _t(v[:, :, ks]),
@@ -102,8 +101,7 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
     """
     pieces = plan(mask) if out is not None and _usable(q) and _flash_attn_backward is not None else None
     if pieces is None:
-        extra = {} if softcap is None else {"softcap": softcap}
-        return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, **extra)
+        return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, softcap=softcap)
     for kind, qs, ks in pieces:
         qq, kk, vv = (_t(x).contiguous() for x in (q[:, :, qs], k[:, :, ks], v[:, :, ks]))
         g_q, g_k, g_v = torch.empty_like(qq), torch.empty_like(kk), torch.empty_like(vv)

@@ -90,8 +90,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     """
     pieces = mask.pieces() if runs_on_fused_ops(q) and softcap is None else None
     if pieces is None:
-        extra = {} if softcap is None else {"softcap": softcap}
-        return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse, **extra)
+        return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse, softcap=softcap)
     for kind, qs, ks in pieces:
         o, blk_lse = _fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], kind == "causal", scale)
         torch_backend.merge_(out[:, :, qs], lse[:, :, qs], o.float(), blk_lse.float())
@@ -107,8 +106,7 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
     """
     pieces = mask.pieces() if out is not None and runs_on_fused_ops(q) and softcap is None else None
     if pieces is None:
-        extra = {} if softcap is None else {"softcap": softcap}
-        return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, **extra)
+        return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, softcap=softcap)
     hkv = k.shape[1]
     for kind, qs, ks in pieces:
         g_q, g_k, g_v = _bwd(
