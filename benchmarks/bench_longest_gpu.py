@@ -1,16 +1,17 @@
-"""Longest trainable sequence on one GPU: a Llama-3.1-8B-shaped model, with and without the chunked loss.
+"""Longest trainable sequence on one GPU: a Llama-3.1-8B-shaped model, with and without the chunked loss and offload.
 
-    python3 benchmarks/bench_longest_gpu.py [--results-dir DIR] [--losses chunked,full] \\
+    python3 benchmarks/bench_longest_gpu.py [--results-dir DIR] [--configs full,chunked,chunked+offload] \\
         [--start 32768] [--limit 1048576] [--step 16384]
     python3 benchmarks/bench_longest_gpu.py --dry-run    # tiny shape on CPU with a simulated budget (tests)
 
 One process, one GPU, CP = 1 through hf_ring's code path (``apply_ring_attention`` over one rank and
 ``shard_batch``), random weights in bf16, LoRA r=16 on q/k/v/o, activation checkpointing. For each
-loss (``chunked``: ``hf_ring.apply_chunked_loss``; ``full``: the model's own loss over the full
-logits) the script doubles the sequence length from ``--start`` until a forward + backward runs out
+configuration (``full``: the model's own loss over the full logits; ``chunked``:
+``hf_ring.apply_chunked_loss``; ``+offload``: also ``hf_ring.apply_activation_offload``, the checkpointed
+layer inputs in pinned host memory) the script doubles the sequence length from ``--start`` until a forward + backward runs out
 of memory, then bisects to ``--step`` tokens. Every trial appends a row (GPU, versions, date, length,
 peak allocated memory, step time, status) to ``longest_gpu.csv`` in ``--results-dir``
-(default ``benchmarks/results``), and the end prints the longest length per loss.
+(default ``benchmarks/results``), and the end prints the longest length per configuration.
 
 ``--dry-run`` runs the same search on CPU with a tiny model and a simulated memory budget
 (``--dry-run-budget`` tokens): the code path and the bisection, not a figure.
@@ -33,7 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 FIELDS = ["date", "device", "python", "torch", "transformers", "peft", "hf_ring", "model", "dtype", "lora",
-          "checkpointing", "loss", "seq_len", "status", "peak_allocated_gib", "step_seconds"]  # fmt: skip
+          "checkpointing", "loss", "offload", "seq_len", "status", "peak_allocated_gib", "step_seconds"]  # fmt: skip
 
 LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                    num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)  # fmt: skip
@@ -55,8 +56,8 @@ def _versions() -> dict:
     return out
 
 
-def build_model(shape: dict, max_len: int, device: torch.device, dtype: torch.dtype, chunked: bool):
-    """The random-weight model with LoRA, checkpointing, ring attention over one rank and the chosen loss."""
+def build_model(shape: dict, max_len: int, device: torch.device, dtype: torch.dtype, chunked: bool, offload: bool):
+    """The random-weight model with LoRA, checkpointing, ring attention over one rank, the chosen loss and offload."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -74,6 +75,8 @@ def build_model(shape: dict, max_len: int, device: torch.device, dtype: torch.dt
     hf_ring.apply_ring_attention(model)
     if chunked:
         hf_ring.apply_chunked_loss(model)
+    if offload:
+        hf_ring.apply_activation_offload(model)
     model.train()
     return model
 
@@ -144,7 +147,7 @@ def search(run, start: int, limit: int, step: int) -> tuple[int | None, list]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--losses", default="chunked,full")
+    p.add_argument("--configs", default="full,chunked,chunked+offload", help="loss (full, chunked) [+offload]")
     p.add_argument("--start", type=int, default=32768)
     p.add_argument("--limit", type=int, default=1 << 20)
     p.add_argument("--step", type=int, default=16384)
@@ -175,25 +178,29 @@ def main(argv=None) -> int:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         if new:
             writer.writeheader()
-        for loss in args.losses.split(","):
-            model = build_model(shape, limit, device, dtype, chunked=loss == "chunked")
+        for config in args.configs.split(","):
+            loss, _, extra = config.partition("+")
+            if loss not in ("full", "chunked") or extra not in ("", "offload"):
+                raise SystemExit(f"unknown configuration {config!r}: full or chunked, optionally +offload")
+            model = build_model(shape, limit, device, dtype, chunked=loss == "chunked", offload=extra == "offload")
 
-            def run(length, loss=loss, model=model):
+            def run(length, config=config, model=model):
                 r = _run(model, length, shape["vocab_size"], device, budget)
-                writer.writerow({**common, "loss": loss, "seq_len": length, **r})
+                loss, _, extra = config.partition("+")
+                writer.writerow({**common, "loss": loss, "offload": extra == "offload", "seq_len": length, **r})
                 f.flush()
-                print(f"{loss:8s} {length:>8} tokens: {r['status']} peak {r['peak_allocated_gib']} GiB, "
+                print(f"{config:16s} {length:>8} tokens: {r['status']} peak {r['peak_allocated_gib']} GiB, "
                       f"{r['step_seconds']} s", flush=True)  # fmt: skip
                 return r
 
-            longest[loss], _ = search(run, start, limit, step)
+            longest[config], _ = search(run, start, limit, step)
             del model
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(f"\nlongest trainable sequence on {device_name} (multiples of {step}):")
-    for loss, n in longest.items():
-        print(f"  {loss} loss: {n if n else 'none'}")
+    for config, n in longest.items():
+        print(f"  {config}: {n if n else 'none'}")
     print(f"rows appended to {out}")
     return 0
 

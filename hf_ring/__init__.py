@@ -3,7 +3,8 @@
 Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_attention``, ``PlanCache``,
 ``RingComm``, ``LoopbackComm``.
 Transformers integration (imported on first use): ``apply_ring_attention``, ``revert_ring_attention``,
-``shard_batch``, ``reduce_loss``, ``apply_chunked_loss``, ``revert_chunked_loss``.
+``shard_batch``, ``reduce_loss``, ``apply_chunked_loss``, ``revert_chunked_loss``,
+``apply_activation_offload``, ``revert_activation_offload``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ _LAZY = {
     "reduce_loss": "hf_ring.batch",
     "apply_chunked_loss": "hf_ring.loss",
     "revert_chunked_loss": "hf_ring.loss",
+    "apply_activation_offload": "hf_ring.offload",
+    "revert_activation_offload": "hf_ring.offload",
 }
 
 __all__ = [

@@ -46,11 +46,13 @@ concern: ``apply_to_model``, ``prepare_data_loader`` / ``reshard_prepared_data_l
 ``plugin.prepare(accelerator, ...)`` is ``check`` + ``setup`` + ``prepare``.
 
 Configuration enters here only: arguments, or the environment variables ``HF_RING_CP_SIZE``,
-``HF_RING_LAYOUT``, ``HF_RING_BACKEND`` and ``HF_RING_CHUNKED_LOSS`` for the arguments left as None
-(read at construction).
+``HF_RING_LAYOUT``, ``HF_RING_BACKEND``, ``HF_RING_CHUNKED_LOSS``, ``HF_RING_LOSS_BACKEND`` and
+``HF_RING_OFFLOAD_ACTIVATIONS`` for the arguments left as None (read at construction).
 
 Memory: models get the chunked loss by default (``chunked_loss=True``, ``hf_ring.apply_chunked_loss``):
 with labels they compute the loss without the ``[tokens, vocab]`` logits and return ``logits=None``.
+``offload_activations=True`` also keeps the inputs of the checkpointed layers in pinned host memory
+(``hf_ring.apply_activation_offload``; needs activation checkpointing).
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ from torch.utils.data import DataLoader
 from .apply import unwrap_transformers_model
 from .hf_attention import RingConfig
 from .layout import check_layout
-from .loss import check_chunk_size
+from .loss import check_chunk_size, check_loss_backend
 
 __all__ = [
-    "ENV_BACKEND", "ENV_CHUNKED_LOSS", "ENV_CP_SIZE", "ENV_LAYOUT", "RingAttentionPlugin", "RingSetup", "apply_to_model",
+    "ENV_BACKEND", "ENV_CHUNKED_LOSS", "ENV_CP_SIZE", "ENV_LAYOUT", "ENV_LOSS_BACKEND", "ENV_OFFLOAD_ACTIVATIONS",
+    "RingAttentionPlugin", "RingSetup", "apply_to_model",
     "data_parallel_scheduler", "prepare", "prepare_data_loader", "reduce_gradients", "reduce_loss",
     "reshard_prepared_data_loader", "shard_collate",
 ]  # fmt: skip
@@ -79,6 +82,8 @@ ENV_CP_SIZE = "HF_RING_CP_SIZE"
 ENV_LAYOUT = "HF_RING_LAYOUT"
 ENV_BACKEND = "HF_RING_BACKEND"
 ENV_CHUNKED_LOSS = "HF_RING_CHUNKED_LOSS"
+ENV_LOSS_BACKEND = "HF_RING_LOSS_BACKEND"
+ENV_OFFLOAD_ACTIVATIONS = "HF_RING_OFFLOAD_ACTIVATIONS"
 
 _DDP_TYPES = (
     "NO",
@@ -268,6 +273,11 @@ class RingAttentionPlugin:
             ``HF_RING_CHUNKED_LOSS`` (``0`` turns it off), else on. A model whose forward another library
             already replaced (TRL's fused LM head) keeps that one.
         loss_chunk_size: tokens per chunk of the chunked loss (None: one chunk's fp32 logits within 256 MiB).
+        loss_backend: ``"torch"`` (default) or ``"liger"`` (Liger-Kernel's fused linear cross-entropy, CUDA;
+            see ``hf_ring.apply_chunked_loss``). None: ``HF_RING_LOSS_BACKEND`` or torch.
+        offload_activations: keep the inputs the checkpointed layers save for the backward in pinned host
+            memory (``hf_ring.apply_activation_offload``; the model must train with activation
+            checkpointing). None: ``HF_RING_OFFLOAD_ACTIVATIONS`` (``1`` turns it on), else off.
 
     The configuration is frozen and validated at construction (the environment is read there and only
     there). ``check(accelerator)`` validates an Accelerator without communicating; ``setup(accelerator)``
@@ -282,6 +292,8 @@ class RingAttentionPlugin:
     pad_to_multiple: bool = True
     chunked_loss: bool | None = None
     loss_chunk_size: int | None = None
+    loss_backend: str | None = None
+    offload_activations: bool | None = None
     _setups: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -290,6 +302,12 @@ class RingAttentionPlugin:
             "layout": self.layout if self.layout is not None else (os.environ.get(ENV_LAYOUT) or "zigzag"),
             "backend": self.backend if self.backend is not None else (os.environ.get(ENV_BACKEND) or "auto"),
             "chunked_loss": self.chunked_loss if self.chunked_loss is not None else _env_flag(ENV_CHUNKED_LOSS, True),
+            "loss_backend": self.loss_backend
+            if self.loss_backend is not None
+            else (os.environ.get(ENV_LOSS_BACKEND) or "torch"),
+            "offload_activations": self.offload_activations
+            if self.offload_activations is not None
+            else _env_flag(ENV_OFFLOAD_ACTIVATIONS, False),
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
@@ -299,9 +317,11 @@ class RingAttentionPlugin:
             raise ValueError(f"cp_size must be at least 1, got {self.cp_size} (set cp_size or {ENV_CP_SIZE})")
         check_layout(self.layout)
         RingConfig(layout=self.layout, backend=self.backend)  # validates the backend name
-        if not isinstance(self.chunked_loss, bool):
-            raise TypeError(f"chunked_loss must be a bool or None, got {self.chunked_loss!r}")
+        for name in ("chunked_loss", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
         check_chunk_size(self.loss_chunk_size, "loss_chunk_size")
+        check_loss_backend(self.loss_backend, "loss_backend")
 
     # ---- checks (no communication) and setup ---------------------------------------------------
 
@@ -492,16 +512,20 @@ class _ScaleLossGrad:
 
 
 def apply_to_model(ring: RingSetup, model):
-    """Switch ``model`` (PreTrainedModel or PeftModel) to ring attention over this rank's CP group, and to the
-    chunked loss if the plugin asks for it (unless another library already replaced its forward)."""
+    """Switch ``model`` (PreTrainedModel or PeftModel) to ring attention over this rank's CP group, to the
+    chunked loss if the plugin asks for it (unless another library already replaced its forward), and to
+    activation offload if it asks for that."""
     from .apply import apply_ring_attention, unwrap_transformers_model
     from .loss import apply_chunked_loss, is_chunked
+    from .offload import apply_activation_offload
 
     _check_supported_model(model)
     apply_ring_attention(model, group=ring.cp_group, layout=ring.plugin.layout, backend=ring.plugin.backend)
     target = unwrap_transformers_model(model)
     if ring.plugin.chunked_loss and (is_chunked(target) or "forward" not in vars(target)):
-        apply_chunked_loss(target, chunk_size=ring.plugin.loss_chunk_size)
+        apply_chunked_loss(target, chunk_size=ring.plugin.loss_chunk_size, backend=ring.plugin.loss_backend)
+    if ring.plugin.offload_activations:
+        apply_activation_offload(target)
     if id(model) not in ring.loss_counts.hooked:
         model.register_forward_pre_hook(ring.loss_counts, with_kwargs=True)
         ring.loss_counts.hooked.add(id(model))

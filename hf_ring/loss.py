@@ -15,7 +15,10 @@ context-parallel loss contract of ``shard_batch`` holds unchanged. The output ha
 without labels the model's own forward runs (logits as before).
 
 Works with any lm_head module (tied embeddings, LoRA on the head), gradient checkpointing,
-``torch.compile`` and PEFT models. Refused with a clear error: a family hf_ring does not know (its
+``torch.compile`` and PEFT models. ``backend="liger"`` hands the projection and the loss to Liger-Kernel's
+fused linear cross-entropy instead (optional, ``pip install 'hf-ring[liger]'``; CUDA; the lm_head must be a
+plain ``nn.Linear``, not sharded on its own; the logit scale is folded into the hidden states and the final
+softcap passed to the kernel). Refused with a clear error: a family hf_ring does not know (its
 logit transform would be unknown), ``output_router_logits`` (an MoE auxiliary loss), a custom
 ``loss_type``, ``logits_to_keep`` with labels.
 """
@@ -28,21 +31,31 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
-    "CHUNK_BYTES", "apply_chunked_loss", "check_chunk_size", "chunked_causal_lm_loss", "default_chunk_size", "is_chunked",
-    "revert_chunked_loss",
+    "CHUNK_BYTES", "LOSS_BACKENDS", "apply_chunked_loss", "check_chunk_size", "check_loss_backend",
+    "chunked_causal_lm_loss", "default_chunk_size", "is_chunked", "liger_unavailable", "revert_chunked_loss",
 ]  # fmt: skip
 
 CHUNK_BYTES = 256 * 2**20
 """The default chunk keeps one chunk's fp32 logits within this many bytes (256 MiB)."""
 
+LOSS_BACKENDS = ("torch", "liger")
+
 _ATTR = "hf_ring_chunked_loss"
-"""Attribute of a switched model: its chunk size (None: the default for its vocabulary)."""
+"""Attribute of a switched model: ``(chunk size or None for the default, backend)``."""
 
 
 def check_chunk_size(value, name: str = "chunk_size") -> None:
     """ValueError unless ``value`` is None or a positive int (tokens per chunk)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive int (tokens per chunk) or None, got {value!r}")
+
+
+def check_loss_backend(value, name: str = "backend") -> None:
+    """ValueError unless ``value`` names a loss backend."""
+    if value not in LOSS_BACKENDS:
+        raise ValueError(
+            f"unknown loss backend {value!r} ({name}); choose one of {', '.join(map(repr, LOSS_BACKENDS))}"
+        )
 
 
 def default_chunk_size(vocab_size: int) -> int:
@@ -66,21 +79,28 @@ def chunked_causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch=None,
     ignore_index: int = -100,
-    transform=None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     chunk_size: int | None = None,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Transformers' causal-LM loss of ``head(hidden)``, computed chunk by chunk of tokens.
 
     Args:
         hidden: [batch, seq, hidden] final hidden states.
-        head: the lm_head module (any module mapping hidden states to logits).
+        head: the lm_head module (any module mapping hidden states to logits; ``"liger"``: an ``nn.Linear``).
         labels: [batch, seq] token ids, shifted here by one (the last position has no target), or
         shift_labels: [batch, seq] targets already aligned with the positions (``shard_batch``'s).
         num_items_in_batch: divide the summed loss by it (the Trainer's / shard_batch's global count);
             None: the mean over this call's targets.
-        transform: applied to each chunk's logits before the loss (a family's final logit transform).
-        chunk_size: tokens per chunk (default: ``default_chunk_size`` of the head's output width).
+        logit_scale, logit_softcap: what the family does to the logits before the loss: multiply by
+            ``logit_scale``, then ``cap * tanh(logits / cap)`` with ``cap = logit_softcap`` when set.
+        chunk_size: tokens per chunk (default: ``default_chunk_size`` of the head's output width; ``"torch"`` only,
+            Liger sizes its own chunks).
+        backend: ``"torch"`` (checkpointed chunks, any device) or ``"liger"`` (Liger-Kernel's fused linear
+            cross-entropy; CUDA, or Triton's interpreter).
     """
+    check_loss_backend(backend)
     if shift_labels is None:
         if labels is None:
             raise ValueError("chunked_causal_lm_loss needs labels or shift_labels")
@@ -94,6 +114,20 @@ def chunked_causal_lm_loss(
         )
     keep = (targets != ignore_index).nonzero().squeeze(1)  # only positions with a target are projected
     flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
+    if backend == "liger" and flat.shape[0]:  # (no target: the empty chunk below gives the head its zero gradient)
+        total = _liger_sum(flat, head, targets, logit_scale, logit_softcap)
+    else:
+        transform = None if (logit_scale, logit_softcap) == (1.0, None) else _ScaleCap(logit_scale, logit_softcap)
+        total = _chunked_sum(flat, head, targets, ignore_index, transform, chunk_size)
+    if num_items_in_batch is None:
+        return total / keep.numel()  # the mean over targets (NaN without any, as Transformers)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _chunked_sum(flat, head, targets, ignore_index, transform, chunk_size):
+    """Summed fp32 cross-entropy of ``head(flat)``, one checkpointed chunk of tokens at a time."""
     if chunk_size is None:
         width = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [1])[0]
         chunk_size = default_chunk_size(width)
@@ -105,11 +139,52 @@ def chunked_causal_lm_loss(
     for a in starts:
         args = (flat[a : a + chunk_size], head, transform, targets[a : a + chunk_size], ignore_index)
         total = total + (checkpoint(_chunk_loss, *args, use_reentrant=False) if recompute else _chunk_loss(*args))
-    if num_items_in_batch is None:
-        return total / keep.numel()  # the mean over targets (NaN without any, as Transformers)
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return total
+
+
+class _ScaleCap:
+    """The logit transform: ``logits * scale``, then ``cap * tanh(logits / cap)`` when ``cap`` is set."""
+
+    def __init__(self, scale: float, cap: float | None):
+        self.scale, self.cap = scale, cap
+
+    def __call__(self, logits):
+        logits = logits * self.scale if self.scale != 1.0 else logits
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
+
+def liger_unavailable(device: torch.device) -> str | None:
+    """Why Liger-Kernel's fused linear cross-entropy cannot run on ``device`` here, or None."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "Liger-Kernel is not installed (pip install 'hf-ring[liger]')"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"Liger-Kernel's kernels run on CUDA (got {device.type} tensors)"
+    return None
+
+
+def _liger_sum(flat, head, targets, scale: float, cap: float | None):
+    """Summed cross-entropy of ``head(flat) * scale`` (softcapped by ``cap``) by Liger's fused linear cross-entropy."""
+    reason = liger_unavailable(flat.device)
+    if reason is None and not isinstance(head, torch.nn.Linear):
+        reason = (
+            f"the lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA on the lm_head?): Liger's kernel "
+            "takes its weight directly"
+        )
+    from torch.distributed.tensor import DTensor
+
+    weight = getattr(head, "weight", None)
+    if reason is None and (hasattr(weight, "ds_id") or isinstance(weight, DTensor)):
+        reason = "the lm_head weight is sharded (DeepSpeed ZeRO-3 or FSDP2 around the lm_head alone)"
+    if reason is not None:
+        raise ValueError(f"loss backend 'liger' cannot run: {reason}; use the default backend ('torch')")
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    if scale != 1.0:
+        flat = flat * scale  # (h * s) W^T = s (h W^T): the logit scale folded into the input
+    return liger_fused_linear_cross_entropy(flat, weight, targets, bias=head.bias, reduction="sum", softcap=cap)
 
 
 def _patch_of(target):
@@ -169,6 +244,7 @@ def _chunked_forward(
         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
     )  # fmt: skip
     transform = _patch_of(self).logit_transform
+    chunk_size, backend = getattr(self, _ATTR)
     loss = chunked_causal_lm_loss(
         outputs.last_hidden_state,
         self.lm_head,
@@ -176,8 +252,10 @@ def _chunked_forward(
         shift_labels=shift_labels,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         ignore_index=ignore_index,
-        transform=None if transform is None else (lambda logits: transform(self.config, logits)),
-        chunk_size=getattr(self, _ATTR),
+        logit_scale=1.0 if transform is None else transform.scale(self.config),
+        logit_softcap=None if transform is None else transform.cap(self.config),
+        chunk_size=chunk_size,
+        backend=backend,
     )
     out = _output(loss, outputs)
     return out.to_tuple() if return_dict is False else out
@@ -214,12 +292,15 @@ def _output(loss, outputs):
     return CausalLMOutputWithPast(**common)
 
 
-def apply_chunked_loss(model, *, chunk_size: int | None = None):
+def apply_chunked_loss(model, *, chunk_size: int | None = None, backend: str = "torch"):
     """Compute ``model``'s loss chunk by chunk, never holding the ``[tokens, vocab]`` logits (in place).
 
     Args:
         model: a causal-LM ``PreTrainedModel`` of a family hf_ring supports, or a ``PeftModel`` wrapping one.
         chunk_size: tokens per chunk; None keeps one chunk's fp32 logits within ``CHUNK_BYTES`` (256 MiB).
+        backend: ``"torch"`` (default: checkpointed chunks, any device) or ``"liger"`` (Liger-Kernel's fused
+            linear cross-entropy, ``pip install 'hf-ring[liger]'``; CUDA, a plain ``nn.Linear`` lm_head, not
+            under DeepSpeed ZeRO-3; it sizes its own chunks).
 
     Returns ``model``. With labels, ``model(**batch).loss`` equals the unmodified model's loss (and its
     gradients), and ``logits`` is None; without labels nothing changes. Calling it again replaces the
@@ -228,9 +309,10 @@ def apply_chunked_loss(model, *, chunk_size: int | None = None):
     from .apply import _transformers_model
 
     check_chunk_size(chunk_size)
+    check_loss_backend(backend)
     target = _transformers_model(model)
     _check(target)
-    setattr(target, _ATTR, chunk_size)
+    setattr(target, _ATTR, (chunk_size, backend))
     target.forward = _ChunkedForward(target)
     return model
 

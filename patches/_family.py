@@ -25,7 +25,7 @@ import torch
 from ..hf_attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, RingConfig, register
 from ..ring import PlanCache
 
-__all__ = ["FamilyPatch", "ORIGINAL_ATTR", "StartBatch", "is_applied"]
+__all__ = ["FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "is_applied"]
 
 ORIGINAL_ATTR = "hf_ring_original_attn_implementation"
 """Attribute of a patched model holding the attention implementation to restore on revert."""
@@ -85,6 +85,26 @@ def _set_hooks(model, plans: PlanCache | None) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogitTransform:
+    """What a causal-LM head does to the lm_head output before the loss, named by config attributes:
+    multiply by ``config.<multiply>``, divide by ``config.<divide>``, then ``cap * tanh(logits / cap)`` with
+    ``cap = config.<softcap>`` when that is set (``hf_ring.apply_chunked_loss`` applies it)."""
+
+    multiply: str | None = None
+    divide: str | None = None
+    softcap: str | None = None
+
+    def scale(self, config) -> float:
+        """The logit scale as one factor (1.0: none)."""
+        factor = float(getattr(config, self.multiply)) if self.multiply else 1.0
+        return factor / float(getattr(config, self.divide)) if self.divide else factor
+
+    def cap(self, config) -> float | None:
+        """The final softcap, or None."""
+        return getattr(config, self.softcap, None) if self.softcap else None
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilyPatch:
     """One model family: which configs it covers, which modules it patches, what it checks."""
 
@@ -92,9 +112,9 @@ class FamilyPatch:
     model_types: tuple
     attention_class: str  # "transformers.models.llama.modeling_llama.LlamaAttention"
     check_config: Callable = _no_check
-    # what the family's causal-LM head does to the lm_head output before the loss: (config, logits) ->
-    # logits (final logit softcapping, logit scales); None: nothing (``hf_ring.apply_chunked_loss`` uses it)
-    logit_transform: Callable | None = None
+    # what the family's causal-LM head does to the lm_head output before the loss (final logit softcapping,
+    # logit scales); None: nothing (``hf_ring.apply_chunked_loss`` uses it)
+    logit_transform: LogitTransform | None = None
 
     def attention_type(self) -> type:
         module, _, cls = self.attention_class.rpartition(".")

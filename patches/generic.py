@@ -20,9 +20,7 @@ Models of these families are switched by ``hf_ring.apply_ring_attention(model)``
 
 from __future__ import annotations
 
-import torch
-
-from ._family import FamilyPatch, check_layer_types
+from ._family import FamilyPatch, LogitTransform, check_layer_types
 
 __all__ = ["FAMILIES", "LOGIT_TRANSFORMS", "PATCHES", "check"]
 
@@ -53,27 +51,11 @@ def check(config) -> None:
         )
 
 
-def _final_softcap(config, logits):
-    """Gemma2 / Gemma3: ``cap * tanh(logits / cap)`` when ``config.final_logit_softcapping`` is set."""
-    cap = config.final_logit_softcapping
-    return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
-def _divide_by_logits_scaling(config, logits):
-    """Granite: ``logits / config.logits_scaling``."""
-    return logits / config.logits_scaling
-
-
-def _times_logit_scale(config, logits):
-    """Cohere2: ``logits * config.logit_scale``."""
-    return logits * config.logit_scale
-
-
 LOGIT_TRANSFORMS = {
-    "cohere2": _times_logit_scale,
-    "gemma2": _final_softcap,
-    "gemma3_text": _final_softcap,
-    "granite": _divide_by_logits_scaling,
+    "cohere2": LogitTransform(multiply="logit_scale"),
+    "gemma2": LogitTransform(softcap="final_logit_softcapping"),
+    "gemma3_text": LogitTransform(softcap="final_logit_softcapping"),
+    "granite": LogitTransform(divide="logits_scaling"),
 }
 """What these families' causal-LM heads do to the lm_head output before the loss (the others: nothing)."""
 

@@ -111,8 +111,8 @@ def test_bench_longest_gpu_dry_run_bisects_to_the_budget(tmp_path, capsys):
     import bench_longest_gpu
 
     assert bench_longest_gpu.main(["--dry-run", "--dry-run-budget", "200", "--results-dir", str(tmp_path)]) == 0
-    assert "chunked loss: 192" in capsys.readouterr().out  # the largest multiple of 16 within the budget
+    assert "chunked+offload: 192" in capsys.readouterr().out  # the largest multiple of 16 within the budget
     rows = _rows(tmp_path, "longest_gpu")
-    for loss in ("chunked", "full"):
-        mine = {int(r["seq_len"]): r["status"] for r in rows if r["loss"] == loss}
+    for loss, offload in (("full", "False"), ("chunked", "False"), ("chunked", "True")):
+        mine = {int(r["seq_len"]): r["status"] for r in rows if r["loss"] == loss and r["offload"] == offload}
         assert mine[192] == "ok" and mine[208].startswith("out of memory") and mine[256].startswith("out of memory")

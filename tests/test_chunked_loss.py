@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_ring
-from hf_ring.loss import default_chunk_size, is_chunked
+from hf_ring.loss import default_chunk_size, is_chunked, liger_unavailable
 
 from .dist_utils import run_distributed
 from .test_hf_parity import make_batch, make_model
@@ -173,6 +173,86 @@ def test_errors_name_what_is_unsupported():
     custom.loss_type = "ForMaskedLM"
     with pytest.raises(ValueError, match="loss_type='ForMaskedLM'"):
         hf_ring.apply_chunked_loss(custom)
+
+
+# ---- backend="liger": Liger-Kernel's fused linear cross-entropy (on CPU in Triton's interpreter) ---------------
+
+liger = pytest.mark.skipif(
+    liger_unavailable(torch.device("cpu")) is not None and not torch.cuda.is_available(),
+    reason="needs Liger-Kernel and CUDA or Triton's interpreter",
+)
+LIGER_RTOL = 1e-5  # fp32: Liger's kernel reorders the softmax sums; measured 1e-7 - 1e-6
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# the interpreter cannot run Liger's softcapping (it calls .to() on a Python float); Gemma2 runs on a GPU
+_LIGER_FAMILIES = ["llama", "granite", "cohere2"] + (["gemma2"] if torch.cuda.is_available() else [])
+
+
+@liger
+@pytest.mark.parametrize("family", _LIGER_FAMILIES)
+def test_liger_backend_matches_the_unmodified_loss_and_gradients(family):
+    model = make_model(family).to(_device())
+    for kind in ("plain", "packed"):
+        batch = {k: v.to(_device()) for k, v in make_batch(kind, 40)[1].items()}
+        ref, ref_grads = _loss_and_grads(model, batch)
+        hf_ring.apply_chunked_loss(model, backend="liger")
+        out, grads = _loss_and_grads(model, batch)
+        hf_ring.revert_chunked_loss(model)
+        assert out.logits is None
+        assert _rel(out.loss, ref.loss) <= LIGER_RTOL, (family, kind)
+        assert max(_rel(grads[n], ref_grads[n]) for n in ref_grads) <= LIGER_RTOL, (family, kind)
+
+
+@liger
+def test_liger_backend_tied_embeddings_and_the_cp_contract():
+    tied = make_model("llama", tie_word_embeddings=True).to(_device())
+    tied.tie_weights()
+    batch = {k: v.to(_device()) for k, v in make_batch("plain", 40)[1].items()}
+    ref, ref_grads = _loss_and_grads(tied, batch)
+    hf_ring.apply_chunked_loss(tied, backend="liger")
+    out, grads = _loss_and_grads(tied, batch)
+    assert _rel(out.loss, ref.loss) <= LIGER_RTOL
+    assert max(_rel(grads[n], ref_grads[n]) for n in ref_grads) <= LIGER_RTOL  # the tied head: the embedding
+    # shard_batch's contract: shift_labels and a global num_items_in_batch; a shard without targets
+    shifted = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    n = int((shifted != -100).sum())
+    cp = tied(input_ids=batch["input_ids"], shift_labels=shifted, labels=batch["labels"], num_items_in_batch=2 * n)
+    assert _rel(cp.loss, ref.loss / 2) <= LIGER_RTOL
+    empty = tied(input_ids=batch["input_ids"], shift_labels=torch.full_like(shifted, -100), num_items_in_batch=n,
+                 labels=batch["labels"])  # fmt: skip
+    tied.zero_grad(set_to_none=True)
+    empty.loss.backward()
+    assert empty.loss.item() == 0.0 and torch.count_nonzero(tied.lm_head.weight.grad) == 0
+
+
+@liger
+def test_liger_backend_refuses_what_it_cannot_compute(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    batch, _ = make_batch("plain", 40)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "lm_head"])
+    peft = hf_ring.apply_chunked_loss(get_peft_model(make_model("llama"), lora), backend="liger")
+    with pytest.raises(ValueError, match="lm_head is a Linear, not a plain nn.Linear .LoRA on the lm_head"):
+        peft(**batch)
+    with pytest.raises(ValueError, match="unknown loss backend 'fused'"):
+        hf_ring.apply_chunked_loss(make_model("llama"), backend="fused")
+    model = hf_ring.apply_chunked_loss(make_model("llama"), backend="liger")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="Liger-Kernel's kernels run on CUDA .got cpu tensors"):
+            model(**batch)
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else find_spec(name, *a)
+    )
+    with pytest.raises(ValueError, match=r"Liger-Kernel is not installed \(pip install 'hf-ring\[liger\]'\)"):
+        model(**{k: v.to(_device()) for k, v in batch.items()})
 
 
 # ---- the context-parallel contract: shard_batch's shift_labels and num_items_in_batch, 2 ranks ----------
