@@ -8,6 +8,7 @@ registry in ``hf_ring.patches``. ``register_attention`` only registers ``"hf_rin
 
 from __future__ import annotations
 
+from .comm import auto_ulysses_size, group_rank_and_size, ulysses_groups
 from .hf_attention import RingConfig, register
 
 __all__ = ["apply_ring_attention", "register_attention", "revert_ring_attention"]
@@ -52,7 +53,7 @@ def _transformers_model(model):
     )
 
 
-def apply_ring_attention(model, *, group=None, layout: str = "zigzag", backend: str = "auto"):
+def apply_ring_attention(model, *, group=None, layout: str = "zigzag", backend: str = "auto", ulysses_size=None):
     """Switch ``model``'s attention to exact ring attention over the ranks of ``group`` (in place).
 
     Args:
@@ -62,6 +63,11 @@ def apply_ring_attention(model, *, group=None, layout: str = "zigzag", backend: 
         layout: how the sequence is split across ranks (``"zigzag"``, ``"striped"``, ``"contiguous"``);
             must match the layout given to ``shard_batch``.
         backend: local kernel backend (``"auto"``, ``"torch"``, ``"triton"``, ``"flash_attn"``).
+        ulysses_size: the Ulysses x Ring hybrid: U consecutive ranks of the group exchange heads for sequence
+            (all-to-all) and the ring runs across the N / U groups; ``"auto"``: the largest U that divides
+            the group's size and the query heads and stays inside one node (``hf_ring.comm.auto_ulysses_size``);
+            None or 1: the pure ring. With U > 1 every process must call this at the same point (it creates
+            the subgroups, a collective over the default group).
 
     Returns:
         ``model`` itself. Feed it the output of ``hf_ring.shard_batch``. Calling it again replaces the
@@ -69,10 +75,36 @@ def apply_ring_attention(model, *, group=None, layout: str = "zigzag", backend: 
     """
     from .patches import get_patch
 
-    cfg = RingConfig(group=group, layout=layout, backend=backend)
+    cfg = RingConfig(group=group, layout=layout, backend=backend)  # validates before any collective
     target = _transformers_model(model)
-    get_patch(getattr(target.config, "model_type", None)).apply(target, cfg)
+    patch = get_patch(getattr(target.config, "model_type", None))
+    u = _ulysses_size(ulysses_size, group, target.config)
+    if u > 1:
+        cfg = RingConfig(group=group, layout=layout, backend=backend, ulysses=ulysses_groups(group, u))
+    patch.apply(target, cfg)
     return model
+
+
+def _ulysses_size(value, group, config) -> int:
+    """U for ``ulysses_size`` (None, ``"auto"`` or an int) on this group and model; ValueError naming the fix."""
+    if value is None:
+        return 1
+    _, n = group_rank_and_size(group)
+    heads = getattr(config.get_text_config(), "num_attention_heads", None)
+    if value == "auto":
+        return auto_ulysses_size(n, heads) if heads else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ulysses_size must be None, 'auto' or a positive int, got {value!r}")
+    if heads and heads % value:
+        raise ValueError(
+            f"ulysses_size={value} does not divide the model's {heads} query heads: each rank of a Ulysses group "
+            f"takes heads / ulysses_size of them; choose a divisor of {heads} (or ulysses_size='auto')"
+        )
+    if n % value:
+        raise ValueError(
+            f"ulysses_size={value} does not divide the context-parallel group's {n} ranks; choose a divisor of {n}"
+        )
+    return value
 
 
 def revert_ring_attention(model):

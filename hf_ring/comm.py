@@ -18,16 +18,24 @@ one's message to the other.
 (a few integers per rank). On NCCL it costs one small device-to-host copy, so callers run it once
 per batch, not once per layer.
 
+``HeadExchange`` is the Ulysses all-to-all (heads for sequence, inside a group of U ranks), and
+``ulysses_groups`` splits a CP group into Ulysses groups and the rings across them (the hybrid).
+
 ``LoopbackComm`` stands in for ``RingComm`` when N virtual ranks run one after another in one
 process (the ring benchmark on one GPU): it hands each step the block another rank would have sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["LoopbackComm", "RingComm", "group_rank_and_size"]
+__all__ = [
+    "HeadExchange", "LoopbackComm", "RingComm", "UlyssesGroups", "auto_ulysses_size", "group_rank_and_size",
+    "ulysses_groups",
+]  # fmt: skip
 
 
 def group_rank_and_size(group=None) -> tuple[int, int]:
@@ -171,3 +179,142 @@ class LoopbackComm:
 
     def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
         return [list(values) for _ in range(self.world_size)]
+
+
+class HeadExchange:
+    """All-to-all over the heads inside a Ulysses group of U ranks (autograd-aware).
+
+    ``heads_to_sequence``: ``[batch, heads, local_seq, head_dim]`` (this rank's tokens, every head) becomes
+    ``[batch, heads / U, U x local_seq, head_dim]`` (this rank's U-th of the heads, the tokens of every
+    rank of the group, in group-rank order); ``sequence_to_heads`` is its inverse. Each is the other's
+    backward. One ``all_to_all_single`` per call; ``bytes_sent`` / ``bytes_received`` count what leaves
+    and arrives from other ranks (the block a rank keeps is not counted), as ``RingComm`` counts.
+    """
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.world_size = group_rank_and_size(group)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return _HeadsToSequence.apply(x, self)
+
+    def sequence_to_heads(self, y: torch.Tensor) -> torch.Tensor:
+        return _SequenceToHeads.apply(y, self)
+
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        moved = send.numel() * send.element_size() * (self.world_size - 1) // self.world_size
+        self.bytes_sent += moved
+        self.bytes_received += moved
+        return recv
+
+    def _to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, n, d = x.shape
+        u = self.world_size
+        send = x.reshape(b, u, h // u, n, d).transpose(0, 1).contiguous()  # [dest, b, h/u, n, d]
+        recv = self._exchange(send)  # [src, b, h/u, n, d]: my heads, the tokens of rank src
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, h // u, u * n, d)
+
+    def _to_heads(self, y: torch.Tensor) -> torch.Tensor:
+        b, hu, un, d = y.shape
+        u = self.world_size
+        send = y.reshape(b, hu, u, un // u, d).permute(2, 0, 1, 3, 4).contiguous()  # [dest (tokens), b, h/u, n, d]
+        recv = self._exchange(send)  # [src (heads), b, h/u, n, d]: my tokens, the heads of rank src
+        return recv.transpose(0, 1).reshape(b, u * hu, un // u, d)
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, exchange):
+        ctx.exchange = exchange
+        return exchange._to_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.exchange._to_heads(grad), None
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, exchange):
+        ctx.exchange = exchange
+        return exchange._to_heads(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.exchange._to_sequence(grad), None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UlyssesGroups:
+    """A context-parallel group of N ranks split for the Ulysses x Ring hybrid (``ulysses_groups``).
+
+    ``ulysses_group``: the U consecutive ranks (of the CP group) this rank exchanges heads with;
+    ``ring_group``: the R = N / U ranks with this rank's index inside their Ulysses group, one from each
+    Ulysses group, in order: the ring. ``exchange``: the ``HeadExchange`` over ``ulysses_group``.
+    """
+
+    cp_group: object
+    cp_size: int
+    ulysses_size: int
+    ulysses_group: object
+    ring_group: object
+    exchange: HeadExchange
+
+    @property
+    def ring_size(self) -> int:
+        return self.cp_size // self.ulysses_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.exchange.rank
+
+
+def ulysses_groups(group, ulysses_size: int) -> UlyssesGroups:
+    """Split the CP group ``group`` (None: the default group) into Ulysses groups of ``ulysses_size``
+    consecutive ranks and rings across them.
+
+    Collective over the default group: every process calls it at the same point (the CP groups of all
+    data-parallel replicas are split alike, in one order, as ``torch.distributed.new_group`` requires).
+    ValueError, before any communication, if ``ulysses_size`` does not divide the CP group's size.
+    """
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+        raise ValueError(f"ulysses_size must be a positive int, got {ulysses_size!r}")
+    _, n = group_rank_and_size(group)
+    if n % ulysses_size:
+        raise ValueError(
+            f"ulysses_size={ulysses_size} does not divide the context-parallel group's {n} ranks: the group is split "
+            f"into Ulysses groups of ulysses_size consecutive ranks; choose a divisor of {n}"
+        )
+    if ulysses_size == 1 or n == 1:
+        return UlyssesGroups(group, n, 1, None, group, HeadExchange(None) if n == 1 else HeadExchange(group))
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, members)
+    me = dist.get_rank()
+    mine_u = mine_r = None
+    for cp in sorted({tuple(m) for m in every}):  # every CP group, in one order on every process
+        for start in range(0, len(cp), ulysses_size):
+            ranks = list(cp[start : start + ulysses_size])
+            g = dist.new_group(ranks)
+            mine_u = g if me in ranks else mine_u
+        for index in range(ulysses_size):
+            ranks = list(cp[index::ulysses_size])
+            g = dist.new_group(ranks)
+            mine_r = g if me in ranks else mine_r
+    return UlyssesGroups(group, n, ulysses_size, mine_u, mine_r, HeadExchange(mine_u))
+
+
+def auto_ulysses_size(cp_size: int, q_heads: int, local_world_size: int | None = None) -> int:
+    """``ulysses_size="auto"``: the largest U that divides the CP size and the query heads and keeps every
+    Ulysses group inside one node (U divides the processes per node, ``local_world_size``; None: the
+    ``LOCAL_WORLD_SIZE`` that torchrun and accelerate launch set, else the CP size, i.e. one node).
+    Key/value heads do not limit it: with fewer than U they are repeated (see ``ring_attention``)."""
+    import os
+
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or cp_size)
+    return max(u for u in range(1, cp_size + 1) if cp_size % u == 0 and q_heads % u == 0 and local_world_size % u == 0)

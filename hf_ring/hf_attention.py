@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import group_rank_and_size
+from .comm import UlyssesGroups, group_rank_and_size
 from .kernels import BACKENDS
 from .layout import LAYOUTS, documents_from_cu_seqlens, documents_from_positions, positions, valid_cu_seqlens
 from .ring import PlanCache, raise_on_every_rank, ring_attention
@@ -111,12 +111,15 @@ class RingConfig:
     layout: str = "zigzag"
     backend: str = "auto"
     plans: PlanCache | None = dataclasses.field(default=None, compare=False, repr=False)
+    ulysses: UlyssesGroups | None = dataclasses.field(default=None, compare=False)  # the Ulysses x Ring hybrid
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.ulysses is not None and self.ulysses.cp_group is not self.group:
+            raise ValueError("RingConfig: ulysses must be the Ulysses groups of this config's group")
         explicit = self.group is not None and self.group is not _Dropped.GROUP
         if explicit and not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
@@ -132,7 +135,8 @@ class RingConfig:
 
     def __reduce__(self):
         group = self.group
-        if group is not None and group is not _Dropped.GROUP:
+        hybrid = self.ulysses is not None and self.ulysses.ulysses_size > 1  # its subgroups cannot be serialised
+        if hybrid or (group is not None and group is not _Dropped.GROUP):
             warnings.warn(
                 "hf_ring: pickling a model patched with an explicit process group drops the group (it cannot be "
                 "serialised); after loading, call hf_ring.apply_ring_attention(model, group=...) again",
@@ -426,5 +430,6 @@ def ring_attention_forward(
         document_ids=document_ids,
         backend=cfg.backend,
         plans=cfg.plans,
+        ulysses=cfg.ulysses,
     )
     return out.transpose(1, 2).contiguous(), None

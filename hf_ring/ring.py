@@ -28,13 +28,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import struct
 from types import ModuleType
 
 import torch
 
 from . import layout as _layout
-from .comm import RingComm
+from .comm import RingComm, UlyssesGroups
 from .kernels import BACKENDS, BlockMask, get_backend, unsupported_by
 
 __all__ = ["PlanCache", "ring_attention", "raise_on_every_rank"]
@@ -150,6 +151,7 @@ def ring_attention(
     backend: str = "auto",
     comm: RingComm | None = None,
     plans: PlanCache | None = None,
+    ulysses: UlyssesGroups | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -178,10 +180,21 @@ def ring_attention(
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
         plans: a ``PlanCache`` to build the plan once per batch and reuse it (see ``PlanCache``: its
             ``new_batch()`` must be called on every rank at the start of every forward).
+        ulysses: the Ulysses x Ring hybrid (``hf_ring.comm.ulysses_groups(group, U)``): inside each group
+            of U consecutive ranks an all-to-all trades the sequence split for a head split (q_heads
+            must be a multiple of U; key/value heads are repeated to the least common multiple of
+            kv_heads and U when U does not divide them), the ring runs across the N / U groups on the
+            gathered tokens, and a second all-to-all returns the heads. The data contract is unchanged
+            (each rank passes its ``layout`` shard over all N ranks). None or U = 1: the pure ring.
 
     Returns:
         [batch, q_heads, local_seq, head_dim] in q's dtype. Rows that see no key are 0.
     """
+    hybrid = ulysses is not None and ulysses.ulysses_size > 1
+    if ulysses is not None:
+        if group is not None and group is not ulysses.cp_group:
+            raise ValueError("pass either group or ulysses (it carries its own CP group), not two different groups")
+        group = ulysses.ring_group
     if comm is not None:
         if group is not None and group is not comm.group:
             raise ValueError("pass either group or comm (a RingComm carries its own group), not two different groups")
@@ -191,23 +204,56 @@ def ring_attention(
     key = plan = None
     if plans is not None:
         key = _cache_key(q, k, v, comm, layout, causal, scale, sliding_window, softcap, cu_seqlens, docs, backend)
+        key = key if key is None or not hybrid else (*key, id(ulysses))
         plan = plans.checked(key, docs) if key is not None else None
     if plan is None:
         reuse = plans.get(key, docs) if key is not None else None
         plan = _plan(
             q, k, v, comm, layout, causal, scale, sliding_window, softcap, sinks, cu_seqlens, document_ids, backend,
-            reuse,
+            reuse, ulysses=ulysses if hybrid else None,
         )  # fmt: skip
         if key is not None:
             plans.store(key, docs, plan)
-    return _RingAttention.apply(q, k, v, sinks, plan, comm)
+    if not hybrid:
+        return _RingAttention.apply(q, k, v, sinks, plan, comm)
+    return _hybrid(q, k, v, sinks, plan, comm, ulysses)
+
+
+def _hybrid(q, k, v, sinks, plan, comm, ulysses):
+    """Ulysses x Ring: heads for sequence inside the Ulysses group, the ring across groups, heads back."""
+    u, x = ulysses.ulysses_size, ulysses.exchange
+    repeat = math.lcm(k.shape[1], u) // k.shape[1]
+    if repeat > 1:  # fewer KV heads than the group splits: each KV head serves the same query heads as before
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    if sinks is not None:
+        sinks = sinks.view(u, -1)[x.rank]  # the sinks of this rank's query heads
+    out = _RingAttention.apply(
+        x.heads_to_sequence(q), x.heads_to_sequence(k), x.heads_to_sequence(v), sinks, plan, comm
+    )
+    return x.sequence_to_heads(out)
 
 
 # --------------------------------------------------------------------------- validation
 
 
-def _local_error(q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, world_size):
-    """The first problem with this rank's arguments, as a message that says what to do; or None."""
+def _local_error(
+    q,
+    k,
+    v,
+    layout,
+    causal,
+    scale,
+    window,
+    softcap,
+    sinks,
+    cu_seqlens,
+    document_ids,
+    backend,
+    world_size,
+    ulysses_size=1,
+):
+    """The first problem with this rank's arguments, as a message that says what to do; or None.
+    ``world_size``: ranks holding a shard (the CP group); ``ulysses_size``: U of the hybrid."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             return f"{name} must be a 4-D tensor [batch, heads, local_seq, head_dim]"
@@ -221,6 +267,11 @@ def _local_error(q, k, v, layout, causal, scale, window, softcap, sinks, cu_seql
         )
     if k.shape[1] == 0 or hq % k.shape[1]:
         return f"q_heads ({hq}) must be a multiple of kv_heads ({k.shape[1]})"
+    if hq % ulysses_size:
+        return (
+            f"q_heads ({hq}) must be a multiple of ulysses_size ({ulysses_size}): each rank of a Ulysses group "
+            f"takes q_heads / ulysses_size heads; choose a ulysses_size that divides {hq}"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.dtype not in _DTYPES:
@@ -288,7 +339,7 @@ def _bits(x) -> int:
     return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error) -> list[int]:
+def _summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error, ulysses_size=1) -> list[int]:
     """A fixed-size integer summary of this rank's call; every rank must send the same one."""
     if error is not None:
         return [1] + [0] * (len(_FIELDS) - 1)
@@ -300,12 +351,12 @@ def _summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error) -
     return [
         0, lq, b, hq, k.shape[1], d, _DTYPES.index(q.dtype), _layout.LAYOUTS.index(layout),
         int(causal), -1 if window is None else int(window), _bits(scale), _bits(softcap), int(sinks is not None),
-        fingerprint,
+        fingerprint, ulysses_size,
     ]  # fmt: skip
 
 
 _FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
-           "sliding_window", "scale", "softcap", "sinks", "documents")  # fmt: skip
+           "sliding_window", "scale", "softcap", "sinks", "documents", "ulysses_size")  # fmt: skip
 
 
 def _check_everywhere(error, summary, comm, device) -> None:
@@ -398,26 +449,34 @@ def _cache_key(q, k, v, comm, layout, causal, scale, window, softcap, cu_seqlens
     )  # fmt: skip
 
 
-def _plan(q, k, v, comm, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, reuse):
-    """Check this call on every rank (one small all-gather) and return its plan (``reuse`` if given,
-    which was built for the same key: only the check runs again)."""
+def _plan(
+    q, k, v, comm, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, reuse, ulysses=None
+):
+    """Check this call on every rank of the CP group (one small all-gather) and return its plan (``reuse`` if
+    given, which was built for the same key: only the check runs again). ``comm``: the ring; ``ulysses``:
+    the hybrid's groups (the check then runs over the whole CP group, and ring rank g holds the tokens of
+    Ulysses group g)."""
     rank, world_size = comm.rank, comm.world_size
+    u = 1 if ulysses is None else ulysses.ulysses_size
+    check = comm if ulysses is None else RingComm(ulysses.cp_group)
     device = q.device if isinstance(q, torch.Tensor) else None
     if reuse is not None:
-        _check_everywhere(None, reuse.summary, comm, device)
+        _check_everywhere(None, reuse.summary, check, device)
         return reuse
+    n = world_size * u  # ranks holding a shard
     error = _local_error(
-        q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, world_size
+        q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, n, u
     )
     docs = module = None
     if error is None:
-        docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * world_size)
+        docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * n)
         module, error = _backend_module(backend, q, k, v, softcap)
-    summary = _summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error)
-    _check_everywhere(error, summary, comm, device)
+    summary = _summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error, u)
+    _check_everywhere(error, summary, check, device)
 
-    full = q.shape[2] * world_size
-    pos = [_layout.positions(full, rank=r, world_size=world_size, layout=layout) for r in range(world_size)]
+    full = q.shape[2] * n
+    shard = [_layout.positions(full, rank=r, world_size=n, layout=layout) for r in range(n)]
+    pos = [torch.cat(shard[g * u : (g + 1) * u]) if u > 1 else shard[g] for g in range(world_size)]
     q_pos = pos[rank]
     masks = []
     for src in range(world_size):

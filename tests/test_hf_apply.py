@@ -465,3 +465,25 @@ def test_plugin_prepares_every_supported_family(model_type):
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert float((got - want).abs() / want.abs()) < 1e-5
+
+
+def test_ulysses_size_is_checked_before_any_collective_and_auto_follows_its_rule():
+    from hf_ring.comm import auto_ulysses_size
+
+    model = make_model("llama")  # 4 query heads, one process
+    with pytest.raises(ValueError, match="ulysses_size=3 does not divide the model's 4 query heads"):
+        hf_ring.apply_ring_attention(model, ulysses_size=3)
+    with pytest.raises(ValueError, match="ulysses_size=2 does not divide the context-parallel group's 1 ranks"):
+        hf_ring.apply_ring_attention(model, ulysses_size=2)
+    with pytest.raises(ValueError, match="ulysses_size must be None, 'auto' or a positive int"):
+        hf_ring.apply_ring_attention(model, ulysses_size="two")
+    hf_ring.apply_ring_attention(model, ulysses_size="auto")  # one rank: U = 1, the pure ring
+    assert all(m.hf_ring_config.ulysses is None for m in model.modules() if hasattr(m, "hf_ring_config"))
+    hf_ring.revert_ring_attention(model)
+    # the largest U dividing the CP size and the query heads, inside one node
+    assert auto_ulysses_size(8, 32, local_world_size=8) == 8
+    assert auto_ulysses_size(8, 12, local_world_size=8) == 4  # 12 heads: 8 does not divide them
+    assert auto_ulysses_size(16, 32, local_world_size=8) == 8  # 8 GPUs per node: never across nodes
+    assert auto_ulysses_size(4, 28, local_world_size=8) == 4
+    assert auto_ulysses_size(6, 9, local_world_size=6) == 3
+    assert auto_ulysses_size(4, 5, local_world_size=4) == 1  # no common divisor: the pure ring

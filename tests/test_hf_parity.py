@@ -191,11 +191,23 @@ CASES = {
     "gpt_oss-packed-lora": ("gpt_oss", "packed", 40, {"lora": True}),
     "gpt_oss-padded": ("gpt_oss", "padded", 40, {}),
     "gpt_oss-bf16": ("gpt_oss", "plain", 40, {"dtype": torch.bfloat16}),
+    # the Ulysses x Ring hybrid (world 2: 2 x 1; world 4: 2 x 2, and "auto" = 4 x 1 with 2 KV heads repeated)
+    "llama-ulysses-auto": ("llama", "plain", 40, {"ulysses": "auto"}),
+    "llama-mqa-lora-ulysses": (
+        "llama",
+        "packed",
+        40,
+        {"ulysses": 2, "lora": True, "config": {"num_key_value_heads": 1}},
+    ),
+    "mistral-packed-ulysses": ("mistral", "packed", 45, {"ulysses": 2}),
+    "qwen2-lora-checkpointing-ulysses": ("qwen2", "padded", 40, {"ulysses": 2, "lora": True, "checkpointing": True}),
+    "gemma2-ulysses": ("gemma2", "plain", 40, {"ulysses": 2}),
+    "gpt_oss-packed-ulysses": ("gpt_oss", "packed", 40, {"ulysses": "auto"}),
 }
 
 
 def _prepare(family, opts, dtype=None):
-    model = make_model(family, dtype=dtype or opts.get("dtype", torch.float32))
+    model = make_model(family, dtype=dtype or opts.get("dtype", torch.float32), **opts.get("config", {}))
     if opts.get("lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -242,12 +254,15 @@ def _reference(model, batch):
     return loss.detach().float(), {n: g.float() for n, g in _grads(model).items()}
 
 
-def _ring(model, batch, layout):
+def _ring(model, batch, layout, ulysses_size=None):
     import torch.distributed as dist
 
     import hf_ring
 
-    hf_ring.apply_ring_attention(model, layout=layout)
+    hf_ring.apply_ring_attention(model, layout=layout, ulysses_size=ulysses_size)
+    if ulysses_size is not None:  # the hybrid really runs: U > 1 on every attention module
+        configs = [m.hf_ring_config for m in model.modules() if hasattr(m, "hf_ring_config")]
+        assert configs and all(c.ulysses is not None and c.ulysses.ulysses_size > 1 for c in configs)
     try:
         model.zero_grad(set_to_none=True)
         local = hf_ring.shard_batch(batch, layout=layout)
@@ -290,7 +305,7 @@ def _parity(rank: int, names: list) -> dict:
             ref_loss, ref_grads = _reference(ref32, ref_batch)
             if bf16:
                 loss16, grads16 = _reference(model, ref_batch)
-        loss, grads = _ring(model, ours_batch, opts.get("layout", "zigzag"))
+        loss, grads = _ring(model, ours_batch, opts.get("layout", "zigzag"), opts.get("ulysses"))
         grads = {n: g.float() for n, g in grads.items()}
         out = {"value": loss.item(), "grad_sum": sum(float(g.double().sum()) for g in grads.values())}
         if rank == 0:
@@ -448,7 +463,7 @@ def _expected_shard_inputs(kind: str) -> dict:
 def test_hf_integration_distributed(world_size):
     import hf_ring
 
-    names = [n for n in CASES if world_size > 1 or CASES[n][3].get("layout") is None]
+    names = [n for n in CASES if world_size > 1 or not {"layout", "ulysses"} & CASES[n][3].keys()]
     results = run_distributed(worker, world_size, names, timeout=300)
 
     # shard_batch: the ranks' shards reassemble into the full shifted labels / positions; global counts agree

@@ -268,8 +268,8 @@ def test_plan_cache_reuses_plans_and_checks_again_after_new_batch(monkeypatch):
     built = []
     real = hf_ring.ring._plan
 
-    def counting(*a):
-        plan = real(*a)
+    def counting(*a, **kw):
+        plan = real(*a, **kw)
         built.append(a[-1] is None)  # True: built from scratch, False: reused after a new check
         return plan
 

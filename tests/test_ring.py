@@ -49,7 +49,7 @@ BACKENDS = ("torch", "sdpa")  # the CPU backends ("auto" is sdpa for fp32)
 LOWP_BACKENDS = (*BACKENDS, "auto")  # "auto" in fp16/bf16: the sdpa forward with the torch backward
 
 
-def _run_case(rank, world, case, dtype=torch.float32, seed=0, backend="auto"):
+def _run_case(rank, world, case, dtype=torch.float32, seed=0, backend="auto", ulysses=None):
     """(out, dq, dk, dv) of this rank, and of the float64 reference sharded the same way."""
     s = FULL_LEN[world]
     g = torch.Generator().manual_seed(seed)
@@ -66,7 +66,7 @@ def _run_case(rank, world, case, dtype=torch.float32, seed=0, backend="auto"):
     ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
     out = hf_ring.ring_attention(
         ql, kl, vl, layout=lay, causal=case["causal"], sliding_window=case["window"],
-        cu_seqlens=case["cu"], document_ids=case["docs"], backend=backend,
+        cu_seqlens=case["cu"], document_ids=case["docs"], backend=backend, ulysses=ulysses,
     )  # fmt: skip
     out.backward(part(dout))
     docs = case["docs"] if case["cu"] is None else doc_ids_from_cu(case["cu"], s)
@@ -98,6 +98,81 @@ def test_matches_plain_attention_fp32(world):
             for case, e in zip(cases, errs):
                 label = {key: val for key, val in case.items() if not isinstance(val, torch.Tensor)}
                 assert max(e) <= FP32_TOL, f"rank {rank} {backend} {label}: rel errors (out, dq, dk, dv) {e}"
+
+
+def _hybrid_worker(rank, world, u):
+    from hf_ring.comm import ulysses_groups
+
+    torch_backend.BLOCK_Q = torch_backend.BLOCK_K = 8
+    groups = ulysses_groups(None, u)
+    assert (groups.ulysses_size, groups.ring_size, groups.ulysses_rank) == (u, world // u, rank % u)
+    return {b: [_run_case(rank, world, case, backend=b, ulysses=groups)[0] for case in _cases(world)] for b in BACKENDS}
+
+
+@pytest.mark.parametrize("world, u", [(2, 2), (4, 2), (4, 4)], ids=["2x1", "2x2", "4x1"])
+def test_ulysses_ring_hybrid_matches_plain_attention_fp32(world, u):
+    """U x R: heads exchanged inside groups of U ranks, the ring across them; every layout and case of the pure
+    ring (GQA, MQA and KV heads fewer than U, windows, packed documents, padding), outputs and gradients."""
+    per_rank = run_distributed(_hybrid_worker, world, u, timeout=600)
+    cases = _cases(world)
+    for rank, by_backend in enumerate(per_rank):
+        for backend, errs in by_backend.items():
+            for case, e in zip(cases, errs):
+                label = {key: val for key, val in case.items() if not isinstance(val, torch.Tensor)}
+                assert max(e) <= FP32_TOL, f"rank {rank} {backend} U={u} {label}: rel errors (out, dq, dk, dv) {e}"
+
+
+def _hybrid_extras_worker(rank, world):
+    """2 x 2: softcapping and sinks (and the sinks' gradient) through the hybrid; its errors on every rank."""
+    from hf_ring.comm import ulysses_groups
+
+    groups = ulysses_groups(None, 2)
+    s, g = FULL_LEN[world], torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, h, s, 16, generator=g) for h in (4, 2, 2, 4))
+    sinks = torch.randn(4, generator=g)
+
+    def part(x):
+        return hf_ring.shard(x, dim=2, rank=rank, world_size=world)
+
+    ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+    sl = sinks.clone().requires_grad_()
+    out = hf_ring.ring_attention(ql, kl, vl, softcap=2.0, sinks=sl, ulysses=groups)
+    out.backward(part(dout))
+    dsinks = sl.grad.clone()
+    dist.all_reduce(dsinks)  # each rank holds its rows' share of its heads' sinks gradient
+    ref_in = [x.double().requires_grad_() for x in (q, k, v, sinks)]
+    ref = reference_attention(*ref_in[:3], softcap=2.0, sinks=ref_in[3])
+    ref.backward(dout.double())
+    errs = [rel_err(out, part(ref)), rel_err(ql.grad, part(ref_in[0].grad)), rel_err(kl.grad, part(ref_in[1].grad)),
+            rel_err(vl.grad, part(ref_in[2].grad)), rel_err(dsinks, ref_in[3].grad)]  # fmt: skip
+    messages = []
+    for call in (
+        lambda: ulysses_groups(None, 3),  # does not divide 4 ranks: raised locally, before any collective
+        lambda: hf_ring.ring_attention(*(torch.randn(1, 3, s // world, 16) for _ in range(3)), ulysses=groups),
+        lambda: hf_ring.ring_attention(  # only rank 0 is wrong: every rank raises
+            torch.randn(1, 6 if rank == 0 else 4, s // world, 16),
+            *(torch.randn(1, 2, s // world, 16) for _ in "kv"),
+            ulysses=groups,
+        ),
+    ):
+        try:
+            call()
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    hf_ring.ring_attention(ql.detach(), kl.detach(), vl.detach(), ulysses=groups)  # the groups still work
+    pure = ulysses_groups(None, 1)  # U = 1: the pure ring, bit for bit
+    same = torch.equal(hf_ring.ring_attention(ql, kl, vl, ulysses=pure), hf_ring.ring_attention(ql, kl, vl))
+    return errs, messages, same
+
+
+def test_ulysses_ring_hybrid_softcap_sinks_and_errors_on_every_rank():
+    for rank, (errs, messages, same) in enumerate(run_distributed(_hybrid_extras_worker, 4, timeout=300)):
+        assert max(errs) <= FP32_TOL, (rank, errs)
+        assert same
+        assert "ulysses_size=3 does not divide the context-parallel group's 4 ranks" in messages[0], messages[0]
+        assert "q_heads (3) must be a multiple of ulysses_size (2)" in messages[1], messages[1]
+        assert "ranks disagree on q_heads: [6, 4, 4, 4]" in messages[2], messages[2]  # checked over all 4 ranks
 
 
 def test_without_process_group_equals_plain_attention():

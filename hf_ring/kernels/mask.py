@@ -140,7 +140,7 @@ class BlockMask:
         a key run with the same step s and length see each other iff ``j - i <= o`` with ``o =
         floor((q_start - k_start) / s)``: o = 0 is a diagonal (zig-zag and contiguous layouts, and
         striped at or below the own rank), o = -1 the shifted diagonal (striped, a higher source rank:
-        queries 1.. against keys ..-1). None for windows, documents, more than 16 rectangles, or any
+        queries 1.. against keys ..-1). None for windows, documents, more than 64 rectangles, or any
         other partial rectangle: those run on a masked kernel. Cached.
         """
         if "pieces" not in self._cache:
@@ -151,7 +151,7 @@ class BlockMask:
         if self.window is not None or self.q_doc is not None:
             return None
         q_runs, k_runs = runs(self.q_pos), runs(self.k_pos)
-        if len(q_runs) * len(k_runs) > 16:
+        if len(q_runs) * len(k_runs) > 64:
             return None
         pieces = []
         for qs, q_step in q_runs:
