@@ -46,8 +46,9 @@ concern: ``apply_to_model``, ``prepare_data_loader`` / ``reshard_prepared_data_l
 ``plugin.prepare(accelerator, ...)`` is ``check`` + ``setup`` + ``prepare``.
 
 Configuration enters here only: arguments, or the environment variables ``HF_RING_CP_SIZE``,
-``HF_RING_LAYOUT``, ``HF_RING_BACKEND``, ``HF_RING_CHUNKED_LOSS``, ``HF_RING_LOSS_BACKEND`` and
-``HF_RING_OFFLOAD_ACTIVATIONS`` for the arguments left as None (read at construction).
+``HF_RING_LAYOUT``, ``HF_RING_BACKEND``, ``HF_RING_ULYSSES_SIZE``, ``HF_RING_CHUNKED_LOSS``,
+``HF_RING_LOSS_BACKEND`` and ``HF_RING_OFFLOAD_ACTIVATIONS`` for the arguments left as None (read at
+construction).
 
 Memory: models get the chunked loss by default (``chunked_loss=True``, ``hf_ring.apply_chunked_loss``):
 with labels they compute the loss without the ``[tokens, vocab]`` logits and return ``logits=None``.
@@ -73,7 +74,7 @@ from .loss import check_chunk_size, check_loss_backend
 
 __all__ = [
     "ENV_BACKEND", "ENV_CHUNKED_LOSS", "ENV_CP_SIZE", "ENV_LAYOUT", "ENV_LOSS_BACKEND", "ENV_OFFLOAD_ACTIVATIONS",
-    "RingAttentionPlugin", "RingSetup", "apply_to_model",
+    "ENV_ULYSSES_SIZE", "RingAttentionPlugin", "RingSetup", "apply_to_model",
     "data_parallel_scheduler", "prepare", "prepare_data_loader", "reduce_gradients", "reduce_loss",
     "reshard_prepared_data_loader", "shard_collate",
 ]  # fmt: skip
@@ -81,6 +82,7 @@ __all__ = [
 ENV_CP_SIZE = "HF_RING_CP_SIZE"
 ENV_LAYOUT = "HF_RING_LAYOUT"
 ENV_BACKEND = "HF_RING_BACKEND"
+ENV_ULYSSES_SIZE = "HF_RING_ULYSSES_SIZE"
 ENV_CHUNKED_LOSS = "HF_RING_CHUNKED_LOSS"
 ENV_LOSS_BACKEND = "HF_RING_LOSS_BACKEND"
 ENV_OFFLOAD_ACTIVATIONS = "HF_RING_OFFLOAD_ACTIVATIONS"
@@ -108,6 +110,16 @@ def _env_int(name: str) -> int | None:
         raise ValueError(
             f"{name}={raw!r} is not an integer; set it to the context-parallel size, e.g. {name}=2"
         ) from None
+
+
+def _env_ulysses():
+    raw = (os.environ.get(ENV_ULYSSES_SIZE) or "").strip().lower()
+    if raw in ("", "auto"):
+        return 1 if raw == "" else "auto"
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_ULYSSES_SIZE}={raw!r} is not an integer or 'auto'") from None
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -266,6 +278,10 @@ class RingAttentionPlugin:
         layout: ``"zigzag"`` (default), ``"striped"`` or ``"contiguous"``. None: ``HF_RING_LAYOUT`` or zigzag.
         backend: local attention kernel: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"flash_attn"``.
             None: ``HF_RING_BACKEND`` or auto.
+        ulysses_size: the Ulysses x Ring hybrid inside each CP group (``hf_ring.apply_ring_attention``): U
+            consecutive ranks exchange heads for sequence, the ring runs across the cp_size / U groups; an
+            int, ``"auto"`` (the largest U that divides cp_size and the query heads inside one node), or
+            None: ``HF_RING_ULYSSES_SIZE`` (an int or ``auto``), else 1 (the pure ring).
         pad_to_multiple: pad each batch's sequence to the layout's multiple (2 x cp_size for zigzag)
             with ignored tokens; if False, other lengths raise.
         chunked_loss: compute the loss chunk by chunk of tokens, never holding the [tokens, vocab] logits
@@ -289,6 +305,7 @@ class RingAttentionPlugin:
     cp_size: int | None = None
     layout: str | None = None
     backend: str | None = None
+    ulysses_size: int | str | None = None
     pad_to_multiple: bool = True
     chunked_loss: bool | None = None
     loss_chunk_size: int | None = None
@@ -301,6 +318,7 @@ class RingAttentionPlugin:
             "cp_size": self.cp_size if self.cp_size is not None else _env_int(ENV_CP_SIZE),
             "layout": self.layout if self.layout is not None else (os.environ.get(ENV_LAYOUT) or "zigzag"),
             "backend": self.backend if self.backend is not None else (os.environ.get(ENV_BACKEND) or "auto"),
+            "ulysses_size": self.ulysses_size if self.ulysses_size is not None else _env_ulysses(),
             "chunked_loss": self.chunked_loss if self.chunked_loss is not None else _env_flag(ENV_CHUNKED_LOSS, True),
             "loss_backend": self.loss_backend
             if self.loss_backend is not None
@@ -316,6 +334,15 @@ class RingAttentionPlugin:
         if self.cp_size is not None and self.cp_size < 1:
             raise ValueError(f"cp_size must be at least 1, got {self.cp_size} (set cp_size or {ENV_CP_SIZE})")
         check_layout(self.layout)
+        u = self.ulysses_size
+        if u != "auto" and (isinstance(u, bool) or not isinstance(u, int) or u < 1):
+            raise ValueError(
+                f"ulysses_size must be a positive int or 'auto', got {u!r} (set ulysses_size or {ENV_ULYSSES_SIZE})"
+            )
+        if isinstance(u, int) and self.cp_size is not None and self.cp_size % u:
+            raise ValueError(
+                f"ulysses_size={u} does not divide cp_size={self.cp_size}: choose a divisor of {self.cp_size}"
+            )
         RingConfig(layout=self.layout, backend=self.backend)  # validates the backend name
         for name in ("chunked_loss", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
@@ -520,7 +547,10 @@ def apply_to_model(ring: RingSetup, model):
     from .offload import apply_activation_offload
 
     _check_supported_model(model)
-    apply_ring_attention(model, group=ring.cp_group, layout=ring.plugin.layout, backend=ring.plugin.backend)
+    apply_ring_attention(
+        model, group=ring.cp_group, layout=ring.plugin.layout, backend=ring.plugin.backend,
+        ulysses_size=ring.plugin.ulysses_size,
+    )  # fmt: skip
     target = unwrap_transformers_model(model)
     if ring.plugin.chunked_loss and (is_chunked(target) or "forward" not in vars(target)):
         apply_chunked_loss(target, chunk_size=ring.plugin.loss_chunk_size, backend=ring.plugin.loss_backend)

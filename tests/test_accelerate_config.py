@@ -127,6 +127,11 @@ def test_environment_fills_unset_arguments(monkeypatch):
     assert (p.cp_size, p.layout, p.backend) == (2, "zigzag", "auto")
     monkeypatch.delenv("HF_RING_CP_SIZE")
     assert RingAttentionPlugin().validate(8) == 8  # unset: one CP group over every process
+    assert RingAttentionPlugin().ulysses_size == 1  # unset: the pure ring
+    monkeypatch.setenv("HF_RING_ULYSSES_SIZE", "auto")
+    assert RingAttentionPlugin().ulysses_size == "auto"
+    monkeypatch.setenv("HF_RING_ULYSSES_SIZE", "2")
+    assert RingAttentionPlugin().ulysses_size == 2 and RingAttentionPlugin(ulysses_size=4).ulysses_size == 4
 
 
 @pytest.mark.parametrize(
@@ -136,6 +141,9 @@ def test_environment_fills_unset_arguments(monkeypatch):
         ({"layout": "spiral"}, {}, "unknown layout"),
         ({"backend": "cuda-magic"}, {}, "unknown backend"),
         ({}, {"HF_RING_CP_SIZE": "two"}, "not an integer"),
+        ({}, {"HF_RING_ULYSSES_SIZE": "many"}, "HF_RING_ULYSSES_SIZE='many' is not an integer or 'auto'"),
+        ({"ulysses_size": 0}, {}, "ulysses_size must be a positive int or 'auto'"),
+        ({"cp_size": 4, "ulysses_size": 3}, {}, "ulysses_size=3 does not divide cp_size=4"),
     ],
 )
 def test_bad_configuration_is_refused_at_construction(monkeypatch, kwargs, env, match):

@@ -5,7 +5,7 @@ the tests below assert on them:
 
 - SGD steps with ``plugin.prepare`` + ``accelerator.backward`` give the same per-step losses and final
   weights as single-process training on the full sequences (CP shares summed, DP averaged);
-- gradient accumulation (``accelerator.accumulate``) likewise;
+- gradient accumulation (``accelerator.accumulate``) likewise, with the Ulysses x Ring hybrid (U = 2);
 - the data: every rank of a CP group holds a shard of the same batch; DP group d gets the batches a
   plain ``dp``-process run gives process d; shuffled epochs cover the data once; forked workers;
 - ``reduce_loss`` is the same on every rank; schedulers step like a ``dp``-process run;
@@ -170,13 +170,17 @@ def worker(out: Path) -> None:
         original.save_pretrained(out / "ckpt")
         torch.save(final, out / "final.pt")
 
-    # -- B: gradient accumulation ------------------------------------------------------------------
+    # -- B: gradient accumulation, under the Ulysses x Ring hybrid (U = 2: heads exchanged, a ring of one) --
     accelerator.gradient_accumulation_steps = GA
     model_b = tiny_llama()
     original_b = model_b
     opt_b = torch.optim.SGD(model_b.parameters(), lr=LR)
     dl_b = DataLoader(data, batch_size=BATCH, collate_fn=collate)
-    model_b, opt_b, dl_b = plugin.prepare(accelerator, model_b, opt_b, dl_b)
+    plugin_b = RingAttentionPlugin(cp_size=2, ulysses_size=2)
+    model_b, opt_b, dl_b = plugin_b.prepare(accelerator, model_b, opt_b, dl_b)
+    res["ga_ulysses"] = sorted(
+        {m.hf_ring_config.ulysses.ulysses_size for m in original_b.modules() if hasattr(m, "hf_ring_config")}
+    )
     ga_losses = []
     for i, batch in enumerate(dl_b):
         if i == STEPS * GA:
@@ -186,7 +190,7 @@ def worker(out: Path) -> None:
             accelerator.backward(loss)
             opt_b.step()
             opt_b.zero_grad()
-        ga_losses.append(plugin.reduce_loss(loss).item())
+        ga_losses.append(plugin_b.reduce_loss(loss).item())
     res["ga_losses"] = ga_losses
     accelerator.gradient_accumulation_steps = 1
 
@@ -271,6 +275,7 @@ def test_gradient_accumulation_matches(launch):
     world, _, res = launch
     got, ref = res[0]["ga_losses"], res[0]["ga_ref_losses"]
     assert len(got) == len(ref) == STEPS * GA
+    assert all(r["ga_ulysses"] == [2] for r in res)  # the hybrid ran, within each of the dp CP groups
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= RTOL
     assert res[0]["ga_weights_err"] <= RTOL
 

@@ -229,10 +229,14 @@ def _packed_and_trl(out: Path, train: list) -> dict:
         args=_args(out, "packed", per_device_train_batch_size=3, gradient_accumulation_steps=1),
         train_dataset=feats,
         data_collator=DataCollatorWithFlattening(),
-        ring_plugin=RingAttentionPlugin(cp_size=2, chunked_loss=False),  # the switch off: the model's own loss
+        # the chunked loss switched off (the model's own loss); the Ulysses x Ring hybrid (U = 2) passed through
+        ring_plugin=RingAttentionPlugin(cp_size=2, chunked_loss=False, ulysses_size=2),
     )
     trainer.train()
     res["packed_chunked"] = is_chunked(packed_model)
+    res["packed_ulysses"] = sorted(
+        {m.hf_ring_config.ulysses.ulysses_size for m in packed_model.modules() if hasattr(m, "hf_ring_config")}
+    )
     res["feats"] = feats
     res["packed_losses"] = _losses(trainer)
     res["packed_state"] = {k: v.detach().clone() for k, v in packed_model.state_dict().items()}
@@ -340,6 +344,7 @@ def test_trainer_packing_with_data_collator_with_flattening(launch):
     _close(r["packed_losses"], r["packed_ref_losses"])
     assert r["packed_weights_err"] <= RTOL
     assert not r["packed_chunked"]  # chunked_loss=False: the model's own loss, exact as well
+    assert r["packed_ulysses"] == [2]  # under the Ulysses x Ring hybrid
 
 
 def test_trl_sft_trainer(launch):
