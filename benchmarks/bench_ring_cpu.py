@@ -1,14 +1,17 @@
 """Ring attention on CPU: CP=N gloo ranks (one thread each) against one process with one thread.
 
-For each full length S (causal, zig-zag) and each backend (``torch`` and ``sdpa`` by default), times
-forward and forward+backward of ``hf_ring.ring_attention`` in one process (world size 1) and on N
-gloo ranks (with a ``PlanCache``, as a patched model has, started anew each iteration), and reports:
-parallel efficiency T1 / (N * TN) (the field's ring efficiency), peak memory per rank (peak RSS
-above the process's baseline before the inputs were made) and bytes sent per rank.
-Each configuration runs in fresh processes so peak RSS belongs to it alone.
+For each full length S (causal, zig-zag), each backend (``torch`` and ``sdpa`` by default) and each
+Ulysses size U (``--ulysses``, default 1: the pure ring), times forward and forward+backward of
+``hf_ring.ring_attention`` in one process (world size 1) and on N gloo ranks (with a ``PlanCache``, as
+a patched model has, started anew each iteration; U > 1: the Ulysses x Ring hybrid, U x N/U), and
+reports: parallel efficiency T1 / (N * TN) (the field's ring efficiency), peak memory per rank (peak
+RSS above the process's baseline before the inputs were made), bytes sent per rank (ring and
+all-to-all), and as a yardstick PyTorch's SDPA on the full sequence in one process with N threads
+(the same thread budget). Each configuration runs in fresh processes so peak RSS belongs to it alone.
 
     python benchmarks/bench_ring_cpu.py                      # S = 4K, 8K, 16K, 32K, N = 2
     python benchmarks/bench_ring_cpu.py --lengths 4096 8192 --heads 4 --kv-heads 2 --backends sdpa
+    python benchmarks/bench_ring_cpu.py --lengths 8192 --heads 8 --kv-heads 2 --backends sdpa --ulysses 1 2
 
 Prints a table and appends one CSV row per length to benchmarks/results/ring_cpu.csv with the
 date, library versions and CPU model.
@@ -34,6 +37,7 @@ import torch.multiprocessing as mp
 from _cpu import cpu_name
 
 import hf_ring
+from hf_ring.comm import ulysses_groups
 
 
 def _rss_mib() -> float:
@@ -55,13 +59,15 @@ def _measure(rank, world, args, port, out_q):
     dout = torch.randn(1, args.heads, local, d, generator=g)
     fwd, fwdbwd, sent = [], [], 0
     plans = hf_ring.PlanCache()
+    groups = ulysses_groups(None, args.ulysses) if world > 1 else None
     for it in range(args.warmup + args.repeats):
-        comm = hf_ring.RingComm()
+        comm = hf_ring.RingComm(None if groups is None else groups.ring_group)
+        exchanged = 0 if groups is None else groups.exchange.bytes_sent
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
         plans.new_batch()
-        out = hf_ring.ring_attention(q, k, v, comm=comm, backend=args.backend, plans=plans)
+        out = hf_ring.ring_attention(q, k, v, comm=comm, backend=args.backend, plans=plans, ulysses=groups)
         t1 = time.perf_counter()
         out.backward(dout)
         t2 = time.perf_counter()
@@ -69,7 +75,8 @@ def _measure(rank, world, args, port, out_q):
         if it >= args.warmup:
             fwd.append(t1 - t0)
             fwdbwd.append(t2 - t0)
-            sent = comm.bytes_sent  # forward + backward key/value hops of this iteration
+            sent = comm.bytes_sent  # forward + backward key/value hops of this iteration, and all-to-alls
+            sent += 0 if groups is None else groups.exchange.bytes_sent - exchanged
     result = dict(fwd=statistics.median(fwd), fwdbwd=statistics.median(fwdbwd), mem=_rss_mib() - base, sent=sent)
     if world > 1:
         every = [None] * world
@@ -85,13 +92,36 @@ def _measure(rank, world, args, port, out_q):
         out_q.put(result)
 
 
-def _run(world, args):
+def _sdpa_full(rank, world, args, port, out_q):
+    """PyTorch's SDPA on the full sequence in one process with ``args.cp`` threads (the ranks' thread budget)."""
+    torch.set_num_threads(args.cp)
+    s, d = args.seq_len, args.head_dim
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, args.heads, s, d, generator=g, requires_grad=True)
+    k = torch.randn(1, args.kv_heads, s, d, generator=g, requires_grad=True)
+    v = torch.randn(1, args.kv_heads, s, d, generator=g, requires_grad=True)
+    dout = torch.randn(1, args.heads, s, d, generator=g)
+    fwd, fwdbwd = [], []
+    for it in range(args.warmup + args.repeats):
+        t0 = time.perf_counter()
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        t1 = time.perf_counter()
+        out.backward(dout)
+        t2 = time.perf_counter()
+        if it >= args.warmup:
+            fwd.append(t1 - t0)
+            fwdbwd.append(t2 - t0)
+    out_q.put(dict(fwd=statistics.median(fwd), fwdbwd=statistics.median(fwdbwd)))
+
+
+def _run(world, args, target=None):
+    target = target or _measure
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_measure, args=(r, world, args, port, out_q)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, args, port, out_q)) for r in range(world)]
     for p in procs:
         p.start()
     result = out_q.get()
@@ -107,6 +137,7 @@ def main():
     ap.add_argument("--backends", nargs="+", default=["torch", "sdpa"], choices=["torch", "sdpa"])
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ulysses", type=int, nargs="+", default=[1], help="Ulysses sizes U (1: the pure ring)")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
@@ -117,31 +148,37 @@ def main():
     env = dict(date=stamp, torch=torch.__version__, hf_ring=hf_ring.__version__, python=platform.python_version(),
                cpu=cpu_name(), cores=os.cpu_count())  # fmt: skip
     rows = []
-    header = f"{'S':>6} {'backend':>7} {'T1 fwd s':>9} {'TN fwd s':>9} {'eff fwd':>8} {'T1 f+b s':>9} {'TN f+b s':>9} {'eff f+b':>8} {'mem1 MiB':>9} {'memN MiB':>9} {'MiB sent/rank f+b':>17}"
+    header = f"{'S':>6} {'backend':>7} {'U':>2} {'T1 fwd s':>9} {'TN fwd s':>9} {'eff fwd':>8} {'T1 f+b s':>9} {'TN f+b s':>9} {'eff f+b':>8} {'mem1 MiB':>9} {'memN MiB':>9} {'MiB sent/rank f+b':>17} {'SDPA full f+b s':>15}"
     print(
         f"hf_ring ring attention on CPU, causal zig-zag, CP={args.cp} vs 1 process; heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, fp32"
     )
     print(f"{env['cpu']} ({env['cores']} cores), torch {env['torch']}, {stamp}")
     print(header)
-    for s, backend in ((s, b) for s in args.lengths for b in args.backends):
-        args.seq_len, args.backend = s, backend
+    sdpa = {}
+    for s, backend, u in ((s, b, u) for s in args.lengths for b in args.backends for u in args.ulysses):
+        args.seq_len, args.backend, args.ulysses = s, backend, u
+        if s not in sdpa:
+            sdpa[s] = _run(1, args, _sdpa_full)
         one = _run(1, args)
         ring = _run(args.cp, args)
         row = dict(
-            env, seq_len=s, backend=backend, cp=args.cp, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+            env, seq_len=s, backend=backend, cp=args.cp, ulysses=u, heads=args.heads, kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
             t1_fwd=one["fwd"], tn_fwd=ring["fwd"], eff_fwd=one["fwd"] / (args.cp * ring["fwd"]),
             t1_fwdbwd=one["fwdbwd"], tn_fwdbwd=ring["fwdbwd"], eff_fwdbwd=one["fwdbwd"] / (args.cp * ring["fwdbwd"]),
             mem1_mib=one["mem"], memn_mib=ring["mem"], bytes_sent_per_rank=ring["sent"],
+            sdpa_full_fwd=sdpa[s]["fwd"], sdpa_full_fwdbwd=sdpa[s]["fwdbwd"],
         )  # fmt: skip
         rows.append(row)
         print(
-            f"{s:>6} {backend:>7} {row['t1_fwd']:>9.3f} {row['tn_fwd']:>9.3f} {row['eff_fwd']:>7.1%} {row['t1_fwdbwd']:>9.3f} "
+            f"{s:>6} {backend:>7} {u:>2} {row['t1_fwd']:>9.3f} {row['tn_fwd']:>9.3f} {row['eff_fwd']:>7.1%} {row['t1_fwdbwd']:>9.3f} "
             f"{row['tn_fwdbwd']:>9.3f} {row['eff_fwdbwd']:>7.1%} {row['mem1_mib']:>9.0f} {row['memn_mib']:>9.0f} "
-            f"{row['bytes_sent_per_rank'] / 2**20:>17.1f}",
+            f"{row['bytes_sent_per_rank'] / 2**20:>17.1f} {row['sdpa_full_fwdbwd']:>15.3f}",
             flush=True,
         )
     path = Path(args.csv)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _add_columns(path, list(rows[0]))
     new = not path.exists()
     with path.open("a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -149,6 +186,20 @@ def main():
             w.writeheader()
         w.writerows(rows)
     print(f"appended {len(rows)} rows to {path}")
+
+
+def _add_columns(path: Path, fields: list) -> None:
+    """Rewrite older rows under the current header: they ran the pure ring (``ulysses`` 1), without the SDPA
+    yardstick (empty)."""
+    if not path.exists():
+        return
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and list(rows[0]) != fields:
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields, restval="")
+            w.writeheader()
+            w.writerows({"ulysses": 1, **row} for row in rows)
 
 
 if __name__ == "__main__":
