@@ -6,8 +6,8 @@ Ulysses size U (``--ulysses``, default 1: the pure ring), times forward and forw
 a patched model has, started anew each iteration; U > 1: the Ulysses x Ring hybrid, U x N/U), and
 reports: parallel efficiency T1 / (N * TN) (the field's ring efficiency), peak memory per rank (peak
 RSS above the process's baseline before the inputs were made), bytes sent per rank (ring and
-all-to-all), and as a yardstick PyTorch's SDPA on the full sequence in one process with N threads
-(the same thread budget). Each configuration runs in fresh processes so peak RSS belongs to it alone.
+all-to-all), and as yardsticks PyTorch's SDPA on the full sequence in one process with one thread
+(``eff vs SDPA1`` = T_SDPA1 / (N * TN)) and with N threads (the ranks' thread budget). Each configuration runs in fresh processes so peak RSS belongs to it alone.
 
     python benchmarks/bench_ring_cpu.py                      # S = 4K, 8K, 16K, 32K, N = 2
     python benchmarks/bench_ring_cpu.py --lengths 4096 8192 --heads 4 --kv-heads 2 --backends sdpa
@@ -93,8 +93,8 @@ def _measure(rank, world, args, port, out_q):
 
 
 def _sdpa_full(rank, world, args, port, out_q):
-    """PyTorch's SDPA on the full sequence in one process with ``args.cp`` threads (the ranks' thread budget)."""
-    torch.set_num_threads(args.cp)
+    """PyTorch's SDPA on the full sequence in one process with ``args.sdpa_threads`` threads."""
+    torch.set_num_threads(args.sdpa_threads)
     s, d = args.seq_len, args.head_dim
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, args.heads, s, d, generator=g, requires_grad=True)
@@ -148,7 +148,7 @@ def main():
     env = dict(date=stamp, torch=torch.__version__, hf_ring=hf_ring.__version__, python=platform.python_version(),
                cpu=cpu_name(), cores=os.cpu_count())  # fmt: skip
     rows = []
-    header = f"{'S':>6} {'backend':>7} {'U':>2} {'T1 fwd s':>9} {'TN fwd s':>9} {'eff fwd':>8} {'T1 f+b s':>9} {'TN f+b s':>9} {'eff f+b':>8} {'mem1 MiB':>9} {'memN MiB':>9} {'MiB sent/rank f+b':>17} {'SDPA full f+b s':>15}"
+    header = f"{'S':>6} {'backend':>7} {'U':>2} {'T1 fwd s':>9} {'TN fwd s':>9} {'eff fwd':>8} {'T1 f+b s':>9} {'TN f+b s':>9} {'eff f+b':>8} {'mem1 MiB':>9} {'memN MiB':>9} {'MiB sent/rank f+b':>17} {'SDPA1 f+b s':>11} {'SDPAN f+b s':>11} {'eff vs SDPA1':>12}"
     print(
         f"hf_ring ring attention on CPU, causal zig-zag, CP={args.cp} vs 1 process; heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, fp32"
     )
@@ -157,8 +157,11 @@ def main():
     sdpa = {}
     for s, backend, u in ((s, b, u) for s in args.lengths for b in args.backends for u in args.ulysses):
         args.seq_len, args.backend, args.ulysses = s, backend, u
-        if s not in sdpa:
-            sdpa[s] = _run(1, args, _sdpa_full)
+        if s not in sdpa:  # one thread (the efficiency yardstick) and the ranks' thread budget
+            args.sdpa_threads = 1
+            sdpa[s] = {"one": _run(1, args, _sdpa_full)}
+            args.sdpa_threads = args.cp
+            sdpa[s]["budget"] = _run(1, args, _sdpa_full)
         one = _run(1, args)
         ring = _run(args.cp, args)
         row = dict(
@@ -167,13 +170,15 @@ def main():
             t1_fwd=one["fwd"], tn_fwd=ring["fwd"], eff_fwd=one["fwd"] / (args.cp * ring["fwd"]),
             t1_fwdbwd=one["fwdbwd"], tn_fwdbwd=ring["fwdbwd"], eff_fwdbwd=one["fwdbwd"] / (args.cp * ring["fwdbwd"]),
             mem1_mib=one["mem"], memn_mib=ring["mem"], bytes_sent_per_rank=ring["sent"],
-            sdpa_full_fwd=sdpa[s]["fwd"], sdpa_full_fwdbwd=sdpa[s]["fwdbwd"],
+            sdpa1_fwdbwd=sdpa[s]["one"]["fwdbwd"], sdpan_fwdbwd=sdpa[s]["budget"]["fwdbwd"],
+            eff_vs_sdpa1=sdpa[s]["one"]["fwdbwd"] / (args.cp * ring["fwdbwd"]),
         )  # fmt: skip
         rows.append(row)
         print(
             f"{s:>6} {backend:>7} {u:>2} {row['t1_fwd']:>9.3f} {row['tn_fwd']:>9.3f} {row['eff_fwd']:>7.1%} {row['t1_fwdbwd']:>9.3f} "
             f"{row['tn_fwdbwd']:>9.3f} {row['eff_fwdbwd']:>7.1%} {row['mem1_mib']:>9.0f} {row['memn_mib']:>9.0f} "
-            f"{row['bytes_sent_per_rank'] / 2**20:>17.1f} {row['sdpa_full_fwdbwd']:>15.3f}",
+            f"{row['bytes_sent_per_rank'] / 2**20:>17.1f} {row['sdpa1_fwdbwd']:>11.3f} {row['sdpan_fwdbwd']:>11.3f} "
+            f"{row['eff_vs_sdpa1']:>11.1%}",
             flush=True,
         )
     path = Path(args.csv)
