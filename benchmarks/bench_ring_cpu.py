@@ -130,7 +130,7 @@ def _run(world, args, target=None):
     return result
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--cp", type=int, default=2)
@@ -142,7 +142,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--csv", default=str(Path(__file__).parent / "results" / "ring_cpu.csv"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     env = dict(date=stamp, torch=torch.__version__, hf_ring=hf_ring.__version__, python=platform.python_version(),

@@ -116,3 +116,21 @@ def test_bench_longest_gpu_dry_run_bisects_to_the_budget(tmp_path, capsys):
     for loss, offload in (("full", "False"), ("chunked", "False"), ("chunked", "True")):
         mine = {int(r["seq_len"]): r["status"] for r in rows if r["loss"] == loss and r["offload"] == offload}
         assert mine[192] == "ok" and mine[208].startswith("out of memory") and mine[256].startswith("out of memory")
+
+
+def test_bench_ring_cpu_counts_the_bytes_of_the_ring_and_of_the_hybrid(tmp_path):
+    """bench_ring_cpu.py at a tiny size, pure ring (U = 1) and Ulysses x Ring (U = 2, a ring of one): the bytes
+    per rank it records are the floors, computed here from the shapes."""
+    import bench_ring_cpu
+
+    s, h, hkv, d = 256, 4, 1, 16
+    argv = ["--lengths", str(s), "--heads", str(h), "--kv-heads", str(hkv), "--head-dim", str(d), "--backends",
+            "sdpa", "--ulysses", "1", "2", "--warmup", "0", "--repeats", "1", "--csv", str(tmp_path / "ring_cpu.csv")]  # fmt: skip
+    bench_ring_cpu.main(argv)
+    rows = {int(r["ulysses"]): r for r in _rows(tmp_path, "ring_cpu")}
+    block = (s // 2) * d * 4  # one head of one rank's tokens, fp32
+    # pure ring, N = 2: K/V (stacked) hop once forward and once backward, the fp32 dK/dV accumulators twice
+    assert int(rows[1]["bytes_sent_per_rank"]) == 2 * hkv * block * 2 + 2 * hkv * block * 2
+    # U = 2: all-to-alls of q, k, v, out and of their gradients, half of each message leaves; KV heads 1 -> 2
+    assert int(rows[2]["bytes_sent_per_rank"]) == (4 * h + 4 * 2) * block // 2
+    assert all(float(r["tn_fwdbwd"]) > 0 and float(r["sdpa1_fwdbwd"]) > 0 for r in rows.values())
