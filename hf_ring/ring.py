@@ -37,6 +37,7 @@ import torch
 from . import layout as _layout
 from .comm import RingComm, UlyssesGroups
 from .kernels import BACKENDS, BlockMask, get_backend, unsupported_by
+from .kernels.mask import runs
 
 __all__ = ["PlanCache", "ring_attention", "raise_on_every_rank"]
 
@@ -55,6 +56,8 @@ class _Plan:
     masks: list  # masks[src]: queries of this rank vs the key/value block of rank src
     empty: list  # empty[src]: the block of rank src is fully masked for this rank
     summary: list  # what every rank sent to the pre-flight check (checked again once per batch)
+    # the hybrid: (order, inverse) of the gathered tokens when sorted by position (fewer runs), on q's device
+    order: tuple | None = None
 
     @property
     def kernel_kwargs(self) -> dict:
@@ -227,10 +230,20 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses):
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     if sinks is not None:
         sinks = sinks.view(u, -1)[x.rank]  # the sinks of this rank's query heads
-    out = _RingAttention.apply(
-        x.heads_to_sequence(q), x.heads_to_sequence(k), x.heads_to_sequence(v), sinks, plan, comm
-    )
+    q, k, v = x.heads_to_sequence(q), x.heads_to_sequence(k), x.heads_to_sequence(v)
+    if plan.order is not None:  # the gathered tokens in position order (the plan's masks are built for it)
+        q, k, v = (t.index_select(2, plan.order[0]) for t in (q, k, v))
+    out = _RingAttention.apply(q, k, v, sinks, plan, comm)
+    if plan.order is not None:
+        out = out.index_select(2, plan.order[1])
     return x.sequence_to_heads(out)
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (host) on ``device``: pinned and without blocking on a GPU (uploaded once per plan)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 # --------------------------------------------------------------------------- validation
@@ -477,6 +490,13 @@ def _plan(
     full = q.shape[2] * n
     shard = [_layout.positions(full, rank=r, world_size=n, layout=layout) for r in range(n)]
     pos = [torch.cat(shard[g * u : (g + 1) * u]) if u > 1 else shard[g] for g in range(world_size)]
+    order = None
+    if u > 1:  # the gathered tokens in position order where that makes fewer runs (zig-zag: 2 runs, not 2U)
+        ranked = [p.sort() for p in pos]
+        if sum(len(runs(r.values)) for r in ranked) < sum(len(runs(p)) for p in pos):
+            pos = [r.values for r in ranked]
+            mine = ranked[rank].indices
+            order = tuple(_on_device(t, q.device) for t in (mine, torch.argsort(mine)))
     q_pos = pos[rank]
     masks = []
     for src in range(world_size):
@@ -504,6 +524,7 @@ def _plan(
         masks=masks,
         empty=empty,
         summary=summary,
+        order=order,
     )
 
 
