@@ -46,7 +46,7 @@ concern: ``apply_to_model``, ``prepare_data_loader`` / ``reshard_prepared_data_l
 ``plugin.prepare(accelerator, ...)`` is ``check`` + ``setup`` + ``prepare``.
 
 Configuration enters here only: arguments, or the environment variables ``HF_RING_CP_SIZE``,
-``HF_RING_LAYOUT``, ``HF_RING_BACKEND``, ``HF_RING_ULYSSES_SIZE``, ``HF_RING_CHUNKED_LOSS``,
+``HF_RING_LAYOUT``, ``HF_RING_BACKEND``, ``HF_RING_ULYSSES_SIZE``, ``HF_RING_TIMEOUT``, ``HF_RING_CHUNKED_LOSS``,
 ``HF_RING_LOSS_BACKEND`` and ``HF_RING_OFFLOAD_ACTIVATIONS`` for the arguments left as None (read at
 construction).
 
@@ -74,7 +74,7 @@ from .loss import check_chunk_size, check_loss_backend
 
 __all__ = [
     "ENV_BACKEND", "ENV_CHUNKED_LOSS", "ENV_CP_SIZE", "ENV_LAYOUT", "ENV_LOSS_BACKEND", "ENV_OFFLOAD_ACTIVATIONS",
-    "ENV_ULYSSES_SIZE", "RingAttentionPlugin", "RingSetup", "apply_to_model",
+    "ENV_TIMEOUT", "ENV_ULYSSES_SIZE", "RingAttentionPlugin", "RingSetup", "apply_to_model",
     "data_parallel_scheduler", "prepare", "prepare_data_loader", "reduce_gradients", "reduce_loss",
     "reshard_prepared_data_loader", "shard_collate",
 ]  # fmt: skip
@@ -83,6 +83,7 @@ ENV_CP_SIZE = "HF_RING_CP_SIZE"
 ENV_LAYOUT = "HF_RING_LAYOUT"
 ENV_BACKEND = "HF_RING_BACKEND"
 ENV_ULYSSES_SIZE = "HF_RING_ULYSSES_SIZE"
+ENV_TIMEOUT = "HF_RING_TIMEOUT"
 ENV_CHUNKED_LOSS = "HF_RING_CHUNKED_LOSS"
 ENV_LOSS_BACKEND = "HF_RING_LOSS_BACKEND"
 ENV_OFFLOAD_ACTIVATIONS = "HF_RING_OFFLOAD_ACTIVATIONS"
@@ -110,6 +111,16 @@ def _env_int(name: str) -> int | None:
         raise ValueError(
             f"{name}={raw!r} is not an integer; set it to the context-parallel size, e.g. {name}=2"
         ) from None
+
+
+def _env_seconds(name: str) -> float | None:
+    raw = (os.environ.get(name) or "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
 
 
 def _env_ulysses():
@@ -282,6 +293,9 @@ class RingAttentionPlugin:
             consecutive ranks exchange heads for sequence, the ring runs across the cp_size / U groups; an
             int, ``"auto"`` (the largest U that divides cp_size and the query heads inside one node), or
             None: ``HF_RING_ULYSSES_SIZE`` (an int or ``auto``), else 1 (the pure ring).
+        timeout: seconds a rank waits inside the ring for a peer (CPU / gloo) before it raises, naming the ring
+            step and the peer (``hf_ring.apply_ring_attention``). None: ``HF_RING_TIMEOUT``, else the process
+            group's own timeout.
         pad_to_multiple: pad each batch's sequence to the layout's multiple (2 x cp_size for zigzag)
             with ignored tokens; if False, other lengths raise.
         chunked_loss: compute the loss chunk by chunk of tokens, never holding the [tokens, vocab] logits
@@ -306,6 +320,7 @@ class RingAttentionPlugin:
     layout: str | None = None
     backend: str | None = None
     ulysses_size: int | str | None = None
+    timeout: float | None = None
     pad_to_multiple: bool = True
     chunked_loss: bool | None = None
     loss_chunk_size: int | None = None
@@ -319,6 +334,7 @@ class RingAttentionPlugin:
             "layout": self.layout if self.layout is not None else (os.environ.get(ENV_LAYOUT) or "zigzag"),
             "backend": self.backend if self.backend is not None else (os.environ.get(ENV_BACKEND) or "auto"),
             "ulysses_size": self.ulysses_size if self.ulysses_size is not None else _env_ulysses(),
+            "timeout": self.timeout if self.timeout is not None else _env_seconds(ENV_TIMEOUT),
             "chunked_loss": self.chunked_loss if self.chunked_loss is not None else _env_flag(ENV_CHUNKED_LOSS, True),
             "loss_backend": self.loss_backend
             if self.loss_backend is not None
@@ -334,6 +350,7 @@ class RingAttentionPlugin:
         if self.cp_size is not None and self.cp_size < 1:
             raise ValueError(f"cp_size must be at least 1, got {self.cp_size} (set cp_size or {ENV_CP_SIZE})")
         check_layout(self.layout)
+        RingConfig(timeout=self.timeout)  # validates the timeout
         u = self.ulysses_size
         if u != "auto" and (isinstance(u, bool) or not isinstance(u, int) or u < 1):
             raise ValueError(
@@ -549,7 +566,7 @@ def apply_to_model(ring: RingSetup, model):
     _check_supported_model(model)
     apply_ring_attention(
         model, group=ring.cp_group, layout=ring.plugin.layout, backend=ring.plugin.backend,
-        ulysses_size=ring.plugin.ulysses_size,
+        ulysses_size=ring.plugin.ulysses_size, timeout=ring.plugin.timeout,
     )  # fmt: skip
     target = unwrap_transformers_model(model)
     if ring.plugin.chunked_loss and (is_chunked(target) or "forward" not in vars(target)):

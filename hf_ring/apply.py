@@ -53,7 +53,9 @@ def _transformers_model(model):
     )
 
 
-def apply_ring_attention(model, *, group=None, layout: str = "zigzag", backend: str = "auto", ulysses_size=None):
+def apply_ring_attention(
+    model, *, group=None, layout: str = "zigzag", backend: str = "auto", ulysses_size=None, timeout: float | None = None
+):
     """Switch ``model``'s attention to exact ring attention over the ranks of ``group`` (in place).
 
     Args:
@@ -68,6 +70,8 @@ def apply_ring_attention(model, *, group=None, layout: str = "zigzag", backend: 
             the group's size and the query heads and stays inside one node (``hf_ring.comm.auto_ulysses_size``);
             None or 1: the pure ring. With U > 1 every process must call this at the same point (it creates
             the subgroups, a collective over the default group).
+        timeout: seconds a rank waits inside the ring for a peer (CPU / gloo) before it raises a
+            ``TimeoutError`` naming the ring step and the peer; None: the process group's own timeout.
 
     Returns:
         ``model`` itself. Feed it the output of ``hf_ring.shard_batch``. Calling it again replaces the
@@ -75,12 +79,12 @@ def apply_ring_attention(model, *, group=None, layout: str = "zigzag", backend: 
     """
     from .patches import get_patch
 
-    cfg = RingConfig(group=group, layout=layout, backend=backend)  # validates before any collective
+    cfg = RingConfig(group=group, layout=layout, backend=backend, timeout=timeout)  # validated before any collective
     target = _transformers_model(model)
     patch = get_patch(getattr(target.config, "model_type", None))
     u = _ulysses_size(ulysses_size, group, target.config)
     if u > 1:
-        cfg = RingConfig(group=group, layout=layout, backend=backend, ulysses=ulysses_groups(group, u))
+        cfg = RingConfig(group=group, layout=layout, backend=backend, ulysses=ulysses_groups(group, u), timeout=timeout)
     patch.apply(target, cfg)
     return model
 

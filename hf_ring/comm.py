@@ -28,6 +28,7 @@ process (the ring benchmark on one GPU): it hands each step the block another ra
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,11 @@ class RingComm:
     Attributes: ``rank``, ``world_size``, ``bytes_sent`` and ``bytes_received`` (running totals).
     """
 
-    def __init__(self, group=None, *, tag: int = 0):
+    def __init__(self, group=None, *, tag: int = 0, timeout: float | None = None):
         self.group = group
         self.tag = tag
+        self.timeout = timeout
+        self._failed = self._on_gpu = False
         self.rank, self.world_size = group_rank_and_size(group)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -76,6 +79,7 @@ class RingComm:
             raise ValueError("RingComm sends contiguous tensors only")
         if recv_buf is None:
             recv_buf = torch.empty_like(to_send)
+        self._on_gpu = to_send.is_cuda
         self._ops.append(dist.P2POp(dist.isend, to_send, self.send_peer, self.group, self.tag))
         self._ops.append(dist.P2POp(dist.irecv, recv_buf, self.recv_peer, self.group, self.tag))
         nbytes = to_send.numel() * to_send.element_size()
@@ -83,23 +87,48 @@ class RingComm:
         self.bytes_received += recv_buf.numel() * recv_buf.element_size()
         return recv_buf
 
-    def commit(self) -> None:
-        """Launch every queued operation."""
+    def commit(self, where: str = "") -> None:
+        """Launch every queued operation (``where``: for the error if a peer is gone)."""
         if self._reqs:
             raise RuntimeError("RingComm.commit called while a previous batch is still in flight")
         if self._ops:
-            self._reqs = dist.batch_isend_irecv(self._ops)
-            self._ops = []
+            ops, self._ops = self._ops, []
+            try:
+                self._reqs = dist.batch_isend_irecv(ops)
+            except RuntimeError as e:
+                raise self._lost(e, where) from e
 
-    def wait(self) -> None:
-        """Block until the launched operations are complete."""
+    def wait(self, where: str = "") -> None:
+        """Block until the launched operations are complete.
+
+        With ``timeout`` (seconds) on CPU tensors (gloo), a peer that does not answer in time raises
+        ``TimeoutError`` naming ``where`` and the peers instead of waiting for the process group's own
+        timeout. On GPU (NCCL) waits never block the host; the process group's timeout and NCCL's watchdog
+        bound them there.
+        """
         reqs, self._reqs = self._reqs, []
+        limit = None if self.timeout is None or self._on_gpu else datetime.timedelta(seconds=self.timeout)
         for req in reqs:
-            req.wait()
+            try:
+                req.wait() if limit is None else req.wait(limit)
+            except RuntimeError as e:
+                raise self._lost(e, where, timed=limit is not None and "time" in str(e).lower()) from e
+
+    def _lost(self, error: Exception, where: str, timed: bool = False) -> Exception:
+        """The error to raise when the exchange with the peers failed (``timed``: ran past ``timeout``)."""
+        self._failed = True
+        peers = f"receives from global rank {self.recv_peer}, sends to global rank {self.send_peer}"
+        if timed:
+            return TimeoutError(
+                f"ring_attention: rank {self.rank} of the ring waited more than {self.timeout:g} s{where} for its "
+                f"peers ({peers}): a peer died, is stuck, or failed elsewhere; see its error (timeout= of "
+                "apply_ring_attention / RingAttentionPlugin)"
+            )
+        return RuntimeError(f"ring_attention: rank {self.rank} of the ring lost its peers{where} ({peers}): {error}")
 
     def partner(self) -> RingComm:
         """A communicator over the same group with the next tag (for a second exchange in flight)."""
-        return RingComm(self.group, tag=self.tag + 1)
+        return RingComm(self.group, tag=self.tag + 1, timeout=self.timeout)
 
     def all_gather_ints(self, values: list[int], device: torch.device | None = None) -> list[list[int]]:
         """Every rank's ``values`` (the same length everywhere), in rank order: one small all-gather.
@@ -119,6 +148,9 @@ class RingComm:
         """After an error: drop queued operations and complete the launched ones, so that the group
         is usable again (pending requests would make its next collective hang)."""
         self._ops = []
+        if self._failed:  # a peer is gone: waiting again would only wait as long again
+            self._reqs = []
+            return
         try:
             self.wait()
         except Exception:  # noqa: BLE001 - called while another error propagates
@@ -163,10 +195,10 @@ class LoopbackComm:
         self._count = self._count % (self.world_size - 1) + 1
         return self.blocks[(self.rank - self._count) % self.world_size]
 
-    def commit(self) -> None:
+    def commit(self, where: str = "") -> None:
         pass
 
-    def wait(self) -> None:
+    def wait(self, where: str = "") -> None:
         pass
 
     def drain(self) -> None:

@@ -112,12 +112,15 @@ class RingConfig:
     backend: str = "auto"
     plans: PlanCache | None = dataclasses.field(default=None, compare=False, repr=False)
     ulysses: UlyssesGroups | None = dataclasses.field(default=None, compare=False)  # the Ulysses x Ring hybrid
+    timeout: float | None = None  # seconds a rank waits for its ring peers (gloo) before it raises
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not float(self.timeout) > 0):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {self.timeout!r}")
         if self.ulysses is not None and self.ulysses.cp_group is not self.group:
             raise ValueError("RingConfig: ulysses must be the Ulysses groups of this config's group")
         explicit = self.group is not None and self.group is not _Dropped.GROUP
@@ -143,7 +146,7 @@ class RingConfig:
                 stacklevel=2,
             )
             group = _Dropped.GROUP
-        return (RingConfig, (group, self.layout, self.backend, self.plans))
+        return (RingConfig, (group, self.layout, self.backend, self.plans, None, self.timeout))
 
 
 _DEFAULT = RingConfig()
@@ -431,5 +434,6 @@ def ring_attention_forward(
         backend=cfg.backend,
         plans=cfg.plans,
         ulysses=cfg.ulysses,
+        timeout=cfg.timeout,
     )
     return out.transpose(1, 2).contiguous(), None

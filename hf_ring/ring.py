@@ -155,6 +155,7 @@ def ring_attention(
     comm: RingComm | None = None,
     plans: PlanCache | None = None,
     ulysses: UlyssesGroups | None = None,
+    timeout: float | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -189,6 +190,10 @@ def ring_attention(
             kv_heads and U when U does not divide them), the ring runs across the N / U groups on the
             gathered tokens, and a second all-to-all returns the heads. The data contract is unchanged
             (each rank passes its ``layout`` shard over all N ranks). None or U = 1: the pure ring.
+        timeout: seconds a rank waits inside the ring for its peers (CPU tensors on gloo) before it raises
+            ``TimeoutError`` naming the ring step and the peers; None: the process group's own timeout (30
+            minutes on gloo). GPU waits never block the host; NCCL's watchdog bounds them. Ignored when
+            ``comm`` is given (it carries its own).
 
     Returns:
         [batch, q_heads, local_seq, head_dim] in q's dtype. Rows that see no key are 0.
@@ -202,7 +207,7 @@ def ring_attention(
         if group is not None and group is not comm.group:
             raise ValueError("pass either group or comm (a RingComm carries its own group), not two different groups")
     else:
-        comm = RingComm(group)
+        comm = RingComm(group, timeout=timeout)
     docs = cu_seqlens if cu_seqlens is not None else document_ids
     key = plan = None
     if plans is not None:
@@ -557,11 +562,11 @@ def _ring_forward(q, k, v, plan: _Plan, comm):
             src = (r - step) % n
             if step + 1 < n:
                 nxt = comm.send_recv(cur, bufs[step % len(bufs)])
-                comm.commit()
+                comm.commit(f" in the forward at ring step {step + 1} of {n}")
             if not plan.empty[src]:
                 plan.backend.forward(q, cur[0], cur[1], plan.masks[src], plan.scale, out, lse, **plan.kernel_kwargs)
             if step + 1 < n:
-                comm.wait()
+                comm.wait(f" in the forward at ring step {step + 1} of {n}")
                 cur = nxt
     out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
     return out, lse, kv
@@ -591,7 +596,7 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
             src = (r - step) % n
             if step + 1 < n:
                 nxt = comm.send_recv(cur, bufs[step % len(bufs)])
-                comm.commit()
+                comm.commit(f" in the backward at ring step {step + 1} of {n}")
             target = send if step == 0 else local
             if step > 0:
                 target.zero_()
@@ -601,15 +606,15 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
                     out=out, **plan.kernel_kwargs,
                 )  # fmt: skip
             if step > 0:
-                grad_comm.wait()
+                grad_comm.wait(f" in the backward at ring step {step} of {n} (dK/dV)")
                 recv.add_(local)
                 send, recv = recv, send
             recv = grad_comm.send_recv(send, recv)
-            grad_comm.commit()
+            grad_comm.commit(f" in the backward at ring step {step + 1} of {n} (dK/dV)")
             if step + 1 < n:
-                comm.wait()
+                comm.wait(f" in the backward at ring step {step + 1} of {n}")
                 cur = nxt
-        grad_comm.wait()
+        grad_comm.wait(f" in the backward at ring step {n} of {n} (dK/dV)")
     comm.bytes_sent += grad_comm.bytes_sent
     comm.bytes_received += grad_comm.bytes_received
     return dq, recv  # after N hops the accumulator of this rank's own block is home

@@ -128,6 +128,9 @@ def test_environment_fills_unset_arguments(monkeypatch):
     monkeypatch.delenv("HF_RING_CP_SIZE")
     assert RingAttentionPlugin().validate(8) == 8  # unset: one CP group over every process
     assert RingAttentionPlugin().ulysses_size == 1  # unset: the pure ring
+    assert RingAttentionPlugin().timeout is None  # unset: the process group's own timeout
+    monkeypatch.setenv("HF_RING_TIMEOUT", "90")
+    assert RingAttentionPlugin().timeout == 90.0 and RingAttentionPlugin(timeout=5).timeout == 5
     monkeypatch.setenv("HF_RING_ULYSSES_SIZE", "auto")
     assert RingAttentionPlugin().ulysses_size == "auto"
     monkeypatch.setenv("HF_RING_ULYSSES_SIZE", "2")
@@ -144,6 +147,8 @@ def test_environment_fills_unset_arguments(monkeypatch):
         ({}, {"HF_RING_ULYSSES_SIZE": "many"}, "HF_RING_ULYSSES_SIZE='many' is not an integer or 'auto'"),
         ({"ulysses_size": 0}, {}, "ulysses_size must be a positive int or 'auto'"),
         ({"cp_size": 4, "ulysses_size": 3}, {}, "ulysses_size=3 does not divide cp_size=4"),
+        ({"timeout": -1}, {}, "timeout must be a positive number of seconds"),
+        ({}, {"HF_RING_TIMEOUT": "soon"}, "HF_RING_TIMEOUT='soon' is not a number of seconds"),
     ],
 )
 def test_bad_configuration_is_refused_at_construction(monkeypatch, kwargs, env, match):
