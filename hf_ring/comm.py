@@ -56,6 +56,7 @@ class RingComm:
         self.group = group
         self.tag = tag
         self.timeout = timeout
+        self.where = ""  # the exchange under way ("in the forward at ring step 1 of 2"), for errors
         self._failed = self._on_gpu = False
         self.rank, self.world_size = group_rank_and_size(group)
         self.bytes_sent = 0
@@ -87,8 +88,8 @@ class RingComm:
         self.bytes_received += recv_buf.numel() * recv_buf.element_size()
         return recv_buf
 
-    def commit(self, where: str = "") -> None:
-        """Launch every queued operation (``where``: for the error if a peer is gone)."""
+    def commit(self) -> None:
+        """Launch every queued operation."""
         if self._reqs:
             raise RuntimeError("RingComm.commit called while a previous batch is still in flight")
         if self._ops:
@@ -96,14 +97,14 @@ class RingComm:
             try:
                 self._reqs = dist.batch_isend_irecv(ops)
             except RuntimeError as e:
-                raise self._lost(e, where) from e
+                raise self._lost(e) from e
 
-    def wait(self, where: str = "") -> None:
+    def wait(self) -> None:
         """Block until the launched operations are complete.
 
         With ``timeout`` (seconds) on CPU tensors (gloo), a peer that does not answer in time raises
-        ``TimeoutError`` naming ``where`` and the peers instead of waiting for the process group's own
-        timeout. On GPU (NCCL) waits never block the host; the process group's timeout and NCCL's watchdog
+        ``TimeoutError`` naming ``where`` (the exchange, set by the caller) and the peers instead of waiting
+        for the process group's own timeout. On GPU (NCCL) waits never block the host; the process group's timeout and NCCL's watchdog
         bound them there.
         """
         reqs, self._reqs = self._reqs, []
@@ -112,12 +113,13 @@ class RingComm:
             try:
                 req.wait() if limit is None else req.wait(limit)
             except RuntimeError as e:
-                raise self._lost(e, where, timed=limit is not None and "time" in str(e).lower()) from e
+                raise self._lost(e, timed=limit is not None and "time" in str(e).lower()) from e
 
-    def _lost(self, error: Exception, where: str, timed: bool = False) -> Exception:
+    def _lost(self, error: Exception, timed: bool = False) -> Exception:
         """The error to raise when the exchange with the peers failed (``timed``: ran past ``timeout``)."""
         self._failed = True
         peers = f"receives from global rank {self.recv_peer}, sends to global rank {self.send_peer}"
+        where = f" {self.where}" if self.where else ""
         if timed:
             return TimeoutError(
                 f"ring_attention: rank {self.rank} of the ring waited more than {self.timeout:g} s{where} for its "
@@ -195,10 +197,10 @@ class LoopbackComm:
         self._count = self._count % (self.world_size - 1) + 1
         return self.blocks[(self.rank - self._count) % self.world_size]
 
-    def commit(self, where: str = "") -> None:
+    def commit(self) -> None:
         pass
 
-    def wait(self, where: str = "") -> None:
+    def wait(self) -> None:
         pass
 
     def drain(self) -> None:

@@ -562,11 +562,12 @@ def _ring_forward(q, k, v, plan: _Plan, comm):
             src = (r - step) % n
             if step + 1 < n:
                 nxt = comm.send_recv(cur, bufs[step % len(bufs)])
-                comm.commit(f" in the forward at ring step {step + 1} of {n}")
+                comm.where = f"in the forward at ring step {step + 1} of {n}"
+                comm.commit()
             if not plan.empty[src]:
                 plan.backend.forward(q, cur[0], cur[1], plan.masks[src], plan.scale, out, lse, **plan.kernel_kwargs)
             if step + 1 < n:
-                comm.wait(f" in the forward at ring step {step + 1} of {n}")
+                comm.wait()
                 cur = nxt
     out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
     return out, lse, kv
@@ -596,7 +597,8 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
             src = (r - step) % n
             if step + 1 < n:
                 nxt = comm.send_recv(cur, bufs[step % len(bufs)])
-                comm.commit(f" in the backward at ring step {step + 1} of {n}")
+                comm.where = f"in the backward at ring step {step + 1} of {n}"
+                comm.commit()
             target = send if step == 0 else local
             if step > 0:
                 target.zero_()
@@ -606,15 +608,16 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
                     out=out, **plan.kernel_kwargs,
                 )  # fmt: skip
             if step > 0:
-                grad_comm.wait(f" in the backward at ring step {step} of {n} (dK/dV)")
+                grad_comm.wait()
                 recv.add_(local)
                 send, recv = recv, send
             recv = grad_comm.send_recv(send, recv)
-            grad_comm.commit(f" in the backward at ring step {step + 1} of {n} (dK/dV)")
+            grad_comm.where = f"in the backward at ring step {step + 1} of {n} (dK/dV)"
+            grad_comm.commit()
             if step + 1 < n:
-                comm.wait(f" in the backward at ring step {step + 1} of {n}")
+                comm.wait()
                 cur = nxt
-        grad_comm.wait(f" in the backward at ring step {n} of {n} (dK/dV)")
+        grad_comm.wait()
     comm.bytes_sent += grad_comm.bytes_sent
     comm.bytes_received += grad_comm.bytes_received
     return dq, recv  # after N hops the accumulator of this rank's own block is home
