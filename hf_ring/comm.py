@@ -232,10 +232,10 @@ class HeadExchange:
         self.bytes_received = 0
 
     def heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        return _HeadsToSequence.apply(x, self)
+        return _Exchange.apply(x, self, True)
 
     def sequence_to_heads(self, y: torch.Tensor) -> torch.Tensor:
-        return _SequenceToHeads.apply(y, self)
+        return _Exchange.apply(y, self, False)
 
     def _exchange(self, send: torch.Tensor) -> torch.Tensor:
         recv = torch.empty_like(send)
@@ -260,26 +260,18 @@ class HeadExchange:
         return recv.transpose(0, 1).reshape(b, u * hu, un // u, d)
 
 
-class _HeadsToSequence(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One all-to-all of ``HeadExchange``; its backward is the other direction."""
+
     @staticmethod
-    def forward(ctx, x, exchange):
-        ctx.exchange = exchange
-        return exchange._to_sequence(x)
+    def forward(ctx, x, exchange, to_sequence: bool):
+        ctx.exchange, ctx.to_sequence = exchange, to_sequence
+        return exchange._to_sequence(x) if to_sequence else exchange._to_heads(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.exchange._to_heads(grad), None
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, exchange):
-        ctx.exchange = exchange
-        return exchange._to_heads(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.exchange._to_sequence(grad), None
+        x = ctx.exchange
+        return (x._to_heads(grad) if ctx.to_sequence else x._to_sequence(grad)), None, None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
