@@ -8,6 +8,8 @@ registry in ``hf_ring.patches``. ``register_attention`` only registers ``"hf_rin
 
 from __future__ import annotations
 
+import dataclasses
+
 from .comm import auto_ulysses_size, group_rank_and_size, ulysses_groups
 from .hf_attention import RingConfig, register
 
@@ -83,8 +85,8 @@ def apply_ring_attention(
     target = _transformers_model(model)
     patch = get_patch(getattr(target.config, "model_type", None))
     u = _ulysses_size(ulysses_size, group, target.config)
-    if u > 1:
-        cfg = RingConfig(group=group, layout=layout, backend=backend, ulysses=ulysses_groups(group, u), timeout=timeout)
+    if u > 1:  # ulysses_groups refuses a U that does not divide the group, before it communicates
+        cfg = dataclasses.replace(cfg, ulysses=ulysses_groups(group, u))
     patch.apply(target, cfg)
     return model
 
@@ -93,20 +95,15 @@ def _ulysses_size(value, group, config) -> int:
     """U for ``ulysses_size`` (None, ``"auto"`` or an int) on this group and model; ValueError naming the fix."""
     if value is None:
         return 1
-    _, n = group_rank_and_size(group)
     heads = getattr(config.get_text_config(), "num_attention_heads", None)
     if value == "auto":
-        return auto_ulysses_size(n, heads) if heads else 1
+        return auto_ulysses_size(group_rank_and_size(group)[1], heads) if heads else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"ulysses_size must be None, 'auto' or a positive int, got {value!r}")
     if heads and heads % value:
         raise ValueError(
             f"ulysses_size={value} does not divide the model's {heads} query heads: each rank of a Ulysses group "
             f"takes heads / ulysses_size of them; choose a divisor of {heads} (or ulysses_size='auto')"
-        )
-    if n % value:
-        raise ValueError(
-            f"ulysses_size={value} does not divide the context-parallel group's {n} ranks; choose a divisor of {n}"
         )
     return value
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -104,8 +105,8 @@ class RingComm:
 
         With ``timeout`` (seconds) on CPU tensors (gloo), a peer that does not answer in time raises
         ``TimeoutError`` naming ``where`` (the exchange, set by the caller) and the peers instead of waiting
-        for the process group's own timeout. On GPU (NCCL) waits never block the host; the process group's timeout and NCCL's watchdog
-        bound them there.
+        for the process group's own timeout. On GPU (NCCL) waits never block the host; the process group's
+        timeout and NCCL's watchdog bound them there.
         """
         reqs, self._reqs = self._reqs, []
         limit = None if self.timeout is None or self._on_gpu else datetime.timedelta(seconds=self.timeout)
@@ -339,8 +340,6 @@ def auto_ulysses_size(cp_size: int, q_heads: int, local_world_size: int | None =
     Ulysses group inside one node (U divides the processes per node, ``local_world_size``; None: the
     ``LOCAL_WORLD_SIZE`` that torchrun and accelerate launch set, else the CP size, i.e. one node).
     Key/value heads do not limit it: with fewer than U they are repeated (see ``ring_attention``)."""
-    import os
-
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or cp_size)
     return max(u for u in range(1, cp_size + 1) if cp_size % u == 0 and q_heads % u == 0 and local_world_size % u == 0)

@@ -25,7 +25,9 @@ logit transform would be unknown), ``output_router_logits`` (an MoE auxiliary lo
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import os
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -155,9 +157,6 @@ class _ScaleCap:
 
 def liger_unavailable(device: torch.device) -> str | None:
     """Why Liger-Kernel's fused linear cross-entropy cannot run on ``device`` here, or None."""
-    import importlib.util
-    import os
-
     if importlib.util.find_spec("liger_kernel") is None:
         return "Liger-Kernel is not installed (pip install 'hf-ring[liger]')"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

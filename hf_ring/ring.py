@@ -37,7 +37,7 @@ import torch
 from . import layout as _layout
 from .comm import RingComm, UlyssesGroups
 from .kernels import BACKENDS, BlockMask, get_backend, unsupported_by
-from .kernels.mask import runs
+from .kernels.mask import runs, upload
 
 __all__ = ["PlanCache", "ring_attention", "raise_on_every_rank"]
 
@@ -58,6 +58,7 @@ class _Plan:
     summary: list  # what every rank sent to the pre-flight check (checked again once per batch)
     # the hybrid: (order, inverse) of the gathered tokens when sorted by position (fewer runs), on q's device
     order: tuple | None = None
+    pinned: list = dataclasses.field(default_factory=list)  # host sides of ``order``'s non-blocking upload
 
     @property
     def kernel_kwargs(self) -> dict:
@@ -244,32 +245,12 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses):
     return x.sequence_to_heads(out)
 
 
-def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (host) on ``device``: pinned and without blocking on a GPU (uploaded once per plan)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 # --------------------------------------------------------------------------- validation
 
 
 def _local_error(
-    q,
-    k,
-    v,
-    layout,
-    causal,
-    scale,
-    window,
-    softcap,
-    sinks,
-    cu_seqlens,
-    document_ids,
-    backend,
-    world_size,
-    ulysses_size=1,
-):
+    q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, world_size, ulysses_size=1
+):  # fmt: skip
     """The first problem with this rank's arguments, as a message that says what to do; or None.
     ``world_size``: ranks holding a shard (the CP group); ``ulysses_size``: U of the hybrid."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -495,13 +476,13 @@ def _plan(
     full = q.shape[2] * n
     shard = [_layout.positions(full, rank=r, world_size=n, layout=layout) for r in range(n)]
     pos = [torch.cat(shard[g * u : (g + 1) * u]) if u > 1 else shard[g] for g in range(world_size)]
-    order = None
+    order, pinned = None, []
     if u > 1:  # the gathered tokens in position order where that makes fewer runs (zig-zag: 2 runs, not 2U)
         ranked = [p.sort() for p in pos]
         if sum(len(runs(r.values)) for r in ranked) < sum(len(runs(p)) for p in pos):
             pos = [r.values for r in ranked]
             mine = ranked[rank].indices
-            order = tuple(_on_device(t, q.device) for t in (mine, torch.argsort(mine)))
+            order = tuple(upload(t, q.device, pinned) for t in (mine, torch.argsort(mine)))
     q_pos = pos[rank]
     masks = []
     for src in range(world_size):
@@ -530,6 +511,7 @@ def _plan(
         empty=empty,
         summary=summary,
         order=order,
+        pinned=pinned,
     )
 
 

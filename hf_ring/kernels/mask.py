@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "runs"]
+__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "runs", "upload"]
 
 EMPTY, FULL, PARTIAL = 0, 1, 2
 
@@ -50,6 +50,16 @@ def runs(pos: torch.Tensor) -> list[tuple[slice, int]]:
         out.append((slice(start, end), step))
         start = end
     return out
+
+
+def upload(t: torch.Tensor, device: torch.device, keep: list) -> torch.Tensor:
+    """``t`` (host) on ``device``. On a GPU it is pinned and copied without blocking; the pinned tensor is
+    appended to ``keep``, which the caller holds as long as the copy, so the copy never reads freed memory."""
+    if device.type != "cuda":
+        return t.to(device)
+    t = t.pin_memory()
+    keep.append(t)
+    return t.to(device=device, non_blocking=True)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -185,16 +195,10 @@ class BlockMask:
         """
         key = str(device)
         if key not in self._cache:
-            pinned = device.type == "cuda"
+            keep = self._cache.setdefault("pinned", [])
 
             def move(t):
-                if t is None:
-                    return None
-                t = t.to(torch.int32).contiguous()
-                if pinned:
-                    t = t.pin_memory()
-                    self._cache.setdefault("pinned", []).append(t)
-                return t.to(device=device, non_blocking=pinned)
+                return None if t is None else upload(t.to(torch.int32).contiguous(), device, keep)
 
             self._cache[key] = {
                 "q_pos": move(self.q_pos),
