@@ -34,6 +34,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import guard
+
 __all__ = [
     "HeadExchange", "LoopbackComm", "RingComm", "UlyssesGroups", "auto_ulysses_size", "group_rank_and_size",
     "ulysses_groups",
@@ -58,7 +60,7 @@ class RingComm:
         self.tag = tag
         self.timeout = timeout
         self.where = ""  # the exchange under way ("in the forward at ring step 1 of 2"), for errors
-        self._failed = self._on_gpu = False
+        self._on_gpu = False
         self.rank, self.world_size = group_rank_and_size(group)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -116,11 +118,19 @@ class RingComm:
             except RuntimeError as e:
                 raise self._lost(e, timed=limit is not None and "time" in str(e).lower()) from e
 
-    def _lost(self, error: Exception, timed: bool = False) -> Exception:
-        """The error to raise when the exchange with the peers failed (``timed``: ran past ``timeout``)."""
-        self._failed = True
-        peers = f"receives from global rank {self.recv_peer}, sends to global rank {self.send_peer}"
+    def _lost(self, error: Exception, timed: bool = False, peers: str | None = None) -> Exception:
+        """The error to raise when the exchange with the peers failed (``timed``: ran past ``timeout``). The
+        group is stopped (``hf_ring.guard``); when a peer stopped it, its record says which rank and call failed."""
+        if peers is None:
+            peers = f"receives from global rank {self.recv_peer}, sends to global rank {self.send_peer}"
         where = f" {self.where}" if self.where else ""
+        record = guard.lost([self.group], where.strip() or "in the ring")
+        if record is not None:
+            return guard.StoppedError(
+                f"ring_attention: rank {self.rank} of the ring stopped{where} ({peers}) because its peers stopped "
+                f"the CP group: {record}. The ranks can no longer exchange in step; restart the job (from its "
+                "last checkpoint)"
+            )
         if timed:
             return TimeoutError(
                 f"ring_attention: rank {self.rank} of the ring waited more than {self.timeout:g} s{where} for its "
@@ -144,20 +154,12 @@ class RingComm:
         on_gpu = device is not None and device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
         mine = torch.tensor(values, dtype=torch.int64, device=device if on_gpu else "cpu")
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine, group=self.group)
-        return [t.tolist() for t in every]
-
-    def drain(self) -> None:
-        """After an error: drop queued operations and complete the launched ones, so that the group
-        is usable again (pending requests would make its next collective hang)."""
-        self._ops = []
-        if self._failed:  # a peer is gone: waiting again would only wait as long again
-            self._reqs = []
-            return
         try:
-            self.wait()
-        except Exception:  # noqa: BLE001 - called while another error propagates
-            pass
+            dist.all_gather(every, mine, group=self.group)
+        except RuntimeError as e:
+            self.where = "in the pre-flight check"
+            raise self._lost(e, peers=f"an all-gather over the {self.world_size} ranks of the group") from e
+        return [t.tolist() for t in every]
 
 
 class LoopbackComm:
@@ -202,9 +204,6 @@ class LoopbackComm:
         pass
 
     def wait(self) -> None:
-        pass
-
-    def drain(self) -> None:
         pass
 
     def partner(self) -> LoopbackComm:

@@ -418,6 +418,9 @@ def ring_attention_forward(
         document_ids, cu_seqlens = cfg.plans.derived(
             sources, lambda: _documents(attention_mask, kwargs, full, world_size)
         )
+    if cfg.plans is not None:  # names the call in errors ("ring-attention call 3 (layer 2)")
+        layer = getattr(module, "layer_idx", None)
+        cfg.plans.progress.label = "" if layer is None else f"layer {layer}"
     out = ring_attention(
         query,
         key,

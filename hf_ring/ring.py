@@ -21,27 +21,29 @@ built once per batch and reused by every layer's forward and backward; the cross
 once per kind of call after each ``PlanCache.new_batch()``, which the model's forward pre-hook calls
 on every rank at the start of every forward. Steady state: no collective but the ring's P2P, no host
 sync, no host-to-device copy per layer.
+
+Failures: an error on one rank in the middle of the ring's lock-step exchanges (inside a call, or between
+calls of a forward or backward) stops the CP group, so no rank ever goes on out of step: every rank raises,
+naming the rank and the call that failed (``hf_ring.guard``).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
-import struct
 from types import ModuleType
 
 import torch
 
+from . import guard, preflight
 from . import layout as _layout
 from .comm import RingComm, UlyssesGroups
-from .kernels import BACKENDS, BlockMask, get_backend, unsupported_by
+from .kernels import BlockMask, get_backend, unsupported_by
 from .kernels.mask import runs, upload
+from .preflight import raise_on_every_rank
 
 __all__ = ["PlanCache", "ring_attention", "raise_on_every_rank"]
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclasses.dataclass
@@ -89,9 +91,12 @@ class PlanCache:
         self._plans: collections.OrderedDict = collections.OrderedDict()  # key -> (documents, plan)
         self._checked: set = set()
         self._derived: dict = {}  # identities of sources -> (sources, value), until new_batch()
+        self.progress = guard.Progress()  # where this model's forward and backward stand in their ring calls
 
     def new_batch(self) -> None:
-        """Make the next call of every key check its plan across ranks again (start of a forward)."""
+        """Make the next call of every key check its plan across ranks again (start of a forward). Raises
+        ``guard.StoppedError`` when this rank's previous step failed out of step with its peers."""
+        self.progress.begin_forward()
         self._checked.clear()
         self._derived.clear()
 
@@ -209,6 +214,7 @@ def ring_attention(
             raise ValueError("pass either group or comm (a RingComm carries its own group), not two different groups")
     else:
         comm = RingComm(group, timeout=timeout)
+    guard.raise_if_stopped(getattr(comm, "group", None))
     docs = cu_seqlens if cu_seqlens is not None else document_ids
     key = plan = None
     if plans is not None:
@@ -223,12 +229,18 @@ def ring_attention(
         )  # fmt: skip
         if key is not None:
             plans.store(key, docs, plan)
+    watch = None  # (groups, name, progress): what stops when this call fails on this rank
+    if isinstance(comm, RingComm) and (comm.world_size > 1 or hybrid):
+        groups = [comm.group] + ([ulysses.ulysses_group, ulysses.cp_group] if hybrid else [])
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        name = plans.progress.call(comm.group, grad) if plans is not None else "a ring-attention call"
+        watch = (groups, name, None if plans is None else plans.progress)
     if not hybrid:
-        return _RingAttention.apply(q, k, v, sinks, plan, comm)
-    return _hybrid(q, k, v, sinks, plan, comm, ulysses)
+        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
+    return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch)
 
 
-def _hybrid(q, k, v, sinks, plan, comm, ulysses):
+def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch):
     """Ulysses x Ring: heads for sequence inside the Ulysses group, the ring across groups, heads back."""
     u, x = ulysses.ulysses_size, ulysses.exchange
     repeat = math.lcm(k.shape[1], u) // k.shape[1]
@@ -239,160 +251,10 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses):
     q, k, v = x.heads_to_sequence(q), x.heads_to_sequence(k), x.heads_to_sequence(v)
     if plan.order is not None:  # the gathered tokens in position order (the plan's masks are built for it)
         q, k, v = (t.index_select(2, plan.order[0]) for t in (q, k, v))
-    out = _RingAttention.apply(q, k, v, sinks, plan, comm)
+    out = _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
     if plan.order is not None:
         out = out.index_select(2, plan.order[1])
     return x.sequence_to_heads(out)
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _local_error(
-    q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, world_size, ulysses_size=1
-):  # fmt: skip
-    """The first problem with this rank's arguments, as a message that says what to do; or None.
-    ``world_size``: ranks holding a shard (the CP group); ``ulysses_size``: U of the hybrid."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            return f"{name} must be a 4-D tensor [batch, heads, local_seq, head_dim]"
-    if k.shape != v.shape:
-        return f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
-    b, hq, lq, d = q.shape
-    if (k.shape[0], k.shape[2], k.shape[3]) != (b, lq, d):
-        return (
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, local_seq and head_dim "
-            "(layout [batch, heads, local_seq, head_dim])"
-        )
-    if k.shape[1] == 0 or hq % k.shape[1]:
-        return f"q_heads ({hq}) must be a multiple of kv_heads ({k.shape[1]})"
-    if hq % ulysses_size:
-        return (
-            f"q_heads ({hq}) must be a multiple of ulysses_size ({ulysses_size}): each rank of a Ulysses group "
-            f"takes q_heads / ulysses_size heads; choose a ulysses_size that divides {hq}"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        return f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if q.dtype not in _DTYPES:
-        return f"dtype {q.dtype} is not supported; use float16, bfloat16 or float32 (float64 is computed in fp32)"
-    if not (q.device == k.device == v.device):
-        return f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}"
-    if d < 8:
-        return f"head_dim must be at least 8, got {d}"
-    if layout not in _layout.LAYOUTS:
-        return f"unknown layout {layout!r}; choose one of {', '.join(_layout.LAYOUTS)}"
-    if backend not in BACKENDS:
-        return f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}"
-    if scale is not None and not (float(scale) > 0 and float(scale) != float("inf")):
-        return f"scale must be a positive finite number, got {scale}"
-    if window is not None and (int(window) != window or window < 1):
-        return f"sliding_window must be a positive integer, got {window}"
-    if softcap is not None and not (float(softcap) > 0 and float(softcap) != float("inf")):
-        return f"softcap must be a positive finite number (or None), got {softcap}"
-    if sinks is not None and (
-        not isinstance(sinks, torch.Tensor)
-        or sinks.shape != (hq,)
-        or not sinks.dtype.is_floating_point
-        or sinks.device != q.device
-    ):
-        got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        return f"sinks must be a floating-point tensor [q_heads={hq}] on q's device, got {got}"
-    full = lq * world_size
-    m = _layout.required_multiple(layout, world_size)
-    if full % m:
-        return (
-            f"full sequence length {full} ({world_size} ranks x local_seq {lq}) is not a multiple of {m}: "
-            f"the {layout} layout over {world_size} ranks needs a multiple of {m}; pad the sequence to "
-            f"{-(-full // m) * m} (hf_ring.shard_batch does this with pad_to_multiple=True)"
-        )
-    if cu_seqlens is not None and document_ids is not None:
-        return "pass cu_seqlens or document_ids, not both"
-    if cu_seqlens is not None:
-        cu = cu_seqlens
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
-            return "cu_seqlens must be a 1-D integer tensor [num_docs + 1]"
-        if not _layout.valid_cu_seqlens(cu, full):
-            cu = cu.detach().cpu()
-            return (
-                f"cu_seqlens must rise from 0 to the full (unsharded) length {full}; got "
-                f"{cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}"
-            )
-    if document_ids is not None:
-        if (
-            not isinstance(document_ids, torch.Tensor)
-            or document_ids.dim() != 2
-            or document_ids.shape[0] not in (1, b)
-            or document_ids.shape[1] != full
-        ):
-            return (
-                f"document_ids must be [1 or batch={b}, full_seq={full}] (ids of the unsharded sequence), "
-                f"got {tuple(document_ids.shape)}"
-            )
-        if document_ids.dtype.is_floating_point:
-            return "document_ids must be an integer tensor"
-    return None
-
-
-def _bits(x) -> int:
-    """A float's exact bits as an int (0 for None), for the cross-rank summary."""
-    return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def _summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error, ulysses_size=1) -> list[int]:
-    """A fixed-size integer summary of this rank's call; every rank must send the same one."""
-    if error is not None:
-        return [1] + [0] * (len(_FIELDS) - 1)
-    b, hq, lq, d = q.shape
-    fingerprint = -1
-    if docs is not None:  # cheap O(S) fingerprint of the document layout, position-weighted
-        w = torch.arange(docs.shape[1], dtype=torch.int64) % 65521 + 1
-        fingerprint = (int(((docs.long() + 2) * w).sum()) * 31 + docs.shape[0]) % (1 << 61)
-    return [
-        0, lq, b, hq, k.shape[1], d, _DTYPES.index(q.dtype), _layout.LAYOUTS.index(layout),
-        int(causal), -1 if window is None else int(window), _bits(scale), _bits(softcap), int(sinks is not None),
-        fingerprint, ulysses_size,
-    ]  # fmt: skip
-
-
-_FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
-           "sliding_window", "scale", "softcap", "sinks", "documents", "ulysses_size")  # fmt: skip
-
-
-def _check_everywhere(error, summary, comm, device) -> None:
-    rank, world_size = comm.rank, comm.world_size
-    if world_size == 1:
-        if error:
-            raise ValueError(f"ring_attention: {error}")
-        return
-    every = comm.all_gather_ints(summary, device)
-    if error:
-        raise ValueError(f"ring_attention (rank {rank}): {error}")
-    bad = [r for r, s in enumerate(every) if s[0]]
-    if bad:
-        raise ValueError(
-            f"ring_attention: rank(s) {bad} rejected their input (see the error raised there); "
-            "no communication was started"
-        )
-    for i, field in enumerate(_FIELDS[1:], start=1):
-        values = [s[i] for s in every]
-        if len(set(values)) > 1:
-            raise ValueError(
-                f"ring_attention: ranks disagree on {field}: {values} (rank order); every rank of the "
-                "ring must pass its shard of the same sequence with the same settings"
-            )
-
-
-def raise_on_every_rank(message: str, *, group=None, device: torch.device | None = None):
-    """Raise ``ValueError(message)`` here after taking part in the pre-flight exchange of
-    ``ring_attention``: the other ranks of ``group``, entering ``ring_attention`` at the same point,
-    learn that this rank rejected its input and raise too, instead of waiting for it in the ring.
-
-    For callers above the core (the Transformers integration) that find a problem only some ranks
-    can see. It joins the exchange the other ranks run anyway: no extra collective when all is well.
-    """
-    summary = [1] + [0] * (len(_FIELDS) - 1)
-    _check_everywhere(message, summary, RingComm(group), device)
-    raise AssertionError("unreachable: _check_everywhere raises when given an error")
 
 
 # --------------------------------------------------------------------------- planning
@@ -460,18 +322,18 @@ def _plan(
     check = comm if ulysses is None else RingComm(ulysses.cp_group)
     device = q.device if isinstance(q, torch.Tensor) else None
     if reuse is not None:
-        _check_everywhere(None, reuse.summary, check, device)
+        preflight.check_everywhere(None, reuse.summary, check, device)
         return reuse
     n = world_size * u  # ranks holding a shard
-    error = _local_error(
+    error = preflight.local_error(
         q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, n, u
     )
     docs = module = None
     if error is None:
         docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * n)
         module, error = _backend_module(backend, q, k, v, softcap)
-    summary = _summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error, u)
-    _check_everywhere(error, summary, check, device)
+    summary = preflight.summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error, u)
+    preflight.check_everywhere(error, summary, check, device)
 
     full = q.shape[2] * n
     shard = [_layout.positions(full, rank=r, world_size=n, layout=layout) for r in range(n)]
@@ -539,18 +401,18 @@ def _ring_forward(q, k, v, plan: _Plan, comm):
     kv = torch.stack([k, v])  # one contiguous message [2, batch, kv_heads, local_seq, head_dim]
     bufs = _ring_buffers(kv, n)
     cur = kv
-    with _drained(comm):
-        for step in range(n):
-            src = (r - step) % n
-            if step + 1 < n:
-                nxt = comm.send_recv(cur, bufs[step % len(bufs)])
-                comm.where = f"in the forward at ring step {step + 1} of {n}"
-                comm.commit()
-            if not plan.empty[src]:
-                plan.backend.forward(q, cur[0], cur[1], plan.masks[src], plan.scale, out, lse, **plan.kernel_kwargs)
-            if step + 1 < n:
-                comm.wait()
-                cur = nxt
+    comm.where = "in the forward"
+    for step in range(n):
+        src = (r - step) % n
+        if step + 1 < n:
+            nxt = comm.send_recv(cur, bufs[step % len(bufs)])
+            comm.where = f"in the forward at ring step {step + 1} of {n}"
+            comm.commit()
+        if not plan.empty[src]:
+            plan.backend.forward(q, cur[0], cur[1], plan.masks[src], plan.scale, out, lse, **plan.kernel_kwargs)
+        if step + 1 < n:
+            comm.wait()
+            cur = nxt
     out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
     return out, lse, kv
 
@@ -574,47 +436,48 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
     recv, local = torch.empty_like(send), torch.empty_like(send)
     grad_comm = comm.partner()
     cur = kv
-    with _drained(comm, grad_comm):
-        for step in range(n):
-            src = (r - step) % n
-            if step + 1 < n:
-                nxt = comm.send_recv(cur, bufs[step % len(bufs)])
-                comm.where = f"in the backward at ring step {step + 1} of {n}"
-                comm.commit()
-            target = send if step == 0 else local
-            if step > 0:
-                target.zero_()
-            if not plan.empty[src]:
-                plan.backend.backward(
-                    dout, q, cur[0], cur[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1],
-                    out=out, **plan.kernel_kwargs,
-                )  # fmt: skip
-            if step > 0:
-                grad_comm.wait()
-                recv.add_(local)
-                send, recv = recv, send
-            recv = grad_comm.send_recv(send, recv)
-            grad_comm.where = f"in the backward at ring step {step + 1} of {n} (dK/dV)"
-            grad_comm.commit()
-            if step + 1 < n:
-                comm.wait()
-                cur = nxt
-        grad_comm.wait()
+    comm.where = "in the backward"
+    for step in range(n):
+        src = (r - step) % n
+        if step + 1 < n:
+            nxt = comm.send_recv(cur, bufs[step % len(bufs)])
+            comm.where = f"in the backward at ring step {step + 1} of {n}"
+            comm.commit()
+        target = send if step == 0 else local
+        if step > 0:
+            target.zero_()
+        if not plan.empty[src]:
+            plan.backend.backward(
+                dout, q, cur[0], cur[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1],
+                out=out, **plan.kernel_kwargs,
+            )  # fmt: skip
+        if step > 0:
+            grad_comm.wait()
+            recv.add_(local)
+            send, recv = recv, send
+        recv = grad_comm.send_recv(send, recv)
+        grad_comm.where = f"in the backward at ring step {step + 1} of {n} (dK/dV)"
+        grad_comm.commit()
+        if step + 1 < n:
+            comm.wait()
+            cur = nxt
+    grad_comm.wait()
     comm.bytes_sent += grad_comm.bytes_sent
     comm.bytes_received += grad_comm.bytes_received
     return dq, recv  # after N hops the accumulator of this rank's own block is home
 
 
-@contextlib.contextmanager
-def _drained(*comms):
-    """On an error inside the ring loop, complete the exchange in flight before re-raising: requests
-    left pending would make the next collective on the group hang."""
-    try:
-        yield
-    except BaseException:
-        for c in comms:
-            c.drain()
-        raise
+def _failed(watch, comm, error: BaseException) -> None:
+    """This rank's ring call failed: stop its groups (``hf_ring.guard``), naming this rank and the call.
+    An exchange that failed because the group was stopped elsewhere spreads that record instead."""
+    if watch is None:
+        return
+    groups, name, _ = watch
+    if isinstance(error, guard.StoppedError):
+        guard.stop(groups, guard.record_of(groups[0]) or str(error))
+        return
+    where = f" {comm.where}" if comm.where else ""
+    guard.stop(groups, f"global rank {guard.global_rank()} failed{where} of {name}: {type(error).__name__}: {error}")
 
 
 class _RingAttention(torch.autograd.Function):
@@ -628,16 +491,20 @@ class _RingAttention(torch.autograd.Function):
     # unchanged (the kernels' probabilities exp(s - lse') are the softmax with the sink), and the
     # sink's gradient is -sum over rows of exp(sink - lse') * rowsum(dout * out').
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, comm):
+    def forward(ctx, q, k, v, sinks, plan, comm, watch):
         with torch.autocast(q.device.type, enabled=False):
-            out, lse, kv = _ring_forward(q, k, v, plan, comm)
+            try:
+                out, lse, kv = _ring_forward(q, k, v, plan, comm)
+            except BaseException as e:
+                _failed(watch, comm, e)
+                raise
             if sinks is not None:
                 merged = torch.logaddexp(lse, sinks.detach().float()[None, :, None])
                 out.mul_(torch.exp(lse - merged).unsqueeze(-1))
                 lse = merged
         out = out.to(q.dtype)
         ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks)
-        ctx.plan, ctx.comm = plan, comm
+        ctx.plan, ctx.comm, ctx.watch = plan, comm, watch
         return out
 
     @staticmethod
@@ -646,9 +513,15 @@ class _RingAttention(torch.autograd.Function):
         kv = kv[0] if len(kv) == 1 else tuple(kv)
         with torch.autocast(q.device.type, enabled=False):
             delta = (dout.float() * out.float()).sum(-1)
-            dq, dkv = _ring_backward(dout, q, kv, out, lse, delta, ctx.plan, ctx.comm)
+            try:
+                dq, dkv = _ring_backward(dout, q, kv, out, lse, delta, ctx.plan, ctx.comm)
+            except BaseException as e:
+                _failed(ctx.watch, ctx.comm, e)
+                raise
+            if ctx.watch is not None and ctx.watch[2] is not None:
+                ctx.watch[2].backward_calls += 1
             dsinks = None
             if sinks is not None and ctx.needs_input_grad[3]:
                 p_sink = torch.exp(sinks.float()[None, :, None] - lse)
                 dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dkv[0].to(kv[0].dtype), dkv[1].to(kv[1].dtype), dsinks, None, None
+        return dq.to(q.dtype), dkv[0].to(kv[0].dtype), dkv[1].to(kv[1].dtype), dsinks, None, None, None

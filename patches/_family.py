@@ -11,7 +11,10 @@ revert then switches it to ``"sdpa"``. Nothing private in Transformers is overwr
 Plans: ``apply`` gives the model's ``RingConfig`` a ``PlanCache`` and registers a forward pre-hook
 (``StartBatch``) on the model and on every ``PreTrainedModel`` inside it (a causal-LM head and its
 base model), which calls ``new_batch()``: the first attention call of each forward checks the batch
-across ranks, the other layers and the backward reuse its plan. Revert removes the hooks.
+across ranks, the other layers and the backward reuse its plan, and a forward hook (``EndBatch``, run even
+when the forward raises) tells the plan cache how the forward ended (``hf_ring.guard``: a forward that fails
+after its first ring exchange stops the CP group; a successful one watches for its backward). Revert removes
+the hooks.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from ..hf_attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, RingConfig, register
 from ..ring import PlanCache
 
-__all__ = ["FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "is_applied"]
+__all__ = ["EndBatch", "FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "is_applied"]
 
 ORIGINAL_ATTR = "hf_ring_original_attn_implementation"
 """Attribute of a patched model holding the attention implementation to restore on revert."""
@@ -70,6 +73,16 @@ class StartBatch:
         self.plans.new_batch()
 
 
+class EndBatch:
+    """Forward hook, run even when the forward raises: tells the plan cache's ``Progress`` how it ended."""
+
+    def __init__(self, plans: PlanCache):
+        self.plans = plans
+
+    def __call__(self, module, args, output) -> None:
+        self.plans.progress.end_forward(output)
+
+
 def _set_hooks(model, plans: PlanCache | None) -> None:
     """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans``."""
     from transformers import PreTrainedModel
@@ -77,11 +90,14 @@ def _set_hooks(model, plans: PlanCache | None) -> None:
     for m in model.modules():
         if not isinstance(m, PreTrainedModel):
             continue
-        for hook_id, hook in list(m._forward_pre_hooks.items()):
-            if isinstance(hook, StartBatch):
-                del m._forward_pre_hooks[hook_id]
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for hook_id, hook in list(hooks.items()):
+                if isinstance(hook, (StartBatch, EndBatch)):
+                    del hooks[hook_id]
+                    m._forward_hooks_always_called.pop(hook_id, None)
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans))
+            m.register_forward_hook(EndBatch(plans), always_call=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dense_mask", "reference_attention", "sdpa_attention", "rel_err", "doc_ids_from_cu"]
+__all__ = ["dense_mask", "reference_attention", "sdpa_attention", "rel_err", "doc_ids_from_cu", "virtual_ring"]
 
 
 def doc_ids_from_cu(cu: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -71,3 +71,30 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     den = ref.norm().item()
     num = (x - ref).norm().item()
     return num / den if den > 0 else num
+
+
+def virtual_ring(q, k, v, do, n: int, layout: str, *, backend="torch", causal=True, window=None, docs=None):
+    """``ring_attention`` over ``n`` virtual ranks in one process, on full-sequence tensors: every rank's output
+    and gradients put back in sequence order, ``(out, dq, dk, dv)`` (dk/dv fp32: the accumulators that leave
+    each rank, summed where they would arrive). ``LoopbackComm`` hands each rank the blocks the others send."""
+    import hf_ring
+    from hf_ring.layout import positions
+
+    kw = dict(layout=layout, backend=backend, causal=causal, sliding_window=window, document_ids=docs)
+    if n == 1:
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = hf_ring.ring_attention(*leaves, **kw)
+        return (out.detach(), *torch.autograd.grad(out, leaves, do))
+    pos = [positions(q.shape[2], rank=r, world_size=n, layout=layout) for r in range(n)]
+    blocks = [torch.stack([k.index_select(2, p), v.index_select(2, p)]) for p in pos]
+    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    dkv = torch.zeros(2, *k.shape, dtype=torch.float32)
+    for r, p in enumerate(pos):
+        leaves = [x.index_select(2, p).requires_grad_() for x in (q, k, v)]
+        comm = hf_ring.LoopbackComm(r, n, blocks, record=True)
+        o = hf_ring.ring_attention(*leaves, comm=comm, **kw)
+        grads = torch.autograd.grad(o, leaves, do.index_select(2, p))
+        out[:, :, p], dq[:, :, p] = o.detach(), grads[0]
+        for step, acc in enumerate(comm.sent):  # what left rank r at this step belongs to block (r - step) mod n
+            dkv[:, :, :, pos[(r - step) % n]] += acc
+    return out, dq, dkv[0], dkv[1]

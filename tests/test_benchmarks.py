@@ -134,3 +134,18 @@ def test_bench_ring_cpu_counts_the_bytes_of_the_ring_and_of_the_hybrid(tmp_path)
     # U = 2: all-to-alls of q, k, v, out and of their gradients, half of each message leaves; KV heads 1 -> 2
     assert int(rows[2]["bytes_sent_per_rank"]) == (4 * h + 4 * 2) * block // 2
     assert all(float(r["tn_fwdbwd"]) > 0 and float(r["sdpa1_fwdbwd"]) > 0 for r in rows.values())
+
+
+def test_bench_failures_reports_what_every_rank_raised(tmp_path):
+    """bench_failures.py's bad-input and caught-failure cases: rows for both ranks, errors named, times measured."""
+    import bench_failures
+
+    rows = bench_failures.main(["--cases", "bad_input,caught", "--csv", str(tmp_path / "failures_cpu.csv")])
+    by = {(r["case"], r["rank"]): r for r in rows}
+    for rank in (0, 1):
+        assert by["bad_input", rank]["raised"] == "InStepError", by["bad_input", rank]
+        assert "disagree on local_seq" in by["bad_input", rank]["message"]
+        assert by["caught", rank]["raised"] == "StoppedError", by["caught", rank]
+        assert "global rank 1 failed in its forward" in by["caught", rank]["message"]
+        assert 0 <= by["caught", rank]["seconds_after_failure"] < 60
+    assert len(_rows(tmp_path, "failures_cpu")) == 4

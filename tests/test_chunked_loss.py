@@ -18,7 +18,7 @@ import hf_ring
 from hf_ring.loss import default_chunk_size, is_chunked, liger_unavailable
 
 from .dist_utils import run_distributed
-from .test_hf_parity import make_batch, make_model
+from .hf_models import make_batch, make_model
 
 RTOL = 1e-5  # fp32: the chunked sum reorders the additions of the loss, nothing else
 CHUNK = 7  # tokens per chunk: many chunks, a ragged last one

@@ -12,7 +12,7 @@ from hf_ring.patches import REGISTRY, get_patch
 
 import hf_ring
 from hf_ring import hf_attention
-from tests.test_hf_parity import VOCAB, make_batch, make_model
+from tests.hf_models import VOCAB, make_batch, make_model
 
 FAMILIES = sorted({p.name for p in REGISTRY.values()})
 # world size 1: ring attention vs SDPA on the same fp32 inputs; a different summation order only

@@ -15,13 +15,11 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-
-VOCAB = 96
-PAD_ID = 0
-
-# every attention module gets scaling = SCALE_FACTOR * head_dim ** -0.5: an implementation that ignored
-# Transformers' `scaling` (and used the default) would fail every parity case
-SCALE_FACTOR = 1.5
+from tests.hf_models import errors as _errors
+from tests.hf_models import make_batch, make_model
+from tests.hf_models import prepare as _prepare
+from tests.hf_models import reference_step as _reference
+from tests.hf_models import ring_step as _ring
 
 # fp32: the ring merges blocks in a different order than SDPA sums a row; both are fp32 with fp32
 # accumulation, so norm-wise relative differences stay ~1e-7 (the issue asks for <= 1e-5).
@@ -33,126 +31,6 @@ BF16_EPS = {  # measured (world sizes 1, 2, 4): ring loss 6e-6..8e-6 vs torch bf
     "loss": 1e-4,  # ~12x the measured ring error, yet ~40x below bf16's unit roundoff (3.9e-3)
     "grad": 1e-3,  # the 2x factor already covers it (ring 9.9e-3 <= torch 1.02e-2); 10% margin on top
 }
-
-
-def make_config(family: str, **overrides):
-    """A tiny random config: hidden 64, 4 query / 2 KV heads, windows shorter than the test sequences."""
-    import transformers as tf
-
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=PAD_ID,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if family == "llama":
-        cfg = tf.LlamaConfig(**common)
-    elif family == "mistral":
-        cfg = tf.MistralConfig(**common, sliding_window=7)
-    elif family == "qwen2":  # layer 0 full, layers 1-2 slide (max_window_layers=1)
-        cfg = tf.Qwen2Config(**{**common, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=5,
-                             max_window_layers=1)  # fmt: skip
-    elif family == "qwen3":  # explicit layer types, sliding first
-        cfg = tf.Qwen3Config(
-            **common,
-            head_dim=24,
-            use_sliding_window=True,
-            sliding_window=6,
-            layer_types=["sliding_attention", "full_attention"],
-        )
-    elif family == "phi3":  # fused qkv projection, every layer sliding
-        cfg = tf.Phi3Config(**common, sliding_window=7)
-    elif family == "olmo2":  # QK norm over the whole projection
-        cfg = tf.Olmo2Config(**common)
-    elif family == "qwen3_moe":  # sparse MoE MLPs, sliding and full layers
-        cfg = tf.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                use_sliding_window=True, sliding_window=6,
-                                layer_types=["full_attention", "sliding_attention"])  # fmt: skip
-    elif family == "mixtral":  # sparse MoE MLPs, every layer sliding
-        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=7)
-    elif family == "granite":  # attention multiplier (the scaling), embedding / residual / logit multipliers
-        cfg = tf.GraniteConfig(**common, attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5,
-                               logits_scaling=2.0)  # fmt: skip
-    elif family == "smollm3":  # layer 1 without RoPE, layer 0 sliding
-        cfg = tf.SmolLM3Config(**common, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=6,
-                               layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    elif family == "cohere2":  # sliding / full mix, parallel attention + MLP block, logit scale
-        cfg = tf.Cohere2Config(**common, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
-                               logit_scale=0.5)  # fmt: skip
-    elif family == "gemma3_text":  # sliding / full mix, QK norm, query_pre_attn_scalar
-        cfg = tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=20, sliding_window=6,
-                                  layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    elif family == "gemma2":  # attention and final logit softcapping, sliding / full mix
-        cfg = tf.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=20, attn_logit_softcapping=3.0,
-                              final_logit_softcapping=2.0, sliding_window=6,
-                              layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    elif family == "gpt_oss":  # learned attention sinks, sliding / full mix, MoE
-        cfg = tf.GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
-                              layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    else:
-        raise ValueError(family)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return cfg
-
-
-def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
-    import transformers as tf
-
-    classes = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-               "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
-               "qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
-               "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
-               "cohere2": tf.Cohere2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
-               "gemma2": tf.Gemma2ForCausalLM, "gpt_oss": tf.GptOssForCausalLM}  # fmt: skip
-    torch.manual_seed(seed)
-    model = classes[family](make_config(family, **overrides)).to(dtype)
-    model.config.use_cache = False
-    if family in ("gemma2", "gpt_oss"):  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
-        model.set_attn_implementation("eager")
-    for m in model.modules():  # a non-default attention scale, which the ring must honour
-        if hasattr(m, "scaling") and hasattr(m, "head_dim"):
-            m.scaling = SCALE_FACTOR * m.head_dim**-0.5
-    return model
-
-
-def make_batch(kind: str, seq_len: int, *, seed: int = 1) -> tuple[dict, dict]:
-    """``(batch for shard_batch, batch for the unmodified model)``; they differ only for padded batches."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "plain":  # two rows, some ignored labels
-        ids = torch.randint(1, VOCAB, (2, seq_len), generator=g)
-        labels = ids.clone()
-        labels[torch.rand(2, seq_len, generator=g) < 0.3] = -100
-        labels[:, :3] = -100
-        batch = {"input_ids": ids, "labels": labels}
-        return batch, batch
-    if kind == "packed":  # DataCollatorWithFlattening: 3 documents of unequal lengths in one row
-        from transformers import DataCollatorWithFlattening
-
-        cuts = [0, seq_len // 4, seq_len // 4 + seq_len // 2 - 1, seq_len]
-        ids = torch.randint(1, VOCAB, (seq_len,), generator=g)
-        feats = [{"input_ids": ids[a:b].tolist()} for a, b in zip(cuts[:-1], cuts[1:])]
-        batch = DataCollatorWithFlattening(return_tensors="pt")(feats)
-        return dict(batch), dict(batch)
-    if kind == "padded":  # row 1 right-padded, row 2 left-padded; our labels even keep the pad ids
-        ids = torch.randint(1, VOCAB, (3, seq_len), generator=g)
-        mask = torch.ones(3, seq_len, dtype=torch.long)
-        mask[1, seq_len - 11 :] = 0
-        mask[2, :7] = 0
-        ids[mask == 0] = PAD_ID
-        ref_labels = ids.masked_fill(mask == 0, -100)
-        # the unmodified model would also score the last left pad predicting the first real token;
-        # shard_batch ignores a prediction made at a padding position, so the reference drops it too
-        ref_labels[2, 7] = -100
-        ours = {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask}
-        return ours, {"input_ids": ids, "labels": ref_labels, "attention_mask": mask}
-    raise ValueError(kind)
 
 
 # name: (family, batch kind, seq_len, options). seq_len 45 is padded by shard_batch (to 48 for 2 and 4 ranks).
@@ -204,92 +82,6 @@ CASES = {
     "gemma2-ulysses": ("gemma2", "plain", 40, {"ulysses": 2}),
     "gpt_oss-packed-ulysses": ("gpt_oss", "packed", 40, {"ulysses": "auto"}),
 }
-
-
-def _prepare(family, opts, dtype=None):
-    model = make_model(family, dtype=dtype or opts.get("dtype", torch.float32), **opts.get("config", {}))
-    if opts.get("lora"):
-        from peft import LoraConfig, get_peft_model
-
-        # init_lora_weights=False: random B as well as A, so that every LoRA gradient is non-zero
-        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
-        model = get_peft_model(model, lora)
-    if opts.get("checkpointing"):  # reentrant with LoRA (the usual PEFT setup), Transformers' default otherwise
-        kwargs = {"use_reentrant": True} if opts.get("lora") else None
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if opts.get("lora"):
-            model.enable_input_require_grads()
-    model.train()
-    return model
-
-
-def _grads(model) -> dict:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _reference(model, batch):
-    """Loss and gradients of the unmodified model; a packed batch as every document on its own (gpt-oss's
-    eager attention, for one, does not see packing in position_ids)."""
-    model.zero_grad(set_to_none=True)
-    pos = batch.get("position_ids")
-    if pos is None:
-        loss = model(**batch, use_cache=False).loss
-    else:  # the collator's labels start every document with -100: no target crosses a boundary
-        starts = (pos[0] == 0).nonzero().flatten().tolist() + [pos.shape[1]]
-        total, count = 0.0, 0
-        for a, e in zip(starts[:-1], starts[1:]):
-            labels = batch["labels"][:, a:e]
-            n = int((labels[:, 1:] != -100).sum())
-            if n:
-                total = total + n * model(input_ids=batch["input_ids"][:, a:e], labels=labels, use_cache=False).loss
-                count += n
-        loss = total / count
-    loss.backward()
-    return loss.detach().float(), {n: g.float() for n, g in _grads(model).items()}
-
-
-def _ring(model, batch, layout, ulysses_size=None):
-    import torch.distributed as dist
-
-    import hf_ring
-
-    hf_ring.apply_ring_attention(model, layout=layout, ulysses_size=ulysses_size)
-    if ulysses_size is not None:  # the hybrid really runs: U > 1 on every attention module
-        configs = [m.hf_ring_config for m in model.modules() if hasattr(m, "hf_ring_config")]
-        assert configs and all(c.ulysses is not None and c.ulysses.ulysses_size > 1 for c in configs)
-    try:
-        model.zero_grad(set_to_none=True)
-        local = hf_ring.shard_batch(batch, layout=layout)
-        loss = model(**local).loss
-        loss.backward()
-        total = hf_ring.reduce_loss(loss).float()
-        grads = _grads(model)
-        names = list(grads)
-        flat = torch.cat([grads[n].float().flatten() for n in names])
-        dist.all_reduce(flat)
-        summed, i = {}, 0
-        for n in names:
-            summed[n] = flat[i : i + grads[n].numel()].view_as(grads[n])
-            i += grads[n].numel()
-        return total, summed
-    finally:
-        hf_ring.revert_ring_attention(model)
-
-
-def _errors(loss, grads, ref_loss, ref_grads) -> dict:
-    worst = max(ref_grads, key=lambda n: _rel(grads[n], ref_grads[n]))
-    return {
-        "loss": _rel(loss, ref_loss),
-        "grad": _rel(grads[worst], ref_grads[worst]),
-        "worst": worst,
-        "n_grads": len(ref_grads),
-    }
 
 
 def _parity(rank: int, names: list) -> dict:

@@ -16,7 +16,7 @@ from hf_ring.loss import liger_unavailable
 from hf_ring.offload import activation_offload_of
 
 from .dist_utils import run_distributed
-from .test_hf_parity import make_batch, make_model
+from .hf_models import make_batch, make_model
 
 
 def _offload(model, min_bytes: int = 0):

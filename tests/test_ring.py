@@ -331,12 +331,11 @@ def _error_cases(rank, world):
         ("documents", "disagree on documents",
          lambda: hf_ring.ring_attention(q, k, k, cu_seqlens=torch.tensor([0, 3 + rank, 2 * local]))),
         ("scale", "disagree on scale", lambda: hf_ring.ring_attention(q, k, k, scale=0.1 + rank)),
-        ("kernel failure", "kernel failed", lambda: _failing_kernel_call(q, k)),
     ]  # fmt: skip
 
 
 def _failing_kernel_call(q, k):
-    """A kernel that fails at the second ring step on every rank: the error must leave the group usable."""
+    """A kernel that fails at the second ring step: an error inside the ring stops the group (hf_ring.guard)."""
     compute, calls = torch_backend.forward, []
 
     def failing(*args):
@@ -363,6 +362,13 @@ def _errors_worker(rank, world):
     # the group still works after every refusal: a real call completes
     q = torch.randn(1, 2, FULL_LEN[world] // world, 16)
     hf_ring.ring_attention(q, q, q)
+    # an error inside the ring propagates, then the group is stopped: the next call raises before communicating
+    for call in (lambda: _failing_kernel_call(q, q), lambda: hf_ring.ring_attention(q, q, q)):
+        try:
+            call()
+            results.append(("inside the ring", "raises", None))
+        except (ValueError, RuntimeError) as e:
+            results.append(("inside the ring", "kernel failed", str(e)))
     return results
 
 
