@@ -1,7 +1,7 @@
 """hf_ring: exact ring attention (context parallelism) for Hugging Face Transformers.
 
 Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_attention``, ``PlanCache``,
-``RingComm``, ``LoopbackComm``.
+``RingComm``, ``LoopbackComm``, ``decode_attention`` (queries alike on every rank, keys/values spread over them).
 Transformers integration (imported on first use): ``apply_ring_attention``, ``revert_ring_attention``,
 ``shard_batch``, ``reduce_loss``, ``apply_chunked_loss``, ``revert_chunked_loss``,
 ``apply_activation_offload``, ``revert_activation_offload``.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 
 from .comm import LoopbackComm, RingComm
+from .decode import decode_attention
 from .layout import LAYOUTS, positions, shard, unshard
 from .ring import PlanCache, ring_attention
 
@@ -34,6 +35,7 @@ __all__ = [
     "LoopbackComm",
     "PlanCache",
     "RingComm",
+    "decode_attention",
     "positions",
     "shard",
     "unshard",

@@ -130,27 +130,28 @@ FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "dty
            "sliding_window", "scale", "softcap", "sinks", "documents", "ulysses_size")  # fmt: skip
 
 
-def check_everywhere(error, summary, comm, device) -> None:
+def check_everywhere(error, summary, comm, device, *, fields=FIELDS, op: str = "ring_attention") -> None:
+    """One all-gather of every rank's ``summary`` (integers named by ``fields``, the first one the error flag);
+    then every rank raises the same ``InStepError`` when a rank had an ``error`` or ranks disagree."""
     rank, world_size = comm.rank, comm.world_size
     if world_size == 1:
         if error:
-            raise InStepError(f"ring_attention: {error}")
+            raise InStepError(f"{op}: {error}")
         return
     every = comm.all_gather_ints(summary, device)
     if error:
-        raise InStepError(f"ring_attention (rank {rank}): {error}")
+        raise InStepError(f"{op} (rank {rank}): {error}")
     bad = [r for r, s in enumerate(every) if s[0]]
     if bad:
         raise InStepError(
-            f"ring_attention: rank(s) {bad} rejected their input (see the error raised there); "
-            "no communication was started"
+            f"{op}: rank(s) {bad} rejected their input (see the error raised there); no communication was started"
         )
-    for i, field in enumerate(FIELDS[1:], start=1):
+    for i, field in enumerate(fields[1:], start=1):
         values = [s[i] for s in every]
         if len(set(values)) > 1:
             raise InStepError(
-                f"ring_attention: ranks disagree on {field}: {values} (rank order); every rank of the "
-                "ring must pass its shard of the same sequence with the same settings"
+                f"{op}: ranks disagree on {field}: {values} (rank order); every rank of the group must make the "
+                "same call with the same settings"
             )
 
 

@@ -39,7 +39,7 @@ import torch
 from . import guard, preflight
 from . import layout as _layout
 from .comm import RingComm, UlyssesGroups
-from .kernels import BlockMask, get_backend, unsupported_by
+from .kernels import BlockMask, choose_backend
 from .kernels.mask import runs, upload
 from .preflight import raise_on_every_rank
 
@@ -282,21 +282,6 @@ def _document_ids(cu_seqlens, document_ids, full: int) -> torch.Tensor | None:
     return ids.to(torch.int32)
 
 
-def _backend_module(name: str, q, k, v, softcap) -> tuple[ModuleType | None, str | None]:
-    """The kernel module for ``name`` and these inputs, or an error. ``"auto"`` falls back to the
-    torch backend where the preferred one cannot run the inputs (its ``unsupported`` says why)."""
-    try:
-        module = get_backend(name, q.device, q.dtype)
-    except ImportError as e:
-        return None, f"backend {name!r} is not available here ({e}); use backend='auto' or 'torch'"
-    reason = unsupported_by(module, q, k, v, softcap=softcap)
-    if reason is None:
-        return module, None
-    if name == "auto":
-        return get_backend("torch", q.device), None
-    return None, f"backend {name!r} cannot run these inputs: {reason}; use backend='auto' or 'torch'"
-
-
 def _cache_key(q, k, v, comm, layout, causal, scale, window, softcap, cu_seqlens, docs, backend):
     """What a plan depends on, without a device sync; None when the arguments are not even tensors."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
@@ -331,7 +316,7 @@ def _plan(
     docs = module = None
     if error is None:
         docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * n)
-        module, error = _backend_module(backend, q, k, v, softcap)
+        module, error = choose_backend(backend, q, k, v, softcap)
     summary = preflight.summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error, u)
     preflight.check_everywhere(error, summary, check, device)
 

@@ -32,7 +32,7 @@ import torch
 from .mask import EMPTY, FULL, PARTIAL, BlockMask
 
 __all__ = [
-    "AUTO", "BACKENDS", "BlockMask", "EMPTY", "FULL", "PARTIAL", "get_backend", "masked_fallback",
+    "AUTO", "BACKENDS", "BlockMask", "EMPTY", "FULL", "PARTIAL", "choose_backend", "get_backend", "masked_fallback",
     "resolve_backend", "triton_importable", "unsupported_by",
 ]  # fmt: skip
 
@@ -102,3 +102,18 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.floa
         __name__=f"{fwd} forward, {bwd} backward", forward=forward.forward, backward=backward.backward,
         unsupported=unsupported, SOFTCAP=getattr(forward, "SOFTCAP", False) and getattr(backward, "SOFTCAP", False),
     )  # fmt: skip
+
+
+def choose_backend(name: str, q, k, v, softcap) -> tuple[ModuleType | None, str | None]:
+    """The kernel module for ``name`` and these inputs, or an error. ``"auto"`` falls back to the
+    torch backend where the preferred one cannot run the inputs (its ``unsupported`` says why)."""
+    try:
+        module = get_backend(name, q.device, q.dtype)
+    except ImportError as e:
+        return None, f"backend {name!r} is not available here ({e}); use backend='auto' or 'torch'"
+    reason = unsupported_by(module, q, k, v, softcap=softcap)
+    if reason is None:
+        return module, None
+    if name == "auto":
+        return get_backend("torch", q.device), None
+    return None, f"backend {name!r} cannot run these inputs: {reason}; use backend='auto' or 'torch'"
