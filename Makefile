@@ -25,7 +25,7 @@ $(COMPAT)/.installed: $(STAMP)
 
 test: $(STAMP) $(COMPAT)/.installed  ## the CI suite (CPU; Triton in its interpreter), then the Transformers tests on 5.17
 	$(PY) -m pytest -q -m "not slow and not gpu"
-	PYTHONPATH=$(COMPAT) $(PY) -m pytest -q -m "not slow and not gpu" tests/test_hf_apply.py tests/test_hf_parity.py
+	PYTHONPATH=$(COMPAT) $(PY) -m pytest -q -m "not slow and not gpu" tests/test_hf_apply.py tests/test_hf_parity.py tests/test_generate.py
 
 test-all: $(STAMP)  ## every test, with the property-based search at a larger budget
 	HF_RING_HYPOTHESIS_EXAMPLES=3000 $(PY) -m pytest -q

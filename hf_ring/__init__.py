@@ -4,7 +4,7 @@ Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_att
 ``RingComm``, ``LoopbackComm``, ``decode_attention`` (queries alike on every rank, keys/values spread over them).
 Transformers integration (imported on first use): ``apply_ring_attention``, ``revert_ring_attention``,
 ``shard_batch``, ``reduce_loss``, ``apply_chunked_loss``, ``revert_chunked_loss``,
-``apply_activation_offload``, ``revert_activation_offload``.
+``apply_activation_offload``, ``revert_activation_offload``, ``ring_generate``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ _LAZY = {
     "revert_chunked_loss": "hf_ring.loss",
     "apply_activation_offload": "hf_ring.offload",
     "revert_activation_offload": "hf_ring.offload",
+    "ring_generate": "hf_ring.generate",
 }
 
 __all__ = [

@@ -70,6 +70,9 @@ DOCUMENT_IDS_KWARG = "ring_document_ids"
 SHARD_INFO_KWARG = "ring_shard_info"
 """Model keyword argument carrying the ``ShardInfo`` of a ``shard_batch`` output."""
 
+DECODE_KWARG = "ring_cache"
+"""Model keyword argument carrying ``hf_ring.ring_generate``'s sharded KV cache (decode steps attend through it)."""
+
 CONFIG_ATTR = "hf_ring_config"
 """Attribute of each patched attention module holding its ``RingConfig``."""
 
@@ -159,6 +162,7 @@ _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 #: sinks) are implemented.
 _READ_KWARGS = (
     "is_causal", "output_attentions", "position_ids", "softcap", "s_aux", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG,
+    DECODE_KWARG,
 )  # fmt: skip
 _HARMLESS_KWARGS = (
     "max_length_q", "max_length_k",  # packing metadata; the boundaries come from cu_seq_lens
@@ -391,11 +395,14 @@ def ring_attention_forward(
             "config.attention_dropout=0.0 (or set attention_dropout = 0.0 on its attention modules), or call "
             "model.eval()"
         )
+    cache = kwargs.get(DECODE_KWARG)
+    if cache is not None and cache.state.phase == "decode":
+        return _decode(module, query, key, value, cfg, cache, scaling, sliding_window, kwargs), None
     if key.shape[2] != query.shape[2]:
         raise ValueError(
             f"hf_ring attention needs as many keys as queries (got {key.shape[2]} keys for {query.shape[2]} "
-            "queries): a KV cache is not supported; call the model with use_cache=False, and call "
-            "hf_ring.revert_ring_attention(model) before generate()"
+            "queries): a KV cache of its own is not supported; call the model with use_cache=False, and generate "
+            "with hf_ring.ring_generate(model, inputs, ...) (or hf_ring.revert_ring_attention(model) first)"
         )
     causal = kwargs.get("is_causal")
     if causal is None:
@@ -403,6 +410,12 @@ def ring_attention_forward(
     rank, world_size = group_rank_and_size(cfg.group)
     local_len = query.shape[2]
     error = _sharding_error(module, kwargs, cfg, rank, world_size, local_len)
+    if error and kwargs.get("use_cache") and cache is None:  # model.generate() on the full prompt, most likely
+        error = (
+            f"a ring-attention model over {world_size} ranks cannot run generate() on its own (the prompt must be "
+            "sharded and the KV cache kept per rank): call hf_ring.ring_generate(model, inputs, **generate_kwargs) "
+            "on every rank, or hf_ring.revert_ring_attention(model) first"
+        )
     if error:
         raise_on_every_rank(error, group=cfg.group, device=query.device)
     if torch.is_autocast_enabled(query.device.type):
@@ -440,3 +453,36 @@ def ring_attention_forward(
         timeout=cfg.timeout,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_window, kwargs) -> torch.Tensor:
+    """A decode step of ``ring_generate``: the new tokens' queries (alike on every rank) against every rank's
+    cached keys (``decode_attention``); [batch, new, q_heads, head_dim]."""
+    from .decode import decode_attention
+
+    layer = cache.layers[module.layer_idx]
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    st = cache.state
+    out = decode_attention(
+        query,
+        key,
+        value,
+        q_pos=st.q_pos,
+        k_pos=layer.positions,
+        group=cfg.group,
+        causal=bool(causal),
+        scale=scaling,
+        sliding_window=sliding_window,
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+        q_doc=torch.zeros(1, query.shape[2], dtype=torch.int32),
+        k_doc=layer.docs,
+        backend=cfg.backend,
+        check=False,  # ring_generate checked the step across ranks once, before the first layer
+    )
+    return out.transpose(1, 2).contiguous()

@@ -1,0 +1,254 @@
+"""``ring_generate``: Transformers' ``generate()`` on a ring-attention model, with the KV cache sharded over the CP group.
+
+Every rank calls ``hf_ring.ring_generate(model, inputs, **generate_kwargs)`` with the same full prompt (as users
+hold it) and gets the same sequences back. Inside, Transformers' own ``generate()`` runs unchanged (logits
+processors, stopping criteria, streamers, sampling) with two differences:
+
+- **Prefill**: the prompt is left-padded to the layout's multiple (masked tokens, so the last prompt token stays
+  last) and sharded like a training batch (``shard_batch``); the forward runs the ring exactly as training does,
+  and each layer's keys/values of this rank's tokens go into a ``ShardedCache`` (a Transformers ``Cache``): 1/N of
+  the prompt's cache per rank. The next-token logits come from the rank holding the last position, broadcast to
+  the others (one collective).
+- **Decoding**: each new token's hidden states are the same on every rank; each layer attends its query to every
+  rank's cached keys with ``decode_attention`` (local attention, one all-gather of (out, LSE) per layer, merged by
+  the log-sum-exp rule), with the masks from global positions (causal, sliding windows, left padding). New tokens'
+  keys/values are kept round-robin (token j of the continuation on rank j mod N), so shards stay balanced.
+
+Once per forward a pre-flight check (one small all-gather) makes every rank raise the same error when ranks hold
+different prompts or different new tokens (e.g. sampling with different seeds), instead of hanging or diverging.
+
+Refused with an error naming the option: beam search (``num_beams > 1``), assisted / speculative decoding
+(``assistant_model``, ``prompt_lookup_num_tokens``), another cache (``past_key_values``, ``cache_implementation``),
+``use_cache=False``. Sampling works when every rank seeds its generator alike (the same as for training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+
+from .apply import unwrap_transformers_model
+from .batch import shard_batch
+from .comm import RingComm, group_rank_and_size
+from .hf_attention import CONFIG_ATTR, DECODE_KWARG
+from .layout import positions, required_multiple
+from .preflight import check_everywhere
+
+__all__ = ["ring_generate"]
+
+_REFUSED = {
+    "num_beams": (lambda v: v is not None and v > 1, "beam search (num_beams > 1)"),
+    "assistant_model": (lambda v: v is not None, "assisted decoding (assistant_model)"),
+    "prompt_lookup_num_tokens": (lambda v: v is not None, "prompt-lookup decoding (prompt_lookup_num_tokens)"),
+    "past_key_values": (lambda v: v is not None, "a cache of your own (past_key_values)"),
+    "cache_implementation": (lambda v: v is not None, "cache_implementation (static and other caches)"),
+    "use_cache": (lambda v: v is False, "use_cache=False (decoding needs the sharded cache)"),
+}
+_PREFILL_FIELDS = ("error", "batch", "length", "fingerprint")
+_STEP_FIELDS = ("error", "batch", "new_tokens", "position", "token_fingerprint")
+
+
+@dataclasses.dataclass
+class _State:
+    """What the cache's layers and the model's hooks share during one ``ring_generate``."""
+
+    group: object
+    rank: int
+    world: int
+    layout: str
+    phase: str = "prefill"
+    offset: int = 0  # left padding added to the prompt: a global index is generate's position + offset
+    prompt: int = 0  # padded prompt length
+    local: torch.Tensor | None = None  # global positions of this rank's prompt tokens
+    docs: torch.Tensor | None = None  # [batch, padded prompt] int32 document ids (-1: padding)
+    q_pos: torch.Tensor | None = None  # global positions of the tokens of the current decode step
+    generated: int = 0  # tokens decoded so far (every rank counts them all)
+
+
+@functools.cache
+def _cache_classes():
+    """``(ShardedLayer, ShardedCache)``, built on Transformers' ``DynamicLayer`` and ``Cache`` (imported lazily)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class ShardedLayer(DynamicLayer):
+        """One layer's cache: this rank's keys/values, their global positions and document ids.
+
+        ``get_seq_length`` counts every rank's tokens, in ``generate()``'s coordinates (without the padding added
+        for the layout), so Transformers' bookkeeping sees the whole sequence."""
+
+        def __init__(self, state: _State):
+            super().__init__()
+            self.state = state
+            self.length = 0
+            self.positions = torch.zeros(0, dtype=torch.long)
+            self.docs = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            st = self.state
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if st.phase == "prefill":
+                pos, docs = st.local, st.docs[:, st.local]
+                self.length += st.prompt - st.offset
+            else:
+                t = key_states.shape[2]
+                mine = [i for i in range(t) if (st.generated + i) % st.world == st.rank]
+                pos = st.q_pos[mine]
+                docs = torch.zeros(key_states.shape[0], len(mine), dtype=torch.int32)
+                index = torch.tensor(mine, dtype=torch.long, device=key_states.device)
+                key_states, value_states = key_states.index_select(2, index), value_states.index_select(2, index)
+                self.length += t
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.positions = torch.cat([self.positions, pos])
+            self.docs = docs if self.docs is None else torch.cat([self.docs, docs], dim=1)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+            q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
+            return self.length + q, 0
+
+    class ShardedCache(Cache):
+        """A Transformers ``Cache`` whose layers keep this rank's shard of the keys/values (see the module)."""
+
+        def __init__(self, state: _State, num_layers: int):
+            super().__init__(layers=[ShardedLayer(state) for _ in range(num_layers)])
+            self.state = state
+
+    return ShardedLayer, ShardedCache
+
+
+def ring_generate(model, inputs, **generate_kwargs):
+    """``model.generate(**inputs, **generate_kwargs)`` with ring prefill and exact distributed decoding.
+
+    Args:
+        model: a model patched by ``hf_ring.apply_ring_attention`` (a Transformers causal LM or a PEFT model
+            wrapping one), on every rank of its CP group.
+        inputs: the full prompt as users hold it, the same on every rank: a dict (or ``BatchEncoding``) with
+            ``input_ids`` [batch, prompt] and optionally ``attention_mask`` (left padding for batch > 1).
+        generate_kwargs: passed to ``generate()`` (``max_new_tokens``, ``do_sample``, ``streamer``, ...).
+
+    Returns:
+        What ``generate()`` returns (the same on every rank): by default the sequences [batch, prompt + new].
+    """
+    target = unwrap_transformers_model(model)
+    cfg = getattr(next((m for m in target.modules() if hasattr(m, CONFIG_ATTR)), None), CONFIG_ATTR, None)
+    if cfg is None:
+        raise ValueError("ring_generate needs a model patched by hf_ring.apply_ring_attention(model)")
+    if cfg.ulysses is not None and cfg.ulysses.ulysses_size > 1:
+        raise ValueError("ring_generate does not support the Ulysses x Ring hybrid; apply_ring_attention without it")
+    for name, (refused, what) in _REFUSED.items():
+        if refused(generate_kwargs.get(name)):
+            raise ValueError(f"ring_generate does not support {what}; use greedy or sampled decoding")
+    inputs = dict(inputs)
+    unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
+    if unknown:
+        raise ValueError(f"ring_generate takes input_ids and attention_mask in inputs, not {unknown}")
+    rank, world = group_rank_and_size(cfg.group)
+    state = _State(group=cfg.group, rank=rank, world=world, layout=cfg.layout)
+    _, cache_cls = _cache_classes()
+    cache = cache_cls(state, target.config.get_text_config().num_hidden_layers)
+    hooks = [
+        target.register_forward_pre_hook(_Before(state, cache), with_kwargs=True, prepend=True),
+        target.register_forward_hook(_After(state), with_kwargs=True),
+    ]
+    try:
+        return model.generate(**inputs, **generate_kwargs, past_key_values=cache)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _fingerprint(*tensors) -> int:
+    """A cheap integer summary of integer tensors (position-weighted), equal on ranks holding equal tensors."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        flat = t.detach().cpu().long().flatten()
+        w = torch.arange(flat.numel(), dtype=torch.int64) % 65521 + 1
+        total = (total * 31 + int(((flat + 3) * w).sum())) % (1 << 61)
+    return total
+
+
+class _Before:
+    """Forward pre-hook during ``ring_generate``: checks the call across ranks; shards the prompt (prefill) or
+    records the positions of the new tokens (decode)."""
+
+    def __init__(self, state: _State, cache):
+        self.state, self.cache = state, cache
+
+    def __call__(self, module, args, kwargs):
+        st = self.state
+        if kwargs.get("past_key_values") is not self.cache:
+            raise ValueError("ring_generate: the model was called without its sharded cache")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor):
+            raise ValueError("ring_generate: the model must be called with input_ids")
+        comm = RingComm(st.group)
+        if st.phase == "prefill":
+            mask = kwargs.get("attention_mask")
+            summary = [0, ids.shape[0], ids.shape[1], _fingerprint(ids, mask)]
+            check_everywhere(None, summary, comm, ids.device, fields=_PREFILL_FIELDS, op="ring_generate (prompt)")
+            return (), self._prefill(kwargs, ids, mask)
+        start = self.cache.get_seq_length()  # every rank's tokens so far, in generate()'s coordinates
+        summary = [0, ids.shape[0], ids.shape[1], start, _fingerprint(ids)]
+        check_everywhere(None, summary, comm, ids.device, fields=_STEP_FIELDS, op="ring_generate (decode step)")
+        st.q_pos = torch.arange(start, start + ids.shape[1]) + st.offset
+        return args, {**kwargs, DECODE_KWARG: self.cache}
+
+    def _prefill(self, kwargs: dict, ids: torch.Tensor, mask) -> dict:
+        st = self.state
+        b, s = ids.shape
+        pad = -s % required_multiple(st.layout, st.world)
+        mask = torch.ones_like(ids) if mask is None else mask
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        full = {
+            "input_ids": torch.nn.functional.pad(ids, (pad, 0), value=0),
+            "attention_mask": torch.nn.functional.pad(mask, (pad, 0), value=0),
+            "position_ids": torch.nn.functional.pad(pos.expand(b, -1), (pad, 0), value=0),
+        }
+        local = shard_batch(full, group=st.group, layout=st.layout, pad_to_multiple=False)
+        st.offset, st.prompt = pad, s + pad
+        st.local = positions(s + pad, rank=st.rank, world_size=st.world, layout=st.layout)
+        # one document per row for the decode steps (the new tokens see every prompt token that is not padding)
+        st.docs = torch.where(full["attention_mask"].cpu().bool(), 0, -1).to(torch.int32)
+        local.update(use_cache=True, past_key_values=kwargs["past_key_values"], logits_to_keep=1)
+        local["cache_position"] = st.local.to(ids.device)
+        local[DECODE_KWARG] = self.cache
+        for key in ("return_dict", "output_attentions", "output_hidden_states"):
+            if key in kwargs:
+                local[key] = kwargs[key]
+        return local
+
+
+class _After:
+    """Forward hook during ``ring_generate``: after the prefill, every rank gets the last position's logits from
+    the rank that holds it; after a decode step, the new tokens are counted."""
+
+    def __init__(self, state: _State):
+        self.state = state
+
+    def __call__(self, module, args, kwargs, output):
+        st = self.state
+        if st.phase == "decode":
+            st.generated += st.q_pos.numel()
+            return output
+        st.phase = "decode"
+        if st.world > 1:
+            last = st.prompt - 1
+            owner = next(r for r in range(st.world) if last in positions(st.prompt, rank=r, world_size=st.world,
+                                                                         layout=st.layout))  # fmt: skip
+            logits = output.logits.contiguous()
+            src = owner if st.group is None else dist.get_global_rank(st.group, owner)
+            dist.broadcast(logits, src=src, group=st.group)
+            output.logits = logits
+        return output

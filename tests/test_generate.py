@@ -1,0 +1,194 @@
+"""``ring_generate``: ring prefill into a sharded KV cache and exact distributed decoding, against the unmodified
+model's ``generate()`` in one process (fp32, tiny random models from tests/hf_models.py).
+
+One launch of 2 gloo ranks runs every case: greedy decoding must give token-for-token the same sequences as the
+unmodified model (Llama, Mistral's sliding window, Qwen2's mixed layers, Qwen3, Gemma2's softcapping, gpt-oss's
+sinks, a LoRA model, every layout, a left-padded batch of 2), sampling under a fixed seed too; each rank holds
+about half the cache; after generating, the model trains as before. Bad calls raise on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .dist_utils import run_distributed
+from .hf_models import VOCAB, make_model
+
+NEW = 8  # tokens generated per case
+
+CASES = {  # name: (family, batch, prompt length, left padding of row 1, options)
+    "llama": ("llama", 1, 13, 0, {}),
+    "llama-padded-batch": ("llama", 2, 13, 4, {}),
+    "llama-striped": ("llama", 1, 11, 0, {"layout": "striped"}),
+    "llama-contiguous": ("llama", 2, 10, 3, {"layout": "contiguous"}),
+    "mistral-window": ("mistral", 1, 21, 0, {}),  # window 7: shorter than prompt + continuation
+    "qwen2-mixed-layers": ("qwen2", 2, 17, 5, {}),
+    "qwen3": ("qwen3", 1, 12, 0, {}),
+    "gemma2-softcap": ("gemma2", 1, 14, 0, {}),
+    "gpt_oss-sinks": ("gpt_oss", 2, 15, 2, {}),
+    "llama-lora": ("llama", 1, 13, 0, {"lora": True}),
+    "llama-sampling": ("llama", 2, 9, 1, {"sample": True}),
+}
+
+
+def _prompt(b: int, s: int, pad: int, seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (b, s), generator=g)
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[1, :pad] = 0
+        ids[1, :pad] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _model(family: str, opts: dict):
+    model = make_model(family)
+    if opts.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
+        model = get_peft_model(model, lora)
+    return model.eval()
+
+
+def _kwargs(opts: dict) -> dict:
+    if opts.get("sample"):
+        return {"max_new_tokens": NEW, "do_sample": True, "top_k": 20, "temperature": 0.9}
+    return {"max_new_tokens": NEW, "do_sample": False}
+
+
+def _worker(rank, world):
+    import hf_ring
+
+    results = {}
+    for name, (family, b, s, pad, opts) in CASES.items():
+        inputs = _prompt(b, s, pad)
+        model = _model(family, opts)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            ref = model.generate(**inputs, **_kwargs(opts))
+        hf_ring.apply_ring_attention(model, layout=opts.get("layout", "zigzag"))
+        torch.manual_seed(7)  # every rank seeds alike, as the reference did
+        with torch.no_grad():
+            out = hf_ring.ring_generate(model, inputs, **_kwargs(opts))
+        results[name] = (ref, out)
+    results["cache"] = _cache_shares(rank, world)
+    results["errors"] = _errors(rank, world)
+    results["trains"] = _trains_after_generate()
+    return results
+
+
+def _cache_shares(rank, world) -> list:
+    """Tokens each layer's cache holds on this rank after prefill + decoding (the cache object is kept)."""
+    import hf_ring
+    from hf_ring import generate as gen
+
+    model = hf_ring.apply_ring_attention(_model("llama", {}))
+    seen = {}
+    real = gen._cache_classes
+
+    def spy():
+        layer_cls, cache_cls = real()
+
+        class Spy(cache_cls):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                seen["cache"] = self
+
+        return layer_cls, Spy
+
+    gen._cache_classes = spy
+    try:
+        with torch.no_grad():
+            hf_ring.ring_generate(model, _prompt(1, 32, 0), max_new_tokens=NEW, do_sample=False)
+    finally:
+        gen._cache_classes = real
+    return [layer.keys.shape[2] for layer in seen["cache"].layers]
+
+
+def _errors(rank, world) -> dict:
+    import hf_ring
+
+    model = hf_ring.apply_ring_attention(_model("llama", {}))
+    calls = {
+        "different prompts": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0, seed=rank), max_new_tokens=2),
+        "beam search": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2, num_beams=2),
+        "static cache": lambda: hf_ring.ring_generate(
+            model, _prompt(1, 12, 0), max_new_tokens=2, cache_implementation="static"
+        ),
+        "assisted": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2, assistant_model=model),
+        "plain generate": lambda: model.generate(**_prompt(1, 12, 0), max_new_tokens=2),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            with torch.no_grad():
+                call()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    return errors
+
+
+def _trains_after_generate() -> float:
+    """After ring_generate, a training step of the same model gives the loss it gave before."""
+    import hf_ring
+
+    from .hf_models import make_batch
+
+    model = hf_ring.apply_ring_attention(make_model("llama"))
+    batch, _ = make_batch("plain", 40)
+    before = hf_ring.reduce_loss(model(**hf_ring.shard_batch(batch)).loss)
+    with torch.no_grad():
+        hf_ring.ring_generate(model.eval(), _prompt(1, 12, 0), max_new_tokens=3)
+    after = hf_ring.reduce_loss(model.train()(**hf_ring.shard_batch(batch)).loss)
+    return float((after - before).abs())
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(_worker, 2, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ring_generate_gives_the_unmodified_models_tokens(two_ranks, name):
+    for rank, r in enumerate(two_ranks):
+        ref, out = r[name]
+        assert out.shape == ref.shape, (rank, out.shape, ref.shape)
+        assert torch.equal(out, ref), (
+            f"rank {rank} {name}:\n ours {out[:, -NEW:].tolist()}\n want {ref[:, -NEW:].tolist()}"
+        )
+
+
+def test_each_rank_holds_its_share_of_the_cache(two_ranks):
+    """32 prompt tokens (16 per rank) and the 7 generated tokens that entered the cache (round-robin: 4 + 3)."""
+    shares = [r["cache"] for r in two_ranks]
+    assert all(len(set(s)) == 1 for s in shares), shares  # every layer alike
+    assert [s[0] for s in shares] == [16 + 4, 16 + 3], shares
+
+
+def test_bad_generation_calls_raise_on_every_rank(two_ranks):
+    for rank, r in enumerate(two_ranks):
+        e = r["errors"]
+        assert "ranks disagree on fingerprint" in (e["different prompts"] or ""), (rank, e)
+        assert "beam search (num_beams > 1)" in (e["beam search"] or ""), (rank, e)
+        assert "cache_implementation" in (e["static cache"] or ""), (rank, e)
+        assert "assisted decoding (assistant_model)" in (e["assisted"] or ""), (rank, e)
+        assert "hf_ring.ring_generate(model, inputs" in (e["plain generate"] or ""), (rank, e)
+
+
+def test_the_model_trains_as_before_after_generating(two_ranks):
+    assert all(r["trains"] == 0.0 for r in two_ranks)
+
+
+def test_one_process_without_a_group():
+    import hf_ring
+
+    inputs = _prompt(2, 13, 4)
+    model = _model("mistral", {})
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+        out = hf_ring.ring_generate(hf_ring.apply_ring_attention(model), inputs, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, ref)
