@@ -239,7 +239,17 @@ class HeadExchange:
 
     def _exchange(self, send: torch.Tensor) -> torch.Tensor:
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        try:
+            dist.all_to_all_single(recv, send, group=self.group)
+        except RuntimeError as e:
+            record = guard.lost([self.group], "in the Ulysses all-to-all")
+            if record is not None:
+                raise guard.StoppedError(
+                    f"ring_attention: rank {self.rank} of a Ulysses group stopped in its all-to-all because its peers "
+                    f"stopped the CP group: {record}. The ranks can no longer exchange in step; restart the job (from "
+                    "its last checkpoint)"
+                ) from e
+            raise RuntimeError(f"ring_attention: rank {self.rank} of a Ulysses group lost its peers: {e}") from e
         moved = send.numel() * send.element_size() * (self.world_size - 1) // self.world_size
         self.bytes_sent += moved
         self.bytes_received += moved

@@ -26,7 +26,8 @@ Nothing here runs while all is well: no collective, no store access, no host syn
 call. Caveats: on NCCL the connections are not broken (aborting communicators from one side does not release
 the peers' kernels); the peers' waits there end by the process group's timeout and NCCL's watchdog, and the
 record names the failure when they raise. A backward that fails before reaching the model's outputs' hooks
-(a loss computed outside the model) is not seen here; ``timeout=`` bounds the wait then.
+(a loss computed outside the model) is not seen here; a backward failure is found when the model is called again,
+so another collective before that waits for its own timeout; ``timeout=`` bounds the ring's waits.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["Progress", "StoppedError", "raise_if_stopped", "record_of", "stop"]
+__all__ = ["InStepError", "Progress", "StoppedError", "in_backward", "raise_if_stopped", "record_of", "stop"]
 
 KEY = "hf_ring/stopped"
 _BREAK_TAG = 0x7FFF0000  # a tag no exchange uses: the receive posted on it times out at once
@@ -144,7 +145,12 @@ class Progress:
     hook on the model's outputs fired) but never finished (the callback it queued on autograd's engine, which
     runs when a backward completes without error, did not run) means this rank failed in that backward and is
     being called again: the group is stopped and ``StoppedError`` raised. (Counting ring backward calls instead
-    would misfire where autograd rightly skips some: layers below the lowest trainable parameter.)
+    would misfire where autograd rightly skips some: layers below the lowest trainable parameter.) Each backward
+    (each autograd graph task) reaching the outputs is watched anew: a second backward with ``retain_graph``, or
+    the backward of an earlier forward, counts as well.
+
+    Forwards that run inside a backward (a checkpointed model's recomputation) are not new steps: the hooks skip
+    them (``in_backward``).
     """
 
     calls: int = 0  # ring calls with exchanges begun in this forward (outside any backward)
@@ -152,6 +158,7 @@ class Progress:
     backward_calls: int = 0  # ring backward calls finished since this forward began
     backward_began: bool = False
     backward_ended: bool = False
+    task: int = -1  # the autograd graph task of the backward being watched
     label: str = ""  # the call under way, as the model names it ("layer 3")
     groups: list = dataclasses.field(default_factory=list)  # groups this forward exchanged on
 
@@ -159,8 +166,8 @@ class Progress:
         if self.backward_began and not self.backward_ended:
             stop(
                 self.groups,
-                f"global rank {global_rank()} failed in its backward (after {self.backward_calls} of its "
-                f"{self.grad_calls} ring-attention backward calls) and was called again",
+                f"global rank {global_rank()} failed in its backward (after {self.backward_calls} ring-attention "
+                "backward calls of the step) and was called again",
             )
         for group in self.groups:
             raise_if_stopped(group)
@@ -168,13 +175,15 @@ class Progress:
         self.backward_began = self.backward_ended = False
         self.label, self.groups = "", []
 
-    def call(self, group, needs_grad: bool) -> str:
-        """Count a ring call with exchanges; returns its name for errors ("ring-attention call 3 (layer 2)")."""
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
+    def call(self, groups, needs_grad: bool) -> str:
+        """Count a ring call on ``groups`` (counted before its pre-flight check: from then on a one-sided failure
+        can leave peers waiting); returns its name for errors ("ring-attention call 3 (layer 2)")."""
+        if not in_backward():  # not a recomputation inside a backward
             self.calls += 1
             self.grad_calls += int(needs_grad)
-        if not any(g is group for g in self.groups):
-            self.groups.append(group)
+        for group in groups:
+            if not any(g is group for g in self.groups):
+                self.groups.append(group)
         return self.name()
 
     def name(self) -> str:
@@ -192,7 +201,7 @@ class Progress:
                     f"{type(error).__name__}: {error}",
                 )
             return
-        if not self.grad_calls:
+        if not self.calls:  # (not grad_calls: under reentrant checkpointing the layers run without grad)
             return
         values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else (output,)
         for t in values:
@@ -200,12 +209,18 @@ class Progress:
                 t.register_hook(self._began)
 
     def _began(self, grad):
-        if not self.backward_began:
-            self.backward_began = True
+        task = torch._C._current_graph_task_id()
+        if task != self.task:  # a backward not watched yet
+            self.task, self.backward_began, self.backward_ended = task, True, False
             torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
     def _ended(self):
         self.backward_ended = True
+
+
+def in_backward() -> bool:
+    """True inside a backward pass (autograd is running a graph task on this thread)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class InStepError(ValueError):

@@ -216,6 +216,12 @@ def ring_attention(
         comm = RingComm(group, timeout=timeout)
     guard.raise_if_stopped(getattr(comm, "group", None))
     docs = cu_seqlens if cu_seqlens is not None else document_ids
+    watch = None  # (groups, name, progress): what stops when this call fails on this rank
+    if isinstance(comm, RingComm) and (comm.world_size > 1 or hybrid):
+        groups = [comm.group] + ([ulysses.ulysses_group, ulysses.cp_group] if hybrid else [])
+        grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+        name = plans.progress.call(groups, grad) if plans is not None else "a ring-attention call"
+        watch = (groups, name, None if plans is None else plans.progress)
     key = plan = None
     if plans is not None:
         key = _cache_key(q, k, v, comm, layout, causal, scale, sliding_window, softcap, cu_seqlens, docs, backend)
@@ -229,12 +235,6 @@ def ring_attention(
         )  # fmt: skip
         if key is not None:
             plans.store(key, docs, plan)
-    watch = None  # (groups, name, progress): what stops when this call fails on this rank
-    if isinstance(comm, RingComm) and (comm.world_size > 1 or hybrid):
-        groups = [comm.group] + ([ulysses.ulysses_group, ulysses.cp_group] if hybrid else [])
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        name = plans.progress.call(comm.group, grad) if plans is not None else "a ring-attention call"
-        watch = (groups, name, None if plans is None else plans.progress)
     if not hybrid:
         return _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
     return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..guard import in_backward
 from ..hf_attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, RingConfig, register
 from ..ring import PlanCache
 
@@ -70,7 +71,8 @@ class StartBatch:
         self.plans = plans
 
     def __call__(self, module, args) -> None:
-        self.plans.new_batch()
+        if not in_backward():  # a checkpointed model recomputing inside the backward is not a new batch
+            self.plans.new_batch()
 
 
 class EndBatch:
@@ -80,7 +82,8 @@ class EndBatch:
         self.plans = plans
 
     def __call__(self, module, args, output) -> None:
-        self.plans.progress.end_forward(output)
+        if not in_backward():
+            self.plans.progress.end_forward(output)
 
 
 def _set_hooks(model, plans: PlanCache | None) -> None:

@@ -100,7 +100,11 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
     from .hf_models import make_model
 
     torch.manual_seed(0)
-    model = hf_ring.apply_ring_attention(make_model("llama", num_hidden_layers=3))
+    hybrid = where == "between-hybrid"  # Ulysses x Ring, U = 2: the peers wait in an all-to-all, not the ring
+    model = hf_ring.apply_ring_attention(make_model("llama", num_hidden_layers=3), ulysses_size=2 if hybrid else None)
+    if where == "backward-reentrant":  # the layers' forwards run without grad, recomputed in the backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()
     ids = torch.randint(3, model.config.vocab_size, (1, 32))
     full = {"input_ids": ids, "labels": ids}
     batch = hf_ring.shard_batch(full)
@@ -114,9 +118,9 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
         raise injected
 
     layer = model.model.layers[1]
-    if failing and where == "between":  # after layer 1's attention exchanged, before layer 2's
+    if failing and where in ("between", "between-hybrid"):  # after layer 1's attention exchanged, before layer 2's
         layer.mlp.register_forward_hook(fail)
-    elif failing and where == "backward":  # layer 2's ring backward ran, layer 1's never does
+    elif failing and where in ("backward", "backward-reentrant"):  # layer 2's ring backward ran, layer 1's never does
         layer.mlp.register_full_backward_hook(fail)
     elif failing and where == "inside":  # inside layer 1's ring forward, between two ring steps
         from hf_ring.kernels import get_backend
@@ -142,7 +146,10 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
     return {"errors": errors, "failed_at": stamp.get("t")}
 
 
-@pytest.mark.parametrize("where, world_size", [("between", 2), ("inside", 2), ("backward", 2), ("between", 4)])
+@pytest.mark.parametrize(
+    "where, world_size",
+    [("between", 2), ("inside", 2), ("backward", 2), ("backward-reentrant", 2), ("between-hybrid", 2), ("between", 4)],
+)
 def test_a_one_sided_caught_failure_makes_every_rank_raise_naming_rank_and_call(where, world_size):
     """4 ranks: the ranks that wait for a rank that waited for the failing one learn it in turn."""
     results = run_distributed(_one_sided, world_size, where, timeout=BUDGET + 60)
@@ -150,11 +157,44 @@ def test_a_one_sided_caught_failure_makes_every_rank_raise_naming_rank_and_call(
     assert t0 is not None, "the failure was not injected"
     assert results[FAIL_RANK]["errors"][0][1].startswith("injected failure"), "the failing rank sees its own error"
     call = {"between": "in its forward after ring-attention call 2 (layer 1)",
+            "between-hybrid": "in its forward after ring-attention call 2 (layer 1)",
             "inside": f"in the forward at ring step 1 of {world_size} of ring-attention call 2 (layer 1)",
-            "backward": "in its backward (after 1 of its 3 ring-attention backward calls)"}[where]  # fmt: skip
+            "backward": "in its backward (after 1 ring-attention backward calls of the step)",
+            "backward-reentrant": "in its backward (after 1 ring-attention backward calls of the step)"}[where]  # fmt: skip
     for rank, result in enumerate(results):
         kind, message, t = result["errors"][-1]  # the failing rank: its second attempt
         assert kind == "StoppedError", (rank, kind, message)
         assert f"global rank {FAIL_RANK} failed {call}" in message, (rank, message)
         assert "restart the job" in message
         assert t - t0 <= BUDGET, f"rank {rank} raised {t - t0:.1f} s after the failure"
+
+
+def _healthy_flows(rank: int, world_size: int) -> list:
+    """Flows that must never stop the group: the model checkpointed as a whole (its forward runs again inside
+    the backward), two backwards through one graph, two forwards then their backwards. Returns the losses."""
+    import hf_ring
+
+    from .hf_models import make_model
+
+    torch.manual_seed(0)
+    model = hf_ring.apply_ring_attention(make_model("llama"))
+    ids = torch.randint(3, model.config.vocab_size, (1, 32))
+    batch = hf_ring.shard_batch({"input_ids": ids, "labels": ids})
+    inner = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
+    losses = []
+    for _ in range(2):
+        hidden = torch.utils.checkpoint.checkpoint(lambda: model.model(**inner).last_hidden_state, use_reentrant=False)
+        hidden.square().mean().backward()
+        loss = model(**batch).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        a, b = model(**batch).loss, model(**batch).loss
+        a.backward()
+        b.backward()
+        losses.append(float(hf_ring.reduce_loss(b)))
+    return losses
+
+
+def test_healthy_flows_never_stop_the_group():
+    results = run_distributed(_healthy_flows, 2, timeout=120)
+    assert results[0] == results[1] and all(x == x for x in results[0])  # no error, the same losses, no NaN
