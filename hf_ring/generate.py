@@ -85,6 +85,7 @@ def _cache_classes():
             self.length = 0
             self.positions = torch.zeros(0, dtype=torch.long)
             self.docs = None
+            self.padded = False  # some cached key is padding (else the documents need no mask)
 
         def update(self, key_states, value_states, *args, **kwargs):
             st = self.state
@@ -105,6 +106,7 @@ def _cache_classes():
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.positions = torch.cat([self.positions, pos])
             self.docs = docs if self.docs is None else torch.cat([self.docs, docs], dim=1)
+            self.padded = self.padded or bool((docs < 0).any())
             return self.keys, self.values
 
         def get_seq_length(self) -> int:

