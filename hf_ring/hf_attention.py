@@ -404,9 +404,7 @@ def ring_attention_forward(
             "queries): a KV cache of its own is not supported; call the model with use_cache=False, and generate "
             "with hf_ring.ring_generate(model, inputs, ...) (or hf_ring.revert_ring_attention(model) first)"
         )
-    causal = kwargs.get("is_causal")
-    if causal is None:
-        causal = getattr(module, "is_causal", True)
+    causal = _is_causal(module, kwargs)
     rank, world_size = group_rank_and_size(cfg.group)
     local_len = query.shape[2]
     error = _sharding_error(module, kwargs, cfg, rank, world_size, local_len)
@@ -418,11 +416,7 @@ def ring_attention_forward(
         )
     if error:
         raise_on_every_rank(error, group=cfg.group, device=query.device)
-    if torch.is_autocast_enabled(query.device.type):
-        # Like SDPA under autocast: attention runs in the autocast dtype (RoPE leaves q/k in fp32 while
-        # v comes from a bf16 projection); the kernels still accumulate in fp32.
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    query, key, value = _autocast(query, key, value)
     full = local_len * world_size
     if cfg.plans is None:
         document_ids, cu_seqlens = _documents(attention_mask, kwargs, full, world_size)
@@ -461,12 +455,8 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
     from .decode import decode_attention
 
     layer = cache.layers[module.layer_idx]
-    causal = kwargs.get("is_causal")
-    if causal is None:
-        causal = getattr(module, "is_causal", True)
-    if torch.is_autocast_enabled(query.device.type):
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    causal = _is_causal(module, kwargs)
+    query, key, value = _autocast(query, key, value)
     st = cache.state
     docs = {}  # one document per row: only padding needs the document mask (costly tiles on the CPU)
     if layer.padded:
@@ -488,3 +478,17 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
         **docs,
     )
     return out.transpose(1, 2).contiguous()
+
+
+def _is_causal(module, kwargs) -> bool:
+    causal = kwargs.get("is_causal")
+    return getattr(module, "is_causal", True) if causal is None else causal
+
+
+def _autocast(query, key, value):
+    """Like SDPA under autocast: attention runs in the autocast dtype (RoPE leaves q/k in fp32 while v comes from
+    a bf16 projection); the kernels still accumulate in fp32."""
+    if not torch.is_autocast_enabled(query.device.type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(query.device.type)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
