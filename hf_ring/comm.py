@@ -126,11 +126,7 @@ class RingComm:
         where = f" {self.where}" if self.where else ""
         record = guard.lost([self.group], where.strip() or "in the ring")
         if record is not None:
-            return guard.StoppedError(
-                f"ring_attention: rank {self.rank} of the ring stopped{where} ({peers}) because its peers stopped "
-                f"the CP group: {record}. The ranks can no longer exchange in step; restart the job (from its "
-                "last checkpoint)"
-            )
+            return guard.stopped_by_peers(f"rank {self.rank} of the ring stopped{where} ({peers})", record)
         if timed:
             return TimeoutError(
                 f"ring_attention: rank {self.rank} of the ring waited more than {self.timeout:g} s{where} for its "
@@ -244,10 +240,8 @@ class HeadExchange:
         except RuntimeError as e:
             record = guard.lost([self.group], "in the Ulysses all-to-all")
             if record is not None:
-                raise guard.StoppedError(
-                    f"ring_attention: rank {self.rank} of a Ulysses group stopped in its all-to-all because its peers "
-                    f"stopped the CP group: {record}. The ranks can no longer exchange in step; restart the job (from "
-                    "its last checkpoint)"
+                raise guard.stopped_by_peers(
+                    f"rank {self.rank} of a Ulysses group stopped in its all-to-all", record
                 ) from e
             raise RuntimeError(f"ring_attention: rank {self.rank} of a Ulysses group lost its peers: {e}") from e
         moved = send.numel() * send.element_size() * (self.world_size - 1) // self.world_size

@@ -35,7 +35,7 @@ from .batch import shard_batch
 from .comm import RingComm, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
 from .layout import positions, required_multiple
-from .preflight import check_everywhere
+from .preflight import check_everywhere, fingerprint
 
 __all__ = ["ring_generate"]
 
@@ -167,18 +167,6 @@ def ring_generate(model, inputs, **generate_kwargs):
             h.remove()
 
 
-def _fingerprint(*tensors) -> int:
-    """A cheap integer summary of integer tensors (position-weighted), equal on ranks holding equal tensors."""
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        flat = t.detach().cpu().long().flatten()
-        w = torch.arange(flat.numel(), dtype=torch.int64) % 65521 + 1
-        total = (total * 31 + int(((flat + 3) * w).sum())) % (1 << 61)
-    return total
-
-
 class _Before:
     """Forward pre-hook during ``ring_generate``: checks the call across ranks; shards the prompt (prefill) or
     records the positions of the new tokens (decode)."""
@@ -196,11 +184,11 @@ class _Before:
         comm = RingComm(st.group)
         if st.phase == "prefill":
             mask = kwargs.get("attention_mask")
-            summary = [0, ids.shape[0], ids.shape[1], _fingerprint(ids, mask)]
+            summary = [0, ids.shape[0], ids.shape[1], fingerprint(ids, mask)]
             check_everywhere(None, summary, comm, ids.device, fields=_PREFILL_FIELDS, op="ring_generate (prompt)")
             return (), self._prefill(kwargs, ids, mask)
         start = self.cache.get_seq_length()  # every rank's tokens so far, in generate()'s coordinates
-        summary = [0, ids.shape[0], ids.shape[1], start, _fingerprint(ids)]
+        summary = [0, ids.shape[0], ids.shape[1], start, fingerprint(ids)]
         check_everywhere(None, summary, comm, ids.device, fields=_STEP_FIELDS, op="ring_generate (decode step)")
         st.q_pos = torch.arange(start, start + ids.shape[1]) + st.offset
         return args, {**kwargs, DECODE_KWARG: self.cache}

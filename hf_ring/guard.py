@@ -125,6 +125,15 @@ def _break(group) -> None:
                 return
 
 
+def stopped_by_peers(who: str, record: str) -> StoppedError:
+    """The error of a rank whose exchange failed because its peers stopped the group (``who``: the rank and where
+    it was waiting)."""
+    return StoppedError(
+        f"ring_attention: {who} because its peers stopped the CP group: {record}. The ranks can no longer exchange "
+        "in step; restart the job (from its last checkpoint)"
+    )
+
+
 def lost(groups, what: str) -> str | None:
     """After this rank's exchange failed: the record of a group stopped elsewhere (and stop it here too, so the
     ranks that wait for this one learn it), or None (no record: a peer died or timed out)."""

@@ -15,7 +15,7 @@ from .comm import RingComm
 from .guard import InStepError
 from .kernels import BACKENDS
 
-__all__ = ["FIELDS", "check_everywhere", "local_error", "raise_on_every_rank", "summary"]
+__all__ = ["FIELDS", "check_everywhere", "fingerprint", "local_error", "raise_on_every_rank", "summary"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -115,15 +115,25 @@ def summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error, ul
     if error is not None:
         return [1] + [0] * (len(FIELDS) - 1)
     b, hq, lq, d = q.shape
-    fingerprint = -1
-    if docs is not None:  # cheap O(S) fingerprint of the document layout, position-weighted
-        w = torch.arange(docs.shape[1], dtype=torch.int64) % 65521 + 1
-        fingerprint = (int(((docs.long() + 2) * w).sum()) * 31 + docs.shape[0]) % (1 << 61)
+    documents = -1 if docs is None else fingerprint(docs)
     return [
         0, lq, b, hq, k.shape[1], d, _DTYPES.index(q.dtype), _layout.LAYOUTS.index(layout),
         int(causal), -1 if window is None else int(window), _bits(scale), _bits(softcap), int(sinks is not None),
-        fingerprint, ulysses_size,
+        documents, ulysses_size,
     ]  # fmt: skip
+
+
+def fingerprint(*tensors) -> int:
+    """A cheap O(size) integer summary of integer tensors (position-weighted, shapes included), equal on ranks
+    holding equal tensors: what the pre-flight checks compare instead of the tensors themselves."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        flat = t.detach().cpu().long().flatten()
+        w = torch.arange(flat.numel(), dtype=torch.int64) % 65521 + 1
+        total = (total * 31 + int(((flat + 3) * w).sum()) + t.shape[0]) % (1 << 61)
+    return total
 
 
 FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
