@@ -6,7 +6,11 @@ STAMP := $(VENV)/.hf_ring-installed
 # installed into a folder that shadows .venv's copy through PYTHONPATH.
 COMPAT := $(VENV)/compat-transformers-5.17
 
-.PHONY: demo test test-all lint format bench-cpu bench-gpu ring-demo clean
+# The GPU image's releases (torch 2.11 from its CUDA wheel, triton 3.6, transformers 5.17, numpy < 2.3; no TRL,
+# datasets, DeepSpeed or Liger), run on CPU before a GPU session. About 5 GB of wheels: not part of `make test`.
+IMAGE := .venv-gpu-image
+
+.PHONY: demo test test-all test-gpu-image lint format bench-cpu bench-gpu ring-demo clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +30,17 @@ $(COMPAT)/.installed: $(STAMP)
 test: $(STAMP) $(COMPAT)/.installed  ## the CI suite (CPU; Triton in its interpreter), then the Transformers tests on 5.17
 	$(PY) -m pytest -q -m "not slow and not gpu"
 	PYTHONPATH=$(COMPAT) $(PY) -m pytest -q -m "not slow and not gpu" tests/test_hf_apply.py tests/test_hf_parity.py tests/test_generate.py
+
+$(IMAGE)/.installed: pyproject.toml
+	python3 -m venv $(IMAGE)
+	$(IMAGE)/bin/python -m pip install -q --upgrade pip
+	$(IMAGE)/bin/python -m pip install -q "torch==2.11.0" "triton==3.6.0" "transformers==5.17.0" "accelerate==1.15.*" \
+		"peft>=0.17" "numpy<2.3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "setuptools>=77,<82" wheel
+	$(IMAGE)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+test-gpu-image: $(IMAGE)/.installed  ## the CI suite on the GPU image's releases (CPU; slow to install, see above)
+	$(IMAGE)/bin/python -m pytest -q -m "not slow and not gpu" -p no:cacheprovider
 
 test-all: $(STAMP)  ## every test, with the property-based search at a larger budget
 	HF_RING_HYPOTHESIS_EXAMPLES=3000 $(PY) -m pytest -q
@@ -50,4 +65,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(IMAGE) .pytest_cache .ruff_cache *.egg-info

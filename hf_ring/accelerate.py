@@ -12,18 +12,9 @@ What ``plugin.prepare(accelerator, ...)`` does, and why the result equals plain 
   of a CP group sees the same batch), and its collate function then keeps this rank's zig-zag shard
   (``hf_ring.shard_batch``);
 - everything else goes through ``accelerator.prepare`` unchanged (DDP, optimizer, mixed precision);
-- gradients: each rank's loss is its share of its CP group's loss, so the CP shares must be summed
-  and the DP replicas averaged. DDP averages over the whole world (divides by dp x cp), so the plugin
-  registers a DDP communication hook that all-reduces over the world and divides by ``dp_size``.
-  FSDP2 (``fsdp_version: 2``) shards the model over the whole world with Accelerate's own FSDP2 path;
-  its reduce-scatter then sums over the world and divides by ``dp_size``
-  (``hf_ring.fsdp.set_cp_gradient_reduction``), which needs no special reduce op (gloo and NCCL).
-  DeepSpeed ZeRO (stages 0-3, Accelerate's own ``deepspeed.initialize`` over every process) averages
-  over the world too; the engine's ``outputs.loss`` keeps its value but back-propagates ``cp_size``
-  times its share, so the average is the CP sum over the DP replicas (clipping sees the exact norm);
-- LR schedulers step ``dp_size`` times per optimizer step (Accelerate's rule for ``dp_size``
-  processes, instead of once per process of the world); a scheduler from the DeepSpeed config is
-  stepped by the engine, once per optimizer step.
+- gradients: each rank's loss is its share of its CP group's loss, so the reduction (DDP, FSDP2 or
+  DeepSpeed ZeRO 0-3) is made to sum the CP shares and average the DP replicas, and LR schedulers step
+  like a plain ``dp_size``-process run (``hf_ring.engines``, which says how for each engine).
 
 Accelerate's own ``ParallelismConfig`` (``parallelism_config`` in the accelerate config): its
 ``cp_size`` is the CP size (the plugin's must agree or be None), its mesh puts consecutive ranks in a
@@ -42,7 +33,8 @@ validates an Accelerator without communicating; ``plugin.setup(accelerator)`` re
 ``RingSetup`` (sizes, ranks, mesh, groups, engine). The integrations are functions over it, one per
 concern: ``apply_to_model``, ``prepare_data_loader`` / ``reshard_prepared_data_loader`` /
 ``shard_collate`` (data), ``reduce_gradients`` (DDP hook, FSDP2 or DeepSpeed), ``data_parallel_scheduler``,
-``reduce_loss``, and ``prepare`` (all of them for ``accelerator.prepare``'s objects).
+``reduce_loss``, and ``prepare`` (all of them for ``accelerator.prepare``'s objects); the engine adapters
+live in ``hf_ring.engines``.
 ``plugin.prepare(accelerator, ...)`` is ``check`` + ``setup`` + ``prepare``.
 
 Configuration enters here only: arguments, or the environment variables ``HF_RING_CP_SIZE``,
@@ -58,7 +50,6 @@ with labels they compute the loss without the ``[tokens, vocab]`` logits and ret
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -68,6 +59,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .apply import unwrap_transformers_model
+from .engines import (
+    data_parallel_scheduler,
+    engine_of,
+    fill_deepspeed_micro_batch,
+    reduce_gradients,
+    without_accelerate_cp,
+)
 from .hf_attention import RingConfig
 from .layout import check_layout
 from .loss import check_chunk_size, check_loss_backend
@@ -87,18 +85,6 @@ ENV_TIMEOUT = "HF_RING_TIMEOUT"
 ENV_CHUNKED_LOSS = "HF_RING_CHUNKED_LOSS"
 ENV_LOSS_BACKEND = "HF_RING_LOSS_BACKEND"
 ENV_OFFLOAD_ACTIVATIONS = "HF_RING_OFFLOAD_ACTIVATIONS"
-
-_DDP_TYPES = (
-    "NO",
-    "MULTI_CPU",
-    "MULTI_GPU",
-    "MULTI_XPU",
-    "MULTI_NPU",
-    "MULTI_MLU",
-    "MULTI_SDAA",
-    "MULTI_MUSA",
-    "MULTI_HPU",
-)
 
 
 def _env_int(name: str) -> int | None:
@@ -187,47 +173,6 @@ class _ShardCollate:
 def _set_collate(loader, collate_fn) -> None:
     """Set the collate function of a prepared loader (on the wrapped DataLoader of Accelerate's adapters)."""
     getattr(loader, "base_dataloader", loader).collate_fn = collate_fn
-
-
-def _dp_allreduce_hook(state, bucket):
-    """DDP communication hook: sum the gradients over the DDP group, divide by the number of DP replicas."""
-    group, divisor = state
-    tensor = bucket.buffer()
-    tensor.div_(divisor)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def _data_parallel_scheduler_class():
-    from accelerate.scheduler import AcceleratedScheduler
-
-    class DataParallelScheduler(AcceleratedScheduler):
-        """``AcceleratedScheduler`` that steps like a plain run with ``dp_size`` processes (not one per rank)."""
-
-        def __init__(self, wrapped, dp_size: int):
-            super().__init__(
-                wrapped.scheduler,
-                wrapped.optimizers,
-                step_with_optimizer=wrapped.step_with_optimizer,
-                split_batches=wrapped.split_batches,
-            )
-            self.dp_size = dp_size
-
-        def step(self, *args, **kwargs):
-            if not self.step_with_optimizer or self.split_batches:
-                return super().step(*args, **kwargs)
-            if not self.gradient_state.sync_gradients:
-                if self.gradient_state.adjust_scheduler:
-                    self.scheduler._step_count += 1
-                return
-            if any(opt.step_was_skipped for opt in self.optimizers):
-                return
-            for _ in range(self.dp_size):
-                total = getattr(self.scheduler, "total_steps", None)
-                if total is None or self.scheduler._step_count <= total:
-                    self.scheduler.step(*args, **kwargs)
-
-    return DataParallelScheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,7 +328,7 @@ class RingAttentionPlugin:
     def check(self, accelerator) -> int:
         """Validate ``accelerator`` (sizes, distributed type, parallelism config) without communicating; the CP size."""
         world = int(accelerator.num_processes)
-        engine = _engine(accelerator)  # raises for what is not supported
+        engine = engine_of(accelerator)  # raises for what is not supported
         pc = getattr(accelerator, "parallelism_config", None)
         cp = self.validate(world) if pc is None else self._cp_of_parallelism_config(pc, engine, world)
         if cp > 1 and world == 1:
@@ -445,7 +390,7 @@ class RingAttentionPlugin:
             device_type = torch.device(accelerator.device).type
             mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
             cp_group, dp_group = mesh.get_group("cp"), mesh.get_group("dp")
-        ring = RingSetup(self, world, rank, cp, _engine(accelerator), mesh, cp_group, dp_group)
+        ring = RingSetup(self, world, rank, cp, engine_of(accelerator), mesh, cp_group, dp_group)
         self._setups[id(accelerator)] = (accelerator, ring)
         self._setups["last"] = ring
         return ring
@@ -462,7 +407,7 @@ class RingAttentionPlugin:
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         # every check that needs no communication comes first, so a mistake never turns into a hang
         cp = self.check(accelerator)
-        if device_placement is not None and _engine(accelerator) == "deepspeed":
+        if device_placement is not None and engine_of(accelerator) == "deepspeed":
             raise ValueError("device_placement cannot be customised with DeepSpeed (it places the model itself)")
         for obj in args:
             if isinstance(obj, torch.nn.Module):
@@ -500,59 +445,6 @@ class RingAttentionPlugin:
 
 
 # ---- the adapters: functions over a RingSetup --------------------------------------------------------
-
-
-def _engine(accelerator) -> str:
-    """``"fsdp2"``, ``"deepspeed"``, ``"ddp"`` or ``"none"`` for ``accelerator``; NotImplementedError for what is not supported."""
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-    if kind == "FSDP":
-        version = getattr(getattr(getattr(accelerator, "state", None), "fsdp_plugin", None), "fsdp_version", 1)
-        if version != 2:
-            raise NotImplementedError(
-                f"RingAttentionPlugin supports FSDP2, not FSDP version {version}: set fsdp_version: 2 in the "
-                "accelerate config file (fsdp_config), or FullyShardedDataParallelPlugin(fsdp_version=2)"
-            )
-        return "fsdp2"
-    if kind == "DEEPSPEED":
-        return "deepspeed"
-    if kind not in _DDP_TYPES:
-        raise NotImplementedError(
-            f"RingAttentionPlugin supports DDP, FSDP2 (fsdp_version: 2), DeepSpeed ZeRO and single-process "
-            f"training, not distributed_type={kind}: Megatron-LM and XLA reduce gradients with their own averaging, "
-            "which would average the context-parallel shares instead of summing them, and were not tested with "
-            "hf_ring. Use DDP (accelerate launch --multi_gpu / multi-CPU), FSDP2 or DeepSpeed"
-        )
-    return "none" if kind == "NO" else "ddp"
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient multiplied by ``factor`` in backward."""
-
-    @staticmethod
-    def forward(ctx, x, factor: float):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-class _ScaleLossGrad:
-    """Forward hook: ``outputs.loss`` keeps its value, its gradient is multiplied by ``factor`` (the CP size).
-
-    For engines that average gradients over every rank (DeepSpeed): with each rank's gradient scaled
-    by cp_size, the average over dp x cp ranks is the CP shares summed and the DP replicas averaged.
-    """
-
-    def __init__(self, factor: int):
-        self.factor = float(factor)
-
-    def __call__(self, module, args, output):
-        loss = getattr(output, "loss", None)
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            output.loss = _ScaleGrad.apply(loss, self.factor)
-        return output
 
 
 def apply_to_model(ring: RingSetup, model):
@@ -658,61 +550,6 @@ def reshard_prepared_data_loader(ring: RingSetup, prepared):
     return prepared
 
 
-def reduce_gradients(ring: RingSetup, model):
-    """Make the prepared ``model``'s gradient reduction sum the CP shares and average the DP replicas.
-
-    DDP: a communication hook (all-reduce over the world, divide by ``dp_size``). FSDP2: every FSDP2
-    module sums over its ranks and divides by ``dp_size`` (``hf_ring.fsdp.set_cp_gradient_reduction``).
-    DeepSpeed (ZeRO 0-3), which averages over every rank: the engine's ``outputs.loss`` gets a gradient
-    ``cp_size`` times its share (its value is unchanged), so the average is the CP sum over DP replicas.
-    Other objects, and ``cp_size == 1``, are returned unchanged.
-    """
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    from .fsdp import set_cp_gradient_reduction
-
-    if ring.cp_size == 1:
-        return model
-    if isinstance(model, FSDPModule):
-        return set_cp_gradient_reduction(model, dp_size=ring.dp_size)
-    if ring.engine == "deepspeed" and _is_deepspeed_engine(model):
-        if not any(isinstance(h, _ScaleLossGrad) for h in model._forward_hooks.values()):
-            model.register_forward_hook(_ScaleLossGrad(ring.cp_size))
-        return model
-    if isinstance(model, DistributedDataParallel):
-        group = model.process_group
-        size = dist.get_world_size(group)
-        if size != ring.world_size:
-            raise ValueError(f"the DDP process group has {size} ranks; expected the whole world of {ring.world_size}")
-        try:
-            model.register_comm_hook(state=(group, ring.dp_size), hook=_dp_allreduce_hook)
-        except RuntimeError as e:
-            raise RuntimeError(
-                "hf_ring registers its own DDP communication hook (sum over CP, average over DP); remove "
-                f"comm_hook from DistributedDataParallelKwargs ({e})"
-            ) from e
-    return model
-
-
-def _is_deepspeed_engine(obj) -> bool:
-    from deepspeed import DeepSpeedEngine
-
-    return isinstance(obj, DeepSpeedEngine)
-
-
-def data_parallel_scheduler(ring: RingSetup, scheduler):
-    """An Accelerate-prepared scheduler that steps like a plain ``dp_size``-process run (unchanged without CP)."""
-    from accelerate.scheduler import AcceleratedScheduler
-    from accelerate.utils import DeepSpeedSchedulerWrapper
-
-    if isinstance(scheduler, DeepSpeedSchedulerWrapper):
-        return scheduler  # a scheduler from the DeepSpeed config: the engine steps it once per optimizer step
-    if isinstance(scheduler, AcceleratedScheduler) and ring.dp_size != ring.world_size:
-        return _data_parallel_scheduler_class()(scheduler, ring.dp_size)
-    return scheduler
-
-
 def reduce_loss(ring: RingSetup, loss: torch.Tensor, *, num_items=None) -> torch.Tensor:
     """The global token-weighted loss of the last batch, the same on every rank (detached).
 
@@ -734,52 +571,6 @@ def reduce_loss(ring: RingSetup, loss: torch.Tensor, *, num_items=None) -> torch
     return (ring.cp_size * buf[0] / buf[1].clamp(min=1)).to(loss.dtype)
 
 
-def _keep(*args):
-    return args
-
-
-def _already_sharded(buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _in_place_of_accelerate_cp(accelerator):
-    """``accelerator.prepare`` without Accelerate's own context parallelism, when its ParallelismConfig has cp_size > 1.
-
-    Accelerate's CP attaches hooks that drop the attention mask for PyTorch's SDPA-only ring and shards
-    buffers inside ``accelerator.maybe_context_parallel``. hf_ring runs the CP attention (ring attention
-    on its own DataLoader shards) instead, so ``prepare`` skips the hooks, and ``maybe_context_parallel``
-    becomes a no-op: a script written for Accelerate's CP runs unchanged, on batches already sharded.
-    """
-    pc = getattr(accelerator, "parallelism_config", None)
-    if pc is None or not pc.cp_enabled:
-        yield
-        return
-    accelerator._prepare_cp = _keep  # an instance attribute over the method, removed again below
-    try:
-        yield
-    finally:
-        del accelerator._prepare_cp
-    accelerator._cp_context = _already_sharded
-
-
-def _fill_deepspeed_micro_batch(ring: RingSetup, accelerator, loaders: list) -> None:
-    """Fill DeepSpeed's ``train_micro_batch_size_per_gpu: auto`` from the plain loaders, as Accelerate does.
-
-    Accelerate reads it from the loaders passed to the same ``accelerator.prepare`` call; hf_ring prepares
-    its loaders itself (split over the DP groups), so it fills the value: a rank's micro-batch is its
-    DP replica's batch (every CP rank holds a shard of it).
-    """
-    ds_plugin = accelerator.state.deepspeed_plugin
-    sizes = [dl.batch_size for dl in loaders if dl.batch_size is not None]
-    if not sizes or not ds_plugin.is_auto("train_micro_batch_size_per_gpu"):
-        return  # Accelerate raises its own clear error when the value stays unknown
-    size = min(sizes) if ds_plugin.is_train_batch_min else max(sizes)
-    if accelerator.split_batches:
-        size //= ring.dp_size
-    ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = size
-
-
 def prepare(ring: RingSetup, accelerator, *args, device_placement=None):
     """``RingAttentionPlugin.prepare`` over a ``RingSetup``: the objects prepared, in order."""
     placement = list(device_placement) if device_placement is not None else [None] * len(args)
@@ -795,9 +586,9 @@ def prepare(ring: RingSetup, accelerator, *args, device_placement=None):
     if rest:
         kwargs = {"device_placement": [placement[i] for i in rest]}
         if ring.engine == "deepspeed":
-            _fill_deepspeed_micro_batch(ring, accelerator, [obj for obj in args if isinstance(obj, DataLoader)])
+            fill_deepspeed_micro_batch(ring, accelerator, [obj for obj in args if isinstance(obj, DataLoader)])
             kwargs = {}
-        with _in_place_of_accelerate_cp(accelerator):
+        with without_accelerate_cp(accelerator):
             prepared = accelerator.prepare(*[args[i] for i in rest], **kwargs)
         prepared = prepared if len(rest) > 1 else (prepared,)
         for i, obj in zip(rest, prepared):

@@ -16,13 +16,15 @@ No host synchronisation anywhere; the numbers are exact (copies). On a device ot
 copies are plain ``.to()`` calls; tensors already on the host are left alone (on a CPU-only machine
 the offload changes nothing).
 
-How: a forward pre-hook and an always-called forward hook on every decoder layer push saved-tensor
-hooks for the duration of the layer's call. Transformers checkpoints a layer's ``forward``, not its
-``__call__``, so module hooks sit outside the checkpoint, and a later ``gradient_checkpointing_enable``
-(the Trainer calls it in ``train()``) keeps them. Only the tensors saved while a *checkpointed* layer
-runs go to the host (with checkpointing that is the layer's inputs); layers that are not checkpointed
-(``every_n_layers`` > 1) keep theirs on the device. A training forward of a model with offload and no
-checkpointing at all raises (offloading every activation would be a different trade).
+How: each decoder layer's checkpoint function (``_gradient_checkpointing_func``, which Transformers
+calls for a checkpointed layer in training) is wrapped so that saved-tensor hooks are pushed around the
+checkpoint call. Inside the checkpoint its own hooks take precedence, so what reaches ours is what the
+checkpoint keeps: the layer's inputs. Layers that are not checkpointed (``every_n_layers`` > 1) never
+call it and keep theirs on the device. The wrapping is renewed by a forward pre-hook of the model, so a
+later ``gradient_checkpointing_enable`` (the Trainer calls it in ``train()``) keeps the offload; it does
+not depend on where a Transformers release runs module hooks (inside the checkpoint in 5.17, outside
+in 5.23). A training forward of a model with offload and no checkpointing at all raises
+(offloading every activation would be a different trade).
 
 Transformers' own ``gradient_checkpointing_enable(offload=True)`` (``torch.autograd.graph.save_on_cpu``)
 is exact too; its copies run on the compute stream and block the host once per layer.
@@ -129,31 +131,41 @@ class HostOffload:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-class _LayerHooks:
-    """Forward pre-hook / forward hook pair of one layer: the saved-tensor hooks for the call of a
-    checkpointed layer in training."""
+class _OffloadedCheckpoint:
+    """A layer's ``_gradient_checkpointing_func`` with the saved-tensor hooks pushed around the checkpoint call:
+    inside it the checkpoint's own hooks take over, so only what the checkpoint keeps (the layer's inputs)
+    reaches ``offload``."""
 
-    def __init__(self, offload: HostOffload):
-        self.offload = offload
-        self.active = []  # a stack: a layer may run inside another's call
+    def __init__(self, func, offload: HostOffload):
+        self.func, self.offload = func, offload
 
-    def enter(self, module, args):
-        ctx = None
-        if getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled():
-            ctx = self.offload.hooks()
-            ctx.__enter__()
-        self.active.append(ctx)
+    def __call__(self, function, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.func(function, *args, **kwargs)
+        with self.offload.hooks():
+            return self.func(function, *args, **kwargs)
 
-    def exit(self, module, args, output):
-        ctx = self.active.pop() if self.active else None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+
+def _wrap_checkpoints(layers, offload: HostOffload) -> None:
+    """Wrap each checkpointed layer's checkpoint function (again, where enabling checkpointing replaced it)."""
+    for layer in layers:
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        if func is not None and not isinstance(func, _OffloadedCheckpoint):
+            layer._gradient_checkpointing_func = _OffloadedCheckpoint(func, offload)
+
+
+def _unwrap_checkpoints(layers) -> None:
+    for layer in layers:
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        if isinstance(func, _OffloadedCheckpoint):
+            layer._gradient_checkpointing_func = func.func
 
 
 def _check_checkpointing(model, args, kwargs):
     """Forward pre-hook of the model: a training forward needs activation checkpointing."""
     offload, _, layers = getattr(model, _ATTR)
     offload.new_forward()
+    _wrap_checkpoints(layers, offload)
     if model.training and torch.is_grad_enabled() and not any(layer.gradient_checkpointing for layer in layers):
         raise ValueError(
             f"{type(model).__name__} has activation offload (hf_ring.apply_activation_offload) but no activation "
@@ -193,10 +205,6 @@ def apply_activation_offload(model, *, min_bytes: int = DEFAULT_MIN_BYTES):
         revert_activation_offload(target)
     offload = HostOffload(min_bytes)
     handles = [target.register_forward_pre_hook(_check_checkpointing, with_kwargs=True)]
-    for layer in layers:
-        pair = _LayerHooks(offload)
-        handles.append(layer.register_forward_pre_hook(pair.enter))
-        handles.append(layer.register_forward_hook(pair.exit, always_call=True))
     setattr(target, _ATTR, (offload, handles, layers))
     return model
 
@@ -208,8 +216,10 @@ def revert_activation_offload(model):
     target = _transformers_model(model)
     if not hasattr(target, _ATTR):
         raise ValueError(f"{type(target).__name__} has no activation offload to revert")
-    for handle in getattr(target, _ATTR)[1]:
+    _, handles, layers = getattr(target, _ATTR)
+    for handle in handles:
         handle.remove()
+    _unwrap_checkpoints(layers)
     delattr(target, _ATTR)
     return model
 

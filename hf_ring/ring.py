@@ -487,7 +487,9 @@ class _RingAttention(torch.autograd.Function):
                 merged = torch.logaddexp(lse, sinks.detach().float()[None, :, None])
                 out.mul_(torch.exp(lse - merged).unsqueeze(-1))
                 lse = merged
-        out = out.to(q.dtype)
+        # Compiled, the output is a copy, never the buffer the kernels mutated: torch 2.11's AOTAutograd
+        # gives a mutated output of a custom op a zero gradient (found with the triton backend, fp32).
+        out = out.to(q.dtype, copy=torch.compiler.is_compiling())
         ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks)
         ctx.plan, ctx.comm, ctx.watch = plan, comm, watch
         return out

@@ -127,6 +127,12 @@ FSDP2_ARGS = dict(
 )
 
 
+def _has_trl() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("trl", "datasets"))
+
+
 def _trainers(out: Path, world: int) -> dict:
     """The Trainer (and at CP = 2 TRL's SFTTrainer) under FSDP2: logged losses and unsharded final weights."""
     from hf_ring.accelerate import RingAttentionPlugin
@@ -146,7 +152,7 @@ def _trainers(out: Path, world: int) -> dict:
     res["trainer_fsdp2"] = type(trainer.model_wrapped).__name__.startswith("FSDP")
     res["trainer_losses"] = _losses(trainer)
     res["trainer_state"] = _full_state(trainer.model)
-    if world == 2:
+    if world == 2 and _has_trl():
         from hf_ring.trainer import RingSFTTrainer
 
         cls = type("FsdpSFTTrainer", (_OnFsdp2, RingSFTTrainer), {})
@@ -362,7 +368,7 @@ def test_trainer_and_trl_with_fsdp2_match_single_process(launch):
         assert r["trainer_fsdp2"], "the Trainer did not shard the model with FSDP2"
         assert r["trainer_losses"] == pytest.approx(ref["trainer_ref_losses"], rel=RTOL)
     assert ref["trainer_weights_err"] <= RTOL, f"{ref['trainer_weights_err']:.2e}"
-    if world == 2:
+    if world == 2 and "trl_losses" in ref:  # TRL and datasets installed
         assert ref["trl_losses"] == pytest.approx(ref["trainer_ref_losses"], rel=RTOL)
         assert ref["trl_weights_err"] <= RTOL, f"{ref['trl_weights_err']:.2e}"
 

@@ -34,21 +34,26 @@ def _loss_and_grads(model, batch):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _checkpointed(model, every_n_layers: int = 1):
+def _checkpointed(model, every_n_layers: int = 1, use_reentrant: bool = False):
     model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers
+        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}, every_n_layers=every_n_layers
     )
     model.train()
     return model
 
 
-def test_the_layer_inputs_go_to_the_host_and_the_loss_and_gradients_stay_bit_equal():
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_the_layer_inputs_go_to_the_host_and_the_loss_and_gradients_stay_bit_equal(use_reentrant):
     batch, _ = make_batch("packed", 40)
     model = make_model("llama", num_hidden_layers=3)
     offload = _offload(model)  # before checkpointing is enabled, as the Trainer does it (train() enables it)
-    _checkpointed(model)
+    _checkpointed(model, use_reentrant=use_reentrant)
+    if use_reentrant:
+        model.enable_input_require_grads()  # as Transformers asks of reentrant checkpointing with frozen embeddings
     hidden = model.config.hidden_size
+    model(**batch)  # wraps the layers' checkpoint functions
     hf_ring.revert_activation_offload(model)
+    assert all(layer._gradient_checkpointing_func.__module__ != "hf_ring.offload" for layer in model.model.layers)
     ref_loss, ref_grads = _loss_and_grads(model, batch)
     offload = _offload(model)
     loss, grads = _loss_and_grads(model, batch)
@@ -95,7 +100,7 @@ def test_training_without_checkpointing_is_refused_and_revert_removes_every_hook
     hooks = lambda: sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())  # noqa: E731
     before = hooks()
     _offload(model)
-    assert hooks() == before + 1 + 2 * len(model.model.layers)  # the model's check, a pair per layer
+    assert hooks() == before + 1  # the model's pre-hook: the check, and the layers' checkpoint functions wrapped
     with pytest.raises(ValueError, match="activation offload .* but no activation checkpointing"):
         model(**batch)
     with torch.no_grad():

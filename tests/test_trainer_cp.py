@@ -264,8 +264,25 @@ def _packed_and_trl(out: Path, train: list) -> dict:
     return res
 
 
+def _cpu_resume_unsupported() -> str | None:
+    """Why this Transformers release cannot resume a multi-process CPU run, or None."""
+    import inspect
+
+    from transformers import Trainer
+
+    if "map_location = self.args.device" in inspect.getsource(Trainer._load_optimizer_and_scheduler):
+        return (
+            "this Transformers release loads the optimizer state with map_location=args.device, which torch.load "
+            "refuses for a multi-process CPU run ('cpu:0'); later releases load it on 'cpu'"
+        )
+    return None
+
+
 def _resume(out: Path, feats: list) -> dict:
     """Run 4: the uninterrupted run (a checkpoint after step 2), then a new Trainer resuming from it."""
+    reason = _cpu_resume_unsupported()
+    if reason is not None:
+        return {"resume_skipped": reason}
     from transformers import DataCollatorWithFlattening
 
     from hf_ring.accelerate import RingAttentionPlugin
@@ -380,6 +397,8 @@ def test_trainer_resume_from_checkpoint_continues_exactly(launch):
     weights are the uninterrupted run's."""
     if len(launch) != 2:
         pytest.skip("checked once, on the CP = 2 launch")
+    if "resume_skipped" in launch[0]:
+        pytest.skip(launch[0]["resume_skipped"])
     for r in launch:
         assert len(r["resume_losses"]) == STEPS and r["resumed_losses"], r
         _close(r["resumed_losses"][-1:], r["resume_losses"][-1:])
