@@ -86,7 +86,7 @@ def apply_ring_attention(
     patch = get_patch(getattr(target.config, "model_type", None))
     u = _ulysses_size(ulysses_size, group, target.config)
     if u > 1:  # ulysses_groups refuses a U that does not divide the group, before it communicates
-        cfg = dataclasses.replace(cfg, ulysses=ulysses_groups(group, u))
+        cfg = dataclasses.replace(cfg, ulysses=ulysses_groups(group, u, timeout=timeout))
     patch.apply(target, cfg)
     return model
 

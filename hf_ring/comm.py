@@ -219,10 +219,13 @@ class HeadExchange:
     rank of the group, in group-rank order); ``sequence_to_heads`` is its inverse. Each is the other's
     backward. One ``all_to_all_single`` per call; ``bytes_sent`` / ``bytes_received`` count what leaves
     and arrives from other ranks (the block a rank keeps is not counted), as ``RingComm`` counts.
+    ``timeout`` (seconds; CPU tensors on gloo): a peer that does not join the all-to-all in time makes it raise
+    ``TimeoutError`` naming the group's ranks, as ``RingComm.wait`` does; None: the process group's own timeout.
     """
 
-    def __init__(self, group):
+    def __init__(self, group, timeout: float | None = None):
         self.group = group
+        self.timeout = timeout
         self.rank, self.world_size = group_rank_and_size(group)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -235,15 +238,28 @@ class HeadExchange:
 
     def _exchange(self, send: torch.Tensor) -> torch.Tensor:
         recv = torch.empty_like(send)
+        limit = None if self.timeout is None or send.is_cuda else datetime.timedelta(seconds=self.timeout)
         try:
-            dist.all_to_all_single(recv, send, group=self.group)
+            if limit is None:
+                dist.all_to_all_single(recv, send, group=self.group)
+            else:
+                dist.all_to_all_single(recv, send, group=self.group, async_op=True).wait(limit)
         except RuntimeError as e:
             record = guard.lost([self.group], "in the Ulysses all-to-all")
             if record is not None:
                 raise guard.stopped_by_peers(
                     f"rank {self.rank} of a Ulysses group stopped in its all-to-all", record
                 ) from e
-            raise RuntimeError(f"ring_attention: rank {self.rank} of a Ulysses group lost its peers: {e}") from e
+            peers = dist.get_process_group_ranks(self.group) if self.group is not None else "every rank"
+            if limit is not None and "time" in str(e).lower():
+                raise TimeoutError(
+                    f"ring_attention: rank {self.rank} of a Ulysses group waited more than {self.timeout:g} s in its "
+                    f"all-to-all for its peers (global ranks {peers}): a peer died, is stuck, or failed elsewhere; see "
+                    "its error (timeout= of apply_ring_attention / RingAttentionPlugin)"
+                ) from e
+            raise RuntimeError(
+                f"ring_attention: rank {self.rank} of a Ulysses group lost its peers (global ranks {peers}): {e}"
+            ) from e
         moved = send.numel() * send.element_size() * (self.world_size - 1) // self.world_size
         self.bytes_sent += moved
         self.bytes_received += moved
@@ -303,9 +319,9 @@ class UlyssesGroups:
         return self.exchange.rank
 
 
-def ulysses_groups(group, ulysses_size: int) -> UlyssesGroups:
+def ulysses_groups(group, ulysses_size: int, *, timeout: float | None = None) -> UlyssesGroups:
     """Split the CP group ``group`` (None: the default group) into Ulysses groups of ``ulysses_size``
-    consecutive ranks and rings across them.
+    consecutive ranks and rings across them. ``timeout``: the all-to-alls' bound (``HeadExchange``).
 
     Collective over the default group: every process calls it at the same point (the CP groups of all
     data-parallel replicas are split alike, in one order, as ``torch.distributed.new_group`` requires).
@@ -320,7 +336,8 @@ def ulysses_groups(group, ulysses_size: int) -> UlyssesGroups:
             f"into Ulysses groups of ulysses_size consecutive ranks; choose a divisor of {n}"
         )
     if ulysses_size == 1 or n == 1:
-        return UlyssesGroups(group, n, 1, None, group, HeadExchange(None) if n == 1 else HeadExchange(group))
+        exchange = HeadExchange(None) if n == 1 else HeadExchange(group, timeout)
+        return UlyssesGroups(group, n, 1, None, group, exchange)
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, members)
@@ -335,7 +352,7 @@ def ulysses_groups(group, ulysses_size: int) -> UlyssesGroups:
             ranks = list(cp[index::ulysses_size])
             g = dist.new_group(ranks)
             mine_r = g if me in ranks else mine_r
-    return UlyssesGroups(group, n, ulysses_size, mine_u, mine_r, HeadExchange(mine_u))
+    return UlyssesGroups(group, n, ulysses_size, mine_u, mine_r, HeadExchange(mine_u, timeout))
 
 
 def auto_ulysses_size(cp_size: int, q_heads: int, local_world_size: int | None = None) -> int:

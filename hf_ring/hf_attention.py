@@ -331,6 +331,20 @@ def _hand_sharded_error(module, kwargs: dict, cfg: RingConfig, rank: int, world_
     )
 
 
+def _dropped_documents_error(module, kwargs: dict, cfg: RingConfig) -> str | None:
+    """The model's forward was given document ids (padding or packing) but this layer was called without them
+    (a family whose decoder layers do not pass the batch's keywords on), or None."""
+    if cfg.plans is None or not cfg.plans.batch_documents or kwargs.get(DOCUMENT_IDS_KWARG) is not None:
+        return None
+    return (
+        f"the batch has padding or packed documents ({DOCUMENT_IDS_KWARG} from hf_ring.shard_batch), but "
+        f"{type(module).__name__} was called without them: this model's decoder layers do not pass the batch's "
+        "keyword arguments on to the attention, so the ring cannot see the padding or the document boundaries. "
+        "Train this model on batches without padding or packing: rows of equal length (no attention_mask zeros), "
+        "a multiple of the layout's (2 x CP size for zigzag) so that shard_batch adds no padding"
+    )
+
+
 def _sharding_error(module, kwargs: dict, cfg: RingConfig, rank: int, world_size: int, local_len: int):
     """Why the batch does not fit this module's ring (shard_batch's ShardInfo, or hand-sharded positions), or None."""
     info = kwargs.get(SHARD_INFO_KWARG)
@@ -407,7 +421,9 @@ def ring_attention_forward(
     causal = _is_causal(module, kwargs)
     rank, world_size = group_rank_and_size(cfg.group)
     local_len = query.shape[2]
-    error = _sharding_error(module, kwargs, cfg, rank, world_size, local_len)
+    error = _dropped_documents_error(module, kwargs, cfg) or _sharding_error(
+        module, kwargs, cfg, rank, world_size, local_len
+    )
     if error and kwargs.get("use_cache") and cache is None:  # model.generate() on the full prompt, most likely
         error = (
             f"a ring-attention model over {world_size} ranks cannot run generate() on its own (the prompt must be "

@@ -85,8 +85,9 @@ class HostOffload:
         return self._streams[device]
 
     def pack(self, t: torch.Tensor):
-        if t.device.type not in self.device_types or t.numel() * t.element_size() < self.min_bytes:
-            return t
+        nbytes = t.numel() * t.element_size()
+        if t.device.type not in self.device_types or nbytes == 0 or nbytes < self.min_bytes:
+            return t  # (torch 2.11's checkpoint also saves an empty placeholder: nothing to move)
         side = self._side_stream(t.device)
         if side is None:
             host, ready = t.detach().to("cpu", copy=True), None

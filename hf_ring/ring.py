@@ -92,6 +92,9 @@ class PlanCache:
         self._checked: set = set()
         self._derived: dict = {}  # identities of sources -> (sources, value), until new_batch()
         self.progress = guard.Progress()  # where this model's forward and backward stand in their ring calls
+        # the model's forward was given document ids (padding or packing): set and cleared by hf_ring.patches'
+        # model hooks, so that a layer called without them is caught (a family that drops the batch's keywords)
+        self.batch_documents = False
 
     def new_batch(self) -> None:
         """Make the next call of every key check its plan across ranks again (start of a forward). Raises

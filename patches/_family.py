@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from ..guard import in_backward
-from ..hf_attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, RingConfig, register
+from ..hf_attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, DOCUMENT_IDS_KWARG, RingConfig, register
 from ..ring import PlanCache
 
 __all__ = ["EndBatch", "FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "is_applied"]
@@ -49,9 +49,11 @@ def check_window(config, what: str) -> None:
         raise ValueError(f"{what}: config.sliding_window must be None or a positive integer, got {w!r}")
 
 
-def check_layer_types(config, what: str, allowed=("full_attention", "sliding_attention")) -> None:
-    """ValueError unless every ``config.layer_types`` entry is one hf_ring implements (and windows are valid)."""
-    check_window(config, what)
+def check_layer_types(config, what: str, allowed=("full_attention", "sliding_attention"), window: bool = True) -> None:
+    """ValueError unless every ``config.layer_types`` entry is one hf_ring implements (and, with ``window``, the
+    window is valid)."""
+    if window:
+        check_window(config, what)
     types = list(getattr(config, "layer_types", None) or [])
     unknown = sorted(set(types) - set(allowed))
     if unknown:
@@ -65,14 +67,17 @@ def is_applied(model) -> bool:
 
 
 class StartBatch:
-    """Forward pre-hook: a new forward begins, so its plans are checked across ranks again."""
+    """Forward pre-hook: a new forward begins, so its plans are checked across ranks again; notes whether the
+    batch carries document ids (``PlanCache.batch_documents``)."""
 
     def __init__(self, plans: PlanCache):
         self.plans = plans
 
-    def __call__(self, module, args) -> None:
+    def __call__(self, module, args, kwargs) -> None:
         if not in_backward():  # a checkpointed model recomputing inside the backward is not a new batch
             self.plans.new_batch()
+            if kwargs.get(DOCUMENT_IDS_KWARG) is not None:
+                self.plans.batch_documents = True
 
 
 class EndBatch:
@@ -83,6 +88,7 @@ class EndBatch:
 
     def __call__(self, module, args, output) -> None:
         if not in_backward():
+            self.plans.batch_documents = False
             self.plans.progress.end_forward(output)
 
 
@@ -99,7 +105,7 @@ def _set_hooks(model, plans: PlanCache | None) -> None:
                     del hooks[hook_id]
                     m._forward_hooks_always_called.pop(hook_id, None)
         if plans is not None:
-            m.register_forward_pre_hook(StartBatch(plans))
+            m.register_forward_pre_hook(StartBatch(plans), with_kwargs=True)
             m.register_forward_hook(EndBatch(plans), always_call=True)
 
 

@@ -6,13 +6,16 @@ projections, norms and rotary embedding, with its ``scaling``, per layer its ``s
 function implements: logit softcapping (``softcap``: Gemma2, optionally Gemma3) and learned sinks
 (``s_aux``: gpt-oss). What else is special about these families happens outside the attention
 function, on local tokens, and so is exact under context parallelism as it is: QK norm (OLMo2,
-Gemma3), layers without RoPE (SmolLM3), an attention multiplier (Granite, passed as ``scaling``),
-logit scales and final logit softcapping (Granite, Cohere2, Gemma2), mixture-of-experts MLPs
-(Mixtral, Qwen3-MoE, gpt-oss).
+Gemma3, Cohere, StableLM, Phi, Exaone4, HunYuan, Apertus), clipped projections (OLMo), partial or
+interleaved rotary embeddings (GLM, Phi, StableLM, Nemotron, GPT-NeoX), layers without RoPE
+(SmolLM3), an attention multiplier (Granite, passed as ``scaling``), logit scales and final logit
+softcapping (Granite, Cohere, Gemma2), parallel attention + MLP blocks (Cohere, GPT-NeoX, StableLM),
+mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, dots1, GLM-4-MoE, gpt-oss).
 
 What the generic patch refuses (``check``): layer types other than full / sliding attention, and the
 MoE router's load-balancing loss (``config.output_router_logits=True``): computed per rank on its
-local tokens it would not be the loss of the whole sequence.
+local tokens it would not be the loss of the whole sequence. Qwen2-MoE also refuses sliding layers
+(``CHECKS``).
 
 Models of these families are switched by ``hf_ring.apply_ring_attention(model)`` (or
 ``hf_ring.patches.get_patch(model_type)``); they have no family-named entry points.
@@ -22,27 +25,55 @@ from __future__ import annotations
 
 from ._family import FamilyPatch, LogitTransform, check_layer_types
 
-__all__ = ["FAMILIES", "LOGIT_TRANSFORMS", "PATCHES", "check"]
+__all__ = ["CHECKS", "FAMILIES", "LOGIT_TRANSFORMS", "PATCHES", "check", "check_without_windows"]
 
 FAMILIES = {
+    "apertus": "transformers.models.apertus.modeling_apertus.ApertusAttention",
+    "arcee": "transformers.models.arcee.modeling_arcee.ArceeAttention",
+    "cohere": "transformers.models.cohere.modeling_cohere.CohereAttention",
     "cohere2": "transformers.models.cohere2.modeling_cohere2.Cohere2Attention",
+    "dots1": "transformers.models.dots1.modeling_dots1.Dots1Attention",
+    "ernie4_5": "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention",
+    "exaone4": "transformers.models.exaone4.modeling_exaone4.Exaone4Attention",
+    "gemma": "transformers.models.gemma.modeling_gemma.GemmaAttention",
     "gemma2": "transformers.models.gemma2.modeling_gemma2.Gemma2Attention",
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3.Gemma3Attention",
+    "glm": "transformers.models.glm.modeling_glm.GlmAttention",
+    "glm4": "transformers.models.glm4.modeling_glm4.Glm4Attention",
+    "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention",
+    "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention",
     "granite": "transformers.models.granite.modeling_granite.GraniteAttention",
+    "granitemoe": "transformers.models.granitemoe.modeling_granitemoe.GraniteMoeAttention",
+    "helium": "transformers.models.helium.modeling_helium.HeliumAttention",
+    "hunyuan_v1_dense": "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
+    "ministral": "transformers.models.ministral.modeling_ministral.MinistralAttention",
     "mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralAttention",
+    "nemotron": "transformers.models.nemotron.modeling_nemotron.NemotronAttention",
+    "olmo": "transformers.models.olmo.modeling_olmo.OlmoAttention",
     "olmo2": "transformers.models.olmo2.modeling_olmo2.Olmo2Attention",
+    "olmo3": "transformers.models.olmo3.modeling_olmo3.Olmo3Attention",
+    "olmoe": "transformers.models.olmoe.modeling_olmoe.OlmoeAttention",
+    "phi": "transformers.models.phi.modeling_phi.PhiAttention",
     "phi3": "transformers.models.phi3.modeling_phi3.Phi3Attention",
+    "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention",
     "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",
+    "seed_oss": "transformers.models.seed_oss.modeling_seed_oss.SeedOssAttention",
     "smollm3": "transformers.models.smollm3.modeling_smollm3.SmolLM3Attention",
+    "stablelm": "transformers.models.stablelm.modeling_stablelm.StableLmAttention",
+    "starcoder2": "transformers.models.starcoder2.modeling_starcoder2.Starcoder2Attention",
 }
 """``config.model_type`` -> the attention class the generic patch switches."""
 
 
-def check(config) -> None:
-    """ValueError for what these families can configure and hf_ring does not implement."""
+def check(config, *, windows: bool = True) -> None:
+    """ValueError for what these families can configure and hf_ring does not implement (``windows``: the family
+    passes ``sliding_window`` to the attention function, so the window is checked)."""
     what = getattr(config, "model_type", "model")
-    check_layer_types(config, what)
+    if windows:
+        check_layer_types(config, what)
+    else:
+        check_layer_types(config, what, allowed=("full_attention",), window=False)
     if getattr(config, "output_router_logits", False):
         raise ValueError(
             f"{what}: config.output_router_logits=True adds the MoE router's load-balancing loss, which each rank "
@@ -51,11 +82,28 @@ def check(config) -> None:
         )
 
 
+def check_without_windows(config) -> None:
+    """``check`` for a family whose attention is never given a window (Qwen2-MoE masks sliding layers but does
+    not pass the window to the attention function, so its SDPA and FlashAttention paths disagree): sliding layers
+    are refused, and ``config.sliding_window`` (0 when unused) is not read."""
+    if "sliding_attention" in list(getattr(config, "layer_types", None) or []):
+        raise ValueError(
+            f"{config.model_type}: sliding-window layers (use_sliding_window=True) are not supported: this family "
+            "does not pass its window to the attention function; set use_sliding_window=False"
+        )
+    check(config, windows=False)
+
+
+CHECKS = {"qwen2_moe": check_without_windows}
+"""Families with a stricter config check than ``check``."""
+
 LOGIT_TRANSFORMS = {
+    "cohere": LogitTransform(multiply="logit_scale"),
     "cohere2": LogitTransform(multiply="logit_scale"),
     "gemma2": LogitTransform(softcap="final_logit_softcapping"),
     "gemma3_text": LogitTransform(softcap="final_logit_softcapping"),
     "granite": LogitTransform(divide="logits_scaling"),
+    "granitemoe": LogitTransform(divide="logits_scaling"),
 }
 """What these families' causal-LM heads do to the lm_head output before the loss (the others: nothing)."""
 
@@ -64,7 +112,7 @@ PATCHES = {
         name=model_type,
         model_types=(model_type,),
         attention_class=path,
-        check_config=check,
+        check_config=CHECKS.get(model_type, check),
         logit_transform=LOGIT_TRANSFORMS.get(model_type),
     )
     for model_type, path in FAMILIES.items()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PAD_ID", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
+__all__ = ["MORE_FAMILIES", "PAD_ID", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
            "prepare", "reference_step", "rel", "ring_step"]  # fmt: skip
 
 VOCAB = 96
@@ -15,6 +15,44 @@ PAD_ID = 0
 # every attention module gets scaling = SCALE_FACTOR * head_dim ** -0.5: an implementation that ignored
 # Transformers' `scaling` (and used the default) would fail every parity case
 SCALE_FACTOR = 1.5
+
+
+_SLIDE_FULL = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
+
+MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny config sets beyond the common sizes)
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),  # xIELU MLP, QK norm
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # ReLU^2 MLP
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5, "use_qk_norm": True}),  # parallel block
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+              "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **_SLIDE_FULL}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 16}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", _SLIDE_FULL),  # QK norm, sliding / full mix
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),  # scaled embeddings, tied head
+    "glm": ("GlmConfig", "GlmForCausalLM", {"head_dim": 16, "partial_rotary_factor": 0.5}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16}),  # post-sublayer norms, partial rotary
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.5}),  # fused QKV, parallel residual
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                   "attention_multiplier": 0.2, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                   "logits_scaling": 2.0}),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {"head_dim": 16}),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 16}),  # QK norm
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", {"head_dim": 16, **_SLIDE_FULL}),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"partial_rotary_factor": 0.5}),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {"clip_qkv": 0.5}),  # clipped projections
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", _SLIDE_FULL),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5, "qk_layernorm": True}),  # lm_head bias
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 16, "attention_bias": True,
+                 "attention_dropout": 0.0, "residual_dropout": 0.0}),  # (its defaults: 0.1)
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"qk_layernorm": True, "use_parallel_residual": True,
+                 "partial_rotary_factor": 0.25}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 7, "use_bias": True}),
+}  # fmt: skip
+"""The families covered by one line each: what their tiny config exercises (see patches/generic.py)."""
 
 
 def make_config(family: str, **overrides):
@@ -77,6 +115,9 @@ def make_config(family: str, **overrides):
     elif family == "gpt_oss":  # learned attention sinks, sliding / full mix, MoE
         cfg = tf.GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
                               layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    elif family in MORE_FAMILIES:
+        config_class, _, extra = MORE_FAMILIES[family]
+        cfg = getattr(tf, config_class)(**{**common, **extra})
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -92,7 +133,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
                "qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM,
                "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
                "cohere2": tf.Cohere2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
-               "gemma2": tf.Gemma2ForCausalLM, "gpt_oss": tf.GptOssForCausalLM}  # fmt: skip
+               "gemma2": tf.Gemma2ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
+               **{f: getattr(tf, m) for f, (_, m, _) in MORE_FAMILIES.items()}}  # fmt: skip
     torch.manual_seed(seed)
     model = classes[family](make_config(family, **overrides)).to(dtype)
     model.config.use_cache = False

@@ -45,7 +45,7 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
         assert patch.attention_type().__name__.endswith("Attention")
         if patch.name in generic.FAMILIES:  # one line each in the generic table, one shared check
             assert generic.PATCHES[model_type] is patch and patch.model_types == (model_type,)
-            assert patch.check_config is generic.check
+            assert patch.check_config is generic.CHECKS.get(model_type, generic.check)
             continue
         mod = importlib.import_module(f"hf_ring.patches.{patch.name}")  # a dedicated module, Liger-style entry points
         assert mod.PATCH is patch
@@ -285,7 +285,7 @@ def test_apply_errors():
         hf_ring.apply_ring_attention(_Wrapper(make_model("llama")))
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
     with pytest.raises(
-        ValueError, match="model type 'gpt2'; supported model types: cohere2, gemma2, .*, qwen3_moe, smollm3"
+        ValueError, match="model type 'gpt2'; supported model types: apertus, arcee, .*, stablelm, starcoder2"
     ):
         hf_ring.apply_ring_attention(gpt2)
     with pytest.raises(ValueError, match="model type 'gpt2'"):
@@ -330,6 +330,8 @@ def test_family_patch_errors(monkeypatch):
         ("mistral", "sliding_window", 0, "sliding_window must be None or a positive integer"),
         ("qwen2", "layer_types", ["full_attention", "chunked_attention", "full_attention"], "chunked_attention"),
         ("qwen3", "sliding_window", None, "sliding_attention layers but config.sliding_window is None"),
+        ("qwen2_moe", "layer_types", ["sliding_attention", "full_attention"], "does not pass its window"),
+        ("olmoe", "output_router_logits", True, "load-balancing loss"),
     ],
 )
 def test_unsupported_config_errors(family, attr, value, match):

@@ -61,6 +61,31 @@ CASES = {
     "cohere2-plain": ("cohere2", "plain", 40, {}),
     "gemma3_text-packed": ("gemma3_text", "packed", 45, {}),
     "gemma3_text-lora-checkpointing": ("gemma3_text", "plain", 40, {"lora": True, "checkpointing": True}),
+    # one case each for the families of hf_models.MORE_FAMILIES (batch kinds in turn; seq_len 45 padded)
+    "apertus-plain": ("apertus", "plain", 40, {}),
+    "arcee-packed": ("arcee", "packed", 45, {}),
+    "cohere-padded": ("cohere", "padded", 40, {}),
+    "dots1-plain": ("dots1", "plain", 45, {}),
+    "ernie4_5-packed": ("ernie4_5", "packed", 40, {}),
+    "exaone4-padded": ("exaone4", "padded", 45, {}),
+    "gemma-plain": ("gemma", "plain", 40, {}),
+    "glm-packed": ("glm", "packed", 45, {}),
+    "glm4-padded": ("glm4", "padded", 40, {}),
+    "glm4_moe-plain": ("glm4_moe", "plain", 45, {}),
+    "gpt_neox-packed": ("gpt_neox", "packed", 40, {}),
+    "granitemoe-padded": ("granitemoe", "padded", 45, {}),
+    "helium-plain": ("helium", "plain", 40, {}),
+    "hunyuan_v1_dense-packed": ("hunyuan_v1_dense", "packed", 45, {}),
+    "ministral-padded": ("ministral", "padded", 40, {}),
+    "nemotron-plain": ("nemotron", "plain", 40, {}),  # its layers drop the batch's keywords: no padding, packing
+    "olmo-packed": ("olmo", "packed", 40, {}),
+    "olmo3-padded": ("olmo3", "padded", 45, {}),
+    "olmoe-plain": ("olmoe", "plain", 40, {}),
+    "phi-packed": ("phi", "packed", 45, {}),
+    "qwen2_moe-padded": ("qwen2_moe", "padded", 40, {}),
+    "seed_oss-plain": ("seed_oss", "plain", 45, {}),
+    "stablelm-plain": ("stablelm", "plain", 40, {}),  # its layers drop the batch's keywords: no padding, packing
+    "starcoder2-padded": ("starcoder2", "padded", 45, {}),
     # attention logit softcapping (Gemma2) and learned attention sinks (gpt-oss)
     "gemma2-plain": ("gemma2", "plain", 45, {}),
     "gemma2-packed-lora": ("gemma2", "packed", 40, {"lora": True}),
@@ -119,6 +144,7 @@ def _error_of(fn) -> str:
 def _distributed_errors(rank: int, world_size: int) -> dict:
     """Every error must reach every rank, and leave the group usable (no rank stuck in a collective)."""
     import copy
+    import functools
     import pickle
     import warnings
 
@@ -172,6 +198,16 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     out["by_hand_restart_mine"] = bool((restart != pos[:1]).any())  # this rank's own positions are wrong
     out["by_hand_local"] = _error_of(lambda: model(input_ids=ids))  # Transformers' default: local 0..n-1
     hf_ring.revert_ring_attention(model)
+
+    # families whose decoder layers drop the batch's keywords (the document ids): padding or packing raises,
+    # plain batches run (their positions reach the attention as position_ids)
+    for family in ("nemotron", "stablelm"):
+        dropping = hf_ring.apply_ring_attention(make_model(family))
+        for kind in ("padded", "packed"):
+            shards = hf_ring.shard_batch(make_batch(kind, 40)[0])
+            out[f"dropped_{family}_{kind}"] = _error_of(functools.partial(dropping, **shards))
+        even = hf_ring.shard_batch(make_batch("plain", 40)[0])  # 40: a multiple of 2 x world, nothing padded
+        out[f"dropped_{family}_plain"] = bool(torch.isfinite(dropping(**even).loss))
 
     # DP x CP: a model over the half-size group; a deep copy (TRL's reference model, EMA) shares its group
     cp_model = make_model("llama")
@@ -293,6 +329,11 @@ def test_hf_integration_distributed(world_size):
             assert e["deepcopy_shares_config"] and e["deepcopy_loss"] == 0.0
             assert e["pickle_warned"] and "apply_ring_attention(model, group=...) again" in e["pickled_forward"]
             assert e["pickled_reapplied"] == 0.0
+            for family in ("nemotron", "stablelm"):
+                for kind in ("padded", "packed"):
+                    msg = e[f"dropped_{family}_{kind}"]
+                    assert "do not pass the batch's keyword arguments" in msg and "Attention" in msg, msg
+                assert e[f"dropped_{family}_plain"]
         mine = [r["errors"]["by_hand_restart_mine"] for r in results]
         assert any(mine) and not all(mine)  # the case where only some ranks can see the mistake
 

@@ -1,8 +1,8 @@
 """Failures that are not bad input.
 
-- A peer killed or stuck inside the ring (plain multiprocessing, no ``torchrun`` to end the job), with
-  ``timeout=``: the waiting rank raises, naming the ring step and its peers, within the timeout (plus a margin)
-  instead of the process group's 30 minutes.
+- A peer killed or stuck inside the ring, or inside the Ulysses hybrid's all-to-all (plain multiprocessing, no
+  ``torchrun`` to end the job), with ``timeout=``: the waiting rank raises, naming the ring step (or the
+  all-to-all) and its peers, within the timeout (plus a margin) instead of the process group's 30 minutes.
 - A one-sided failure that the failing rank's code catches before calling the model again (inside a ring call,
   between the calls of a forward, in a backward): no rank goes on out of step; every rank raises
   ``StoppedError`` naming the rank and the call that failed, within the issue's 60 s (measured: well under 1 s).
@@ -23,16 +23,18 @@ TIMEOUT = 4.0  # seconds, the ring's bound under test
 MARGIN = 10.0  # the issue's budget beyond the timeout: process start, gloo's connection teardown
 
 
-def _peer(rank: int, port: int, fate: str, out) -> None:
+def _peer(rank: int, port: int, fate: str, out, hybrid: bool = False) -> None:
     import torch.distributed as dist
 
     import hf_ring
+    from hf_ring.comm import ulysses_groups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(rank)
     q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
-    o = hf_ring.ring_attention(q, k, v, timeout=TIMEOUT)  # both ranks complete the forward
+    ulysses = ulysses_groups(None, 2, timeout=TIMEOUT) if hybrid else None  # U = 2: all-to-alls, a ring of one
+    o = hf_ring.ring_attention(q, k, v, timeout=TIMEOUT, ulysses=ulysses)  # both ranks complete the forward
     if rank == 1:  # then rank 1 never joins the backward's exchange
         if fate == "killed":
             os._exit(0)
@@ -49,11 +51,11 @@ def _peer(rank: int, port: int, fate: str, out) -> None:
     os._exit(0)  # the group is broken: leave without destroy_process_group, which would wait for the peer
 
 
-def _launch(fate: str):
+def _launch(fate: str, hybrid: bool = False):
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_peer, args=(r, port, fate, out)) for r in range(2)]
+    procs = [ctx.Process(target=_peer, args=(r, port, fate, out, hybrid)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -73,6 +75,13 @@ def test_a_peer_that_never_arrives_raises_within_the_timeout_naming_step_and_pee
     assert "in the backward at ring step" in message and "global rank 1" in message, message
     if fate == "stuck":  # alive but silent: only the timeout can tell
         assert kind == "TimeoutError" and f"waited more than {TIMEOUT:g} s" in message, message
+
+
+def test_a_stuck_peer_of_the_ulysses_hybrid_raises_within_the_timeout_naming_the_group():
+    kind, message, seconds = _launch("stuck", hybrid=True)
+    assert seconds <= TIMEOUT + MARGIN, f"raised after {seconds:.1f} s"
+    assert kind == "TimeoutError" and f"waited more than {TIMEOUT:g} s in its all-to-all" in message, message
+    assert "global ranks [0, 1]" in message, message
 
 
 def test_timeout_reaches_every_attention_module_and_is_validated():
