@@ -163,7 +163,7 @@ def reduce_gradients(ring: RingSetup, model):
         return model
     if isinstance(model, FSDPModule):
         return set_cp_gradient_reduction(model, dp_size=ring.dp_size)
-    if ring.engine == "deepspeed" and _is_deepspeedengine_of(model):
+    if ring.engine == "deepspeed" and _is_deepspeed_engine(model):
         if not any(isinstance(h, _ScaleLossGrad) for h in model._forward_hooks.values()):
             model.register_forward_hook(_ScaleLossGrad(ring.cp_size))
         return model
@@ -182,7 +182,7 @@ def reduce_gradients(ring: RingSetup, model):
     return model
 
 
-def _is_deepspeedengine_of(obj) -> bool:
+def _is_deepspeed_engine(obj) -> bool:
     from deepspeed import DeepSpeedEngine
 
     return isinstance(obj, DeepSpeedEngine)

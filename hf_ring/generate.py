@@ -145,6 +145,14 @@ def ring_generate(model, inputs, **generate_kwargs):
         raise ValueError("ring_generate needs a model patched by hf_ring.apply_ring_attention(model)")
     if cfg.ulysses is not None and cfg.ulysses.ulysses_size > 1:
         raise ValueError("ring_generate does not support the Ulysses x Ring hybrid; apply_ring_attention without it")
+    from .patches import get_patch
+
+    patch = get_patch(getattr(target.config, "model_type", None))
+    if not patch.layer_kwargs:
+        raise ValueError(
+            f"ring_generate does not support {patch.name} models: their decoder layers do not pass the sharded KV "
+            "cache on to the attention; generate with hf_ring.revert_ring_attention(model) and model.generate()"
+        )
     for name, (refused, what) in _REFUSED.items():
         if refused(generate_kwargs.get(name)):
             raise ValueError(f"ring_generate does not support {what}; use greedy or sampled decoding")

@@ -154,6 +154,9 @@ class RingConfig:
 
 _DEFAULT = RingConfig()
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+#: What tells the attention where documents and padding are: a model called with any of them must pass one on
+#: to every attention layer (``_dropped_documents_error``).
+BATCH_DOCUMENT_KWARGS = (DOCUMENT_IDS_KWARG, *_PACKING_KWARGS)
 
 #: Keywords the attention function reads (``_PACKING_KWARGS`` too), and keywords Transformers passes
 #: along that do not change what attention computes. Any other keyword with a value is refused: an
@@ -334,10 +337,13 @@ def _hand_sharded_error(module, kwargs: dict, cfg: RingConfig, rank: int, world_
 def _dropped_documents_error(module, kwargs: dict, cfg: RingConfig) -> str | None:
     """The model's forward was given document ids (padding or packing) but this layer was called without them
     (a family whose decoder layers do not pass the batch's keywords on), or None."""
-    if cfg.plans is None or not cfg.plans.batch_documents or kwargs.get(DOCUMENT_IDS_KWARG) is not None:
+    if cfg.plans is None or not cfg.plans.batch_documents:
+        return None
+    if any(kwargs.get(k) is not None for k in BATCH_DOCUMENT_KWARGS):
         return None
     return (
-        f"the batch has padding or packed documents ({DOCUMENT_IDS_KWARG} from hf_ring.shard_batch), but "
+        f"the batch has padding or packed documents ({DOCUMENT_IDS_KWARG} from hf_ring.shard_batch, or "
+        f"{'/'.join(_PACKING_KWARGS)}), but "
         f"{type(module).__name__} was called without them: this model's decoder layers do not pass the batch's "
         "keyword arguments on to the attention, so the ring cannot see the padding or the document boundaries. "
         "Train this model on batches without padding or packing: rows of equal length (no attention_mask zeros), "
@@ -421,17 +427,16 @@ def ring_attention_forward(
     causal = _is_causal(module, kwargs)
     rank, world_size = group_rank_and_size(cfg.group)
     local_len = query.shape[2]
-    error = _dropped_documents_error(module, kwargs, cfg) or _sharding_error(
-        module, kwargs, cfg, rank, world_size, local_len
-    )
-    if error and kwargs.get("use_cache") and cache is None:  # model.generate() on the full prompt, most likely
-        error = (
+    error = _dropped_documents_error(module, kwargs, cfg)
+    sharding = None if error else _sharding_error(module, kwargs, cfg, rank, world_size, local_len)
+    if sharding and kwargs.get("use_cache") and cache is None:  # model.generate() on the full prompt, most likely
+        sharding = (
             f"a ring-attention model over {world_size} ranks cannot run generate() on its own (the prompt must be "
             "sharded and the KV cache kept per rank): call hf_ring.ring_generate(model, inputs, **generate_kwargs) "
             "on every rank, or hf_ring.revert_ring_attention(model) first"
         )
-    if error:
-        raise_on_every_rank(error, group=cfg.group, device=query.device)
+    if error or sharding:
+        raise_on_every_rank(error or sharding, group=cfg.group, device=query.device)
     query, key, value = _autocast(query, key, value)
     full = local_len * world_size
     if cfg.plans is None:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from ..guard import in_backward
-from ..hf_attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, DOCUMENT_IDS_KWARG, RingConfig, register
+from ..hf_attention import ATTN_IMPLEMENTATION, BATCH_DOCUMENT_KWARGS, CONFIG_ATTR, RingConfig, register
 from ..ring import PlanCache
 
 __all__ = ["EndBatch", "FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "is_applied"]
@@ -68,16 +68,19 @@ def is_applied(model) -> bool:
 
 class StartBatch:
     """Forward pre-hook: a new forward begins, so its plans are checked across ranks again; notes whether the
-    batch carries document ids (``PlanCache.batch_documents``)."""
+    batch carries document ids or packing keywords (``PlanCache.batch_documents``). ``top``: the hook of the
+    outermost model, which sets the note anew (an interrupted forward leaves nothing behind); the inner
+    models' hooks only add to it."""
 
-    def __init__(self, plans: PlanCache):
+    def __init__(self, plans: PlanCache, top: bool = False):
         self.plans = plans
+        self.top = top
 
     def __call__(self, module, args, kwargs) -> None:
         if not in_backward():  # a checkpointed model recomputing inside the backward is not a new batch
             self.plans.new_batch()
-            if kwargs.get(DOCUMENT_IDS_KWARG) is not None:
-                self.plans.batch_documents = True
+            carried = any(kwargs.get(k) is not None for k in BATCH_DOCUMENT_KWARGS)
+            self.plans.batch_documents = carried or (not self.top and self.plans.batch_documents)
 
 
 class EndBatch:
@@ -96,6 +99,7 @@ def _set_hooks(model, plans: PlanCache | None) -> None:
     """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans``."""
     from transformers import PreTrainedModel
 
+    top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     for m in model.modules():
         if not isinstance(m, PreTrainedModel):
             continue
@@ -105,7 +109,7 @@ def _set_hooks(model, plans: PlanCache | None) -> None:
                     del hooks[hook_id]
                     m._forward_hooks_always_called.pop(hook_id, None)
         if plans is not None:
-            m.register_forward_pre_hook(StartBatch(plans), with_kwargs=True)
+            m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
             m.register_forward_hook(EndBatch(plans), always_call=True)
 
 
@@ -140,6 +144,9 @@ class FamilyPatch:
     # what the family's causal-LM head does to the lm_head output before the loss (final logit softcapping,
     # logit scales); None: nothing (``hf_ring.apply_chunked_loss`` uses it)
     logit_transform: LogitTransform | None = None
+    # the family's decoder layers pass the model's keyword arguments on to the attention (False: Nemotron,
+    # StableLM); without them no document ids or sharded KV cache arrive, so ring_generate refuses the family
+    layer_kwargs: bool = True
 
     def attention_type(self) -> type:
         module, _, cls = self.attention_class.rpartition(".")

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 from ._family import FamilyPatch, LogitTransform, check_layer_types
 
-__all__ = ["CHECKS", "FAMILIES", "LOGIT_TRANSFORMS", "PATCHES", "check", "check_without_windows"]
+__all__ = [
+    "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LOGIT_TRANSFORMS", "PATCHES", "check", "check_causal_mask_only",
+    "check_without_windows",
+]  # fmt: skip
 
 FAMILIES = {
     "apertus": "transformers.models.apertus.modeling_apertus.ApertusAttention",
@@ -94,8 +97,23 @@ def check_without_windows(config) -> None:
     check(config, windows=False)
 
 
-CHECKS = {"qwen2_moe": check_without_windows}
+def check_causal_mask_only(config) -> None:
+    """``check``, and no ``config.sliding_window``: OLMoE passes it to the attention function but masks causally
+    only (its SDPA and FlashAttention paths would disagree); it has no such field unless one is added."""
+    check(config)
+    if getattr(config, "sliding_window", None) is not None:
+        raise ValueError(
+            f"{config.model_type}: config.sliding_window={config.sliding_window} is given to the attention but not "
+            "to the model's mask (this family has no sliding-window layers); remove it from the config"
+        )
+
+
+CHECKS = {"olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows}
 """Families with a stricter config check than ``check``."""
+
+DROPS_LAYER_KWARGS = {"nemotron", "stablelm"}
+"""Families whose decoder layers do not pass the model's keyword arguments on to the attention: padded or packed
+batches raise at the first layer (their document ids never arrive), and ``hf_ring.ring_generate`` refuses them."""
 
 LOGIT_TRANSFORMS = {
     "cohere": LogitTransform(multiply="logit_scale"),
@@ -114,6 +132,7 @@ PATCHES = {
         attention_class=path,
         check_config=CHECKS.get(model_type, check),
         logit_transform=LOGIT_TRANSFORMS.get(model_type),
+        layer_kwargs=model_type not in DROPS_LAYER_KWARGS,
     )
     for model_type, path in FAMILIES.items()
 }

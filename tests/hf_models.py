@@ -12,8 +12,8 @@ __all__ = ["MORE_FAMILIES", "PAD_ID", "SCALE_FACTOR", "VOCAB", "errors", "grads"
 VOCAB = 96
 PAD_ID = 0
 
-# every attention module gets scaling = SCALE_FACTOR * head_dim ** -0.5: an implementation that ignored
-# Transformers' `scaling` (and used the default) would fail every parity case
+# every attention module's `scaling` is multiplied by SCALE_FACTOR: an implementation that ignored Transformers'
+# `scaling` (and used head_dim ** -0.5, or the family's own multiplier) would fail every parity case
 SCALE_FACTOR = 1.5
 
 
@@ -141,8 +141,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
     if family in ("gemma2", "gpt_oss"):  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
         model.set_attn_implementation("eager")
     for m in model.modules():  # a non-default attention scale, which the ring must honour
-        if hasattr(m, "scaling") and hasattr(m, "head_dim"):
-            m.scaling = SCALE_FACTOR * m.head_dim**-0.5
+        if isinstance(getattr(m, "scaling", None), float):
+            m.scaling *= SCALE_FACTOR  # the family's own scale (multipliers, query_pre_attn_scalar), changed
     return model
 
 

@@ -368,7 +368,9 @@ def test_trainer_and_trl_with_fsdp2_match_single_process(launch):
         assert r["trainer_fsdp2"], "the Trainer did not shard the model with FSDP2"
         assert r["trainer_losses"] == pytest.approx(ref["trainer_ref_losses"], rel=RTOL)
     assert ref["trainer_weights_err"] <= RTOL, f"{ref['trainer_weights_err']:.2e}"
-    if world == 2 and "trl_losses" in ref:  # TRL and datasets installed
+    if world == 2:
+        if "trl_losses" not in ref:
+            pytest.skip("TRL or datasets is not installed: the Trainer was checked, TRL's SFTTrainer was not")
         assert ref["trl_losses"] == pytest.approx(ref["trainer_ref_losses"], rel=RTOL)
         assert ref["trl_weights_err"] <= RTOL, f"{ref['trl_weights_err']:.2e}"
 

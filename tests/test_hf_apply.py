@@ -332,6 +332,7 @@ def test_family_patch_errors(monkeypatch):
         ("qwen3", "sliding_window", None, "sliding_attention layers but config.sliding_window is None"),
         ("qwen2_moe", "layer_types", ["sliding_attention", "full_attention"], "does not pass its window"),
         ("olmoe", "output_router_logits", True, "load-balancing loss"),
+        ("olmoe", "sliding_window", 8, "given to the attention but not to the model's mask"),
     ],
 )
 def test_unsupported_config_errors(family, attr, value, match):
@@ -340,6 +341,34 @@ def test_unsupported_config_errors(family, attr, value, match):
     with pytest.raises(ValueError, match=match):
         hf_ring.apply_ring_attention(model)
     assert model.config._attn_implementation != "hf_ring"
+
+
+def test_a_layer_called_without_the_batchs_documents_raises_and_an_interrupted_forward_leaves_no_trace():
+    """Nemotron's decoder layers drop the model's keywords: padding (document ids) or packing keywords given to
+    the model never reach its attention, which raises; a forward interrupted before any layer (KeyboardInterrupt
+    skips the model's closing hook) does not make the next, plain one raise."""
+    from transformers import DataCollatorWithFlattening
+
+    model = hf_ring.apply_ring_attention(make_model("nemotron"))
+    padded = hf_ring.shard_batch(
+        {"input_ids": _ids(shape=(2, 16)), "attention_mask": torch.tensor([[0] * 3 + [1] * 13, [1] * 16])}
+    )
+    with pytest.raises(ValueError, match="NemotronAttention was called without them"):
+        model(**padded)
+    feats = [{"input_ids": _ids(shape=(1, n))[0].tolist()} for n in (5, 11)]
+    packed = dict(DataCollatorWithFlattening(return_tensors="pt")(feats))
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="NemotronAttention was called without them"):
+        model(input_ids=packed["input_ids"], cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11, max_length_k=11)
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = model.model.embed_tokens.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(**padded)
+    handle.remove()
+    assert torch.isfinite(model(input_ids=_ids(shape=(2, 16))).logits).all()
 
 
 def test_forward_errors():
