@@ -1,7 +1,8 @@
 """How each training engine reduces the context-parallel gradients and steps schedulers (adapters of the plugin).
 
-Functions over a ``RingSetup`` (``hf_ring.accelerate``). Each rank's loss is its share of its CP group's
-loss, so the CP shares must be summed and the DP replicas averaged:
+Functions over the plugin's ``RingSetup`` (``hf_ring.accelerate``; only its sizes and ``engine`` are read,
+so it is not imported here). Each rank's loss is its share of its CP group's loss, so the CP shares must
+be summed and the DP replicas averaged:
 
 - DDP averages over the whole world: a communication hook all-reduces over the world and divides by
   ``dp_size`` (``reduce_gradients``);
@@ -21,13 +22,9 @@ helpers only where ``deepspeed`` is installed).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from .accelerate import RingSetup
 
 __all__ = [
     "data_parallel_scheduler",
@@ -145,7 +142,7 @@ class _ScaleLossGrad:
         return output
 
 
-def reduce_gradients(ring: RingSetup, model):
+def reduce_gradients(ring, model):
     """Make the prepared ``model``'s gradient reduction sum the CP shares and average the DP replicas.
 
     DDP: a communication hook (all-reduce over the world, divide by ``dp_size``). FSDP2: every FSDP2
@@ -188,7 +185,7 @@ def _is_deepspeed_engine(obj) -> bool:
     return isinstance(obj, DeepSpeedEngine)
 
 
-def data_parallel_scheduler(ring: RingSetup, scheduler):
+def data_parallel_scheduler(ring, scheduler):
     """An Accelerate-prepared scheduler that steps like a plain ``dp_size``-process run (unchanged without CP)."""
     from accelerate.scheduler import AcceleratedScheduler
 
@@ -231,7 +228,7 @@ def without_accelerate_cp(accelerator):
     accelerator._cp_context = _already_sharded
 
 
-def fill_deepspeed_micro_batch(ring: RingSetup, accelerator, loaders: list) -> None:
+def fill_deepspeed_micro_batch(ring, accelerator, loaders: list) -> None:
     """Fill DeepSpeed's ``train_micro_batch_size_per_gpu: auto`` from the plain loaders, as Accelerate does.
 
     Accelerate reads it from the loaders passed to the same ``accelerator.prepare`` call; hf_ring prepares
