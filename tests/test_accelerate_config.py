@@ -1,105 +1,16 @@
-"""RingAttentionPlugin configuration and errors (single process), plus helpers shared by the launch tests.
-
-The helpers (tiny Llama, token datasets, the unsharded reference, ``torchrun``) live here so that
-``test_accelerate_cp.py`` and ``test_trainer_cp.py`` share them; their workers import this module as
-``tests.test_accelerate_config`` (the repository root is on ``PYTHONPATH``).
-"""
+"""RingAttentionPlugin configuration and errors, in one process (the launched runs: test_accelerate_cp.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-VOCAB = 97
-
-
-def tiny_llama(seed: int = 0):
-    """A tiny random Llama (GQA: 4 query heads, 2 KV heads, head_dim 12), fp32, eager-free (sdpa) attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).float()
-
-
-def token_dataset(n: int, seq_len: int, seed: int = 1) -> list:
-    """``n`` samples of ``seq_len`` tokens; token 0 of sample i is i (to identify it); a few labels are -100."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        ids = torch.randint(1, VOCAB, (seq_len,), generator=g)
-        ids[0] = i % VOCAB
-        labels = ids.clone()
-        k = int(torch.randint(0, seq_len // 2, (1,), generator=g))
-        labels[:k] = -100  # a prompt of varying length: DP groups hold different numbers of targets
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
-
-def collate(features: list) -> dict:
-    return {k: torch.stack([f[k] for f in features]) for k in features[0]}
-
-
-def full_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
-    """(sum of token losses, number of targets) of the unmodified model on a full batch."""
-    out = model(input_ids=batch["input_ids"], labels=batch["labels"])
-    n = int((batch["labels"][:, 1:] != -100).sum())
-    return out.loss * n, n
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
-
-
-def max_param_rel_err(state_a: dict, state_b: dict) -> float:
-    assert state_a.keys() == state_b.keys()
-    return max(rel_err(state_a[k], state_b[k]) for k in state_a)
-
-
-def torchrun(script: Path, nproc: int, *args, timeout: float = 300, env: dict | None = None) -> str:
-    """Run ``script`` on ``nproc`` CPU processes with torchrun; return its output, fail the test on error."""
-    full_env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "ACCELERATE_USE_CPU": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        **(env or {}),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
-    try:
-        proc = subprocess.run(
-            [*cmd, *map(str, args)], env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{script.name} {args} did not finish within {timeout}s (a hang?)\n{e.stdout}\n{e.stderr}")
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        pytest.fail(f"{script.name} {args} failed (exit {proc.returncode}):\n{out[-12000:]}")
-    return out
-
-
-def read_results(folder: Path, world: int) -> list:
-    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
-
+from tests.train_utils import REPO, collate, full_loss_sum, max_param_rel_err, rel_err, tiny_llama, token_dataset
 
 # ---- single-process tests ------------------------------------------------------------------------
 
@@ -329,7 +240,7 @@ for name in ("deepspeed", "trl", "liger_kernel", "datasets", "flash_attn"):
 import torch
 from accelerate import Accelerator
 from hf_ring.accelerate import RingAttentionPlugin
-from tests.test_accelerate_config import collate, full_loss_sum, tiny_llama, token_dataset
+from tests.train_utils import collate, full_loss_sum, tiny_llama, token_dataset
 
 data = token_dataset(4, 21)
 ref = tiny_llama()

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_accelerate_config import (
+from tests.train_utils import (
     REPO,
     collate,
     full_loss_sum,
@@ -342,7 +342,7 @@ def test_lora_matches_and_saves_a_plain_adapter(launch):
     code = (
         "import sys, torch\n"
         "from peft import PeftModel\n"
-        "from tests.test_accelerate_config import tiny_llama\n"
+        "from tests.train_utils import tiny_llama\n"
         f"m = PeftModel.from_pretrained(tiny_llama(), {str(out / 'adapter')!r})\n"
         "assert not any(k.startswith('hf_ring') for k in sys.modules), 'hf_ring was imported'\n"
         f"ref = torch.load({str(out / 'adapter.pt')!r})\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_accelerate_config import collate, read_results, rel_err, tiny_llama, token_dataset, torchrun
+from tests.train_utils import collate, read_results, rel_err, tiny_llama, token_dataset, torchrun
 
 SEQ_LEN = 30
 EPS = 2e-3  # bf16 has 8 mantissa bits: allow a small absolute slack on top of 2x the plain bf16 error

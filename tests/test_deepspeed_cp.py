@@ -25,15 +25,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_accelerate_config import (
+from tests.train_utils import (
+    BATCH,
+    GA,
+    SEQ_LEN,
+    STEPS,
     collate,
     max_param_rel_err,
+    plugin_train,
     read_results,
+    replica_reference,
     tiny_llama,
     token_dataset,
     torchrun,
 )
-from tests.test_fsdp2_cp import BATCH, SEQ_LEN, STEPS, TRAINER_GA, _reference, _train
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed") if __name__ != "__main__" else None
 
@@ -100,19 +105,19 @@ def _ds_config(stage: int) -> dict:
 def _trainer(out: Path, world: int, stage: int) -> tuple[list, dict, list]:
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingAttentionTrainer
-    from tests.test_trainer_cp import _args, _losses
+    from tests.train_utils import logged_losses, trainer_args
 
     _reset_accelerate()
-    train = token_dataset(BATCH * TRAINER_GA * STEPS * (world // 2), SEQ_LEN)
+    train = token_dataset(BATCH * GA * STEPS * (world // 2), SEQ_LEN)
     trainer = type("DeepSpeedTrainer", (_OnDeepSpeed, RingAttentionTrainer), {})(
         model=tiny_llama(),
-        args=_args(out, f"trainer_z{stage}", gradient_accumulation_steps=TRAINER_GA, deepspeed=_ds_config(stage)),
+        args=trainer_args(out, f"trainer_z{stage}", gradient_accumulation_steps=GA, deepspeed=_ds_config(stage)),
         train_dataset=train,
         data_collator=collate,
         ring_plugin=RingAttentionPlugin(cp_size=2),
     )
     trainer.train()
-    return _losses(trainer), _full_state(trainer.model_wrapped.module), train
+    return logged_losses(trainer), _full_state(trainer.model_wrapped.module), train
 
 
 def _reset_accelerate() -> None:
@@ -140,7 +145,7 @@ def worker(out: Path) -> None:
         data = token_dataset(BATCH * dp * (STEPS + 1), SEQ_LEN)
         plugin = RingAttentionPlugin(cp_size=2)
         original = tiny_llama()
-        model, opt, dl, losses = _train(plugin, accelerator, original, data, STEPS, out if stage == 3 else None)
+        model, opt, dl, losses = plugin_train(plugin, accelerator, original, data, STEPS, out if stage == 3 else None)
         res[f"z{stage}_engine"] = type(model).__name__
         res[f"z{stage}_unwrap_is_original"] = accelerator.unwrap_model(model) is original
         res[f"z{stage}_losses"] = losses
@@ -159,7 +164,9 @@ def worker(out: Path) -> None:
     for key, cp in (("bf16", 2), ("bf16_base", 1)):
         accelerator = _deepspeed_accelerator(2, "bf16")
         accelerator.state.deepspeed_plugin.deepspeed_config["communication_data_type"] = "fp32"
-        model, _, _, res[f"{key}_losses"] = _train(RingAttentionPlugin(cp_size=cp), accelerator, tiny_llama(), data, 2)
+        model, _, _, res[f"{key}_losses"] = plugin_train(
+            RingAttentionPlugin(cp_size=cp), accelerator, tiny_llama(), data, 2
+        )
         res[f"{key}_dtype"] = str(next(model.module.parameters()).dtype)
         states[key] = {  # the fp32 master weights
             k: deepspeed.utils.safe_get_full_fp32_param(p).clone() for k, p in model.module.named_parameters()
@@ -170,31 +177,32 @@ def worker(out: Path) -> None:
         res[f"trainer_z{stage}_losses"], trainer_states[stage], train = _trainer(out, world, stage)
     if world == 2:  # TRL's SFTTrainer under ZeRO-3
         from hf_ring.trainer import RingSFTTrainer
-        from tests.test_trainer_cp import _losses, sft_trainer
+        from tests.train_utils import logged_losses, sft_trainer
 
         _reset_accelerate()
         cls = type("DeepSpeedSFTTrainer", (_OnDeepSpeed, RingSFTTrainer), {})
-        trainer = sft_trainer(cls, out, train, gradient_accumulation_steps=TRAINER_GA, deepspeed=_ds_config(3))
+        trainer = sft_trainer(cls, out, train, gradient_accumulation_steps=GA, deepspeed=_ds_config(3))
         trainer.train()
-        res["trl_losses"] = _losses(trainer)
+        res["trl_losses"] = logged_losses(trainer)
         trainer_states["trl"] = _full_state(trainer.model_wrapped.module)
 
     if rank == 0:
-        from tests.test_trainer_cp import _reference as trainer_reference
+        from tests.train_utils import trainer_reference
 
-        res["ref_losses"], ref_state = _reference(data, dp, STEPS, clip=CLIP)
+        res["ref_losses"], ref_state = replica_reference(data, dp, STEPS, clip=CLIP)
         for stage in STAGES:
             res[f"z{stage}_weights_err"] = max_param_rel_err(states[stage], ref_state)
-        ref32_losses, ref32_state = _reference(data, dp, 2, clip=CLIP)
-        base32_losses, base32_state = _reference(data, world, 2, clip=CLIP)  # the plain DP run: every rank a replica
+        ref32_losses, ref32_state = replica_reference(data, dp, 2, clip=CLIP)
+        # the plain DP run: every rank a replica
+        base32_losses, base32_state = replica_reference(data, world, 2, clip=CLIP)
         res["bf16"] = {
             "mine_loss": max(abs(a - b) / abs(b) for a, b in zip(res["bf16_losses"], ref32_losses)),
             "mine_weights": max_param_rel_err(states["bf16"], ref32_state),
             "base_loss": max(abs(a - b) / abs(b) for a, b in zip(res["bf16_base_losses"], base32_losses)),
             "base_weights": max_param_rel_err(states["bf16_base"], base32_state),
         }
-        steps = [[[collate(train[((s * TRAINER_GA + m) * dp + d) * BATCH :][:BATCH]) for d in range(dp)]
-                  for m in range(TRAINER_GA)] for s in range(STEPS)]  # fmt: skip
+        steps = [[[collate(train[((s * GA + m) * dp + d) * BATCH :][:BATCH]) for d in range(dp)]
+                  for m in range(GA)] for s in range(STEPS)]  # fmt: skip
         res["trainer_ref_losses"], trainer_ref_state = trainer_reference(steps)
         for key, state in trainer_states.items():
             res[f"trainer_{key}_weights_err"] = max_param_rel_err(state, trainer_ref_state)

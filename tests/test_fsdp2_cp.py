@@ -21,7 +21,6 @@ per world size; the tests assert on the JSON it writes:
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from pathlib import Path
@@ -29,64 +28,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_accelerate_config import (
+from tests.train_utils import (
+    BATCH,
+    GA,
+    LR,
+    SEQ_LEN,
+    STEPS,
     collate,
-    full_loss_sum,
+    full_state,
     max_param_rel_err,
+    plugin_train,
+    raw_batch,
     read_results,
+    replica_reference,
     tiny_llama,
     token_dataset,
     torchrun,
 )
 
-SEQ_LEN = 30  # shard_batch pads it to a multiple of 2 x cp with ignored tokens
-BATCH = 2
-LR = 0.2
-STEPS = 3
 RTOL = 1e-5  # fp32: ring attention and sharded reduction reorder sums, nothing else changes
-TRAINER_GA = 2  # the Trainer runs: gradient accumulation over 2 micro-batches
 BF16_FACTOR, BF16_EPS = 2.0, 1e-3  # bf16 compute: at most 2x the error of the same bf16 arithmetic unsharded
-
-
-def _raw_batch(data, index):
-    return collate(data[index * BATCH : (index + 1) * BATCH])
-
-
-def _reference(data, dp: int, steps: int, dtype=torch.float32, clip: float | None = None) -> tuple[list, dict]:
-    """Single-process SGD on full sequences: per-step token-weighted losses and final weights.
-
-    ``dtype=torch.bfloat16`` runs forward and backward on a bf16 copy and applies the fp32 gradients to
-    the fp32 weights, as an FSDP2 policy with bf16 parameters and fp32 reduction does. ``clip``: the
-    gradient-norm clipping of the update (DeepSpeed's ``gradient_clipping``).
-    """
-    master = tiny_llama()
-    opt = torch.optim.SGD(master.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
-        sums, counts, means = [], [], []
-        for d in range(dp):
-            s, n = full_loss_sum(model, _raw_batch(data, step * dp + d))
-            sums.append(s)
-            counts.append(n)
-            means.append(s / n)
-        torch.stack(means).mean().backward()
-        if model is not master:
-            for p, q in zip(master.parameters(), model.parameters()):
-                p.grad = q.grad.float()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(sum(x.detach().float() for x in sums) / sum(counts)))
-    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
-
-
-def _full_state(model) -> dict:
-    """The unsharded state dict of an FSDP2 model (every rank takes part)."""
-    return {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
-    }
 
 
 def _switch_to_fsdp2(accelerator, fsdp_plugin) -> None:
@@ -137,48 +98,30 @@ def _trainers(out: Path, world: int) -> dict:
     """The Trainer (and at CP = 2 TRL's SFTTrainer) under FSDP2: logged losses and unsharded final weights."""
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingAttentionTrainer
-    from tests.test_trainer_cp import _args, _losses, sft_trainer
+    from tests.train_utils import logged_losses, sft_trainer, trainer_args
 
     res: dict = {}
-    train = token_dataset(BATCH * TRAINER_GA * STEPS * (world // 2), SEQ_LEN)
+    train = token_dataset(BATCH * GA * STEPS * (world // 2), SEQ_LEN)
     trainer = type("FsdpTrainer", (_OnFsdp2, RingAttentionTrainer), {})(
         model=tiny_llama(),
-        args=_args(out, "trainer", gradient_accumulation_steps=TRAINER_GA, **FSDP2_ARGS),
+        args=trainer_args(out, "trainer", gradient_accumulation_steps=GA, **FSDP2_ARGS),
         train_dataset=train,
         data_collator=collate,
         ring_plugin=RingAttentionPlugin(cp_size=2),
     )
     trainer.train()
     res["trainer_fsdp2"] = type(trainer.model_wrapped).__name__.startswith("FSDP")
-    res["trainer_losses"] = _losses(trainer)
-    res["trainer_state"] = _full_state(trainer.model)
+    res["trainer_losses"] = logged_losses(trainer)
+    res["trainer_state"] = full_state(trainer.model)
     if world == 2 and _has_trl():
         from hf_ring.trainer import RingSFTTrainer
 
         cls = type("FsdpSFTTrainer", (_OnFsdp2, RingSFTTrainer), {})
-        trainer = sft_trainer(cls, out, train, gradient_accumulation_steps=TRAINER_GA, **FSDP2_ARGS)
+        trainer = sft_trainer(cls, out, train, gradient_accumulation_steps=GA, **FSDP2_ARGS)
         trainer.train()
-        res["trl_losses"] = _losses(trainer)
-        res["trl_state"] = _full_state(trainer.model)
+        res["trl_losses"] = logged_losses(trainer)
+        res["trl_state"] = full_state(trainer.model)
     return res, train
-
-
-def _train(plugin, accelerator, model, data, steps, out=None):
-    from torch.utils.data import DataLoader
-
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    dl = DataLoader(data, batch_size=BATCH, collate_fn=collate)
-    model, opt, dl = plugin.prepare(accelerator, model, opt, dl)
-    losses, it = [], iter(dl)
-    for step in range(steps):
-        loss = model(**next(it)).loss
-        accelerator.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(plugin.reduce_loss(loss).item())
-        if out is not None and step == steps - 2:
-            accelerator.save_state(str(out / "state"))
-    return model, opt, dl, losses
 
 
 def _with_parallelism_config(accelerator, data, dp: int, cp: int) -> dict:
@@ -222,7 +165,7 @@ def _with_parallelism_config(accelerator, data, dp: int, cp: int) -> dict:
             opt.zero_grad()
             losses.append(plugin.reduce_loss(loss).item())
         return {"pc_cp": plugin.ring.cp_size, "pc_attention_hooks": hooks, "pc_losses": losses,
-                "pc_state": _full_state(model)}  # fmt: skip
+                "pc_state": full_state(model)}  # fmt: skip
     finally:
         accelerator.state.parallelism_config = accelerator.state.device_mesh = None
 
@@ -246,24 +189,24 @@ def worker(out: Path) -> None:
 
     # -- A: Accelerate's FSDP2, save_state after step 2, resume step 3 ---------------------------------
     original = tiny_llama()
-    model, opt, dl, losses = _train(plugin, accelerator, original, data, STEPS, out)
+    model, opt, dl, losses = plugin_train(plugin, accelerator, original, data, STEPS, out)
     res["fsdp2_wrapped"] = isinstance(model, FSDPModule)
     res["unwrap_is_original"] = accelerator.unwrap_model(model) is original
     res["losses"] = losses
-    final = _full_state(model)
+    final = full_state(model)
     accelerator.load_state(str(out / "state"))
     loss = model(**next(iter(accelerator.skip_first_batches(dl, STEPS - 1)))).loss
     accelerator.backward(loss)
     opt.step()
     opt.zero_grad()
     res["resumed_loss"] = plugin.reduce_loss(loss).item()
-    res["resumed_weights_err"] = max_param_rel_err(_full_state(model), final)
+    res["resumed_weights_err"] = max_param_rel_err(full_state(model), final)
 
     # -- B: an FSDP2 mixed-precision policy: bf16 parameters, fp32 gradient reduction ------------------
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     _switch_to_fsdp2(accelerator, FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy))
-    model_b, _, _, res["bf16_losses"] = _train(plugin, accelerator, tiny_llama(), data, 2)
-    bf16_state = _full_state(model_b)
+    model_b, _, _, res["bf16_losses"] = plugin_train(plugin, accelerator, tiny_llama(), data, 2)
+    bf16_state = full_state(model_b)
 
     # -- E: Accelerate's ParallelismConfig(dp_shard_size=dp, cp_size=2): hf_ring runs its CP ------------
     res.update(_with_parallelism_config(accelerator, data, dp, cp))
@@ -279,7 +222,7 @@ def worker(out: Path) -> None:
     opt_c = torch.optim.SGD(native.parameters(), lr=LR)
     native_losses = []
     for step in range(STEPS):
-        batch = hf_ring.shard_batch(_raw_batch(data, step * dp + mesh.get_local_rank("dp")), group=cp_group)
+        batch = hf_ring.shard_batch(raw_batch(data, step * dp + mesh.get_local_rank("dp")), group=cp_group)
         loss = native(**batch).loss
         loss.backward()
         opt_c.step()
@@ -288,29 +231,29 @@ def worker(out: Path) -> None:
         total = torch.stack([loss.detach() * n, torch.tensor(n)])
         dist.all_reduce(total)  # CP shares summed, DP groups weighted by their targets (each counted cp times)
         native_losses.append(float(cp * total[0] / total[1]))
-    native_state = _full_state(native)
+    native_state = full_state(native)
 
     # -- D: the Trainer (and TRL) with fsdp_version 2 ----------------------------------------------------
     trained, train = _trainers(out, world)
     res.update({k: v for k, v in trained.items() if not k.endswith("_state")})
 
     if rank == 0:
-        from tests.test_trainer_cp import _reference as trainer_reference
+        from tests.train_utils import trainer_reference
 
         # step s, micro-batch m: DP group d gets batch (s * GA + m) * dp + d of the sequential order
-        steps = [[[collate(train[((s * TRAINER_GA + m) * dp + d) * BATCH :][:BATCH]) for d in range(dp)]
-                  for m in range(TRAINER_GA)] for s in range(STEPS)]  # fmt: skip
+        steps = [[[collate(train[((s * GA + m) * dp + d) * BATCH :][:BATCH]) for d in range(dp)]
+                  for m in range(GA)] for s in range(STEPS)]  # fmt: skip
         res["trainer_ref_losses"], trainer_ref_state = trainer_reference(steps)
         res["trainer_weights_err"] = max_param_rel_err(trained["trainer_state"], trainer_ref_state)
         if "trl_state" in trained:
             res["trl_weights_err"] = max_param_rel_err(trained["trl_state"], trainer_ref_state)
-        res["ref_losses"], ref_state = _reference(data, dp, STEPS)
+        res["ref_losses"], ref_state = replica_reference(data, dp, STEPS)
         res["weights_err"] = max_param_rel_err(final, ref_state)
         res["pc_weights_err"] = max_param_rel_err(res["pc_state"], ref_state)
         res["native_weights_err"] = max_param_rel_err(native_state, ref_state)
         res["native_losses"] = native_losses
-        ref_bf16_losses, ref_bf16_state = _reference(data, dp, 2, torch.bfloat16)
-        ref32_losses, ref32_state = _reference(data, dp, 2)
+        ref_bf16_losses, ref_bf16_state = replica_reference(data, dp, 2, torch.bfloat16)
+        ref32_losses, ref32_state = replica_reference(data, dp, 2)
         res["bf16"] = {
             "mine_loss": max(abs(a - b) / abs(b) for a, b in zip(res["bf16_losses"], ref32_losses)),
             "single_loss": max(abs(a - b) / abs(b) for a, b in zip(ref_bf16_losses, ref32_losses)),

@@ -478,7 +478,7 @@ def test_plugin_prepares_every_supported_family(model_type):
     from accelerate.state import AcceleratorState
 
     from hf_ring.accelerate import RingAttentionPlugin
-    from tests.test_accelerate_config import collate
+    from tests.train_utils import collate
 
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(1, VOCAB, (2, 21), generator=g)]

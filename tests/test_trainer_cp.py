@@ -24,72 +24,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_accelerate_config import (
+from tests.train_utils import (
+    BATCH,
+    GA,
+    SEQ_LEN,
+    STEPS,
     VOCAB,
     collate,
     full_loss_sum,
+    logged_losses,
     max_param_rel_err,
     read_results,
+    sft_trainer,
     tiny_llama,
     token_dataset,
     torchrun,
+    trainer_args,
+    trainer_reference,
 )
 
-SEQ_LEN = 30
-BATCH = 2
-GA = 2
-STEPS = 3
-LR = 0.2
 RTOL = 1e-5  # fp32: ring attention reorders sums, nothing else changes
-
-
-def _args(out: Path, name: str, **kw):
-    from transformers import TrainingArguments
-
-    base = dict(
-        output_dir=str(out / name),
-        per_device_train_batch_size=BATCH,
-        per_device_eval_batch_size=BATCH,
-        gradient_accumulation_steps=GA,
-        max_steps=STEPS,
-        learning_rate=LR,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        train_sampling_strategy="sequential",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    base.update(kw)
-    return TrainingArguments(**base)
-
-
-def _losses(trainer) -> list:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
-def _reference(batches_per_step: list) -> tuple[list, dict]:
-    """Single process, full sequences, the Trainer's loss: token losses of every micro-batch / their targets.
-
-    ``batches_per_step``: per optimizer step, a list of micro-batches, each a list of full batches whose
-    documents do not see each other (one entry for unpacked batches, one per document when packed).
-    """
-    model = tiny_llama()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for micro_batches in batches_per_step:
-        parts = [full_loss_sum(model, b) for micro in micro_batches for b in micro]
-        total = sum(s for s, _ in parts) / sum(n for _, n in parts)
-        total.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(total))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _token_metrics_reference(micro_batches: list) -> list:
@@ -144,15 +98,6 @@ def _packed_features(n: int, seed: int = 5) -> list:
     return out
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
-
-
 def worker(out: Path, world: int) -> None:
     import torch.distributed as dist
 
@@ -170,7 +115,7 @@ def worker(out: Path, world: int) -> None:
     model = tiny_llama()
     trainer = RingAttentionTrainer(
         model=model,
-        args=_args(out, "plain"),
+        args=trainer_args(out, "plain"),
         train_dataset=train,
         eval_dataset=evals,
         data_collator=collate,
@@ -178,7 +123,7 @@ def worker(out: Path, world: int) -> None:
     )
     trainer.train()
     res["chunked"] = is_chunked(model)  # the plugin's default: the loss without [tokens, vocab] logits
-    res["losses"] = _losses(trainer)
+    res["losses"] = logged_losses(trainer)
     res["eval_loss"] = trainer.evaluate()["eval_loss"]
     res["total_batch"] = trainer.get_total_train_batch_size(trainer.args)
     plain_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -192,7 +137,7 @@ def worker(out: Path, world: int) -> None:
             [[collate(train[((s * GA + m) * dp + d) * BATCH :][:BATCH]) for d in range(dp)] for m in range(GA)]
             for s in range(STEPS)
         ]
-        ref_losses, ref_state = _reference(steps)
+        ref_losses, ref_state = trainer_reference(steps)
         res["ref_losses"] = ref_losses
         res["weights_err"] = max_param_rel_err(plain_state, ref_state)
         res["eval_ref"] = _eval_reference(evals, ref_state, dp)
@@ -204,7 +149,7 @@ def worker(out: Path, world: int) -> None:
             # one micro-batch per step, holding 3 documents that do not see each other
             feats = extra["feats"]
             packed_steps = [[[doc(f) for f in feats[3 * s : 3 * s + 3]]] for s in range(STEPS)]
-            packed_ref_losses, packed_ref_state = _reference(packed_steps)
+            packed_ref_losses, packed_ref_state = trainer_reference(packed_steps)
             res["packed_ref_losses"] = packed_ref_losses
             res["packed_weights_err"] = max_param_rel_err(extra["packed_state"], packed_ref_state)
         if "trl_state" in extra:
@@ -229,7 +174,7 @@ def _packed_and_trl(out: Path, train: list) -> dict:
     packed_model = tiny_llama()
     trainer = RingAttentionTrainer(
         model=packed_model,
-        args=_args(out, "packed", per_device_train_batch_size=3, gradient_accumulation_steps=1),
+        args=trainer_args(out, "packed", per_device_train_batch_size=3, gradient_accumulation_steps=1),
         train_dataset=feats,
         data_collator=DataCollatorWithFlattening(),
         # the chunked loss switched off (the model's own loss); the Ulysses x Ring hybrid (U = 2) passed through
@@ -241,7 +186,7 @@ def _packed_and_trl(out: Path, train: list) -> dict:
         {m.hf_ring_config.ulysses.ulysses_size for m in packed_model.modules() if hasattr(m, "hf_ring_config")}
     )
     res["feats"] = feats
-    res["packed_losses"] = _losses(trainer)
+    res["packed_losses"] = logged_losses(trainer)
     res["packed_state"] = {k: v.detach().clone() for k, v in packed_model.state_dict().items()}
     res.update(_resume(out, feats))
 
@@ -259,7 +204,7 @@ def _packed_and_trl(out: Path, train: list) -> dict:
     res["trl_metrics"] = [
         (h["entropy"], h["mean_token_accuracy"]) for h in trainer.state.log_history if "entropy" in h
     ][:1]
-    res["trl"] = _losses(trainer)
+    res["trl"] = logged_losses(trainer)
     res["trl_state"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return res
 
@@ -289,7 +234,7 @@ def _resume(out: Path, feats: list) -> dict:
     from hf_ring.trainer import RingAttentionTrainer
 
     def trainer(model):
-        args = _args(out, "resume", per_device_train_batch_size=3, gradient_accumulation_steps=1, optim="adamw_torch",
+        args = trainer_args(out, "resume", per_device_train_batch_size=3, gradient_accumulation_steps=1, optim="adamw_torch",
                      learning_rate=0.01, save_strategy="steps", save_steps=2)  # fmt: skip
         return RingAttentionTrainer(model=model, args=args, train_dataset=feats,
                                     data_collator=DataCollatorWithFlattening(),
@@ -302,53 +247,7 @@ def _resume(out: Path, feats: list) -> dict:
     again = trainer(resumed)
     again.train(resume_from_checkpoint=str(out / "resume" / "checkpoint-2"))
     weights = max_param_rel_err(resumed.state_dict(), first.state_dict())
-    return {"resume_losses": _losses(run), "resumed_losses": _losses(again), "resume_weights_err": weights}
-
-
-def sft_trainer(cls, out: Path, train: list, **overrides):
-    """``cls`` (RingSFTTrainer or a subclass) on a tiny Llama with the run's settings, fp32, CP = 2.
-
-    ``overrides``: SFTConfig arguments on top (gradient accumulation, fsdp, ...)."""
-    from datasets import Dataset
-    from trl import SFTConfig
-
-    from hf_ring.accelerate import RingAttentionPlugin
-
-    sft_args = {k: v for k, v in _args(out, "sft").to_dict().items() if k in _SFT_KEYS}
-    cfg = SFTConfig(
-        **{**sft_args, **overrides},
-        bf16=False,  # fp32 parity; TRL turns bf16 on by default
-        dataset_kwargs={"skip_prepare_dataset": True},
-        remove_unused_columns=False,
-    )
-    return cls(
-        model=tiny_llama(),
-        args=cfg,
-        train_dataset=Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train]),
-        data_collator=lambda rows: {k: torch.tensor([r[k] for r in rows]) for k in rows[0]},
-        processing_class=_tokenizer(),
-        ring_plugin=RingAttentionPlugin(cp_size=2),
-    )
-
-
-_SFT_KEYS = (
-    "output_dir",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "max_steps",
-    "learning_rate",
-    "optim",
-    "lr_scheduler_type",
-    "max_grad_norm",
-    "weight_decay",
-    "logging_steps",
-    "report_to",
-    "save_strategy",
-    "train_sampling_strategy",
-    "use_cpu",
-    "disable_tqdm",
-    "seed",
-)
+    return {"resume_losses": logged_losses(run), "resumed_losses": logged_losses(again), "resume_weights_err": weights}
 
 
 # ---- the tests -----------------------------------------------------------------------------------

@@ -1,0 +1,279 @@
+"""Tiny training runs shared by the Accelerate, Trainer, FSDP2 and DeepSpeed tests (their launched workers
+import this module as ``tests.train_utils``; the repository root is on ``PYTHONPATH``).
+
+A tiny random Llama, token datasets, the single-process references (per data-parallel replica, or the
+Trainer's token-weighted loss), ``torchrun`` launches and their JSON results, and the Trainer / TRL
+arguments of those runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+VOCAB = 97
+
+
+def tiny_llama(seed: int = 0):
+    """A tiny random Llama (GQA: 4 query heads, 2 KV heads, head_dim 12), fp32, eager-free (sdpa) attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).float()
+
+
+def token_dataset(n: int, seq_len: int, seed: int = 1) -> list:
+    """``n`` samples of ``seq_len`` tokens; token 0 of sample i is i (to identify it); a few labels are -100."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(1, VOCAB, (seq_len,), generator=g)
+        ids[0] = i % VOCAB
+        labels = ids.clone()
+        k = int(torch.randint(0, seq_len // 2, (1,), generator=g))
+        labels[:k] = -100  # a prompt of varying length: DP groups hold different numbers of targets
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def collate(features: list) -> dict:
+    return {k: torch.stack([f[k] for f in features]) for k in features[0]}
+
+
+def full_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
+    """(sum of token losses, number of targets) of the unmodified model on a full batch."""
+    out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    return out.loss * n, n
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def max_param_rel_err(state_a: dict, state_b: dict) -> float:
+    assert state_a.keys() == state_b.keys()
+    return max(rel_err(state_a[k], state_b[k]) for k in state_a)
+
+
+def torchrun(script: Path, nproc: int, *args, timeout: float = 300, env: dict | None = None) -> str:
+    """Run ``script`` on ``nproc`` CPU processes with torchrun; return its output, fail the test on error."""
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    try:
+        proc = subprocess.run(
+            [*cmd, *map(str, args)], env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{script.name} {args} did not finish within {timeout}s (a hang?)\n{e.stdout}\n{e.stderr}")
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{script.name} {args} failed (exit {proc.returncode}):\n{out[-12000:]}")
+    return out
+
+
+def read_results(folder: Path, world: int) -> list:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+# ---- the runs' settings and the Trainer ----------------------------------------------------------
+
+SEQ_LEN = 30  # shard_batch pads it to a multiple of 2 x cp with ignored tokens
+BATCH = 2
+GA = 2  # the Trainer runs: gradient accumulation over 2 micro-batches
+STEPS = 3
+LR = 0.2
+
+
+def trainer_args(out: Path, name: str, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(
+        output_dir=str(out / name),
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+        gradient_accumulation_steps=GA,
+        max_steps=STEPS,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        train_sampling_strategy="sequential",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def logged_losses(trainer) -> list:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def trainer_reference(batches_per_step: list) -> tuple[list, dict]:
+    """Single process, full sequences, the Trainer's loss: token losses of every micro-batch / their targets.
+
+    ``batches_per_step``: per optimizer step, a list of micro-batches, each a list of full batches whose
+    documents do not see each other (one entry for unpacked batches, one per document when packed).
+    """
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for micro_batches in batches_per_step:
+        parts = [full_loss_sum(model, b) for micro in micro_batches for b in micro]
+        total = sum(s for s, _ in parts) / sum(n for _, n in parts)
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
+
+
+def sft_trainer(cls, out: Path, train: list, **overrides):
+    """``cls`` (RingSFTTrainer or a subclass) on a tiny Llama with the run's settings, fp32, CP = 2.
+
+    ``overrides``: SFTConfig arguments on top (gradient accumulation, fsdp, ...)."""
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    sft_args = {k: v for k, v in trainer_args(out, "sft").to_dict().items() if k in SFT_KEYS}
+    cfg = SFTConfig(
+        **{**sft_args, **overrides},
+        bf16=False,  # fp32 parity; TRL turns bf16 on by default
+        dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+    )
+    return cls(
+        model=tiny_llama(),
+        args=cfg,
+        train_dataset=Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train]),
+        data_collator=lambda rows: {k: torch.tensor([r[k] for r in rows]) for k in rows[0]},
+        processing_class=tiny_tokenizer(),
+        ring_plugin=RingAttentionPlugin(cp_size=2),
+    )
+
+
+SFT_KEYS = (
+    "output_dir",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "learning_rate",
+    "optim",
+    "lr_scheduler_type",
+    "max_grad_norm",
+    "weight_decay",
+    "logging_steps",
+    "report_to",
+    "save_strategy",
+    "train_sampling_strategy",
+    "use_cpu",
+    "disable_tqdm",
+    "seed",
+)
+
+
+# ---- plugin runs and their single-process reference, per data-parallel replica -------------------------
+
+
+def raw_batch(data, index):
+    return collate(data[index * BATCH : (index + 1) * BATCH])
+
+
+def replica_reference(data, dp: int, steps: int, dtype=torch.float32, clip: float | None = None) -> tuple[list, dict]:
+    """Single-process SGD on full sequences: per-step token-weighted losses and final weights.
+
+    ``dtype=torch.bfloat16`` runs forward and backward on a bf16 copy and applies the fp32 gradients to
+    the fp32 weights, as an FSDP2 policy with bf16 parameters and fp32 reduction does. ``clip``: the
+    gradient-norm clipping of the update (DeepSpeed's ``gradient_clipping``).
+    """
+    master = tiny_llama()
+    opt = torch.optim.SGD(master.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
+        sums, counts, means = [], [], []
+        for d in range(dp):
+            s, n = full_loss_sum(model, raw_batch(data, step * dp + d))
+            sums.append(s)
+            counts.append(n)
+            means.append(s / n)
+        torch.stack(means).mean().backward()
+        if model is not master:
+            for p, q in zip(master.parameters(), model.parameters()):
+                p.grad = q.grad.float()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(sum(x.detach().float() for x in sums) / sum(counts)))
+    return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
+
+
+def plugin_train(plugin, accelerator, model, data, steps, out=None):
+    from torch.utils.data import DataLoader
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    dl = DataLoader(data, batch_size=BATCH, collate_fn=collate)
+    model, opt, dl = plugin.prepare(accelerator, model, opt, dl)
+    losses, it = [], iter(dl)
+    for step in range(steps):
+        loss = model(**next(it)).loss
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(plugin.reduce_loss(loss).item())
+        if out is not None and step == steps - 2:
+            accelerator.save_state(str(out / "state"))
+    return model, opt, dl, losses
+
+
+def full_state(model) -> dict:
+    """The unsharded state dict of an FSDP2 model (every rank takes part)."""
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
