@@ -3,8 +3,8 @@
 Each listed family calls Transformers' attention interface with query/key/value after its own
 projections, norms and rotary embedding, with its ``scaling``, per layer its ``sliding_window`` (from
 ``config.layer_types`` or ``config.sliding_window``), and the attention features the attention
-function implements: logit softcapping (``softcap``: Gemma2, optionally Gemma3) and learned sinks
-(``s_aux``: gpt-oss). What else is special about these families happens outside the attention
+function implements: logit softcapping (``softcap``: Gemma2, VaultGemma, optionally Gemma3) and learned
+sinks (``s_aux``: gpt-oss, Granite-SWA). What else is special about these families happens outside the attention
 function, on local tokens, and so is exact under context parallelism as it is: QK norm (OLMo2,
 Gemma3, Cohere, StableLM, Phi, Exaone4, HunYuan, Apertus), clipped projections (OLMo), partial or
 interleaved rotary embeddings (GLM, Phi, StableLM, Nemotron, GPT-NeoX), layers without RoPE
@@ -31,13 +31,20 @@ __all__ = [
 ]  # fmt: skip
 
 FAMILIES = {
+    "afmoe": "transformers.models.afmoe.modeling_afmoe.AfmoeAttention",
     "apertus": "transformers.models.apertus.modeling_apertus.ApertusAttention",
     "arcee": "transformers.models.arcee.modeling_arcee.ArceeAttention",
+    "bitnet": "transformers.models.bitnet.modeling_bitnet.BitNetAttention",
     "cohere": "transformers.models.cohere.modeling_cohere.CohereAttention",
     "cohere2": "transformers.models.cohere2.modeling_cohere2.Cohere2Attention",
+    "cohere2_moe": "transformers.models.cohere2_moe.modeling_cohere2_moe.Cohere2MoeAttention",
+    "cwm": "transformers.models.cwm.modeling_cwm.CwmAttention",
     "dots1": "transformers.models.dots1.modeling_dots1.Dots1Attention",
     "ernie4_5": "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention",
+    "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeAttention",
     "exaone4": "transformers.models.exaone4.modeling_exaone4.Exaone4Attention",
+    "exaone_moe": "transformers.models.exaone_moe.modeling_exaone_moe.ExaoneMoeAttention",
+    "flex_olmo": "transformers.models.flex_olmo.modeling_flex_olmo.FlexOlmoAttention",
     "gemma": "transformers.models.gemma.modeling_gemma.GemmaAttention",
     "gemma2": "transformers.models.gemma2.modeling_gemma2.Gemma2Attention",
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3.Gemma3Attention",
@@ -47,24 +54,33 @@ FAMILIES = {
     "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention",
     "granite": "transformers.models.granite.modeling_granite.GraniteAttention",
+    "granite_swa": "transformers.models.granite_swa.modeling_granite_swa.GraniteSWAAttention",
     "granitemoe": "transformers.models.granitemoe.modeling_granitemoe.GraniteMoeAttention",
     "helium": "transformers.models.helium.modeling_helium.HeliumAttention",
     "hunyuan_v1_dense": "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
+    "hunyuan_v1_moe": "transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Attention",
+    "jais2": "transformers.models.jais2.modeling_jais2.Jais2Attention",
+    "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
+    "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2Attention",
     "ministral": "transformers.models.ministral.modeling_ministral.MinistralAttention",
+    "ministral3": "transformers.models.ministral3.modeling_ministral3.Ministral3Attention",
     "mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralAttention",
     "nemotron": "transformers.models.nemotron.modeling_nemotron.NemotronAttention",
     "olmo": "transformers.models.olmo.modeling_olmo.OlmoAttention",
     "olmo2": "transformers.models.olmo2.modeling_olmo2.Olmo2Attention",
     "olmo3": "transformers.models.olmo3.modeling_olmo3.Olmo3Attention",
     "olmoe": "transformers.models.olmoe.modeling_olmoe.OlmoeAttention",
+    "persimmon": "transformers.models.persimmon.modeling_persimmon.PersimmonAttention",
     "phi": "transformers.models.phi.modeling_phi.PhiAttention",
     "phi3": "transformers.models.phi3.modeling_phi3.Phi3Attention",
     "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention",
     "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",
     "seed_oss": "transformers.models.seed_oss.modeling_seed_oss.SeedOssAttention",
     "smollm3": "transformers.models.smollm3.modeling_smollm3.SmolLM3Attention",
+    "solar_open": "transformers.models.solar_open.modeling_solar_open.SolarOpenAttention",
     "stablelm": "transformers.models.stablelm.modeling_stablelm.StableLmAttention",
     "starcoder2": "transformers.models.starcoder2.modeling_starcoder2.Starcoder2Attention",
+    "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma.VaultGemmaAttention",
 }
 """``config.model_type`` -> the attention class the generic patch switches."""
 
@@ -118,10 +134,13 @@ batches raise at the first layer (their document ids never arrive), and ``hf_rin
 LOGIT_TRANSFORMS = {
     "cohere": LogitTransform(multiply="logit_scale"),
     "cohere2": LogitTransform(multiply="logit_scale"),
+    "cohere2_moe": LogitTransform(multiply="logit_scale"),
     "gemma2": LogitTransform(softcap="final_logit_softcapping"),
     "gemma3_text": LogitTransform(softcap="final_logit_softcapping"),
     "granite": LogitTransform(divide="logits_scaling"),
+    "granite_swa": LogitTransform(divide="logits_scaling"),
     "granitemoe": LogitTransform(divide="logits_scaling"),
+    "vaultgemma": LogitTransform(softcap="final_logit_softcapping"),
 }
 """What these families' causal-LM heads do to the lm_head output before the loss (the others: nothing)."""
 

@@ -17,6 +17,9 @@ PAD_ID = 0
 SCALE_FACTOR = 1.5
 
 
+EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "vaultgemma")
+"""Families with attention logit softcapping or sinks: their reference is Transformers' eager attention."""
+
 _SLIDE_FULL = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
 
 MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny config sets beyond the common sizes)
@@ -51,6 +54,22 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"qk_layernorm": True, "use_parallel_residual": True,
                  "partial_rotary_factor": 0.25}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 7, "use_bias": True}),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "moe_intermediate_size": 32, **_SLIDE_FULL}),
+    "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}),
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "logit_scale": 0.5, **_SLIDE_FULL}),
+    "cwm": ("CwmConfig", "CwmForCausalLM", {"head_dim": 16, **_SLIDE_FULL}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": 32}),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **_SLIDE_FULL}),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", {"logits_scaling": 2.0, **_SLIDE_FULL}),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {"head_dim": 16, "num_experts": 4, "moe_topk": 2}),
+    "jais2": ("Jais2Config", "Jais2ForCausalLM", {"head_dim": 16}),
+    "mellum": ("MellumConfig", "MellumForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **_SLIDE_FULL}),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", {"head_dim": 16, "sliding_window": 6}),
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", {}),
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", {"head_dim": 16, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, **_SLIDE_FULL}),
 }  # fmt: skip
 """The families covered by one line each: what their tiny config exercises (see patches/generic.py)."""
 
@@ -138,7 +157,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
     torch.manual_seed(seed)
     model = classes[family](make_config(family, **overrides)).to(dtype)
     model.config.use_cache = False
-    if family in ("gemma2", "gpt_oss"):  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
+    if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
         model.set_attn_implementation("eager")
     for m in model.modules():  # a non-default attention scale, which the ring must honour
         if isinstance(getattr(m, "scaling", None), float):

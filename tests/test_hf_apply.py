@@ -285,7 +285,7 @@ def test_apply_errors():
         hf_ring.apply_ring_attention(_Wrapper(make_model("llama")))
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
     with pytest.raises(
-        ValueError, match="model type 'gpt2'; supported model types: apertus, arcee, .*, stablelm, starcoder2"
+        ValueError, match="model type 'gpt2'; supported model types: afmoe, apertus, .*, starcoder2, vaultgemma"
     ):
         hf_ring.apply_ring_attention(gpt2)
     with pytest.raises(ValueError, match="model type 'gpt2'"):
