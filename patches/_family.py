@@ -42,6 +42,27 @@ def _no_check(config) -> None:
     return None
 
 
+#: RoPE types whose frequencies follow the largest position id of the input (Transformers' ``dynamic_rope_update``):
+#: each rank sees only its shard's positions, so ranks and the unsharded model could pick different frequencies.
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def check_rope(config, what: str) -> None:
+    """ValueError for a RoPE type that ``POSITION_DEPENDENT_ROPE`` names (per layer type too)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    sets = (
+        [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
+    )
+    for p in sets:
+        kind = p.get("rope_type", p.get("type"))
+        if kind in POSITION_DEPENDENT_ROPE:
+            raise ValueError(
+                f"{what}: rope_type={kind!r} picks its frequencies from the largest position id of the input, which "
+                "differs between the ranks' shards of a sequence (and from the unsharded sequence), so context "
+                "parallelism would not be exact; this RoPE type is not supported by hf_ring"
+            )
+
+
 def check_window(config, what: str) -> None:
     """ValueError unless ``config.sliding_window`` is None or a positive integer."""
     w = getattr(config, "sliding_window", None)
@@ -180,6 +201,7 @@ class FamilyPatch:
         if model is None:
             return None
         self._check_model(model)
+        check_rope(model.config, self.name)
         self.check_config(model.config)
         modules = self.attention_modules(model)
         if not modules:

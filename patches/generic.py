@@ -6,11 +6,15 @@ projections, norms and rotary embedding, with its ``scaling``, per layer its ``s
 function implements: logit softcapping (``softcap``: Gemma2, VaultGemma, optionally Gemma3) and learned
 sinks (``s_aux``: gpt-oss, Granite-SWA). What else is special about these families happens outside the attention
 function, on local tokens, and so is exact under context parallelism as it is: QK norm (OLMo2,
-Gemma3, Cohere, StableLM, Phi, Exaone4, HunYuan, Apertus), clipped projections (OLMo), partial or
+Gemma3, Cohere, StableLM, Phi, Exaone4/Exaone-MoE, HunYuan, Apertus, FlexOlmo, MiniMax-M2, AFMoE),
+clipped projections (OLMo), partial or
 interleaved rotary embeddings (GLM, Phi, StableLM, Nemotron, GPT-NeoX), layers without RoPE
 (SmolLM3), an attention multiplier (Granite, passed as ``scaling``), logit scales and final logit
 softcapping (Granite, Cohere, Gemma2), parallel attention + MLP blocks (Cohere, GPT-NeoX, StableLM),
-mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, dots1, GLM-4-MoE, gpt-oss).
+mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, dots1, GLM-4-MoE, gpt-oss, Ernie 4.5 MoE,
+HunYuan MoE, Cohere2-MoE, Mellum, MiniMax-M2, AFMoE, Solar-Open, Exaone-MoE, FlexOlmo). RoPE types whose
+frequencies follow the largest position of the input (``dynamic``, ``longrope``) are refused for every family
+(``_family.check_rope``).
 
 What the generic patch refuses (``check``): layer types other than full / sliding attention, and the
 MoE router's load-balancing loss (``config.output_router_logits=True``): computed per rank on its
@@ -95,8 +99,8 @@ def check(config, *, windows: bool = True) -> None:
         check_layer_types(config, what, allowed=("full_attention",), window=False)
     if getattr(config, "output_router_logits", False):
         raise ValueError(
-            f"{what}: config.output_router_logits=True adds the MoE router's load-balancing loss, which each rank "
-            "would compute on its own tokens only (not the loss of the whole sequence); set "
+            f"{what}: config.output_router_logits=True returns the MoE router's logits (for a load-balancing loss), "
+            "which each rank would have for its own tokens only (not for the whole sequence); set "
             "config.output_router_logits=False to train with context parallelism"
         )
 

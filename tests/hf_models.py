@@ -159,6 +159,10 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
     model.config.use_cache = False
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
         model.set_attn_implementation("eager")
+    for m in model.modules():  # learned sinks start at zero: give each head its own, which the ring must keep apart
+        if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
+            with torch.no_grad():
+                m.sinks.normal_()
     for m in model.modules():  # a non-default attention scale, which the ring must honour
         if isinstance(getattr(m, "scaling", None), float):
             m.scaling *= SCALE_FACTOR  # the family's own scale (multipliers, query_pre_attn_scalar), changed

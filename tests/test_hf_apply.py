@@ -56,7 +56,7 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
 
 
 def test_generic_patch_refuses_what_it_does_not_implement():
-    with pytest.raises(ValueError, match="output_router_logits=True adds the MoE router's load-balancing loss"):
+    with pytest.raises(ValueError, match="output_router_logits=True returns the MoE router's logits"):
         hf_ring.apply_ring_attention(make_model("mixtral", output_router_logits=True))
     with pytest.raises(ValueError, match=r"cohere2: layer types \['chunked_attention'\] are not supported"):
         hf_ring.apply_ring_attention(make_model("cohere2", layer_types=["chunked_attention", "full_attention"]))
@@ -333,6 +333,14 @@ def test_family_patch_errors(monkeypatch):
         ("qwen2_moe", "layer_types", ["sliding_attention", "full_attention"], "does not pass its window"),
         ("olmoe", "output_router_logits", True, "load-balancing loss"),
         ("olmoe", "sliding_window", 8, "given to the attention but not to the model's mask"),
+        ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "picks its frequencies"),
+        ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic'"),
+        (
+            "gemma3_text",
+            "rope_parameters",
+            {"full_attention": {"rope_type": "dynamic"}, "sliding_attention": {}},
+            "dynamic",
+        ),
     ],
 )
 def test_unsupported_config_errors(family, attr, value, match):

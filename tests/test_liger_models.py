@@ -33,11 +33,12 @@ def _worker(rank: int, world: int) -> dict:
 
     import hf_ring
 
-    out = {}
+    out, refs = {}, {}
+    for family, kind in CASES:  # every reference before any patch: Liger's RoPE patch holds for the whole process
+        refs[(family, kind)] = reference_step(make_model(family), make_batch(kind, 40)[1]) if rank == 0 else None
     for family, kind in CASES:
-        ours, ref_batch = make_batch(kind, 40)
+        ours, _ = make_batch(kind, 40)
         model = make_model(family)
-        ref_loss, ref_grads = reference_step(model, ref_batch) if rank == 0 else (None, None)
         patch = getattr(liger, f"apply_liger_kernel_to_{family}")  # class-level patches too: a process per run
         patch(model=model, rope=True, fused_linear_cross_entropy=True, rms_norm=ELEMENTWISE, swiglu=ELEMENTWISE)
         fused = getattr(model.forward, "__func__", model.forward).__module__.startswith("liger_kernel")
@@ -45,7 +46,7 @@ def _worker(rank: int, world: int) -> dict:
         loss, grads = ring_step(model, ours, "zigzag")
         out[(family, kind)] = {"fused": fused and rope, "loss": loss.item()}
         if rank == 0:
-            out[(family, kind)]["errors"] = errors(loss, grads, ref_loss, ref_grads)
+            out[(family, kind)]["errors"] = errors(loss, grads, *refs[(family, kind)])
     assert hf_ring  # applied by ring_step
     return out
 
