@@ -27,7 +27,6 @@ library versions.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -39,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _cpu import cpu_name
+from _cpu import append_rows, cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = ("bad_input", "caught", "killed", "stuck", "torchrun_raise", "torchrun_kill")
@@ -218,15 +217,7 @@ def main(argv=None) -> list[dict]:
         print(f"| {row['case']} | {row['rank']} | {row['raised']} | {row['seconds_after_failure']} | "
               f"{row['message'][:110]} |")  # fmt: skip
     if args.csv:
-        path = Path(args.csv)
-        new = not path.exists()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            for row in rows:
-                w.writerow({**meta, **row})
+        append_rows(Path(args.csv), FIELDS, [{**meta, **row} for row in rows])
     return rows
 
 

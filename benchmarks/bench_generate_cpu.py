@@ -16,7 +16,6 @@ per-rank peak RSS, and whether both runs generated the same tokens. Rows go to
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -27,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _cpu import cpu_name
+from _cpu import append_rows, cpu_name
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -138,13 +137,7 @@ def main(argv=None) -> list[dict]:
             rows.append(row)
             print(json.dumps({k: row.get(k) for k in FIELDS[8:]}), flush=True)
     if args.csv:
-        path = Path(args.csv)
-        new = not path.exists()
-        with path.open("a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        append_rows(Path(args.csv), FIELDS, rows)
     return rows
 
 

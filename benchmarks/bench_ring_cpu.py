@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _cpu import cpu_name
+from _cpu import append_rows, cpu_name
 
 import hf_ring
 from hf_ring.comm import ulysses_groups
@@ -184,12 +184,7 @@ def main(argv=None):
     path = Path(args.csv)
     path.parent.mkdir(parents=True, exist_ok=True)
     _add_columns(path, list(rows[0]))
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    append_rows(path, list(rows[0]), rows)
     print(f"appended {len(rows)} rows to {path}")
 
 
