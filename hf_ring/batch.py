@@ -146,13 +146,14 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
     if mask is not None:
         valid[:, :s] = mask.detach().cpu().bool()
     if pos is None:
-        pos = torch.arange(s + pad, device=dev).expand(b, -1)
+        pos = torch.arange(s, device=dev).expand(b, -1)
         docs = torch.zeros(b, s + pad, dtype=torch.long)
     else:
         pos = pos.to(dev).long()
-        if pad:
-            pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=dev)], dim=1)
         docs = documents_from_positions(pos)
+        docs = torch.cat([docs, docs[:, -1:].expand(-1, pad)], dim=1)  # the padding: masked below
+    # padding takes position 0: it never raises the largest position id, which RoPE types dynamic / longrope read
+    pos = torch.nn.functional.pad(pos, (0, pad), value=0)
     packed = bool((docs[:, -1] > 0).any())
     padded = not bool(valid.all())
 

@@ -16,7 +16,8 @@ one's message to the other.
 
 ``all_gather_ints`` is the one collective besides the ring: ``ring_attention``'s pre-flight check
 (a few integers per rank). On NCCL it costs one small device-to-host copy, so callers run it once
-per batch, not once per layer.
+per batch, not once per layer. ``all_reduce_max`` serves models whose RoPE frequencies follow the
+largest position id (``hf_ring.patches._rope``): once per forward, on the device.
 
 ``HeadExchange`` is the Ulysses all-to-all (heads for sequence, inside a group of U ranks), and
 ``ulysses_groups`` splits a CP group into Ulysses groups and the rings across them (the hybrid).
@@ -156,6 +157,20 @@ class RingComm:
             self.where = "in the pre-flight check"
             raise self._lost(e, peers=f"an all-gather over the {self.world_size} ranks of the group") from e
         return [t.tolist() for t in every]
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of ``t`` over the group (a new tensor on ``t``'s device): one all-reduce, on
+        the device for NCCL (no host sync), else on the CPU."""
+        if self.world_size == 1:
+            return t.clone()
+        on_gpu = t.is_cuda and "nccl" in str(dist.get_backend(self.group))
+        out = t.clone() if on_gpu else t.cpu().clone()
+        try:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as e:
+            self.where = "in the largest-position all-reduce of the rotary embedding"
+            raise self._lost(e, peers=f"an all-reduce over the {self.world_size} ranks of the group") from e
+        return out.to(t.device)
 
 
 class LoopbackComm:

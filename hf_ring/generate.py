@@ -14,6 +14,9 @@ processors, stopping criteria, streamers, sampling) with two differences:
   the log-sum-exp rule), with the masks from global positions (causal, sliding windows, left padding). New tokens'
   keys/values are kept round-robin (token j of the continuation on rank j mod N), so shards stay balanced.
 
+A model called without a cache during ``generate()`` (Phi-3 drops it when its longrope factors switch, to compute
+every key anew) gets a new prefill of the whole sequence into the emptied sharded cache, as Transformers computes it.
+
 Once per forward a pre-flight check (one small all-gather) makes every rank raise the same error when ranks hold
 different prompts or different new tokens (e.g. sampling with different seeds), instead of hanging or diverging.
 
@@ -123,6 +126,13 @@ def _cache_classes():
             super().__init__(layers=[ShardedLayer(state) for _ in range(num_layers)])
             self.state = state
 
+        def restart(self) -> None:
+            """Empty, for a new prefill of the whole sequence (the model was called without a cache)."""
+            st = self.state
+            self.layers = [ShardedLayer(st) for _ in self.layers]
+            st.phase, st.offset, st.prompt, st.generated = "prefill", 0, 0, 0
+            st.local = st.docs = st.q_pos = None
+
     return ShardedLayer, ShardedCache
 
 
@@ -184,8 +194,13 @@ class _Before:
 
     def __call__(self, module, args, kwargs):
         st = self.state
-        if kwargs.get("past_key_values") is not self.cache:
-            raise ValueError("ring_generate: the model was called without its sharded cache")
+        given = kwargs.get("past_key_values")
+        if given is None:  # the family's generate drops the cache to compute it anew (Phi-3's longrope switch)
+            self._check_whole(kwargs, args)
+            self.cache.restart()
+            kwargs = {**kwargs, "past_key_values": self.cache}
+        elif given is not self.cache:
+            raise ValueError("ring_generate: the model was called with another cache than its sharded one")
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor):
             raise ValueError("ring_generate: the model must be called with input_ids")
@@ -200,6 +215,18 @@ class _Before:
         check_everywhere(None, summary, comm, ids.device, fields=_STEP_FIELDS, op="ring_generate (decode step)")
         st.q_pos = torch.arange(start, start + ids.shape[1]) + st.offset
         return args, {**kwargs, DECODE_KWARG: self.cache}
+
+    @staticmethod
+    def _check_whole(kwargs: dict, args: tuple) -> None:
+        """A call without a cache must bring the whole sequence: ValueError (on every rank alike) otherwise."""
+        ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
+        if isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.shape[-1] != mask.shape[-1]:
+            raise ValueError(
+                f"ring_generate: generate() dropped the model's cache but passed {ids.shape[-1]} of the sequence's "
+                f"{mask.shape[-1]} tokens, so nothing could compute their keys anew (Phi-3's longrope switch on "
+                "Transformers before 5.23); upgrade Transformers, or keep prompt and new tokens on one side of "
+                "original_max_position_embeddings"
+            )
 
     def _prefill(self, kwargs: dict, ids: torch.Tensor, mask) -> dict:
         st = self.state

@@ -15,6 +15,9 @@ across ranks, the other layers and the backward reuse its plan, and a forward ho
 when the forward raises) tells the plan cache how the forward ended (``hf_ring.guard``: a forward that fails
 after its first ring exchange stops the CP group; a successful one watches for its backward). Revert removes
 the hooks.
+
+RoPE types whose frequencies follow the largest position id (``dynamic``, ``longrope``) get that position of the
+whole CP group (``_rope``): their rotary modules' ``forward`` is replaced while the model is patched.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from ..guard import in_backward
 from ..hf_attention import ATTN_IMPLEMENTATION, BATCH_DOCUMENT_KWARGS, CONFIG_ATTR, RingConfig, register
 from ..ring import PlanCache
+from . import _rope
 
 __all__ = ["EndBatch", "FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "is_applied"]
 
@@ -40,27 +44,6 @@ FALLBACK_ATTN_IMPLEMENTATION = "sdpa"
 
 def _no_check(config) -> None:
     return None
-
-
-#: RoPE types whose frequencies follow the largest position id of the input (Transformers' ``dynamic_rope_update``):
-#: each rank sees only its shard's positions, so ranks and the unsharded model could pick different frequencies.
-POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def check_rope(config, what: str) -> None:
-    """ValueError for a RoPE type that ``POSITION_DEPENDENT_ROPE`` names (per layer type too)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    sets = (
-        [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
-    )
-    for p in sets:
-        kind = p.get("rope_type", p.get("type"))
-        if kind in POSITION_DEPENDENT_ROPE:
-            raise ValueError(
-                f"{what}: rope_type={kind!r} picks its frequencies from the largest position id of the input, which "
-                "differs between the ranks' shards of a sequence (and from the unsharded sequence), so context "
-                "parallelism would not be exact; this RoPE type is not supported by hf_ring"
-            )
 
 
 def check_window(config, what: str) -> None:
@@ -201,7 +184,7 @@ class FamilyPatch:
         if model is None:
             return None
         self._check_model(model)
-        check_rope(model.config, self.name)
+        rotaries = _rope.check(model, self.name)
         self.check_config(model.config)
         modules = self.attention_modules(model)
         if not modules:
@@ -219,6 +202,8 @@ class FamilyPatch:
             cfg = dataclasses.replace(cfg, plans=PlanCache())
         for m in modules:
             setattr(m, CONFIG_ATTR, cfg)
+        _rope.remove(model)
+        _rope.install(rotaries, cfg)
         _set_hooks(model, cfg.plans)
         setattr(model, ORIGINAL_ATTR, original)
         return model
@@ -235,6 +220,7 @@ class FamilyPatch:
         for m in self.attention_modules(model):
             if hasattr(m, CONFIG_ATTR):
                 delattr(m, CONFIG_ATTR)
+        _rope.remove(model)
         _set_hooks(model, None)
         delattr(model, ORIGINAL_ATTR)
         return model

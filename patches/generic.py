@@ -13,8 +13,8 @@ interleaved rotary embeddings (GLM, Phi, StableLM, Nemotron, GPT-NeoX), layers w
 softcapping (Granite, Cohere, Gemma2), parallel attention + MLP blocks (Cohere, GPT-NeoX, StableLM),
 mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, dots1, GLM-4-MoE, gpt-oss, Ernie 4.5 MoE,
 HunYuan MoE, Cohere2-MoE, Mellum, MiniMax-M2, AFMoE, Solar-Open, Exaone-MoE, FlexOlmo). RoPE types whose
-frequencies follow the largest position of the input (``dynamic``, ``longrope``) are refused for every family
-(``_family.check_rope``).
+frequencies follow the largest position of the input (``dynamic``, ``longrope``) are given the whole sequence's
+largest position (``_rope``), for every family.
 
 What the generic patch refuses (``check``): layer types other than full / sliding attention, and the
 MoE router's load-balancing loss (``config.output_router_logits=True``): computed per rank on its

@@ -17,6 +17,23 @@ PAD_ID = 0
 SCALE_FACTOR = 1.5
 
 
+# RoPE types whose frequencies follow the largest position id (config overrides for make_config). The thresholds
+# sit between what some ranks' shards and the whole test sequences (40 / 45 tokens) reach, so a rank that chose by
+# its own positions would rotate differently: longrope switches to its long factors above 36 positions (a zig-zag
+# shard of rank 1 of 2 ends at position 35); dynamic NTK rescales its base for every length above 32.
+LONGROPE = {
+    "original_max_position_embeddings": 36,  # Phi-3 keeps it beside rope_parameters (and overwrites that copy)
+    "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 36,
+                        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                        "long_factor": [2.0 + 0.5 * i for i in range(8)]},
+}  # fmt: skip
+DYNAMIC = {"max_position_embeddings": 32, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}
+DYNAMIC_FULL_LAYERS = {  # Gemma 3: RoPE per layer type, dynamic on the full-attention layers only
+    "max_position_embeddings": 32,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
+}  # fmt: skip
+
 EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "vaultgemma")
 """Families with attention logit softcapping or sinks: their reference is Transformers' eager attention."""
 

@@ -12,7 +12,7 @@ from hf_ring.patches import REGISTRY, get_patch
 
 import hf_ring
 from hf_ring import hf_attention
-from tests.hf_models import VOCAB, make_batch, make_model
+from tests.hf_models import DYNAMIC, DYNAMIC_FULL_LAYERS, LONGROPE, VOCAB, make_batch, make_model
 
 FAMILIES = sorted({p.name for p in REGISTRY.values()})
 # world size 1: ring attention vs SDPA on the same fp32 inputs; a different summation order only
@@ -333,20 +333,51 @@ def test_family_patch_errors(monkeypatch):
         ("qwen2_moe", "layer_types", ["sliding_attention", "full_attention"], "does not pass its window"),
         ("olmoe", "output_router_logits", True, "load-balancing loss"),
         ("olmoe", "sliding_window", 8, "given to the attention but not to the model's mask"),
-        ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "picks its frequencies"),
-        ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic'"),
-        (
-            "gemma3_text",
-            "rope_parameters",
-            {"full_attention": {"rope_type": "dynamic"}, "sliding_attention": {}},
-            "dynamic",
-        ),
     ],
 )
 def test_unsupported_config_errors(family, attr, value, match):
     model = make_model(family)
     setattr(model.config, attr, value)
     with pytest.raises(ValueError, match=match):
+        hf_ring.apply_ring_attention(model)
+    assert model.config._attn_implementation != "hf_ring"
+
+
+@pytest.mark.parametrize("family, rope", [("phi3", LONGROPE), ("llama", DYNAMIC), ("gemma3_text", DYNAMIC_FULL_LAYERS)])
+def test_position_dependent_rope_is_wrapped_while_patched(family, rope):
+    """dynamic / longrope rotary modules get a forward that takes the CP group's largest position (one rank here:
+    the same numbers as the unmodified model); revert removes it; deep copies keep their own module's."""
+    import copy
+    import pickle
+
+    from hf_ring.patches import _rope
+
+    model = make_model(family, **rope)
+    ids = _ids(shape=(2, 40))
+    want = model(input_ids=ids).logits
+    hf_ring.apply_ring_attention(model)
+    wrapped = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), _rope.UnshardedPositions)]
+    assert len(wrapped) == 1 and wrapped[0].forward.module is wrapped[0]
+    torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+    twin = copy.deepcopy(model)
+    twin_rotary = [m for m in twin.modules() if isinstance(m.__dict__.get("forward"), _rope.UnshardedPositions)]
+    assert len(twin_rotary) == 1 and twin_rotary[0].forward.module is twin_rotary[0]
+    torch.testing.assert_close(twin(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+    loaded = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+    hf_ring.revert_ring_attention(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+
+
+def test_position_dependent_rope_without_transformers_decorator_is_refused(monkeypatch):
+    """A rotary module that picks its frequencies some other way cannot be given the whole sequence's largest
+    position: refused, nothing switched."""
+    from transformers.models.llama import modeling_llama
+
+    model = make_model("llama", **DYNAMIC)
+    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", lambda self, x, position_ids: None)
+    with pytest.raises(ValueError, match="rope_type='dynamic' picks its frequencies"):
         hf_ring.apply_ring_attention(model)
     assert model.config._attn_implementation != "hf_ring"
 

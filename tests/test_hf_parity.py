@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.hf_models import DYNAMIC, DYNAMIC_FULL_LAYERS, LONGROPE, make_batch, make_model
 from tests.hf_models import errors as _errors
-from tests.hf_models import make_batch, make_model
 from tests.hf_models import prepare as _prepare
 from tests.hf_models import reference_step as _reference
 from tests.hf_models import ring_step as _ring
@@ -102,6 +102,18 @@ CASES = {
     "persimmon-padded": ("persimmon", "padded", 45, {}),
     "solar_open-plain": ("solar_open", "plain", 40, {}),
     "vaultgemma-packed": ("vaultgemma", "packed", 45, {}),
+    # RoPE types that pick their frequencies from the largest position id (given the whole sequence's)
+    "phi3-longrope-plain": ("phi3", "plain", 45, {"config": LONGROPE}),
+    "phi3-longrope-padded": ("phi3", "padded", 40, {"config": LONGROPE}),
+    "llama-dynamic-padded": ("llama", "padded", 45, {"config": DYNAMIC}),
+    "llama-dynamic-lora-checkpointing": (
+        "llama",
+        "plain",
+        40,
+        {"config": DYNAMIC, "lora": True, "checkpointing": True},
+    ),
+    "gemma3_text-dynamic-plain": ("gemma3_text", "plain", 45, {"config": DYNAMIC_FULL_LAYERS}),
+    "llama-dynamic-ulysses": ("llama", "plain", 40, {"config": DYNAMIC, "ulysses": 2}),
     # attention logit softcapping (Gemma2) and learned attention sinks (gpt-oss)
     "gemma2-plain": ("gemma2", "plain", 45, {}),
     "gemma2-packed-lora": ("gemma2", "packed", 40, {"lora": True}),
@@ -244,6 +256,18 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     with torch.no_grad():
         out["pickled_reapplied"] = (loaded(**sub_local).loss - cp_model(**sub_local).loss).item()
 
+    # longrope: every rank's rotary embedding gets the whole sequence's largest position; choosing by its own
+    # shard, a rank whose positions stay below the threshold (rank 1 of 2 here) would rotate differently
+    from hf_ring.patches import _rope
+
+    rope_model = hf_ring.apply_ring_attention(make_model("phi3", **LONGROPE))
+    rope_local = hf_ring.shard_batch(make_batch("plain", 45)[0])
+    with torch.no_grad():
+        exact = rope_model(**rope_local).logits
+        _rope.remove(rope_model)  # what a rank would compute from its own positions
+        own = rope_model(**rope_local).logits
+    out["rope_own_positions"] = (own - exact).abs().max().item()
+
     alive = torch.ones(1)
     dist.all_reduce(alive)
     out["group_alive"] = int(alive.item())
@@ -293,12 +317,12 @@ def _expected_shard_inputs(kind: str) -> dict:
     shift = torch.full((b, 48), -100)
     shift[:, :44] = labels[:, 1:]
     if kind == "packed":
-        pos = torch.cat([batch["position_ids"], batch["position_ids"][:, -1:] + torch.arange(1, pad + 1)], 1)
+        pos = torch.cat([batch["position_ids"], torch.zeros(1, pad, dtype=torch.long)], 1)  # padding: position 0
         docs = torch.tensor([[0] * 11 + [1] * 21 + [2] * 13 + [-1] * pad])
     else:
         mask = torch.cat([batch["attention_mask"], torch.zeros(b, pad, dtype=torch.long)], 1).bool()
         shift[:, :47] = shift[:, :47].masked_fill(~(mask[:, :-1] & mask[:, 1:]), -100)
-        pos = torch.arange(48).expand(b, -1)
+        pos = torch.cat([torch.arange(45), torch.zeros(pad, dtype=torch.long)]).expand(b, -1)
         docs = torch.where(mask, 0, -1)
     return {"shift_labels": shift, "position_ids": pos, "ring_document_ids": docs}
 
@@ -350,6 +374,7 @@ def test_hf_integration_distributed(world_size):
                     msg = e[f"dropped_{family}_{kind}"]
                     assert "do not pass the batch's keyword arguments" in msg and "Attention" in msg, msg
                 assert e[f"dropped_{family}_plain"]
+        assert max(r["errors"]["rope_own_positions"] for r in results) > 1e-2  # the RoPE cases can fail
         mine = [r["errors"]["by_hand_restart_mine"] for r in results]
         assert any(mine) and not all(mine)  # the case where only some ranks can see the mistake
 

@@ -5,7 +5,8 @@
 - the ``sdpa`` backend really runs PyTorch's fused ops where they express the step and matches the
   torch backend everywhere (its ring-level exactness runs in test_ring.py next to the torch backend);
 - a patched model makes at most 2 collectives per forward + backward, the same for 2 and 6 layers,
-  and still catches ranks that disagree, on every rank, once per forward;
+  and still catches ranks that disagree, on every rank, once per forward; a dynamic-RoPE model one more
+  (its largest position), not one per layer;
 - one stacked K/V message per forward, none rebuilt in the backward; strided q/k/v are not copied;
 - document ids of any integer range give the same attention as small ones.
 """
@@ -188,11 +189,12 @@ def test_one_stacked_message_and_no_copies_of_q_k_v():
 # ----------------------------------------------------------------------------- plans in a model
 
 
-def _tiny_llama(layers: int):
+def _tiny_llama(layers: int, **overrides):
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    cfg = tf.LlamaConfig(**{**sizes, **overrides})
     torch.manual_seed(0)
     return tf.LlamaForCausalLM(cfg)
 
@@ -227,8 +229,10 @@ class _Collectives:
 def _plans_worker(rank, world):
     results = {}
     batch = {"input_ids": torch.randint(1, 64, (1, 32)), "labels": torch.randint(1, 64, (1, 32))}
-    for layers in (2, 6):
-        model = hf_ring.apply_ring_attention(_tiny_llama(layers))
+    # dynamic NTK RoPE above 16 positions: its rotary embedding adds one all-reduce per forward (the largest position)
+    dynamic = {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}
+    for layers, rope in ((2, None), (6, None), (2, "dynamic"), (6, "dynamic")):
+        model = hf_ring.apply_ring_attention(_tiny_llama(layers, **(dynamic if rope else {})))
         counts = []
         for _ in range(3):  # the first step builds the plan, the others reuse it
             local = hf_ring.shard_batch(batch)
@@ -239,7 +243,7 @@ def _plans_worker(rank, world):
         with _Collectives() as c:
             model(**hf_ring.shard_batch(batch)).loss.backward()
         counts.append(c.count)
-        results[layers] = counts
+        results[layers if rope is None else (rope, layers)] = counts
     # ranks that disagree are still caught in a later forward, on every rank, and the group survives
     model = hf_ring.apply_ring_attention(_tiny_llama(2))
     model(**hf_ring.shard_batch(batch))
@@ -257,6 +261,8 @@ def test_collectives_per_step_do_not_grow_with_layers():
     for rank, res in enumerate(run_distributed(_plans_worker, 2, timeout=300)):
         assert res[2] == res[6], f"rank {rank}: collectives per forward+backward, 2 layers {res[2]}, 6 layers {res[6]}"
         assert all(1 <= c <= 2 for c in res[2]), f"rank {rank}: {res[2]}"  # one check per forward, counted
+        dynamic = res["dynamic", 2]
+        assert dynamic == res["dynamic", 6] and dynamic == [c + 1 for c in res[2]], (rank, dynamic, res[2])
         assert res["disagree"] is not None and "disagree on local_seq" in res["disagree"], res["disagree"]
 
 

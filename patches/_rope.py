@@ -1,0 +1,143 @@
+"""RoPE types whose frequencies follow the input's largest position id, made exact under context parallelism.
+
+Transformers' ``dynamic`` (dynamic NTK scaling) and ``longrope`` (Phi-3 / Phi-3.5 / Phi-4-mini long context)
+rotary embeddings pick their inverse frequencies at every forward from ``max(position_ids) + 1``: longrope
+switches from its short to its long factors once that exceeds ``original_max_position_embeddings``; dynamic
+rescales its base for that length. Under context parallelism each rank sees only its shard's positions (with
+zig-zag, rank 0 holds the last ones, rank 1 does not), so the ranks would rotate with different frequencies,
+and none of them like the unsharded model.
+
+``UnshardedPositions`` replaces the ``forward`` of each such rotary module of a patched model (an instance
+attribute; ``revert`` removes it) and calls Transformers' own code twice:
+
+1. the decorated ``forward`` (``dynamic_rope_update``) on one position, the largest position id of the whole CP
+   group: it updates the frequencies exactly as the unsharded model would for this batch;
+2. the function under that decorator (its ``__wrapped__``), under ``torch.no_grad()`` as in Transformers' rotary
+   classes, on the rank's own positions, with those frequencies.
+
+The largest position is one all-reduce (MAX) of one integer over the CP group per forward, computed once per
+batch (``PlanCache.derived``, so Gemma 3's per-layer-type calls share it) and kept on the device (no host sync
+of its own on NCCL). Only models with such a RoPE type pay it. A rotary module that selects frequencies some
+other way (no Transformers decorator in its ``forward``'s ``__wrapped__`` chain) is refused by ``check``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..comm import RingComm
+
+__all__ = [
+    "POSITION_DEPENDENT_ROPE", "UnshardedPositions", "check", "declared", "install", "remove", "rotary_modules",
+]  # fmt: skip
+
+#: RoPE types whose frequencies follow the largest position id of the input (Transformers' ``dynamic_rope_update``).
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _depends(kind) -> bool:
+    """As Transformers' decorator decides: ``"dynamic"`` in the type's name (``"dynamic"``, and Transformers'
+    dynamic variants) or ``"longrope"``."""
+    return isinstance(kind, str) and ("dynamic" in kind or kind == "longrope")
+
+
+def _kinds(rope_type) -> list:
+    if isinstance(rope_type, dict):  # per layer type (Gemma 3)
+        return list(rope_type.values())
+    return [rope_type]
+
+
+def declared(config) -> list:
+    """The position-dependent RoPE types that ``config`` names (per layer type too)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    sets = (
+        [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
+    )
+    return [k for p in sets if _depends(k := p.get("rope_type", p.get("type")))]
+
+
+def rotary_modules(model: torch.nn.Module) -> list:
+    """The modules of ``model`` whose ``rope_type`` is position-dependent."""
+    return [m for m in model.modules() if any(_depends(k) for k in _kinds(getattr(m, "rope_type", None)))]
+
+
+@functools.cache
+def _reference_code():
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    return dynamic_rope_update(lambda self, x, position_ids: None).__code__
+
+
+def undecorated(forward):
+    """The rotary computation under ``forward`` without Transformers' ``dynamic_rope_update`` (which sits under
+    ``torch.no_grad()`` in every Transformers rotary class), or None when that decorator is not in its chain."""
+    code = _reference_code()
+    f = forward
+    while f is not None:
+        if getattr(f, "__code__", None) is code:
+            return getattr(f, "__wrapped__", None)
+        f = getattr(f, "__wrapped__", None)
+    return None
+
+
+def check(model: torch.nn.Module, what: str) -> list:
+    """The rotary modules to wrap; ValueError when the config names a position-dependent RoPE type that cannot be
+    made exact (no rotary module found, or one whose ``forward`` is not Transformers' decorated one)."""
+    kinds = declared(model.config.get_text_config())
+    modules = rotary_modules(model)
+    odd = [m for m in modules if undecorated(type(m).forward) is None]
+    if (kinds and not modules) or odd:
+        kind = kinds[0] if kinds else getattr(odd[0], "rope_type", None)
+        raise ValueError(
+            f"{what}: rope_type={kind!r} picks its frequencies from the largest position id of the input, and hf_ring "
+            "found no rotary embedding it can give the whole sequence's largest position (Transformers' "
+            "dynamic_rope_update forward), so context parallelism would not be exact; this model is not supported"
+        )
+    return modules
+
+
+class UnshardedPositions:
+    """``forward`` of a rotary module: frequencies chosen for the CP group's largest position id (module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, cfg):
+        self.module = module
+        self.cfg = cfg
+        self._compute = undecorated(type(module).forward)
+
+    def __getstate__(self):  # the function is found again on loading (it cannot be pickled by name)
+        return {"module": self.module, "cfg": self.cfg}
+
+    def __setstate__(self, state):
+        self.__init__(state["module"], state["cfg"])
+
+    def __call__(self, x, position_ids=None, layer_type=None, **kwargs):
+        decorated = type(self.module).forward
+        extra = {} if layer_type is None else {"layer_type": layer_type}
+        if position_ids is None:
+            return decorated(self.module, x, position_ids, **extra, **kwargs)
+        plans = self.cfg.plans
+        largest = plans.derived((position_ids,), lambda: self._largest(position_ids)) if plans else None
+        if largest is None:
+            largest = self._largest(position_ids)
+        decorated(self.module, x, largest.to(position_ids.device), **extra)  # updates the frequencies
+        with torch.no_grad():
+            return self._compute(self.module, x, position_ids, **extra, **kwargs)
+
+    @torch.compiler.disable
+    def _largest(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """[1, 1]: the largest position id on any rank of the CP group (one all-reduce)."""
+        comm = RingComm(self.cfg.group, timeout=self.cfg.timeout)
+        return comm.all_reduce_max(position_ids.detach().max().reshape(1, 1))
+
+
+def install(modules: list, cfg) -> None:
+    for m in modules:
+        m.forward = UnshardedPositions(m, cfg)
+
+
+def remove(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), UnshardedPositions):
+            del m.forward
