@@ -192,11 +192,20 @@ def _patch_of(target):
     return get_patch(getattr(target.config, "model_type", None))
 
 
+def _is_causal_lm_loss(loss_type: str) -> bool:
+    """Transformers computes ``loss_type`` with its causal-LM loss (``ForConditionalGeneration``: vision-language
+    models)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    fn = LOSS_MAPPING.get(loss_type)
+    return fn is not None and fn is LOSS_MAPPING.get("ForCausalLM")
+
+
 def _check(target) -> None:
     """ValueError (before anything is changed) for what the chunked loss cannot reproduce exactly."""
     _patch_of(target)  # ValueError naming the supported model types
     loss_type = getattr(target, "loss_type", None) or getattr(target.config, "loss_type", None)
-    if loss_type not in (None, "ForCausalLM"):
+    if loss_type not in (None, "ForCausalLM") and not _is_causal_lm_loss(loss_type):
         raise ValueError(
             f"{type(target).__name__} uses loss_type={loss_type!r}; hf_ring's chunked loss computes the causal-LM "
             "cross-entropy (ForCausalLM) only"

@@ -38,7 +38,12 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from .accelerate import RingAttentionPlugin, apply_to_model, reshard_prepared_data_loader
+from .accelerate import (
+    RingAttentionPlugin,
+    apply_to_model,
+    check_ddp_reaches_every_parameter,
+    reshard_prepared_data_loader,
+)
 
 __all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer"]  # noqa: F822 - RingSFTTrainer is lazy
 
@@ -74,6 +79,9 @@ class RingAttentionTrainerMixin:
                 "train_sampling_strategy='batch_rebalance' splits batches over every process; use 'random', "
                 "'sequential' or 'group_by_length' with context parallelism"
             )
+        check_ddp_reaches_every_parameter(
+            self.accelerator, self.model, "set TrainingArguments(ddp_find_unused_parameters=True)"
+        )
         self.ring_setup = plugin.setup(self.accelerator)  # the frozen RingSetup: groups, sizes, ranks
         apply_to_model(self.ring_setup, self.model)
 

@@ -3,13 +3,15 @@
 Each dedicated family module (``llama``, ``mistral``, ``qwen2``, ``qwen3``) exposes ``PATCH`` (a
 ``FamilyPatch`` with ``apply`` / ``revert``) and the Liger-style entry points
 ``apply_ring_attention_to_<family>(..., model=None)`` and ``revert_ring_attention_from_<family>(model)``.
-Families that need nothing special share the ``generic`` patch (one line each in ``generic.FAMILIES``).
+Families that need nothing special share the ``generic`` patch (one line each in ``generic.FAMILIES``);
+vision-language models whose text model is of a supported family are patched for text-only batches
+(``multimodal.WRAPPERS``).
 ``hf_ring.apply_ring_attention`` looks the family up here.
 """
 
 from __future__ import annotations
 
-from . import generic, llama, mistral, qwen2, qwen3
+from . import generic, llama, mistral, multimodal, qwen2, qwen3
 from ._family import FamilyPatch, is_applied
 from .llama import apply_ring_attention_to_llama, revert_ring_attention_from_llama
 from .mistral import apply_ring_attention_to_mistral, revert_ring_attention_from_mistral
@@ -35,6 +37,7 @@ __all__ = [
 REGISTRY: dict = {
     **{t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types},
     **generic.PATCHES,
+    **multimodal.PATCHES,
 }
 """``config.model_type`` -> ``FamilyPatch``."""
 

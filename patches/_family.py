@@ -33,7 +33,7 @@ from ..hf_attention import ATTN_IMPLEMENTATION, BATCH_DOCUMENT_KWARGS, CONFIG_AT
 from ..ring import PlanCache
 from . import _rope
 
-__all__ = ["EndBatch", "FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "is_applied"]
+__all__ = ["EndBatch", "FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "TextOnly", "is_applied"]
 
 ORIGINAL_ATTR = "hf_ring_original_attn_implementation"
 """Attribute of a patched model holding the attention implementation to restore on revert."""
@@ -99,8 +99,41 @@ class EndBatch:
             self.plans.progress.end_forward(output)
 
 
-def _set_hooks(model, plans: PlanCache | None) -> None:
-    """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans``."""
+class TextOnly:
+    """Forward pre-hook of a vision-language model whose text model is patched: a call with images or video (the
+    family's ``media`` keywords, or ``token_type_ids`` marking image tokens) raises, on every rank alike, before
+    anything runs. Their tokens attend to each other both ways, which the ring's causal masks do not express."""
+
+    def __init__(self, name: str, media: tuple):
+        self.name = name
+        self.media = media
+
+    def __call__(self, module, args, kwargs) -> None:
+        given = [k for k in self.media if kwargs.get(k) is not None]
+        types = kwargs.get("token_type_ids")
+        if isinstance(types, torch.Tensor) and bool((types != 0).any()):
+            given.append("token_type_ids marking image tokens")
+        if given:
+            raise ValueError(
+                f"hf_ring patches the text model of this {self.name} model and runs text-only batches; the batch "
+                f"carries {', '.join(given)}: images or video are not supported under ring attention"
+            )
+
+
+def _switch(model, implementation: str) -> None:
+    """``set_attn_implementation`` for the text model only (a vision-language model's vision tower keeps its own)."""
+    config = model.config
+    text = config.get_text_config()
+    if text is config:
+        model.set_attn_implementation(implementation)
+        return
+    key = next(k for k in config.sub_configs if getattr(config, k, None) is text)
+    model.set_attn_implementation({key: implementation})
+
+
+def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None) -> None:
+    """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans`` (and
+    ``text_only`` on the outermost one)."""
     from transformers import PreTrainedModel
 
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
@@ -109,12 +142,14 @@ def _set_hooks(model, plans: PlanCache | None) -> None:
             continue
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for hook_id, hook in list(hooks.items()):
-                if isinstance(hook, (StartBatch, EndBatch)):
+                if isinstance(hook, (StartBatch, EndBatch, TextOnly)):
                     del hooks[hook_id]
                     m._forward_hooks_always_called.pop(hook_id, None)
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
             m.register_forward_hook(EndBatch(plans), always_call=True)
+    if plans is not None and text_only is not None:
+        top.register_forward_pre_hook(text_only, with_kwargs=True, prepend=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +186,9 @@ class FamilyPatch:
     # the family's decoder layers pass the model's keyword arguments on to the attention (False: Nemotron,
     # StableLM); without them no document ids or sharded KV cache arrive, so ring_generate refuses the family
     layer_kwargs: bool = True
+    # a vision-language model (its text model of a supported family is patched, nothing else): the keywords that
+    # carry images or video into its forward, refused (``TextOnly``); () for text models
+    media: tuple = ()
 
     def attention_type(self) -> type:
         module, _, cls = self.attention_class.rpartition(".")
@@ -184,16 +222,17 @@ class FamilyPatch:
         if model is None:
             return None
         self._check_model(model)
+        text = model.config.get_text_config()  # the model's own config, but for a vision-language model
         rotaries = _rope.check(model, self.name)
-        self.check_config(model.config)
+        self.check_config(text)
         modules = self.attention_modules(model)
         if not modules:
             raise ValueError(f"found no {self.attention_class.rpartition('.')[2]} module in {type(model).__name__}")
-        original = getattr(model, ORIGINAL_ATTR, model.config._attn_implementation)
+        original = getattr(model, ORIGINAL_ATTR, text._attn_implementation)
         if original == ATTN_IMPLEMENTATION:  # loaded with attn_implementation="hf_ring"
             original = FALLBACK_ATTN_IMPLEMENTATION
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        _switch(model, ATTN_IMPLEMENTATION)
+        if text._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(
                 f"{type(model).__name__} did not accept attn_implementation={ATTN_IMPLEMENTATION!r} "
                 "(it does not dispatch attention through transformers.AttentionInterface)"
@@ -204,7 +243,7 @@ class FamilyPatch:
             setattr(m, CONFIG_ATTR, cfg)
         _rope.remove(model)
         _rope.install(rotaries, cfg)
-        _set_hooks(model, cfg.plans)
+        _set_hooks(model, cfg.plans, TextOnly(self.name, self.media) if self.media else None)
         setattr(model, ORIGINAL_ATTR, original)
         return model
 
@@ -216,7 +255,7 @@ class FamilyPatch:
                 f"{type(model).__name__} has no ring attention to revert (apply_ring_attention was not called "
                 "on it, or it was reverted already)"
             )
-        model.set_attn_implementation(getattr(model, ORIGINAL_ATTR))
+        _switch(model, getattr(model, ORIGINAL_ATTR))
         for m in self.attention_modules(model):
             if hasattr(m, CONFIG_ATTR):
                 delattr(m, CONFIG_ATTR)

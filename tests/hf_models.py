@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MORE_FAMILIES", "PAD_ID", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
+__all__ = ["MORE_FAMILIES", "PAD_ID", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
            "prepare", "reference_step", "rel", "ring_step"]  # fmt: skip
 
 VOCAB = 96
@@ -91,6 +91,19 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
 """The families covered by one line each: what their tiny config exercises (see patches/generic.py)."""
 
 
+VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
+               {"head_dim": 16, "query_pre_attn_scalar": 20, **_SLIDE_FULL},
+               {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "image_size": 28, "patch_size": 14}),
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {"head_dim": 16, "sliding_window": 7},
+                 {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+}  # fmt: skip
+"""Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
+apply to their text config."""
+
+
 def make_config(family: str, **overrides):
     """A tiny random config: hidden 64, 4 query / 2 KV heads, windows shorter than the test sequences."""
     import transformers as tf
@@ -154,10 +167,14 @@ def make_config(family: str, **overrides):
     elif family in MORE_FAMILIES:
         config_class, _, extra = MORE_FAMILIES[family]
         cfg = getattr(tf, config_class)(**{**common, **extra})
+    elif family in VISION_LANGUAGE:  # the image token lies outside the vocabulary the test batches draw from
+        config_class, _, extra, vision = VISION_LANGUAGE[family]
+        cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
+                                        image_token_index=VOCAB + 3)  # fmt: skip
     else:
         raise ValueError(family)
     for k, v in overrides.items():
-        setattr(cfg, k, v)
+        setattr(cfg.get_text_config(), k, v)
     return cfg
 
 
@@ -170,7 +187,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
                "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
                "cohere2": tf.Cohere2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
                "gemma2": tf.Gemma2ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
-               **{f: getattr(tf, m) for f, (_, m, _) in MORE_FAMILIES.items()}}  # fmt: skip
+               **{f: getattr(tf, m) for f, (_, m, _) in MORE_FAMILIES.items()},
+               **{f: getattr(tf, m) for f, (_, m, _, _) in VISION_LANGUAGE.items()}}  # fmt: skip
     torch.manual_seed(seed)
     model = classes[family](make_config(family, **overrides)).to(dtype)
     model.config.use_cache = False
@@ -238,7 +256,12 @@ def prepare(family, opts, dtype=None):
 
 
 def grads(model) -> dict:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    # zeros where no gradient arrived (a vision-language model's vision tower, on a text-only batch)
+    return {
+        n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

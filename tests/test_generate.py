@@ -3,7 +3,7 @@ model's ``generate()`` in one process (fp32, tiny random models from tests/hf_mo
 
 One launch of 2 gloo ranks runs every case: greedy decoding must give token-for-token the same sequences as the
 unmodified model (Llama, Mistral's sliding window, Qwen2's mixed layers, Qwen3, Gemma2's softcapping, gpt-oss's
-sinks, a LoRA model, every layout, a left-padded batch of 2, longrope and dynamic RoPE), sampling under a fixed
+sinks, a LoRA model, Gemma 3's vision-language model, every layout, a left-padded batch of 2, longrope and dynamic RoPE), sampling under a fixed
 seed too; each rank holds about half the cache; after generating, the model trains as before. Bad calls raise on
 every rank.
 """
@@ -30,6 +30,7 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "gpt_oss-sinks": ("gpt_oss", 2, 15, 2, {}),
     "llama-lora": ("llama", 1, 13, 0, {"lora": True}),
     "llama-sampling": ("llama", 2, 9, 1, {"sample": True}),
+    "gemma3-vision-language": ("gemma3", 2, 14, 3, {}),  # its text model patched, text-only prompts
     # RoPE frequencies chosen by the largest position: longrope past its threshold from the prompt on (rank 1's
     # shard alone stays below it); dynamic NTK growing with every new token past 32
     "phi3-longrope": ("phi3", 1, 38, 0, {"config": LONGROPE}),

@@ -37,22 +37,28 @@ DEDICATED = ["llama", "mistral", "qwen2", "qwen3"]
 def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
     import importlib
 
-    from hf_ring.patches import generic
+    from hf_ring.patches import generic, multimodal
 
-    assert FAMILIES == sorted(DEDICATED + list(generic.FAMILIES))
+    assert FAMILIES == sorted(DEDICATED + list(generic.FAMILIES) + list(multimodal.WRAPPERS))
     for model_type, patch in REGISTRY.items():
         assert model_type in patch.model_types
         assert patch.attention_type().__name__.endswith("Attention")
         if patch.name in generic.FAMILIES:  # one line each in the generic table, one shared check
             assert generic.PATCHES[model_type] is patch and patch.model_types == (model_type,)
             assert patch.check_config is generic.CHECKS.get(model_type, generic.check)
+            assert not patch.media
+            continue
+        if patch.name in multimodal.WRAPPERS:  # a vision-language model: its text family's attention class
+            text_type, path, check = multimodal.WRAPPERS[model_type]
+            assert multimodal.PATCHES[model_type] is patch and patch.media == multimodal.MEDIA
+            assert path == (REGISTRY[text_type].attention_class) and check is REGISTRY[text_type].check_config
             continue
         mod = importlib.import_module(f"hf_ring.patches.{patch.name}")  # a dedicated module, Liger-style entry points
         assert mod.PATCH is patch
         assert callable(getattr(mod, f"apply_ring_attention_to_{patch.name}"))
         assert callable(getattr(mod, f"revert_ring_attention_from_{patch.name}"))
-    classes = [p.attention_class for p in REGISTRY.values()]
-    assert len(set(classes)) == len(classes)  # no attention class claimed by two families
+    classes = [p.attention_class for p in REGISTRY.values() if not p.media]
+    assert len(set(classes)) == len(classes)  # no attention class claimed by two text families
 
 
 def test_generic_patch_refuses_what_it_does_not_implement():
@@ -73,17 +79,19 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     before = _logits(model, input_ids=ids)
 
     assert hf_ring.apply_ring_attention(model) is model
-    assert model.config._attn_implementation == "hf_ring"
+    text = model.config.get_text_config()  # a vision-language model: its vision tower keeps its own attention
+    assert text._attn_implementation == "hf_ring"
+    assert all(c._attn_implementation == original for c in _sub_configs(model.config) if c is not text)
     assert AttentionInterface._global_mapping["hf_ring"] is hf_attention.ring_attention_forward
     assert AttentionMaskInterface._global_mapping["hf_ring"] is hf_attention.ring_mask_function
     modules = get_patch(family).attention_modules(model)
-    assert len(modules) == model.config.num_hidden_layers
+    assert len(modules) == text.num_hidden_layers
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
     ring = _logits(model, input_ids=ids)
     torch.testing.assert_close(ring, before, atol=ATOL, rtol=0)
 
     assert hf_ring.revert_ring_attention(model) is model
-    assert model.config._attn_implementation == original
+    assert all(c._attn_implementation == original for c in _sub_configs(model.config))
     assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in modules)
     assert torch.equal(_logits(model, input_ids=ids), before)  # bit-identical
 
@@ -95,6 +103,42 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert model.config._attn_implementation == "hf_ring"
     getattr(mod, f"revert_ring_attention_from_{family}")(model)
     assert torch.equal(_logits(model, input_ids=ids), before)
+
+
+def _sub_configs(config) -> list:
+    return [config] + [getattr(config, k) for k in config.sub_configs if getattr(config, k, None) is not None]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral3"])
+def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
+    """The text model of a vision-language model is patched; images, video or image tokens raise before anything
+    runs, naming what the batch carries; without them the model runs as before."""
+    from hf_ring.patches._family import TextOnly
+
+    model = make_model(family).eval()
+    ids = _ids()
+    before = _logits(model, input_ids=ids)
+    hf_ring.apply_ring_attention(model)
+    with pytest.raises(ValueError, match="carries pixel_values: images or video are not supported"):
+        model(input_ids=ids, pixel_values=torch.zeros(1, 3, 28, 28))
+    if family == "gemma3":
+        types = torch.zeros_like(ids)
+        torch.testing.assert_close(_logits(model, input_ids=ids, token_type_ids=types), before, atol=ATOL, rtol=0)
+        types[:, 2:6] = 1
+        with pytest.raises(ValueError, match="token_type_ids marking image tokens"):
+            model(input_ids=ids, token_type_ids=types)
+    torch.testing.assert_close(_logits(model, input_ids=ids), before, atol=ATOL, rtol=0)
+    hf_ring.revert_ring_attention(model)
+    model(input_ids=ids, pixel_values=None)  # the hook is gone with the patch
+    assert not any(isinstance(h, TextOnly) for h in model._forward_pre_hooks.values())
+
+
+def test_vision_language_model_with_another_text_family_is_refused():
+    model = make_model("mistral3")
+    model.config.text_config.model_type = "qwen2"
+    with pytest.raises(ValueError, match="mistral3: hf_ring supports its text model of type 'mistral', not 'qwen2'"):
+        hf_ring.apply_ring_attention(model)
+    assert model.config.text_config._attn_implementation != "hf_ring"
 
 
 def test_apply_twice_keeps_the_original_for_revert():
@@ -529,7 +573,7 @@ def test_plugin_prepares_every_supported_family(model_type):
         model, dl = RingAttentionPlugin(cp_size=1).prepare(
             accelerator, make_model(model_type), torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate)
         )
-        assert model.config._attn_implementation == "hf_ring"
+        assert model.config.get_text_config()._attn_implementation == "hf_ring"
         with torch.no_grad():
             got = model(**next(iter(dl))).loss
     finally:

@@ -102,6 +102,11 @@ CASES = {
     "persimmon-padded": ("persimmon", "padded", 45, {}),
     "solar_open-plain": ("solar_open", "plain", 40, {}),
     "vaultgemma-packed": ("vaultgemma", "packed", 45, {}),
+    # vision-language models, text-only batches (their text model patched; the vision tower gets no gradient)
+    "gemma3-packed": ("gemma3", "packed", 45, {}),
+    "gemma3-padded-lora-checkpointing": ("gemma3", "padded", 40, {"lora": True, "checkpointing": True}),
+    "mistral3-plain": ("mistral3", "plain", 45, {}),
+    "mistral3-packed-ulysses": ("mistral3", "packed", 40, {"ulysses": 2}),
     # RoPE types that pick their frequencies from the largest position id (given the whole sequence's)
     "phi3-longrope-plain": ("phi3", "plain", 45, {"config": LONGROPE}),
     "phi3-longrope-padded": ("phi3", "padded", 40, {"config": LONGROPE}),

@@ -1,0 +1,154 @@
+"""A vision-language model (Gemma 3, as ``AutoModelForCausalLM`` loads its checkpoints) fine-tuned on text with
+``RingAttentionPlugin`` under DDP: one ``torchrun`` launch of 2 CPU ranks (gloo, CP = 2, fp32).
+
+- Its vision tower gets no gradient from text-only batches, which DDP refuses at the second step: ``prepare``
+  raises on every rank first, naming both ways out.
+- The check in process: DDP only (not one process, not FSDP2), not with ``find_unused_parameters``, not for text
+  models or a frozen vision tower; LoRA on every ``q_proj`` reaches into the vision tower too.
+- Either way out then trains exactly: with the vision tower and projector frozen, and with
+  ``find_unused_parameters=True``, the per-step losses and final weights equal single-process training on the
+  full sequences (the chunked loss on, as the plugin's default).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train_utils import (
+    BATCH,
+    LR,
+    SEQ_LEN,
+    collate,
+    full_loss_sum,
+    max_param_rel_err,
+    read_results,
+    token_dataset,
+    torchrun,
+)
+
+STEPS = 3
+RTOL = 1e-5  # fp32: ring attention reorders sums, nothing else changes
+
+
+def _model(frozen: bool):
+    from tests.hf_models import make_model
+
+    model = make_model("gemma3")
+    if frozen:
+        model.model.vision_tower.requires_grad_(False)
+        model.model.multi_modal_projector.requires_grad_(False)
+    return model
+
+
+def _weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(plugin, accelerator, model, data) -> tuple[list, dict]:
+    from tests.train_utils import plugin_train
+
+    model, _, _, losses = plugin_train(plugin, accelerator, model, data, STEPS)
+    return losses, _weights(accelerator.unwrap_model(model))
+
+
+def _reference(data, frozen: bool) -> tuple[list, dict]:
+    model = _model(frozen)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        s, n = full_loss_sum(model, collate(data[step * BATCH : (step + 1) * BATCH]))
+        (s / n).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(s / n))
+    return losses, _weights(model)
+
+
+def worker(out: Path) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    data = token_dataset(BATCH * (STEPS + 1), SEQ_LEN)
+    accelerator = Accelerator(cpu=True)
+    res: dict = {}
+    try:
+        RingAttentionPlugin(cp_size=2).prepare(accelerator, _model(frozen=False))
+    except ValueError as e:
+        res["unused_error"] = str(e)
+    res["frozen"], frozen_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=True), data)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    res["unused"], unused_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=False), data)
+    if accelerator.process_index == 0:
+        for name, state, frozen in (("frozen", frozen_state, True), ("unused", unused_state, False)):
+            ref_losses, ref_state = _reference(data, frozen)
+            res[f"{name}_ref"] = ref_losses
+            res[f"{name}_weights_err"] = max_param_rel_err(state, ref_state)
+    (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(res))
+    accelerator.wait_for_everyone()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vision_language")
+    torchrun(Path(__file__), 2, out, timeout=300)
+    return read_results(out, 2)
+
+
+def test_prepare_refuses_parameters_text_batches_never_reach(results):
+    for r in results:
+        msg = r["unused_error"]
+        assert "lie outside its text model" in msg and "model.vision_tower" in msg, msg
+        assert "requires_grad_(False)" in msg and "find_unused_parameters=True" in msg, msg
+
+
+@pytest.mark.parametrize("way", ["frozen", "unused"])
+def test_text_training_matches_one_process(results, way):
+    got, ref = results[0][way], results[0][f"{way}_ref"]
+    assert results[1][way] == got  # every rank logs the same global loss
+    assert len(got) == STEPS and max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= RTOL, (got, ref)
+    assert results[0][f"{way}_weights_err"] <= RTOL
+
+
+def test_the_check_names_what_text_batches_never_reach():
+    """In process: which models, engines and DDP settings the check refuses (the Trainer's advice names its own
+    argument); LoRA on every ``q_proj`` reaches into the vision tower too."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_ring.accelerate import check_ddp_reaches_every_parameter, outside_text_model
+    from tests.hf_models import make_model
+
+    def ddp(find_unused):
+        return SimpleNamespace(
+            distributed_type="MULTI_CPU", ddp_handler=SimpleNamespace(find_unused_parameters=find_unused)
+        )
+
+    model = _model(frozen=False)
+    with pytest.raises(ValueError, match=r"TrainingArguments\(ddp_find_unused_parameters=True\)"):
+        check_ddp_reaches_every_parameter(ddp(False), model, "set TrainingArguments(ddp_find_unused_parameters=True)")
+    check_ddp_reaches_every_parameter(ddp(True), model)
+    check_ddp_reaches_every_parameter(SimpleNamespace(distributed_type="NO"), model)  # one process: no DDP
+    check_ddp_reaches_every_parameter(SimpleNamespace(distributed_type="FSDP", state=SimpleNamespace(
+        fsdp_plugin=SimpleNamespace(fsdp_version=2))), model)  # fmt: skip
+    check_ddp_reaches_every_parameter(ddp(False), _model(frozen=True))
+    check_ddp_reaches_every_parameter(ddp(False), make_model("llama"))  # a text model: nothing outside
+    assert outside_text_model(make_model("llama")) == []
+    lora = get_peft_model(_model(frozen=True), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    unused = outside_text_model(lora)
+    assert unused and all("vision_tower" in n and "lora_" in n for n in unused), unused
+    with pytest.raises(ValueError, match="lie outside its text model"):
+        check_ddp_reaches_every_parameter(ddp(False), lora)
+    text_only = LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    check_ddp_reaches_every_parameter(ddp(False), get_peft_model(_model(frozen=True), text_only))
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
