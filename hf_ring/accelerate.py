@@ -60,6 +60,7 @@ from torch.utils.data import DataLoader
 
 from .apply import unwrap_transformers_model
 from .engines import (
+    check_ddp_reaches_every_parameter,
     data_parallel_scheduler,
     engine_of,
     fill_deepspeed_micro_batch,
@@ -142,41 +143,6 @@ def _check_supported_model(model) -> None:
             "accelerator.prepare (not a DDP/FSDP-wrapped one)"
         )
     get_patch(getattr(target.config, "model_type", None))  # ValueError naming the supported families
-
-
-def outside_text_model(model) -> list:
-    """Names of ``model``'s trainable parameters that a text-only batch cannot reach: those of a vision-language
-    model outside its text model and output embeddings (vision tower, projector); [] for a text model."""
-    from transformers import PreTrainedModel
-
-    target = unwrap_transformers_model(model)
-    text = target.config.get_text_config()
-    if text is target.config:
-        return []
-    reached = [m for m in target.modules() if isinstance(m, PreTrainedModel) and m.config is text]
-    head = target.get_output_embeddings()
-    reached += [head] if head is not None else []
-    ids = {id(p) for m in reached for p in m.parameters()}
-    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
-
-
-def check_ddp_reaches_every_parameter(
-    accelerator, model, way_out: str = "pass kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters="
-    "True)] to the Accelerator"
-) -> None:  # fmt: skip
-    """ValueError when DDP would fail at the second step: trainable parameters that text-only batches never reach
-    (a vision-language model's vision tower) without ``find_unused_parameters`` (``way_out``: how to set it)."""
-    handler = getattr(accelerator, "ddp_handler", None)
-    if engine_of(accelerator) != "ddp" or getattr(handler, "find_unused_parameters", False):
-        return
-    unused = outside_text_model(model)
-    if unused:
-        raise ValueError(
-            f"{len(unused)} trainable parameters of this vision-language model (e.g. {unused[0]}) lie outside its "
-            "text model, so text-only batches give them no gradient, which DDP refuses at the second step: freeze "
-            "them (e.g. model.model.vision_tower.requires_grad_(False) and the projector; with PEFT, target the "
-            f"language model's modules only) or {way_out}"
-        )
 
 
 class _ShardCollate:

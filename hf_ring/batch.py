@@ -112,7 +112,8 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         group: the context-parallel process group (None: the default group; none initialised: 1 rank).
         layout: must match the layout given to ``apply_ring_attention``.
         pad_to_multiple: pad seq_len to the layout's multiple (2 x group size for zigzag) with ignored
-            tokens; if False, such a length raises ValueError.
+            tokens (position 0, so the largest position id stays the batch's own); if False, such a length
+            raises ValueError.
 
     Returns:
         ``input_ids`` and ``position_ids`` [batch, local_seq] (global positions, or per-document

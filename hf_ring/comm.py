@@ -160,16 +160,19 @@ class RingComm:
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         """The element-wise maximum of ``t`` over the group (a new tensor on ``t``'s device): one all-reduce, on
-        the device for NCCL (no host sync), else on the CPU."""
+        the device for NCCL (no host sync), else on the CPU, bounded by ``timeout`` there (as ``wait``)."""
         if self.world_size == 1:
             return t.clone()
         on_gpu = t.is_cuda and "nccl" in str(dist.get_backend(self.group))
         out = t.clone() if on_gpu else t.cpu().clone()
+        limit = None if self.timeout is None or on_gpu else datetime.timedelta(seconds=self.timeout)
         try:
-            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+            work = dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            work.wait() if limit is None else work.wait(limit)
         except RuntimeError as e:
             self.where = "in the largest-position all-reduce of the rotary embedding"
-            raise self._lost(e, peers=f"an all-reduce over the {self.world_size} ranks of the group") from e
+            timed = limit is not None and "time" in str(e).lower()
+            raise self._lost(e, timed=timed, peers=f"an all-reduce over the {self.world_size} ranks") from e
         return out.to(t.device)
 
 

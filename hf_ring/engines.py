@@ -13,7 +13,9 @@ be summed and the DP replicas averaged:
 - schedulers step ``dp_size`` times per optimizer step, as for a plain ``dp_size``-process run
   (``data_parallel_scheduler``); a scheduler from the DeepSpeed config is left to the engine;
 - Accelerate's own context parallelism (a ``ParallelismConfig`` with ``cp_size > 1``) is set aside
-  while the plugin prepares (``without_accelerate_cp``): hf_ring's ring attention runs in its place.
+  while the plugin prepares (``without_accelerate_cp``): hf_ring's ring attention runs in its place;
+- DDP refuses parameters that get no gradient (unless ``find_unused_parameters``): a vision-language model
+  trained on text has them (its vision tower), so ``check_ddp_reaches_every_parameter`` says so up front.
 
 Caveat: DeepSpeed is imported only when the engine is DeepSpeed (Accelerate exports its DeepSpeed
 helpers only where ``deepspeed`` is installed).
@@ -27,9 +29,12 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "ACCELERATOR_WAY_OUT",
+    "check_ddp_reaches_every_parameter",
     "data_parallel_scheduler",
     "engine_of",
     "fill_deepspeed_micro_batch",
+    "outside_text_model",
     "reduce_gradients",
     "without_accelerate_cp",
 ]
@@ -243,3 +248,42 @@ def fill_deepspeed_micro_batch(ring, accelerator, loaders: list) -> None:
     if accelerator.split_batches:
         size //= ring.dp_size
     ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = size
+
+
+def outside_text_model(model) -> list:
+    """Names of ``model``'s trainable parameters that a text-only batch cannot reach: those of a vision-language
+    model outside its text model and output embeddings (vision tower, projector); [] for a text model."""
+    from transformers import PreTrainedModel
+
+    from .apply import unwrap_transformers_model
+
+    target = unwrap_transformers_model(model)
+    text = target.config.get_text_config()
+    if text is target.config:
+        return []
+    reached = [m for m in target.modules() if isinstance(m, PreTrainedModel) and m.config is text]
+    head = target.get_output_embeddings()
+    reached += [head] if head is not None else []
+    ids = {id(p) for m in reached for p in m.parameters()}
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
+
+
+ACCELERATOR_WAY_OUT = (
+    "pass kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)] to the Accelerator"
+)
+
+
+def check_ddp_reaches_every_parameter(accelerator, model, way_out: str = ACCELERATOR_WAY_OUT) -> None:
+    """ValueError when DDP would fail at the second step: trainable parameters that text-only batches never reach
+    (a vision-language model's vision tower) without ``find_unused_parameters`` (``way_out``: how to set it)."""
+    handler = getattr(accelerator, "ddp_handler", None)
+    if engine_of(accelerator) != "ddp" or getattr(handler, "find_unused_parameters", False):
+        return
+    unused = outside_text_model(model)
+    if unused:
+        raise ValueError(
+            f"{len(unused)} trainable parameters of this vision-language model (e.g. {unused[0]}) lie outside its "
+            "text model, so text-only batches give them no gradient, which DDP refuses at the second step: freeze "
+            "them (e.g. model.model.vision_tower.requires_grad_(False) and the projector; with PEFT, target the "
+            f"language model's modules only) or {way_out}"
+        )

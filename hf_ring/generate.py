@@ -163,6 +163,10 @@ def ring_generate(model, inputs, **generate_kwargs):
             f"ring_generate does not support {patch.name} models: their decoder layers do not pass the sharded KV "
             "cache on to the attention; generate with hf_ring.revert_ring_attention(model) and model.generate()"
         )
+    if patch.media:  # a vision-language model: images given to generate() would never reach the sharded prefill
+        from .patches._family import TextOnly
+
+        TextOnly(patch.name, patch.media)(target, (), generate_kwargs)
     for name, (refused, what) in _REFUSED.items():
         if refused(generate_kwargs.get(name)):
             raise ValueError(f"ring_generate does not support {what}; use greedy or sampled decoding")

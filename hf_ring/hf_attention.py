@@ -152,6 +152,17 @@ class RingConfig:
         return (RingConfig, (group, self.layout, self.backend, self.plans, None, self.timeout))
 
 
+LOST_GROUP = (
+    "this model's ring attention lost its process group when the model was pickled; call "
+    "hf_ring.apply_ring_attention(model, group=...) again"
+)
+
+
+def lost_group(cfg: RingConfig) -> bool:
+    """True for a config whose process group was dropped by pickling (``LOST_GROUP`` says what to do)."""
+    return cfg.group is _Dropped.GROUP
+
+
 _DEFAULT = RingConfig()
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 #: What tells the attention where documents and padding are: a model called with any of them must pass one on
@@ -395,11 +406,8 @@ def ring_attention_forward(
     unknown = _unknown_kwargs_error(kwargs)
     if unknown:
         raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
-    if cfg.group is _Dropped.GROUP:
-        raise ValueError(
-            "this model's ring attention lost its process group when the model was pickled; call "
-            "hf_ring.apply_ring_attention(model, group=...) again"
-        )
+    if lost_group(cfg):
+        raise ValueError(LOST_GROUP)
     config = getattr(module, "config", None)
     output_attentions = kwargs.get("output_attentions")
     if output_attentions is None:

@@ -38,12 +38,8 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from .accelerate import (
-    RingAttentionPlugin,
-    apply_to_model,
-    check_ddp_reaches_every_parameter,
-    reshard_prepared_data_loader,
-)
+from .accelerate import RingAttentionPlugin, apply_to_model, reshard_prepared_data_loader
+from .engines import check_ddp_reaches_every_parameter
 
 __all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer"]  # noqa: F822 - RingSFTTrainer is lazy
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -99,6 +100,11 @@ class EndBatch:
             self.plans.progress.end_forward(output)
 
 
+def _carries(value) -> bool:
+    """A media keyword's value carries something (Transformers' ``generate`` passes an empty dict)."""
+    return value is not None and not (isinstance(value, (dict, list, tuple)) and len(value) == 0)
+
+
 class TextOnly:
     """Forward pre-hook of a vision-language model whose text model is patched: a call with images or video (the
     family's ``media`` keywords, or ``token_type_ids`` marking image tokens) raises, on every rank alike, before
@@ -109,8 +115,12 @@ class TextOnly:
         self.media = media
 
     def __call__(self, module, args, kwargs) -> None:
-        given = [k for k in self.media if kwargs.get(k) is not None]
-        types = kwargs.get("token_type_ids")
+        named = dict(kwargs)
+        if args:  # positional arguments too (``model(input_ids, pixel_values)``)
+            names = list(inspect.signature(type(module).forward).parameters)[1:]
+            named.update(zip(names, args))
+        given = [k for k in self.media if _carries(named.get(k))]
+        types = named.get("token_type_ids")
         if isinstance(types, torch.Tensor) and bool((types != 0).any()):
             given.append("token_type_ids marking image tokens")
         if given:
@@ -127,13 +137,17 @@ def _switch(model, implementation: str) -> None:
     if text is config:
         model.set_attn_implementation(implementation)
         return
-    key = next(k for k in config.sub_configs if getattr(config, k, None) is text)
+    key = next((k for k in config.sub_configs if getattr(config, k, None) is text), None)
+    if key is None:
+        raise ValueError(
+            f"{type(model).__name__}: its text config is not one of its sub-configs {list(config.sub_configs)}"
+        )
     model.set_attn_implementation({key: implementation})
 
 
 def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None) -> None:
     """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans`` (and
-    ``text_only`` on the outermost one)."""
+    ``text_only`` on the outermost model and the inner ones sharing its config)."""
     from transformers import PreTrainedModel
 
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
@@ -148,8 +162,10 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
             m.register_forward_hook(EndBatch(plans), always_call=True)
-    if plans is not None and text_only is not None:
-        top.register_forward_pre_hook(text_only, with_kwargs=True, prepend=True)
+    if plans is not None and text_only is not None:  # every level that takes images (not the vision tower's)
+        for m in model.modules():
+            if isinstance(m, PreTrainedModel) and m.config is top.config:
+                m.register_forward_pre_hook(text_only, with_kwargs=True, prepend=True)
 
 
 @dataclasses.dataclass(frozen=True)

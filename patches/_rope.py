@@ -28,9 +28,11 @@ import functools
 import torch
 
 from ..comm import RingComm
+from ..hf_attention import LOST_GROUP, lost_group
 
 __all__ = [
     "POSITION_DEPENDENT_ROPE", "UnshardedPositions", "check", "declared", "install", "remove", "rotary_modules",
+    "undecorated",
 ]  # fmt: skip
 
 #: RoPE types whose frequencies follow the largest position id of the input (Transformers' ``dynamic_rope_update``).
@@ -117,18 +119,26 @@ class UnshardedPositions:
         extra = {} if layer_type is None else {"layer_type": layer_type}
         if position_ids is None:
             return decorated(self.module, x, position_ids, **extra, **kwargs)
-        plans = self.cfg.plans
-        largest = plans.derived((position_ids,), lambda: self._largest(position_ids)) if plans else None
-        if largest is None:
+        plans = self.cfg.plans  # (not ``if plans``: an empty PlanCache has length 0)
+        if plans is None:
             largest = self._largest(position_ids)
+        else:
+            largest = plans.derived((position_ids,), lambda: self._largest(position_ids))
         decorated(self.module, x, largest.to(position_ids.device), **extra)  # updates the frequencies
         with torch.no_grad():
             return self._compute(self.module, x, position_ids, **extra, **kwargs)
 
     @torch.compiler.disable
     def _largest(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """[1, 1]: the largest position id on any rank of the CP group (one all-reduce)."""
-        comm = RingComm(self.cfg.group, timeout=self.cfg.timeout)
+        """[1, 1]: the largest position id on any rank of the CP group (one all-reduce, counted by the hang guard
+        like a ring call: a rank failing after it stops the group, so its peers never wait out of step)."""
+        cfg = self.cfg
+        if lost_group(cfg):
+            raise ValueError(LOST_GROUP)
+        comm = RingComm(cfg.group, timeout=cfg.timeout)
+        if comm.world_size > 1 and cfg.plans is not None:
+            cfg.plans.progress.label = "the rotary embedding's largest position"
+            cfg.plans.progress.call([cfg.group], needs_grad=False)
         return comm.all_reduce_max(position_ids.detach().max().reshape(1, 1))
 
 

@@ -3,11 +3,12 @@
 Transformers loads some of the most fine-tuned checkpoints as vision-language models even for text work:
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
 ``Gemma3ForConditionalGeneration``, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
-language model is a plain decoder of a family hf_ring supports (``gemma3_text``, ``mistral``); the vision tower
-and the projector only run when images are given.
+language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``mistral`` or ``ministral3``); the
+vision tower and the projector only run when images are given.
 
 The patch switches the text model's attention only (``set_attn_implementation`` for the text sub-config; the
-vision tower keeps its own) and checks the text config as the text family does. A call with images or video
+vision tower keeps its own); the text config's family (``VisionLanguagePatch.text``) finds its attention modules
+and checks the text config. A call with images or video
 (``pixel_values``, ``mm_encoder_outputs``, ``token_type_ids`` marking image tokens) raises on every rank before
 anything runs (``_family.TextOnly``): image tokens attend to each other both ways, which the ring's causal masks
 do not express. The heads of these models apply no logit transform (Gemma 3's vision-language head has no final
@@ -16,41 +17,62 @@ softcapping), so the chunked loss needs none.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from . import generic, mistral
 from ._family import FamilyPatch
 
-__all__ = ["MEDIA", "PATCHES", "WRAPPERS"]
+__all__ = ["MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
 
 MEDIA = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")
 """Keywords that carry images or video into these models' forward."""
 
-WRAPPERS = {  # model_type: (the text config's model_type, the text model's attention class, its config check)
-    "gemma3": ("gemma3_text", "transformers.models.gemma3.modeling_gemma3.Gemma3Attention", generic.check),
-    "mistral3": (
-        "mistral",
-        "transformers.models.mistral.modeling_mistral.MistralAttention",
-        mistral.PATCH.check_config,
-    ),
+WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
+    "gemma3": ("gemma3_text",),
+    "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
 }
 
 
-def _check(config, *, wrapper: str, text_type: str, check) -> None:
-    """The text family's check, for the text config a ``wrapper`` model holds."""
-    if getattr(config, "model_type", None) != text_type:
-        raise ValueError(f"{wrapper}: hf_ring supports its text model of type {text_type!r}, not {config.model_type!r}")
-    check(config)
+def text_patch(model_type) -> FamilyPatch:
+    """The patch of a text family these models hold (its attention class, its config check)."""
+    return mistral.PATCH if model_type in mistral.PATCH.model_types else generic.PATCHES[model_type]
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionLanguagePatch(FamilyPatch):
+    """A vision-language model: the patch of its text config's family does the work, on the text model."""
+
+    text_types: tuple = ()
+
+    def text(self, config) -> FamilyPatch:
+        """The text family's patch for the text ``config``; ValueError for a family this wrapper is not known with."""
+        kind = getattr(config, "model_type", None)
+        if kind not in self.text_types:
+            raise ValueError(
+                f"{self.name}: hf_ring supports its text model of types {list(self.text_types)}, not {kind!r}"
+            )
+        return text_patch(kind)
+
+    def attention_modules(self, model) -> list:
+        return self.text(model.config.get_text_config()).attention_modules(model)
+
+
+def _check(config, *, wrapper: str) -> None:
+    """The text family's check, on the text config."""
+    patch = PATCHES[wrapper]
+    patch.text(config).check_config(config)
 
 
 PATCHES = {
-    model_type: FamilyPatch(
+    model_type: VisionLanguagePatch(
         name=model_type,
         model_types=(model_type,),
-        attention_class=path,
-        check_config=functools.partial(_check, wrapper=model_type, text_type=text_type, check=check),
+        attention_class=text_patch(types[0]).attention_class,  # (for messages; the text config's family decides)
+        check_config=functools.partial(_check, wrapper=model_type),
         media=MEDIA,
+        text_types=types,
     )
-    for model_type, (text_type, path, check) in WRAPPERS.items()
+    for model_type, types in WRAPPERS.items()
 }
-"""``config.model_type`` of the vision-language model -> its ``FamilyPatch``."""
+"""``config.model_type`` of the vision-language model -> its ``VisionLanguagePatch``."""

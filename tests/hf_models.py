@@ -96,6 +96,10 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                {"head_dim": 16, "query_pre_attn_scalar": 20, **_SLIDE_FULL},
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "image_size": 28, "patch_size": 14}),
+    "mistral3-ministral3": ("Mistral3Config", "Mistral3ForConditionalGeneration",  # a Ministral 3 text model
+                            {"model_type": "ministral3", "head_dim": 16, "sliding_window": 6},
+                            {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {"head_dim": 16, "sliding_window": 7},
                  {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
@@ -256,9 +260,13 @@ def prepare(family, opts, dtype=None):
 
 
 def grads(model) -> dict:
-    # zeros where no gradient arrived (a vision-language model's vision tower, on a text-only batch)
+    from hf_ring.engines import outside_text_model
+
+    # zeros for a vision-language model's vision tower (a text-only batch cannot reach it); elsewhere every
+    # trainable parameter must have a gradient
+    unreached = set(outside_text_model(model))
     return {
-        n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        n: torch.zeros_like(p) if n in unreached and p.grad is None else p.grad.detach().clone()
         for n, p in model.named_parameters()
         if p.requires_grad
     }

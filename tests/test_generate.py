@@ -123,6 +123,7 @@ def _errors(rank, world) -> dict:
     import hf_ring
 
     model = hf_ring.apply_ring_attention(_model("llama", {}))
+    vlm = hf_ring.apply_ring_attention(_model("gemma3", {}))
     calls = {
         "different prompts": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0, seed=rank), max_new_tokens=2),
         "beam search": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2, num_beams=2),
@@ -131,6 +132,10 @@ def _errors(rank, world) -> dict:
         ),
         "assisted": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2, assistant_model=model),
         "plain generate": lambda: model.generate(**_prompt(1, 12, 0), max_new_tokens=2),
+        # a vision-language model's images, handed to generate(): refused, never dropped
+        "images": lambda: hf_ring.ring_generate(
+            vlm, _prompt(1, 12, 0), max_new_tokens=2, pixel_values=torch.zeros(1, 3, 28, 28)
+        ),
     }
     errors = {}
     for name, call in calls.items():
@@ -196,6 +201,7 @@ def test_bad_generation_calls_raise_on_every_rank(two_ranks):
         assert "cache_implementation" in (e["static cache"] or ""), (rank, e)
         assert "assisted decoding (assistant_model)" in (e["assisted"] or ""), (rank, e)
         assert "hf_ring.ring_generate(model, inputs" in (e["plain generate"] or ""), (rank, e)
+        assert "carries pixel_values: images or video are not supported" in (e["images"] or ""), (rank, e)
 
 
 def test_the_model_trains_as_before_after_generating(two_ranks):

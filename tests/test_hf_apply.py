@@ -48,10 +48,10 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
             assert patch.check_config is generic.CHECKS.get(model_type, generic.check)
             assert not patch.media
             continue
-        if patch.name in multimodal.WRAPPERS:  # a vision-language model: its text family's attention class
-            text_type, path, check = multimodal.WRAPPERS[model_type]
+        if patch.name in multimodal.WRAPPERS:  # a vision-language model: its text config's family does the work
             assert multimodal.PATCHES[model_type] is patch and patch.media == multimodal.MEDIA
-            assert path == (REGISTRY[text_type].attention_class) and check is REGISTRY[text_type].check_config
+            assert patch.text_types == multimodal.WRAPPERS[model_type]
+            assert all(multimodal.text_patch(t) is REGISTRY[t] for t in patch.text_types)
             continue
         mod = importlib.import_module(f"hf_ring.patches.{patch.name}")  # a dedicated module, Liger-style entry points
         assert mod.PATCH is patch
@@ -109,7 +109,7 @@ def _sub_configs(config) -> list:
     return [config] + [getattr(config, k) for k in config.sub_configs if getattr(config, k, None) is not None]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral3"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "mistral3-ministral3"])
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
     """The text model of a vision-language model is patched; images, video or image tokens raise before anything
     runs, naming what the batch carries; without them the model runs as before."""
@@ -119,8 +119,16 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
     ids = _ids()
     before = _logits(model, input_ids=ids)
     hf_ring.apply_ring_attention(model)
-    with pytest.raises(ValueError, match="carries pixel_values: images or video are not supported"):
-        model(input_ids=ids, pixel_values=torch.zeros(1, 3, 28, 28))
+    pixels = torch.zeros(1, 3, 28, 28)
+    for call in (
+        lambda: model(input_ids=ids, pixel_values=pixels),
+        lambda: model(ids, pixels),  # positional
+        lambda: model.model(input_ids=ids, pixel_values=pixels),  # the inner model, called on its own
+    ):
+        with pytest.raises(ValueError, match="carries pixel_values: images or video are not supported"):
+            call()
+    # an empty mm_encoder_outputs (Transformers' generate passes one) carries nothing
+    torch.testing.assert_close(_logits(model, input_ids=ids, mm_encoder_outputs={}), before, atol=ATOL, rtol=0)
     if family == "gemma3":
         types = torch.zeros_like(ids)
         torch.testing.assert_close(_logits(model, input_ids=ids, token_type_ids=types), before, atol=ATOL, rtol=0)
@@ -129,14 +137,16 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
             model(input_ids=ids, token_type_ids=types)
     torch.testing.assert_close(_logits(model, input_ids=ids), before, atol=ATOL, rtol=0)
     hf_ring.revert_ring_attention(model)
-    model(input_ids=ids, pixel_values=None)  # the hook is gone with the patch
-    assert not any(isinstance(h, TextOnly) for h in model._forward_pre_hooks.values())
+    model(input_ids=ids, pixel_values=None)  # the hooks are gone with the patch
+    assert not any(isinstance(h, TextOnly) for m in model.modules() for h in m._forward_pre_hooks.values())
 
 
 def test_vision_language_model_with_another_text_family_is_refused():
     model = make_model("mistral3")
     model.config.text_config.model_type = "qwen2"
-    with pytest.raises(ValueError, match="mistral3: hf_ring supports its text model of type 'mistral', not 'qwen2'"):
+    with pytest.raises(
+        ValueError, match=r"mistral3: hf_ring supports its text model of types \['mistral', 'ministral3'\], not 'qwen2'"
+    ):
         hf_ring.apply_ring_attention(model)
     assert model.config.text_config._attn_implementation != "hf_ring"
 

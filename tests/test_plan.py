@@ -244,6 +244,15 @@ def _plans_worker(rank, world):
             model(**hf_ring.shard_batch(batch)).loss.backward()
         counts.append(c.count)
         results[layers if rope is None else (rope, layers)] = counts
+    # Gemma 3 calls its rotary embedding once per layer type: still one all-reduce per forward
+    from tests.hf_models import DYNAMIC_FULL_LAYERS, make_model
+
+    for rope in (None, "dynamic"):
+        model = hf_ring.apply_ring_attention(make_model("gemma3_text", **(DYNAMIC_FULL_LAYERS if rope else {})))
+        gemma = {"input_ids": batch["input_ids"] % 90 + 1, "labels": batch["labels"] % 90 + 1}
+        with _Collectives() as c:
+            model(**hf_ring.shard_batch(gemma)).loss.backward()
+        results["gemma3", rope] = c.count
     # ranks that disagree are still caught in a later forward, on every rank, and the group survives
     model = hf_ring.apply_ring_attention(_tiny_llama(2))
     model(**hf_ring.shard_batch(batch))
@@ -263,6 +272,7 @@ def test_collectives_per_step_do_not_grow_with_layers():
         assert all(1 <= c <= 2 for c in res[2]), f"rank {rank}: {res[2]}"  # one check per forward, counted
         dynamic = res["dynamic", 2]
         assert dynamic == res["dynamic", 6] and dynamic == [c + 1 for c in res[2]], (rank, dynamic, res[2])
+        assert res["gemma3", "dynamic"] == res["gemma3", None] + 1, rank
         assert res["disagree"] is not None and "disagree on local_seq" in res["disagree"], res["disagree"]
 
 

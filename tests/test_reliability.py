@@ -110,7 +110,13 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
 
     torch.manual_seed(0)
     hybrid = where == "between-hybrid"  # Ulysses x Ring, U = 2: the peers wait in an all-to-all, not the ring
-    model = hf_ring.apply_ring_attention(make_model("llama", num_hidden_layers=3), ulysses_size=2 if hybrid else None)
+    # dynamic RoPE: the rotary embedding's all-reduce of the largest position comes before any ring call
+    rope = {
+        "max_position_embeddings": 16,
+        "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+    }
+    config = {"num_hidden_layers": 3, **(rope if where == "after-rope" else {})}
+    model = hf_ring.apply_ring_attention(make_model("llama", **config), ulysses_size=2 if hybrid else None)
     if where == "backward-reentrant":  # the layers' forwards run without grad, recomputed in the backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.enable_input_require_grads()
@@ -127,7 +133,9 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
         raise injected
 
     layer = model.model.layers[1]
-    if failing and where in ("between", "between-hybrid"):  # after layer 1's attention exchanged, before layer 2's
+    if failing and where == "after-rope":  # after the rotary embedding's all-reduce, before layer 0's attention
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(fail)
+    elif failing and where in ("between", "between-hybrid"):  # after layer 1's attention exchanged, before layer 2's
         layer.mlp.register_forward_hook(fail)
     elif failing and where in ("backward", "backward-reentrant"):  # layer 2's ring backward ran, layer 1's never does
         layer.mlp.register_full_backward_hook(fail)
@@ -157,7 +165,15 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
 
 @pytest.mark.parametrize(
     "where, world_size",
-    [("between", 2), ("inside", 2), ("backward", 2), ("backward-reentrant", 2), ("between-hybrid", 2), ("between", 4)],
+    [
+        ("between", 2),
+        ("inside", 2),
+        ("backward", 2),
+        ("backward-reentrant", 2),
+        ("between-hybrid", 2),
+        ("between", 4),
+        ("after-rope", 2),
+    ],  # fmt: skip
 )
 def test_a_one_sided_caught_failure_makes_every_rank_raise_naming_rank_and_call(where, world_size):
     """4 ranks: the ranks that wait for a rank that waited for the failing one learn it in turn."""
@@ -169,7 +185,8 @@ def test_a_one_sided_caught_failure_makes_every_rank_raise_naming_rank_and_call(
             "between-hybrid": "in its forward after ring-attention call 2 (layer 1)",
             "inside": f"in the forward at ring step 1 of {world_size} of ring-attention call 2 (layer 1)",
             "backward": "in its backward (after 1 ring-attention backward calls of the step)",
-            "backward-reentrant": "in its backward (after 1 ring-attention backward calls of the step)"}[where]  # fmt: skip
+            "backward-reentrant": "in its backward (after 1 ring-attention backward calls of the step)",
+            "after-rope": "in its forward after ring-attention call 1 (the rotary embedding's largest position)"}[where]  # fmt: skip
     for rank, result in enumerate(results):
         kind, message, t = result["errors"][-1]  # the failing rank: its second attempt
         assert kind == "StoppedError", (rank, kind, message)

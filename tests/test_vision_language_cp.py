@@ -123,7 +123,7 @@ def test_the_check_names_what_text_batches_never_reach():
 
     from peft import LoraConfig, get_peft_model
 
-    from hf_ring.accelerate import check_ddp_reaches_every_parameter, outside_text_model
+    from hf_ring.engines import check_ddp_reaches_every_parameter, outside_text_model
     from tests.hf_models import make_model
 
     def ddp(find_unused):
