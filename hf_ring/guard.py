@@ -20,7 +20,8 @@ failed, and stops the group on its side too (so ranks further round the ring lea
 Only failures that can leave a peer waiting stop the group: an error inside a ring-attention call of a group
 of more than one rank, an error escaping a model's forward after its first ring exchange, and a backward of such
 a forward that began but did not finish (found when the model is called again). Bad input found by the
-pre-flight check raises on every rank at the same point and leaves the group usable.
+pre-flight check raises on every rank at the same point and leaves the group usable, as does a forward refused by
+a hook that runs before hf_ring's own (``ring_generate``'s checks, a vision-language model's text-only check).
 
 Nothing here runs while all is well: no collective, no store access, no host sync; a few host counters per
 call. Caveats: on NCCL the connections are not broken (aborting communicators from one side does not release
@@ -170,6 +171,9 @@ class Progress:
     task: int = -1  # the autograd graph task of the backward being watched
     label: str = ""  # the call under way, as the model names it ("layer 3")
     groups: list = dataclasses.field(default_factory=list)  # groups this forward exchanged on
+    # model forwards begun (hf_ring's pre-hook ran) and not ended: a forward refused by a hook that runs before it
+    # (``ring_generate``'s, a vision-language model's text-only check) must not read the counts of the one before
+    depth: int = 0
 
     def begin_forward(self) -> None:
         if self.backward_began and not self.backward_ended:
@@ -200,7 +204,14 @@ class Progress:
 
     def end_forward(self, output) -> None:
         """After the model's forward (``output`` None: it raised): stop the group if it raised after exchanging;
-        otherwise watch for the backward to begin (a hook on the output tensors that need a gradient)."""
+        otherwise watch for the backward to begin (a hook on the output tensors that need a gradient). Nothing for
+        a forward that was refused before it began (``depth`` 0)."""
+        if self.depth == 0:
+            return
+        self.depth -= 1
+        self._end_forward(output)
+
+    def _end_forward(self, output) -> None:
         if output is None:  # the forward raised (torch passes no output then); the error is being handled
             error = sys.exc_info()[1]
             if self.calls and not isinstance(error, (StoppedError, InStepError)):

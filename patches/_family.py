@@ -84,6 +84,10 @@ class StartBatch:
     def __call__(self, module, args, kwargs) -> None:
         if not in_backward():  # a checkpointed model recomputing inside the backward is not a new batch
             self.plans.new_batch()
+            # (after new_batch: a forward it refuses never began; the outermost model starts the count anew, so a
+            # forward interrupted without its closing hook leaves nothing behind)
+            progress = self.plans.progress
+            progress.depth = 1 if self.top else progress.depth + 1
             carried = any(kwargs.get(k) is not None for k in BATCH_DOCUMENT_KWARGS)
             self.plans.batch_documents = carried or (not self.top and self.plans.batch_documents)
 

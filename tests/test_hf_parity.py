@@ -274,6 +274,14 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
             exact, own = exact_model(**rope_local).logits, own_model(**rope_local).logits
         out[f"rope_own_positions_{family}"] = (own - exact).abs().max().item()
 
+    # a forward refused before it begins (a vision-language model given images), right after a forward that
+    # exchanged: every rank raises, and the group stays usable (the refusal must not read the last forward's counts)
+    vlm = hf_ring.apply_ring_attention(make_model("gemma3"))
+    with torch.no_grad():
+        vlm(**local)
+        out["vlm_images"] = _error_of(lambda: vlm(**local, pixel_values=torch.zeros(1, 3, 28, 28)))
+        out["vlm_after"] = bool(torch.isfinite(vlm(**local).loss))
+
     alive = torch.ones(1)
     dist.all_reduce(alive)
     out["group_alive"] = int(alive.item())
@@ -384,6 +392,8 @@ def test_hf_integration_distributed(world_size):
         # fp32 rounding, ~1e-6; measured 1e-3 for dynamic at 2 ranks, where 36 and 45 positions scale alike)
         for family in ("phi3", "llama"):
             assert max(r["errors"][f"rope_own_positions_{family}"] for r in results) > 1e-4, family
+        for r in results:
+            assert "images or video are not supported" in r["errors"]["vlm_images"] and r["errors"]["vlm_after"]
         mine = [r["errors"]["by_hand_restart_mine"] for r in results]
         assert any(mine) and not all(mine)  # the case where only some ranks can see the mistake
 
