@@ -34,12 +34,10 @@ the torch and sdpa backends run their real CPU kernels.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import importlib
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _cpu import append_rows, cpu_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("full", "causal", "zigzag-half")
@@ -54,14 +53,6 @@ PASSES = ("fwd", "bwd", "fwd+bwd")
 FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "impl", "kind", "pass", "dtype",
           "batch", "q_heads", "kv_heads", "head_dim", "seqlen", "ms", "tflops", "rel_err"]  # fmt: skip
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _cpu_name() -> str:
-    try:
-        from _cpu import cpu_name
-    except ImportError:  # imported from outside benchmarks/
-        return platform.processor() or platform.machine()
-    return cpu_name()
 
 
 def env_info() -> dict:
@@ -74,7 +65,7 @@ def env_info() -> dict:
             versions[name] = ""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "",
         "cudnn": str(torch.backends.cudnn.version() or ""),
@@ -131,15 +122,7 @@ def random_inputs(args, seqlen: int, head_dim: int, device: torch.device, seed: 
 
 def write_rows(name: str, fields: list[str], rows: list[dict], folder: Path = RESULTS) -> Path:
     """Append ``rows`` to ``<folder>/<name>.csv`` (header written once)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.csv"
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        if new:
-            w.writeheader()
-        w.writerows(rows)
-    return path
+    return append_rows(folder / f"{name}.csv", fields, rows)
 
 
 def finish(name: str, fields: list[str], rows: list[dict], folder: Path, inaccurate: list[str], what: str) -> int:

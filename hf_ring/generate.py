@@ -198,14 +198,14 @@ class _Before:
 
     def __call__(self, module, args, kwargs):
         st = self.state
+        ids = kwargs.get("input_ids", args[0] if args else None)
         given = kwargs.get("past_key_values")
         if given is None:  # the family's generate drops the cache to compute it anew (Phi-3's longrope switch)
-            self._check_whole(kwargs, args)
+            self._check_whole(ids, kwargs.get("attention_mask"))
             self.cache.restart()
             kwargs = {**kwargs, "past_key_values": self.cache}
         elif given is not self.cache:
             raise ValueError("ring_generate: the model was called with another cache than its sharded one")
-        ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor):
             raise ValueError("ring_generate: the model must be called with input_ids")
         comm = RingComm(st.group)
@@ -221,9 +221,8 @@ class _Before:
         return args, {**kwargs, DECODE_KWARG: self.cache}
 
     @staticmethod
-    def _check_whole(kwargs: dict, args: tuple) -> None:
+    def _check_whole(ids, mask) -> None:
         """A call without a cache must bring the whole sequence: ValueError (on every rank alike) otherwise."""
-        ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
         if isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.shape[-1] != mask.shape[-1]:
             raise ValueError(
                 f"ring_generate: generate() dropped the model's cache but passed {ids.shape[-1]} of the sequence's "

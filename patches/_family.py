@@ -166,9 +166,7 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
             m.register_forward_hook(EndBatch(plans), always_call=True)
-    if plans is not None and text_only is not None:  # every level that takes images (not the vision tower's)
-        for m in model.modules():
-            if isinstance(m, PreTrainedModel) and m.config is top.config:
+            if text_only is not None and m.config is top.config:  # every level that takes images (not the tower)
                 m.register_forward_pre_hook(text_only, with_kwargs=True, prepend=True)
 
 

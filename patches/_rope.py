@@ -30,18 +30,12 @@ import torch
 from ..comm import RingComm
 from ..hf_attention import LOST_GROUP, lost_group
 
-__all__ = [
-    "POSITION_DEPENDENT_ROPE", "UnshardedPositions", "check", "declared", "install", "remove", "rotary_modules",
-    "undecorated",
-]  # fmt: skip
-
-#: RoPE types whose frequencies follow the largest position id of the input (Transformers' ``dynamic_rope_update``).
-POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+__all__ = ["UnshardedPositions", "check", "declared", "install", "remove", "rotary_modules", "undecorated"]
 
 
 def _depends(kind) -> bool:
-    """As Transformers' decorator decides: ``"dynamic"`` in the type's name (``"dynamic"``, and Transformers'
-    dynamic variants) or ``"longrope"``."""
+    """Whether RoPE type ``kind`` follows the largest position id, as Transformers' decorator decides: ``"dynamic"``
+    in the type's name (``"dynamic"``, and Transformers' dynamic variants) or ``"longrope"``."""
     return isinstance(kind, str) and ("dynamic" in kind or kind == "longrope")
 
 
