@@ -22,7 +22,9 @@ from .preflight import check_everywhere
 
 __all__ = ["decode_attention"]
 
-_FIELDS = ("error", "batch", "q_heads", "new_tokens", "head_dim", "kv_heads", "causal", "sliding_window")
+_FIELDS = (
+    "error", "batch", "q_heads", "new_tokens", "head_dim", "kv_heads", "v_head_dim", "causal", "sliding_window",
+)  # fmt: skip
 
 
 def decode_attention(
@@ -48,7 +50,7 @@ def decode_attention(
     Args:
         q: [batch, q_heads, new, head_dim], identical on every rank.
         k, v: [batch, kv_heads, local_keys, head_dim]: this rank's part of the keys/values (0 keys allowed);
-            ``q_heads % kv_heads == 0``.
+            ``q_heads % kv_heads == 0``; v's head_dim may differ (multi-head latent attention).
         q_pos: [new] integer global positions of the queries; k_pos: [local_keys] of this rank's keys.
         group: the CP process group (None: the default group; none initialised: one rank).
         causal, sliding_window, softcap, scale: as in ``ring_attention`` (visibility from the positions).
@@ -61,20 +63,21 @@ def decode_attention(
             that checked once per generation step passes False for the layers after the first.
 
     Returns:
-        [batch, q_heads, new, head_dim] in q's dtype, the same on every rank; rows that see no key are 0.
+        [batch, q_heads, new, v_head_dim] in q's dtype, the same on every rank; rows that see no key are 0.
     """
     rank, world = group_rank_and_size(group)
     error = _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks)
     if check:
         summary = [1] + [0] * (len(_FIELDS) - 1)
         if error is None:
-            summary = [0, *q.shape, int(k.shape[1]), int(causal), -1 if sliding_window is None else int(sliding_window)]
+            window = -1 if sliding_window is None else int(sliding_window)
+            summary = [0, *q.shape, int(k.shape[1]), int(v.shape[3]), int(causal), window]
         device = q.device if isinstance(q, torch.Tensor) else None
         check_everywhere(error, summary, RingComm(group), device, fields=_FIELDS, op="decode_attention")
     elif error is not None:
         raise ValueError(f"decode_attention (rank {rank}): {error}")
     b, hq, t, d = q.shape
-    out = torch.zeros(b, hq, t, d, dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, hq, t, v.shape[3], dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq, t), float("-inf"), dtype=torch.float32, device=q.device)
     if k.shape[2]:
         mask = BlockMask(
@@ -120,8 +123,11 @@ def _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks) -> str | None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             return f"{name} must be a 4-D tensor [batch, heads, tokens, head_dim]"
     b, hq, t, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [batch={b}, kv_heads, local_keys, head_dim={d}]"
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != d:
+        return (
+            f"k {tuple(k.shape)} must be [batch={b}, kv_heads, local_keys, head_dim={d}] and v {tuple(v.shape)} "
+            "[batch, kv_heads, local_keys, v_head_dim]"
+        )
     if k.shape[1] == 0 or hq % k.shape[1]:
         return f"q_heads ({hq}) must be a multiple of kv_heads ({k.shape[1]})"
     if not isinstance(q_pos, torch.Tensor) or q_pos.shape != (t,):

@@ -28,8 +28,11 @@ def local_error(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             return f"{name} must be a 4-D tensor [batch, heads, local_seq, head_dim]"
-    if k.shape != v.shape:
-        return f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+    if k.shape[:3] != v.shape[:3]:
+        return (
+            f"k and v must agree on batch, kv_heads and local_seq (v's head_dim may differ), got {tuple(k.shape)} "
+            f"and {tuple(v.shape)}"
+        )
     b, hq, lq, d = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (b, lq, d):
         return (
@@ -49,8 +52,8 @@ def local_error(
         return f"dtype {q.dtype} is not supported; use float16, bfloat16 or float32 (float64 is computed in fp32)"
     if not (q.device == k.device == v.device):
         return f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}"
-    if d < 8:
-        return f"head_dim must be at least 8, got {d}"
+    if min(d, v.shape[3]) < 8:
+        return f"head_dim must be at least 8, got {d} (q, k) and {v.shape[3]} (v)"
     if layout not in _layout.LAYOUTS:
         return f"unknown layout {layout!r}; choose one of {', '.join(_layout.LAYOUTS)}"
     if backend not in BACKENDS:
@@ -110,14 +113,14 @@ def _bits(x) -> int:
     return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error, ulysses_size=1) -> list[int]:
+def summary(q, k, v, layout, causal, scale, window, softcap, sinks, docs, error, ulysses_size=1) -> list[int]:
     """A fixed-size integer summary of this rank's call; every rank must send the same one."""
     if error is not None:
         return [1] + [0] * (len(FIELDS) - 1)
     b, hq, lq, d = q.shape
     documents = -1 if docs is None else fingerprint(docs)
     return [
-        0, lq, b, hq, k.shape[1], d, _DTYPES.index(q.dtype), _layout.LAYOUTS.index(layout),
+        0, lq, b, hq, k.shape[1], d, v.shape[3], _DTYPES.index(q.dtype), _layout.LAYOUTS.index(layout),
         int(causal), -1 if window is None else int(window), _bits(scale), _bits(softcap), int(sinks is not None),
         documents, ulysses_size,
     ]  # fmt: skip
@@ -136,7 +139,7 @@ def fingerprint(*tensors) -> int:
     return total
 
 
-FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
+FIELDS = ("error", "local_seq", "batch", "q_heads", "kv_heads", "head_dim", "v_head_dim", "dtype", "layout", "causal",
            "sliding_window", "scale", "softcap", "sinks", "documents", "ulysses_size")  # fmt: skip
 
 

@@ -171,7 +171,8 @@ def ring_attention(
     Args:
         q: [batch, q_heads, local_seq, head_dim], this rank's shard (in ``layout``) of the queries.
         k, v: [batch, kv_heads, local_seq, head_dim], ``q_heads % kv_heads == 0``. Only the kv_heads
-            heads travel the ring; they are never repeated to q_heads.
+            heads travel the ring; they are never repeated to q_heads. v's head_dim may differ from q's and k's
+            (multi-head latent attention: DeepSeek-V2/V3, GLM-4.7-Flash); the output then has v's.
         group: process group of the ring (None: the default group; no initialised group: one rank).
         layout: ``"zigzag"``, ``"striped"`` or ``"contiguous"`` (see ``hf_ring.layout``).
         causal: key position <= query position.
@@ -205,7 +206,7 @@ def ring_attention(
             ``comm`` is given (it carries its own).
 
     Returns:
-        [batch, q_heads, local_seq, head_dim] in q's dtype. Rows that see no key are 0.
+        [batch, q_heads, local_seq, v_head_dim] in q's dtype. Rows that see no key are 0.
     """
     hybrid = ulysses is not None and ulysses.ulysses_size > 1
     if ulysses is not None:
@@ -320,7 +321,7 @@ def _plan(
     if error is None:
         docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * n)
         module, error = choose_backend(backend, q, k, v, softcap)
-    summary = preflight.summary(q, k, layout, causal, scale, window, softcap, sinks, docs, error, u)
+    summary = preflight.summary(q, k, v, layout, causal, scale, window, softcap, sinks, docs, error, u)
     preflight.check_everywhere(error, summary, check, device)
 
     full = q.shape[2] * n
@@ -374,19 +375,31 @@ def _ring_buffers(kv: torch.Tensor, n: int) -> list[torch.Tensor]:
     return [torch.empty_like(kv) for _ in range(min(n - 1, 2))]
 
 
+def _message(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The local keys/values as the one contiguous message that travels: stacked [2, B, Hkv, L, D], or, when the
+    values' head_dim differs from the keys' (multi-head latent attention), side by side [B, Hkv, L, D + Dv]."""
+    return torch.stack([k, v]) if k.shape == v.shape else torch.cat([k, v], dim=-1)
+
+
+def _halves(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (keys, values) views of a ``_message`` (or of a gradient accumulator shaped like one); ``d``: the
+    keys' head_dim."""
+    return (kv[0], kv[1]) if kv.dim() == 5 else (kv[..., :d], kv[..., d:])
+
+
 def _ring_forward(q, k, v, plan: _Plan, comm):
-    """(out fp32, lse fp32, kv): kv is the stacked local keys/values [2, B, Hkv, L, D] that travelled
-    (None with one rank), kept for the backward."""
+    """(out fp32, lse fp32, kv): kv is the local keys/values that travelled (``_message``; None with one rank),
+    kept for the backward."""
     n, r = plan.world_size, plan.rank
     b, hq, lq, d = q.shape
-    out = torch.zeros(b, hq, lq, d, dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, hq, lq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
     if n == 1:
         if not plan.empty[0]:
             plan.backend.forward(q, k, v, plan.masks[0], plan.scale, out, lse, **plan.kernel_kwargs)
         out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
         return out, lse, None
-    kv = torch.stack([k, v])  # one contiguous message [2, batch, kv_heads, local_seq, head_dim]
+    kv = _message(k, v)
     bufs = _ring_buffers(kv, n)
     cur = kv
     comm.where = "in the forward"
@@ -397,7 +410,7 @@ def _ring_forward(q, k, v, plan: _Plan, comm):
             comm.where = f"in the forward at ring step {step + 1} of {n}"
             comm.commit()
         if not plan.empty[src]:
-            plan.backend.forward(q, cur[0], cur[1], plan.masks[src], plan.scale, out, lse, **plan.kernel_kwargs)
+            plan.backend.forward(q, *_halves(cur, d), plan.masks[src], plan.scale, out, lse, **plan.kernel_kwargs)
         if step + 1 < n:
             comm.wait()
             cur = nxt
@@ -406,20 +419,22 @@ def _ring_forward(q, k, v, plan: _Plan, comm):
 
 
 def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
-    """(dq, dkv fp32 [2, B, Hkv, L, D]); ``kv``: the stacked local keys/values (or the (k, v) pair with one
-    rank); ``delta``: rowsum(dout * out) fp32."""
+    """(dq, dk, dv) fp32; ``kv``: the local keys/values that travelled (``_message``), or the (k, v) pair with
+    one rank; ``delta``: rowsum(dout * out) fp32."""
     n, r = plan.world_size, plan.rank
+    d = q.shape[-1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    # dK/dV of the block held: computed into `local`, added to the accumulator that arrived with
-    # the block, sent on; `send`/`recv` alternate so a buffer in flight is never written.
-    send = torch.zeros((2, *kv[0].shape), dtype=torch.float32, device=q.device)
     if n == 1:
+        dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in kv)
         if not plan.empty[0]:
             plan.backend.backward(
-                dout, q, kv[0], kv[1], lse, delta, plan.masks[0], plan.scale, dq, send[0], send[1], out=out,
+                dout, q, kv[0], kv[1], lse, delta, plan.masks[0], plan.scale, dq, dk, dv, out=out,
                 **plan.kernel_kwargs,
             )  # fmt: skip
-        return dq, send
+        return dq, dk, dv
+    # dK/dV of the block held (shaped like the message): computed into `local`, added to the accumulator
+    # that arrived with the block, sent on; `send`/`recv` alternate so a buffer in flight is never written.
+    send = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     bufs = _ring_buffers(kv, n)
     recv, local = torch.empty_like(send), torch.empty_like(send)
     grad_comm = comm.partner()
@@ -436,7 +451,7 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
             target.zero_()
         if not plan.empty[src]:
             plan.backend.backward(
-                dout, q, cur[0], cur[1], lse, delta, plan.masks[src], plan.scale, dq, target[0], target[1],
+                dout, q, *_halves(cur, d), lse, delta, plan.masks[src], plan.scale, dq, *_halves(target, d),
                 out=out, **plan.kernel_kwargs,
             )  # fmt: skip
         if step > 0:
@@ -452,7 +467,7 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: _Plan, comm):
     grad_comm.wait()
     comm.bytes_sent += grad_comm.bytes_sent
     comm.bytes_received += grad_comm.bytes_received
-    return dq, recv  # after N hops the accumulator of this rank's own block is home
+    return dq, *_halves(recv, d)  # after N hops the accumulator of this rank's own block is home
 
 
 def _failed(watch, comm, error: BaseException) -> None:
@@ -472,7 +487,7 @@ class _RingAttention(torch.autograd.Function):
     # Autocast is off inside: the kernels choose their own precision (fp32 scores and accumulators);
     # under autocast the torch backend's matmuls would otherwise round scores to bf16.
     # q/k/v are taken with their strides (Transformers hands transposed views); nothing is copied but
-    # the one stacked K/V message, which the backward reuses.
+    # the one K/V message (``_message``), which the backward reuses.
     #
     # Sinks: one extra logit per head with no value, merged once into the final LSE:
     # lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). The backward then runs on (out', lse')
@@ -504,7 +519,7 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             delta = (dout.float() * out.float()).sum(-1)
             try:
-                dq, dkv = _ring_backward(dout, q, kv, out, lse, delta, ctx.plan, ctx.comm)
+                dq, dk, dv = _ring_backward(dout, q, kv, out, lse, delta, ctx.plan, ctx.comm)
             except BaseException as e:
                 _failed(ctx.watch, ctx.comm, e)
                 raise
@@ -514,4 +529,4 @@ class _RingAttention(torch.autograd.Function):
             if sinks is not None and ctx.needs_input_grad[3]:
                 p_sink = torch.exp(sinks.float()[None, :, None] - lse)
                 dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dkv[0].to(kv[0].dtype), dkv[1].to(kv[1].dtype), dsinks, None, None, None
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dsinks, None, None, None

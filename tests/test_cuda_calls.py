@@ -40,7 +40,7 @@ def test_sdpa_cuda_step_calls_match_the_op_schemas(dtype, heads, causal, transpo
     with mode:
         q = _fake_cuda(mode, (b, hq, lq, d), dtype, transposed)
         k, v = (_fake_cuda(mode, (b, hkv, lk, d), dtype, transposed) for _ in range(2))
-        assert sdpa_backend.runs_on_fused_ops(q)
+        assert sdpa_backend.runs_on_fused_ops(q, v)
         out, lse = sdpa_backend._fwd(q, k, v, causal, 0.09)
         assert (out.shape, out.dtype, out.device) == ((b, hq, lq, d), dtype, CUDA)
         assert (lse.shape, lse.dtype, lse.device) == ((b, hq, lq), torch.float32, CUDA)
@@ -60,4 +60,6 @@ def test_sdpa_cuda_routes_only_what_the_fused_op_takes(dtype, d, fused):
     mode = fake_tensor.FakeTensorMode()
     with mode:
         q = _fake_cuda(mode, (1, 4, 64, d), dtype)
-        assert sdpa_backend.runs_on_fused_ops(q) is fused
+        assert sdpa_backend.runs_on_fused_ops(q, q) is fused
+        # a value head_dim other than q's (multi-head latent attention) goes to the masked fallback
+        assert not sdpa_backend.runs_on_fused_ops(q, _fake_cuda(mode, (1, 4, 64, d // 2), dtype))

@@ -22,13 +22,13 @@ FP32_TOL = 1e-5
 P, G = 24, 5  # prompt tokens (zig-zag over the ranks), generated tokens (round-robin)
 
 
-def _sequence(b=2, hq=4, hkv=2, d=16, seed=0):
+def _sequence(b=2, hq=4, hkv=2, d=16, dv=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     s = P + G
     return (
         torch.randn(b, hq, s, d, generator=g),
         torch.randn(b, hkv, s, d, generator=g),
-        torch.randn(b, hkv, s, d, generator=g),
+        torch.randn(b, hkv, s, dv or d, generator=g),
     )
 
 
@@ -45,13 +45,14 @@ CASES = {  # name: (keyword arguments, number of newest tokens queried)
     "non_causal": ({"causal": False}, 1),
     "softcap_sinks": ({"softcap": 2.0, "sinks": True}, 1),
     "documents": ({"docs": True}, 2),  # packed prompt, padding, a query of a padded row sees nothing
+    "value_head_dim": ({"dv": 24}, 2),  # values with their own head_dim (multi-head latent attention)
 }
 
 
 def _case(name, rank, world):
     kw, t = CASES[name]
     kw = dict(kw)
-    q, k, v = _sequence()
+    q, k, v = _sequence(dv=kw.pop("dv", None))
     s = q.shape[2]
     ref_kw = {k2: kw[k2] for k2 in ("causal", "sliding_window", "softcap") if k2 in kw}
     if "sliding_window" in ref_kw:

@@ -27,7 +27,14 @@ def _cases(world_size: int) -> list[dict]:
     cu = torch.tensor([0, 7, 20, 20, 33, s], dtype=torch.int32)  # boundaries off the chunk edges, one empty doc
     pad = torch.arange(s)[None].repeat(2, 1)
     pad = torch.where(pad < torch.tensor([[s - 9], [s - 20]]), 0, -1)  # right padding: rows that see nothing
-    base = dict(batch=2, hq=4, hkv=2, d=64, causal=True, window=None, cu=None, docs=None)
+    base = dict(batch=2, hq=4, hkv=2, d=64, dv=None, causal=True, window=None, cu=None, docs=None)
+    # values with their own head_dim (multi-head latent attention: DeepSeek's 192 / 128, scaled down), one
+    # combination of features per layout
+    mla = {
+        "zigzag": dict(hq=4, hkv=4, d=48, dv=32, batch=1, cu=cu),
+        "striped": dict(d=24, dv=40, window=9),
+        "contiguous": dict(d=48, dv=32, docs=pad, causal=False),
+    }
     cases = []
     for layout in hf_ring.LAYOUTS:
         cases += [
@@ -41,6 +48,7 @@ def _cases(world_size: int) -> list[dict]:
             dict(base, layout=layout, batch=1, cu=cu),
             dict(base, layout=layout, batch=1, cu=cu, window=6, hkv=1),
             dict(base, layout=layout, docs=pad),
+            dict(base, layout=layout, **mla[layout]),
         ]
     return cases
 
@@ -54,10 +62,11 @@ def _run_case(rank, world, case, dtype=torch.float32, seed=0, backend="auto", ul
     s = FULL_LEN[world]
     g = torch.Generator().manual_seed(seed)
     b, hq, hkv, d = case["batch"], case["hq"], case["hkv"], case["d"]
+    dv = case["dv"] or d
     q = torch.randn(b, hq, s, d, generator=g).to(dtype)
     k = torch.randn(b, hkv, s, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, s, d, generator=g).to(dtype)
-    dout = torch.randn(b, hq, s, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, s, dv, generator=g).to(dtype)
+    dout = torch.randn(b, hq, s, dv, generator=g).to(dtype)
     lay = case["layout"]
 
     def part(x):
@@ -183,7 +192,7 @@ def test_without_process_group_equals_plain_attention():
 
 
 def _lowp_worker(rank, world, dtype):
-    cases = [c for i, c in enumerate(_cases(world)) if i % 10 in (0, 1, 3, 4, 5, 7, 9)]
+    cases = [c for i, c in enumerate(_cases(world)) if i % 11 in (0, 1, 3, 4, 5, 7, 9, 10)]
     return {b: [_run_case(rank, world, c, dtype=dtype, seed=1, backend=b) for c in cases] for b in LOWP_BACKENDS}
 
 
@@ -239,6 +248,12 @@ def _accounting_worker(rank, world):
     hf_ring.ring_attention(q, k, k, comm=comm).sum().backward()
     kv_bytes = 2 * b * hkv * (s // world) * d
     sent.append((comm.bytes_sent, 2 * (world - 1) * kv_bytes * 2 + world * kv_bytes * 4))
+    # values with their own head_dim (48 for keys of 80): the message is the keys and values side by side
+    v = torch.randn(b, hkv, s // world, 48, dtype=torch.float16, requires_grad=True)
+    comm = hf_ring.RingComm()
+    hf_ring.ring_attention(q, k, v, comm=comm).sum().backward()
+    kv_bytes = b * hkv * (s // world) * (d + 48)
+    sent.append((comm.bytes_sent, 2 * (world - 1) * kv_bytes * 2 + world * kv_bytes * 4))
 
     torch_backend.BLOCK_Q = torch_backend.BLOCK_K = s // (2 * world)  # one tile per chunk: count chunk pairs
     q, k, v = (torch.randn(1, 2, s // world, 16) for _ in range(3))
@@ -279,10 +294,11 @@ def accounting(request):
 def test_forward_sends_only_kv_heads(accounting):
     world, per_rank = accounting
     for rank, (sent, _, _) in enumerate(per_rank):
-        (fwd32, exp32), (fwd16, exp16), (both, exp_both) = sent
+        (fwd32, exp32), (fwd16, exp16), (both, exp_both), (mla, exp_mla) = sent
         assert fwd32 == exp32, f"rank {rank}: fp32 forward sent {fwd32} bytes, expected 2*(N-1)*B*Hkv*L*D*4 = {exp32}"
         assert fwd16 == exp16, f"rank {rank}: fp16 forward sent {fwd16} bytes, expected 2*(N-1)*B*Hkv*L*D*2 = {exp16}"
         assert both == exp_both, f"rank {rank}: forward+backward sent {both} bytes, expected {exp_both}"
+        assert mla == exp_mla, f"rank {rank}: forward+backward with Dv != D sent {mla} bytes, expected {exp_mla}"
 
 
 def test_communication_overlaps_computation(accounting):
@@ -319,6 +335,10 @@ def _error_cases(rank, world):
         ("dtype", "one dtype", lambda: hf_ring.ring_attention(q, k.half(), k.half())),
         ("device", "one device", lambda: hf_ring.ring_attention(q, k.to("meta"), k.to("meta"))),
         ("shape", "agree on", lambda: hf_ring.ring_attention(q, t(1, 2, local, 8), t(1, 2, local, 8))),
+        ("values", "k and v must agree on batch, kv_heads and local_seq",
+         lambda: hf_ring.ring_attention(q, k, t(1, 1, local, 16))),
+        ("value head_dim", "disagree on v_head_dim",
+         lambda: hf_ring.ring_attention(q, k, t(1, 2, local, 16 + 8 * rank))),
         ("layout", "unknown layout", lambda: hf_ring.ring_attention(q, k, k, layout="spiral")),
         ("backend", "unknown backend", lambda: hf_ring.ring_attention(q, k, k, backend="cuda-magic")),
         ("cu_seqlens", "cu_seqlens", lambda: hf_ring.ring_attention(q, k, k, cu_seqlens=torch.tensor([0, 5, 9]))),

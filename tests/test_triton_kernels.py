@@ -56,9 +56,10 @@ def _docs(pos: torch.Tensor, bounds, batch: int, pad=()) -> torch.Tensor:
     return d
 
 
-def _case(name, q_pos, k_pos, *, b=1, hq=2, hkv=1, d=64, causal=True, window=None, q_doc=None, k_doc=None):
-    return pytest.param(dict(b=b, hq=hq, hkv=hkv, d=d, q_pos=q_pos, k_pos=k_pos, causal=causal, window=window,
-                             q_doc=q_doc, k_doc=k_doc), id=name)  # fmt: skip
+def _case(name, q_pos, k_pos, *, b=1, hq=2, hkv=1, d=64, dv=None, causal=True, window=None, q_doc=None, k_doc=None):
+    """``dv``: the values' head_dim when it differs from ``d`` (multi-head latent attention)."""
+    return pytest.param(dict(b=b, hq=hq, hkv=hkv, d=d, dv=dv or d, q_pos=q_pos, k_pos=k_pos, causal=causal,
+                             window=window, q_doc=q_doc, k_doc=k_doc), id=name)  # fmt: skip
 
 
 A40, A72, A96 = torch.arange(40), torch.arange(72), torch.arange(96)
@@ -89,9 +90,13 @@ CASES = [
           q_doc=_docs(A40, [], 2, pad=[(0, 0, 32), (1, 8, 40)]), k_doc=_docs(A40, [], 2, pad=[(1, 0, 5)])),
     _case("causal-d256", A40, A40, hq=2, hkv=1, d=256),  # the largest head_dim
     _case("zigzag-half-d40", _cat((24, 72)), ZZ, hq=4, hkv=2, d=40),  # a small head_dim padded to 64
+    # values with another head_dim than queries/keys (DeepSeek's 192 / 128, scaled down), both ways round
+    _case("mla-zigzag-diag", ZZ, ZZ, hq=4, hkv=4, d=48, dv=32),
+    _case("mla-docs-window-gqa", A72, A72, b=2, hq=4, hkv=2, d=24, dv=40, window=30,
+          q_doc=_docs(A72, [20, 45], 2, pad=[(1, 60, 72)]), k_doc=_docs(A72, [20, 45], 2, pad=[(1, 60, 72)])),
 ]  # fmt: skip
 
-FP16_CASES = [CASES[i] for i in (1, 2, 5, 8, 11)]
+FP16_CASES = [CASES[i] for i in (1, 2, 5, 8, 11, 18)]
 
 
 def _mask(c) -> BlockMask:
@@ -103,12 +108,13 @@ def _inputs(c, dtype, seed=0, transposed=False):
     g = torch.Generator().manual_seed(seed)
     lq, lk = c["q_pos"].numel(), c["k_pos"].numel()
 
-    def rnd(h, n):
+    def rnd(h, n, d):
         if transposed:  # [B, L, H, D] viewed as [B, H, L, D], as Transformers hands them over
-            return torch.randn(c["b"], n, h, c["d"], generator=g).to(dtype).to(DEVICE).transpose(1, 2)
-        return torch.randn(c["b"], h, n, c["d"], generator=g).to(dtype).to(DEVICE)
+            return torch.randn(c["b"], n, h, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+        return torch.randn(c["b"], h, n, d, generator=g).to(dtype).to(DEVICE)
 
-    return rnd(c["hq"], lq), rnd(c["hkv"], lk), rnd(c["hkv"], lk), rnd(c["hq"], lq)
+    d, dv = c["d"], c["dv"]
+    return rnd(c["hq"], lq, d), rnd(c["hkv"], lk, d), rnd(c["hkv"], lk, dv), rnd(c["hq"], lq, dv)
 
 
 def _dense(q, k, v, mask: BlockMask, scale, dtype=torch.float64):
@@ -126,10 +132,10 @@ def _dense(q, k, v, mask: BlockMask, scale, dtype=torch.float64):
 
 def _run(backend, c, q, k, v, do, scale, config=None):
     """Forward from empty accumulators, then backward with the resulting LSE: (out, lse, dq, dk, dv)."""
-    b, hq, lq, d = q.shape
+    b, hq, lq, _ = q.shape
     kw = {} if config is None else {"config": config}
     mask = _mask(c)
-    out = torch.zeros(b, hq, lq, d, device=DEVICE)
+    out = torch.zeros(b, hq, lq, v.shape[-1], device=DEVICE)
     lse = torch.full((b, hq, lq), -math.inf, device=DEVICE)
     backend.forward(q, k, v, mask, scale, out, lse, **kw)
     delta = (do.float() * out).sum(-1)
@@ -189,7 +195,7 @@ def test_fp16_within_twice_fp16_attention_error(case, upcast):
         assert e <= LOWP_FACTOR * y + LOWP_EPS, f"{name}: {e:.2e} vs fp16 attention {y:.2e}"
 
 
-@pytest.mark.parametrize("case", [CASES[3], CASES[11], CASES[13]])
+@pytest.mark.parametrize("case", [CASES[3], CASES[11], CASES[13], CASES[19]])
 @pytest.mark.parametrize("config", [SQUARE, _tiles(32, 32, scan=1)], ids=["16x16", "32x32"])
 def test_other_tilings_and_strided_inputs(case, config):
     q, k, v, do = _inputs(case, torch.float32, seed=2, transposed=True)

@@ -32,7 +32,7 @@ def _cases() -> list[dict]:
     cu = torch.tensor([0, 9, 30, 30, 41, FULL], dtype=torch.int32)  # off the chunk edges, one empty doc
     pad = torch.arange(FULL)[None].repeat(2, 1)
     pad = torch.where(pad < torch.tensor([[FULL - 6], [FULL - 25]]), pad // 20, -1)  # docs, then right padding
-    base = dict(batch=2, hq=4, hkv=2, d=64, causal=True, window=None, cu=None, docs=None, layout="zigzag")
+    base = dict(batch=2, hq=4, hkv=2, d=64, dv=None, causal=True, window=None, cu=None, docs=None, layout="zigzag")
     return [
         dict(base),
         dict(base, causal=False, d=80),
@@ -46,6 +46,7 @@ def _cases() -> list[dict]:
         dict(base, layout="striped", batch=1, cu=cu, window=6),
         dict(base, layout="contiguous"),
         dict(base, layout="contiguous", window=13, causal=False),
+        dict(base, batch=1, hq=4, hkv=4, d=48, dv=32, cu=cu),  # values with their own head_dim (MLA)
     ]
 
 
@@ -53,10 +54,11 @@ def _run_case(rank, world, case, dtype, seed):
     """Relative errors (out, dq, dk, dv) of this rank vs float64, and those of SDPA in ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     b, hq, hkv, d, lay = case["batch"], case["hq"], case["hkv"], case["d"], case["layout"]
+    dv = case["dv"] or d
     q = torch.randn(b, hq, FULL, d, generator=g).to(dtype)
     k = torch.randn(b, hkv, FULL, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, FULL, d, generator=g).to(dtype)
-    dout = torch.randn(b, hq, FULL, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, FULL, dv, generator=g).to(dtype)
+    dout = torch.randn(b, hq, FULL, dv, generator=g).to(dtype)
 
     def part(x):
         return hf_ring.shard(x, dim=2, rank=rank, world_size=world, layout=lay)

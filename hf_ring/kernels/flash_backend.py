@@ -53,8 +53,12 @@ def unsupported(q, k, v) -> str | None:
     return unsupported_by(masked_fallback(q.device), q, k, v)
 
 
-def _usable(q: torch.Tensor) -> bool:
-    return available() and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+def _usable(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """flash-attn takes these inputs (CUDA, fp16 / bf16, one head_dim up to 256 for q, k and v)."""
+    return (
+        available() and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+        and v.shape[-1] == q.shape[-1]
+    )  # fmt: skip
 
 
 def _t(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +73,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     out: [batch, q_heads, local_q, head_dim] fp32; lse: [batch, q_heads, local_q] fp32.
     softcap: attention logit softcapping (None: off). Returns ``(out, lse)``.
     """
-    pieces = plan(mask) if _usable(q) else None
+    pieces = plan(mask) if _usable(q, v) else None
     if pieces is None:
         return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse, softcap=softcap)
     for kind, qs, ks in pieces:
@@ -99,7 +103,7 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
     Shapes as in ``torch_backend.backward``; ``out``: the global output in q's dtype (without it the
     step runs on the fallback); softcap: as in ``forward``. Returns ``(dq, dk, dv)``.
     """
-    pieces = plan(mask) if out is not None and _usable(q) and _flash_attn_backward is not None else None
+    pieces = plan(mask) if out is not None and _usable(q, v) and _flash_attn_backward is not None else None
     if pieces is None:
         return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, softcap=softcap)
     for kind, qs, ks in pieces:

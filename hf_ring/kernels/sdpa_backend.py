@@ -36,8 +36,11 @@ _HALF = (torch.float16, torch.bfloat16)
 SOFTCAP = True  # on the masked fallback (the fused ops have no softcapping)
 
 
-def runs_on_fused_ops(q: torch.Tensor) -> bool:
-    """True when PyTorch's fused ops take inputs like ``q`` (device, dtype, head_dim)."""
+def runs_on_fused_ops(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when PyTorch's fused ops take inputs like ``q`` and ``v`` (device, dtype, head_dim; the flash ops
+    need v's head_dim equal to q's)."""
+    if v.shape[-1] != q.shape[-1]:
+        return False
     if q.device.type == "cpu":
         return q.dtype in (torch.float32, *_HALF)
     if q.device.type == "cuda":
@@ -88,7 +91,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     q_heads, local_q] fp32. softcap: logit softcapping (the step then runs on the fallback).
     Returns ``(out, lse)``.
     """
-    pieces = mask.pieces() if runs_on_fused_ops(q) and softcap is None else None
+    pieces = mask.pieces() if runs_on_fused_ops(q, v) and softcap is None else None
     if pieces is None:
         return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse, softcap=softcap)
     for kind, qs, ks in pieces:
@@ -104,7 +107,7 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
     head_dim] in q's dtype (without it, or with ``softcap``, the step runs on the fallback).
     Returns ``(dq, dk, dv)``.
     """
-    pieces = mask.pieces() if out is not None and runs_on_fused_ops(q) and softcap is None else None
+    pieces = mask.pieces() if out is not None and runs_on_fused_ops(q, v) and softcap is None else None
     if pieces is None:
         return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, softcap=softcap)
     hkv = k.shape[1]

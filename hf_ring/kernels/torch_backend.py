@@ -94,8 +94,9 @@ def _scores(qf, kt, scale: float, softcap: float | None) -> tuple[torch.Tensor, 
 def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None):
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
-    q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
-    out: [batch, q_heads, local_q, head_dim] fp32; lse: [batch, q_heads, local_q] fp32.
+    q: [batch, q_heads, local_q, head_dim]; k: [batch, kv_heads, local_k, head_dim]; v: [batch, kv_heads,
+    local_k, v_head_dim] (v's head_dim may differ, as in multi-head latent attention).
+    out: [batch, q_heads, local_q, v_head_dim] fp32; lse: [batch, q_heads, local_q] fp32.
     softcap: None, or the cap of attention logit softcapping (applied before masking).
     Returns ``(out, lse)``.
     """
@@ -105,7 +106,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     for qs in tiles(mask.q_pos, BLOCK_Q):
         qf = _fold(q, hkv, qs)
         m = torch.full(qf.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
-        acc = torch.zeros_like(qf)
+        acc = qf.new_zeros(*qf.shape[:-1], v.shape[-1])
         denom = torch.zeros_like(m)
         for ks in k_tiles:
             kind = mask.classify(qs, ks)
@@ -133,9 +134,9 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
 def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, softcap=None):
     """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place (``out`` unused).
 
-    do, q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
+    q: [batch, q_heads, local_q, head_dim]; do: [batch, q_heads, local_q, v_head_dim]; k, v: as in ``forward``.
     lse: [batch, q_heads, local_q] fp32, the final (global) LSE; delta = rowsum(dO * O), same shape.
-    dq: like q, fp32; dk, dv: like k, fp32. softcap: as in ``forward`` (its derivative, ``1 - tanh^2``,
+    dq: like q, dk: like k, dv: like v, fp32. softcap: as in ``forward`` (its derivative, ``1 - tanh^2``,
     scales the score gradients). Returns ``(dq, dk, dv)``.
     """
     hq, hkv = q.shape[1], k.shape[1]

@@ -198,8 +198,8 @@ def _bwd_fake(
 
 def unsupported(q, k, v) -> str | None:
     """Why this backend cannot run these inputs, or None (the ring falls back from ``"auto"`` on a reason)."""
-    if q.shape[-1] > 256:
-        return f"head_dim {q.shape[-1]} is above 256"
+    if max(q.shape[-1], v.shape[-1]) > 256:
+        return f"head_dim {max(q.shape[-1], v.shape[-1])} is above 256"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return f"dtype {q.dtype} is not supported (float16, bfloat16, float32)"
     if q.device.type == "cpu" and not interpreted():
@@ -209,15 +209,15 @@ def unsupported(q, k, v) -> str | None:
         )
     if q.device.type not in ("cpu", "cuda"):
         return f"device type {q.device.type!r} is not supported (CUDA, or CPU in Triton's interpreter)"
-    if max(q.shape[2], k.shape[2]) * q.shape[3] >= INT32_LIMIT:
+    if max(q.shape[2], k.shape[2]) * max(q.shape[3], v.shape[3]) >= INT32_LIMIT:
         return "a (batch, head) slice holds 2**31 or more elements, beyond the kernels' int32 offsets"
     return None
 
 
 def _check(q, k, v, mask: BlockMask, acc: dict) -> None:
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"expected q [B, Hq, Lq, D] and k, v [B, Hkv, Lk, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"expected q [B, Hq, Lq, D], k [B, Hkv, Lk, D] and v [B, Hkv, Lk, Dv]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
     b, hq, lq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or hq % k.shape[1]:
         raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)} (batch, head_dim, q_heads % kv_heads)")
@@ -286,8 +286,8 @@ def _positions(mask: BlockMask, device: torch.device, batch: int):
 def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, config=None, softcap=None):
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
-    q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim]
-    (fp16 / bf16 / fp32, any strides). out: [batch, q_heads, local_q, head_dim] fp32;
+    q: [batch, q_heads, local_q, head_dim]; k: [batch, kv_heads, local_k, head_dim]; v: [batch, kv_heads,
+    local_k, v_head_dim] (fp16 / bf16 / fp32, any strides). out: [batch, q_heads, local_q, v_head_dim] fp32;
     lse: [batch, q_heads, local_q] fp32 natural-log, ``-inf`` for rows that saw nothing yet.
     config: a ``KernelConfig`` overriding ``default_config``. softcap: attention logit softcapping
     (a compile-time option of the kernels; None compiles it out). Returns ``(out, lse)``.
@@ -295,11 +295,11 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     if q.dtype == torch.float64:
         return torch_backend.forward(q, k, v, mask, scale, out, lse, softcap=softcap)
     b, hq, lq, d = q.shape
-    _check(q, k, v, mask, {"out": (out, (b, hq, lq, d)), "lse": (lse, (b, hq, lq))})
+    _check(q, k, v, mask, {"out": (out, (b, hq, lq, v.shape[-1])), "lse": (lse, (b, hq, lq))})
     if lq == 0 or k.shape[2] == 0:
         return out, lse
     q_pos, k_pos, q_doc, k_doc = _positions(mask, q.device, b)
-    cfg = config or default_config(q.device, q.dtype, d)
+    cfg = config or default_config(q.device, q.dtype, max(d, v.shape[-1]))
     q, k, v = _int32_safe(q, k, v)
     _int32_safe(out, copy=False)
     _fwd_op(
@@ -314,26 +314,27 @@ def backward(
 ):
     """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place (``out`` unused).
 
-    do, q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
+    q: [batch, q_heads, local_q, head_dim]; do: [batch, q_heads, local_q, v_head_dim]; k, v: as in ``forward``.
     lse: [batch, q_heads, local_q] fp32, the final (global) LSE (``-inf``: the row saw nothing, its
-    gradients are 0); delta = rowsum(dO * O), same shape. dq: like q, fp32; dk, dv: like k, fp32.
+    gradients are 0); delta = rowsum(dO * O), same shape. dq: like q, fp32; dk: like k, dv: like v, fp32.
     softcap: as in ``forward``. Returns ``(dq, dk, dv)``.
     """
     if q.dtype == torch.float64:
         return torch_backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, softcap=softcap)
     b, hq, lq, d = q.shape
-    kshape = tuple(k.shape)
     acc = {
         "lse": (lse, (b, hq, lq)), "delta": (delta, (b, hq, lq)),
-        "dq": (dq, (b, hq, lq, d)), "dk": (dk, kshape), "dv": (dv, kshape),
+        "dq": (dq, (b, hq, lq, d)), "dk": (dk, tuple(k.shape)), "dv": (dv, tuple(v.shape)),
     }  # fmt: skip
     _check(q, k, v, mask, acc)
-    if do.shape != q.shape or do.dtype != q.dtype:
-        raise ValueError(f"do must match q ({q.dtype} {tuple(q.shape)}), got {do.dtype} {tuple(do.shape)}")
+    if do.shape != (b, hq, lq, v.shape[-1]) or do.dtype != q.dtype:
+        raise ValueError(
+            f"do must be {q.dtype} {(b, hq, lq, v.shape[-1])} (q's rows, v's head_dim), got {do.dtype} {tuple(do.shape)}"
+        )
     if lq == 0 or k.shape[2] == 0:
         return dq, dk, dv
     q_pos, k_pos, q_doc, k_doc = _positions(mask, q.device, b)
-    cfg = config or default_config(q.device, q.dtype, d)
+    cfg = config or default_config(q.device, q.dtype, max(d, v.shape[-1]))
     lse, delta = lse.contiguous(), delta.contiguous()  # the kernels read both with lse's strides
     do, q, k, v = _int32_safe(do, q, k, v)
     _int32_safe(dq, dk, dv, copy=False)

@@ -49,21 +49,23 @@ def _visible(qp, kp, qd, kd, row_ok, col_ok, window,
 def _dq_tile(
     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
     start_n, Lk, qk_scale, window,
-    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     kt_ptrs = K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-    vt_ptrs = V + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
+    vt_ptrs = V + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd
     n_ok = offs_n < Lk
     if MASKED or BLOCK_D != HEAD_DIM:
-        kv_mask = n_ok[None, :] & (offs_d[:, None] < HEAD_DIM)
-        kt = tl.load(kt_ptrs, mask=kv_mask, other=0.0)
-        vt = tl.load(vt_ptrs, mask=kv_mask, other=0.0)
+        kt = tl.load(kt_ptrs, mask=n_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
     else:
         kt = tl.load(kt_ptrs)
+    if MASKED or BLOCK_DV != HEAD_DIM_V:
+        vt = tl.load(vt_ptrs, mask=n_ok[None, :] & (offs_dv[:, None] < HEAD_DIM_V), other=0.0)
+    else:
         vt = tl.load(vt_ptrs)
     if UPCAST:
         kt = kt.to(tl.float32)
@@ -106,9 +108,9 @@ def _dq_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_qdoc, stride_kdoc,
     Lq, Lk, HQ, GROUP, qk_scale, scale, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SCAN: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
-    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -137,8 +139,10 @@ def _dq_kernel(
         K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
         V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
         tile_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        do_mask = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
         q = tl.load(Q + bh_q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=tile_mask, other=0.0)
-        do = tl.load(DO + bh_o + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=tile_mask, other=0.0)
+        do = tl.load(DO + bh_o + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, mask=do_mask, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -154,19 +158,21 @@ def _dq_kernel(
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                     stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    False, HEAD_DIM, BLOCK_D,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             elif empty == 0:
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                     stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    True, HEAD_DIM, BLOCK_D,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
         for t in range(f_first, f_end):
             dq = _dq_tile(
                 dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                 stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                False, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
             )  # fmt: skip
         for t in range(f_end, end):
             empty, full = _tile_class(
@@ -176,13 +182,15 @@ def _dq_kernel(
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                     stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    False, HEAD_DIM, BLOCK_D,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             elif empty == 0:
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
                     stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    True, HEAD_DIM, BLOCK_D,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
         g_ptrs = (
             DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
@@ -196,21 +204,24 @@ def _dkdv_tile(
     dk, dv, kk, vv, kp, kd, n_ok, Q, DO, LSE, DELTA, QPOS, QDOC,
     stride_qm, stride_qd, stride_om, stride_od, stride_lm,
     start_m, Lq, qk_scale, window,
-    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One query tile against the program's key tile, in transposed form (keys are the rows)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     qt_ptrs = Q + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd
-    do_ptrs = DO + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    do_ptrs = DO + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
     m_ok = offs_m < Lq
     if MASKED or BLOCK_D != HEAD_DIM:
         qt = tl.load(qt_ptrs, mask=m_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-        do = tl.load(do_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     else:
         qt = tl.load(qt_ptrs)
+    if MASKED or BLOCK_DV != HEAD_DIM_V:
+        do = tl.load(do_ptrs, mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    else:
         do = tl.load(do_ptrs)
     if MASKED:
         lse = tl.load(LSE + offs_m * stride_lm, mask=m_ok, other=float("-inf"))
@@ -264,9 +275,9 @@ def _dkdv_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_qdoc, stride_kdoc,
     Lq, Lk, HKV, GROUP, qk_scale, scale, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SCAN: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
-    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -289,15 +300,17 @@ def _dkdv_kernel(
         else:
             kd = kp
         tile_mask = n_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        v_mask = n_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
         kv_off = b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
         kk = tl.load(K + kv_off + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=tile_mask, other=0.0)
         kv_off = b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-        vv = tl.load(V + kv_off + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=tile_mask, other=0.0)
+        vv = tl.load(V + kv_off + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask=v_mask, other=0.0)
         if UPCAST:
             kk = kk.to(tl.float32)
             vv = vv.to(tl.float32)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         for g in range(0, GROUP):
             h = hk * GROUP + g
             Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -313,19 +326,22 @@ def _dkdv_kernel(
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                         stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                        False, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                        False, HEAD_DIM, BLOCK_D,
+                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                     )  # fmt: skip
                 elif empty == 0:
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                         stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                        True, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                        True, HEAD_DIM, BLOCK_D,
+                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                     )  # fmt: skip
             for t in range(f_first, f_end):
                 dk, dv = _dkdv_tile(
                     dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                     stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    False, HEAD_DIM, BLOCK_D,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             for t in range(f_end, end):
                 empty, full = _tile_class(
@@ -335,13 +351,15 @@ def _dkdv_kernel(
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                         stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                        False, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                        False, HEAD_DIM, BLOCK_D,
+                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                     )  # fmt: skip
                 elif empty == 0:
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
                         stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
-                        True, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                        True, HEAD_DIM, BLOCK_D,
+                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                     )  # fmt: skip
         dk_ptrs = (
             DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
@@ -349,10 +367,10 @@ def _dkdv_kernel(
         )  # fmt: skip
         dv_ptrs = (
             DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-            + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+            + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd
         )  # fmt: skip
         tl.store(dk_ptrs, tl.load(dk_ptrs, mask=tile_mask, other=0.0) + dk * scale, mask=tile_mask)
-        tl.store(dv_ptrs, tl.load(dv_ptrs, mask=tile_mask, other=0.0) + dv, mask=tile_mask)
+        tl.store(dv_ptrs, tl.load(dv_ptrs, mask=v_mask, other=0.0) + dv, mask=v_mask)
 
 
 def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window, dq, dk, dv, cfg, softcap=None):
@@ -370,7 +388,8 @@ def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window,
     else:
         q_doc, k_doc, doc_strides = q_pos, k_pos, (0, 0)
     common = dict(
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SCAN=cfg.scan,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_V=v.shape[-1], BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])), SCAN=cfg.scan,
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=has_docs,
         UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
     )  # fmt: skip

@@ -162,26 +162,30 @@ def _tanh(x):
 def _fwd_tile(
     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
     start_n, Lk, qk_scale, window,
-    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One key tile of the online softmax; ``MASKED`` evaluates the mask element-wise; ``SOFTCAP`` > 0
     caps the (log2-unit) scores at ``SOFTCAP * tanh(s / SOFTCAP)`` before the mask."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     kt_ptrs = K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-    v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     if MASKED:
         n_ok = offs_n < Lk
         kt = tl.load(kt_ptrs, mask=n_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif BLOCK_D == HEAD_DIM:
-        kt = tl.load(kt_ptrs)
-        v = tl.load(v_ptrs)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     else:
-        kt = tl.load(kt_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        if BLOCK_D == HEAD_DIM:
+            kt = tl.load(kt_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+        if BLOCK_DV == HEAD_DIM_V:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
     if UPCAST:
         kt = kt.to(tl.float32)
         v = v.to(tl.float32)
@@ -231,9 +235,9 @@ def _fwd_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_qdoc, stride_kdoc,
     Lq, Lk, HQ, GROUP, qk_scale, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SCAN: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
-    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -266,7 +270,7 @@ def _fwd_kernel(
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         # Tiles before the full run: classified one by one.
         for t in range(first, f_first):
             empty, full = _tile_class(
@@ -276,20 +280,22 @@ def _fwd_kernel(
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                     t * BLOCK_N, Lk, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    False, HEAD_DIM, BLOCK_D,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             elif empty == 0:
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                     t * BLOCK_N, Lk, qk_scale, window,
-                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    True, HEAD_DIM, BLOCK_D,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
         # The run of fully visible tiles: no mask, no branch.
         for t in range(f_first, f_end):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                 t * BLOCK_N, Lk, qk_scale, window,
-                False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                False, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
             )  # fmt: skip
         # Tiles after it (the diagonal of a causal block, the edge of a window).
         for t in range(f_end, end):
@@ -300,18 +306,22 @@ def _fwd_kernel(
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                     t * BLOCK_N, Lk, qk_scale, window,
-                    False, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    False, HEAD_DIM, BLOCK_D,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
             elif empty == 0:
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
                     t * BLOCK_N, Lk, qk_scale, window,
-                    True, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    True, HEAD_DIM, BLOCK_D,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
                 )  # fmt: skip
         # Epilogue: merge (acc / l_i, m_i + log2 l_i) into the natural-log accumulators in place.
+        offs_dv = tl.arange(0, BLOCK_DV)
+        o_mask = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
         o_ptrs = (
             OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-            + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+            + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
         )  # fmt: skip
         l_ptrs = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + offs_m * stride_lm
         old = tl.load(l_ptrs, mask=m_ok, other=float("-inf")) * _LOG2E
@@ -323,15 +333,16 @@ def _fwd_kernel(
         w_blk = tl.math.exp2(blk - top)
         tot = w_old + w_blk
         inv = 1.0 / tl.where(tot > 0.0, tot, 1.0)
-        o_old = tl.load(o_ptrs, mask=q_mask, other=0.0)
+        o_old = tl.load(o_ptrs, mask=o_mask, other=0.0)
         o_new = o_old * (w_old * inv)[:, None] + acc * (w_blk * inv / tl.where(seen, l_i, 1.0))[:, None]
         lse_new = tl.where(tot > 0.0, top + tl.math.log2(tl.where(tot > 0.0, tot, 1.0)), float("-inf"))
-        tl.store(o_ptrs, o_new, mask=q_mask)
+        tl.store(o_ptrs, o_new, mask=o_mask)
         tl.store(l_ptrs, lse_new * _LN2, mask=m_ok)
 
 
 def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, softcap=None) -> None:
-    """Launch the forward kernel; ``out`` [B, Hq, Lq, D] and ``lse`` [B, Hq, Lq] fp32 are updated in place.
+    """Launch the forward kernel; ``out`` [B, Hq, Lq, Dv] and ``lse`` [B, Hq, Lq] fp32 are updated in place
+    (``Dv``: v's head_dim, which may differ from q's and k's).
 
     pos: ``(q_pos, k_pos, q_doc, k_doc)`` int32 device tensors (docs ``[1 or B, L]`` or None).
     cfg: a ``triton_backend.KernelConfig``. softcap: attention logit softcapping (None: off).
@@ -350,6 +361,7 @@ def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, 
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *doc_strides,
         lq, lk, hq, hq // hkv, scale * LOG2E, 0 if window is None else int(window),
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_V=v.shape[-1], BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SCAN=cfg.scan,
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=has_docs,
         UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
