@@ -12,7 +12,10 @@ interleaved rotary embeddings (GLM, Phi, StableLM, Nemotron, GPT-NeoX), layers w
 (SmolLM3), an attention multiplier (Granite, passed as ``scaling``), logit scales and final logit
 softcapping (Granite, Cohere, Gemma2), parallel attention + MLP blocks (Cohere, GPT-NeoX, StableLM),
 mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, dots1, GLM-4-MoE, gpt-oss, Ernie 4.5 MoE,
-HunYuan MoE, Cohere2-MoE, Mellum, MiniMax-M2, AFMoE, Solar-Open, Exaone-MoE, FlexOlmo). RoPE types whose
+HunYuan MoE, Cohere2-MoE, Mellum, MiniMax-M2, AFMoE, Solar-Open, Exaone-MoE, FlexOlmo, DeepSeek-V2/V3,
+GLM-4.7-Flash, LongCat-Flash), multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, LongCat-Flash:
+latents expanded per token before the attention function; the values' own head_dim is taken by the ring as
+it is, and ``ring_generate``'s cache keeps the latents). RoPE types whose
 frequencies follow the largest position of the input (``dynamic``, ``longrope``) are given the whole sequence's
 largest position (``_rope``), for every family.
 
@@ -43,6 +46,8 @@ FAMILIES = {
     "cohere2": "transformers.models.cohere2.modeling_cohere2.Cohere2Attention",
     "cohere2_moe": "transformers.models.cohere2_moe.modeling_cohere2_moe.Cohere2MoeAttention",
     "cwm": "transformers.models.cwm.modeling_cwm.CwmAttention",
+    "deepseek_v2": "transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention",
+    "deepseek_v3": "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
     "dots1": "transformers.models.dots1.modeling_dots1.Dots1Attention",
     "ernie4_5": "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention",
     "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeAttention",
@@ -55,6 +60,7 @@ FAMILIES = {
     "glm": "transformers.models.glm.modeling_glm.GlmAttention",
     "glm4": "transformers.models.glm4.modeling_glm4.Glm4Attention",
     "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention",
+    "glm4_moe_lite": "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
     "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention",
     "granite": "transformers.models.granite.modeling_granite.GraniteAttention",
@@ -64,6 +70,7 @@ FAMILIES = {
     "hunyuan_v1_dense": "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
     "hunyuan_v1_moe": "transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Attention",
     "jais2": "transformers.models.jais2.modeling_jais2.Jais2Attention",
+    "longcat_flash": "transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
     "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2Attention",
     "ministral": "transformers.models.ministral.modeling_ministral.MinistralAttention",

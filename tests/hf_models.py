@@ -38,6 +38,8 @@ EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "vaultgemma")
 """Families with attention logit softcapping or sinks: their reference is Transformers' eager attention."""
 
 _SLIDE_FULL = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
+_MLA = {"num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "head_dim": 8, "v_head_dim": 12}  # fmt: skip
 
 MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny config sets beyond the common sizes)
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),  # xIELU MLP, QK norm
@@ -87,6 +89,11 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", {}),
     "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", {"head_dim": 16, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, **_SLIDE_FULL}),
+    # multi-head latent attention: values with their own head_dim (smaller, or larger for GLM-4.7-Flash)
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**_MLA, "q_lora_rank": None, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {**_MLA, "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM", {**_MLA, "num_layers": 1, "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32, "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2}),
 }  # fmt: skip
 """The families covered by one line each: what their tiny config exercises (see patches/generic.py)."""
 

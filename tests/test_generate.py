@@ -31,6 +31,9 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "llama-lora": ("llama", 1, 13, 0, {"lora": True}),
     "llama-sampling": ("llama", 2, 9, 1, {"sample": True}),
     "gemma3-vision-language": ("gemma3", 2, 14, 3, {}),  # its text model patched, text-only prompts
+    # multi-head latent attention: the cache keeps the compressed latents (this rank's tokens' share)
+    "deepseek_v3-latent-cache": ("deepseek_v3", 2, 15, 2, {}),
+    "glm4_moe_lite-latent-cache": ("glm4_moe_lite", 1, 13, 0, {}),
     # RoPE frequencies chosen by the largest position: longrope past its threshold from the prompt on (rank 1's
     # shard alone stays below it); dynamic NTK growing with every new token past 32
     "phi3-longrope": ("phi3", 1, 38, 0, {"config": LONGROPE}),

@@ -102,6 +102,11 @@ CASES = {
     "persimmon-padded": ("persimmon", "padded", 45, {}),
     "solar_open-plain": ("solar_open", "plain", 40, {}),
     "vaultgemma-packed": ("vaultgemma", "packed", 45, {}),
+    # multi-head latent attention (values with their own head_dim), MoE
+    "deepseek_v2-padded": ("deepseek_v2", "padded", 40, {}),
+    "deepseek_v3-packed-lora": ("deepseek_v3", "packed", 45, {"lora": True}),
+    "glm4_moe_lite-plain-checkpointing": ("glm4_moe_lite", "plain", 40, {"checkpointing": True}),
+    "longcat_flash-packed": ("longcat_flash", "packed", 40, {}),
     # vision-language models, text-only batches (their text model patched; the vision tower gets no gradient)
     "gemma3-packed": ("gemma3", "packed", 45, {}),
     "gemma3-padded-lora-checkpointing": ("gemma3", "padded", 40, {"lora": True, "checkpointing": True}),
