@@ -69,6 +69,7 @@ class _State:
     docs: torch.Tensor | None = None  # [batch, padded prompt] int32 document ids (-1: padding)
     q_pos: torch.Tensor | None = None  # global positions of the tokens of the current decode step
     generated: int = 0  # tokens decoded so far (every rank counts them all)
+    kv_source: dict = dataclasses.field(default_factory=dict)  # layer that reuses another's keys/values -> that layer
 
 
 @functools.cache
@@ -175,7 +176,7 @@ def ring_generate(model, inputs, **generate_kwargs):
     if unknown:
         raise ValueError(f"ring_generate takes input_ids and attention_mask in inputs, not {unknown}")
     rank, world = group_rank_and_size(cfg.group)
-    state = _State(group=cfg.group, rank=rank, world=world, layout=cfg.layout)
+    state = _State(group=cfg.group, rank=rank, world=world, layout=cfg.layout, kv_source=_kv_sources(target))
     _, cache_cls = _cache_classes()
     cache = cache_cls(state, target.config.get_text_config().num_hidden_layers)
     hooks = [
@@ -187,6 +188,21 @@ def ring_generate(model, inputs, **generate_kwargs):
     finally:
         for h in hooks:
             h.remove()
+
+
+def _kv_sources(model) -> dict[int, int]:
+    """Layers that attend with the keys/values of an earlier layer and keep no cache of their own (Gemma 4's
+    KV-shared layers: the last layer of their type that stores its keys/values) -> that layer's index."""
+    producers, shared = {}, []
+    for m in model.modules():
+        if getattr(m, "store_full_length_kv", False):
+            producers[m.layer_type] = m.layer_idx
+        if getattr(m, "is_kv_shared_layer", False):
+            shared.append(m)
+    missing = [m.layer_idx for m in shared if m.layer_type not in producers]
+    if missing:
+        raise ValueError(f"ring_generate: layers {missing} reuse keys/values that no layer of their type stores")
+    return {m.layer_idx: producers[m.layer_type] for m in shared}
 
 
 class _Before:
@@ -249,7 +265,10 @@ class _Before:
         st.local = positions(s + pad, rank=st.rank, world_size=st.world, layout=st.layout)
         # one document per row for the decode steps (the new tokens see every prompt token that is not padding)
         st.docs = torch.where(full["attention_mask"].cpu().bool(), 0, -1).to(torch.int32)
-        local.update(use_cache=True, past_key_values=kwargs["past_key_values"], logits_to_keep=1)
+        # the logits of this rank's last token (the owner's is the prompt's last), as an index: an integer would
+        # let Gemma 4 run its KV-shared layers on that token alone, and those layers see every rank's tokens here
+        last = torch.tensor([local["input_ids"].shape[1] - 1], device=ids.device)
+        local.update(use_cache=True, past_key_values=kwargs["past_key_values"], logits_to_keep=last)
         local["cache_position"] = st.local.to(ids.device)
         local[DECODE_KWARG] = self.cache
         for key in ("return_dict", "output_attentions", "output_hidden_states"):

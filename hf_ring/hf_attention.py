@@ -182,7 +182,7 @@ _HARMLESS_KWARGS = (
     "max_length_q", "max_length_k",  # packing metadata; the boundaries come from cu_seq_lens
     "use_cache", "cache_position", "past_key_values", "past_key_value",  # a KV cache is refused by length
     "output_hidden_states", "return_dict", "position_embeddings", "layer_idx", "token_type_ids",
-    "num_items_in_batch", "shift_labels",  # loss keywords the model's forward passes along
+    "num_items_in_batch", "shift_labels", "labels",  # loss keywords the model's forward passes along (Gemma 4: labels)
 )  # fmt: skip
 
 
@@ -483,10 +483,10 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
     cached keys (``decode_attention``); [batch, new, q_heads, head_dim]."""
     from .decode import decode_attention
 
-    layer = cache.layers[module.layer_idx]
+    st = cache.state
+    layer = cache.layers[st.kv_source.get(module.layer_idx, module.layer_idx)]  # Gemma 4: a KV-shared layer's source
     causal = _is_causal(module, kwargs)
     query, key, value = _autocast(query, key, value)
-    st = cache.state
     docs = {}  # one document per row: only padding needs the document mask (costly tiles on the CPU)
     if layer.padded:
         docs = {"q_doc": torch.zeros(1, query.shape[2], dtype=torch.int32), "k_doc": layer.docs}

@@ -260,8 +260,8 @@ def _chunked_forward(
         shift_labels=shift_labels,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         ignore_index=ignore_index,
-        logit_scale=1.0 if transform is None else transform.scale(self.config),
-        logit_softcap=None if transform is None else transform.cap(self.config),
+        logit_scale=1.0 if transform is None else transform.scale(self.config.get_text_config()),
+        logit_softcap=None if transform is None else transform.cap(self.config.get_text_config()),
         chunk_size=chunk_size,
         backend=backend,
     )

@@ -111,7 +111,7 @@ def _carries(value) -> bool:
 
 class TextOnly:
     """Forward pre-hook of a vision-language model whose text model is patched: a call with images or video (the
-    family's ``media`` keywords, or ``token_type_ids`` marking image tokens) raises, on every rank alike, before
+    family's ``media`` keywords, or ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises, on every rank alike, before
     anything runs. Their tokens attend to each other both ways, which the ring's causal masks do not express."""
 
     def __init__(self, name: str, media: tuple):
@@ -124,9 +124,10 @@ class TextOnly:
             names = list(inspect.signature(type(module).forward).parameters)[1:]
             named.update(zip(names, args))
         given = [k for k in self.media if _carries(named.get(k))]
-        types = named.get("token_type_ids")
-        if isinstance(types, torch.Tensor) and bool((types != 0).any()):
-            given.append("token_type_ids marking image tokens")
+        for key in ("token_type_ids", "mm_token_type_ids"):  # Gemma 3's; Gemma 4's
+            types = named.get(key)
+            if isinstance(types, torch.Tensor) and bool((types != 0).any()):
+                given.append(f"{key} marking image tokens")
         if given:
             raise ValueError(
                 f"hf_ring patches the text model of this {self.name} model and runs text-only batches; the batch "

@@ -34,7 +34,7 @@ from ._family import FamilyPatch, LogitTransform, check_layer_types
 
 __all__ = [
     "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LOGIT_TRANSFORMS", "PATCHES", "check", "check_causal_mask_only",
-    "check_without_windows",
+    "check_gemma4", "check_without_windows",
 ]  # fmt: skip
 
 FAMILIES = {
@@ -57,6 +57,7 @@ FAMILIES = {
     "gemma": "transformers.models.gemma.modeling_gemma.GemmaAttention",
     "gemma2": "transformers.models.gemma2.modeling_gemma2.Gemma2Attention",
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3.Gemma3Attention",
+    "gemma4_text": "transformers.models.gemma4.modeling_gemma4.Gemma4TextAttention",
     "glm": "transformers.models.glm.modeling_glm.GlmAttention",
     "glm4": "transformers.models.glm4.modeling_glm4.Glm4Attention",
     "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention",
@@ -135,7 +136,19 @@ def check_causal_mask_only(config) -> None:
         )
 
 
-CHECKS = {"olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows}
+def check_gemma4(config) -> None:
+    """``check``, and no ``use_bidirectional_attention="all"`` (Gemma 4 as an encoder: its sliding layers then mask
+    with a two-sided window of its own, which the ring's windows do not reproduce; ``"vision"`` only concerns image
+    tokens, which the vision-language patch refuses)."""
+    check(config)
+    if getattr(config, "use_bidirectional_attention", None) == "all":
+        raise ValueError(
+            f"{config.model_type}: use_bidirectional_attention='all' (every token attending both ways, as an "
+            "encoder) is not supported under ring attention; hf_ring trains Gemma 4 as a causal language model"
+        )
+
+
+CHECKS = {"olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4}
 """Families with a stricter config check than ``check``."""
 
 DROPS_LAYER_KWARGS = {"nemotron", "stablelm"}
@@ -148,6 +161,7 @@ LOGIT_TRANSFORMS = {
     "cohere2_moe": LogitTransform(multiply="logit_scale"),
     "gemma2": LogitTransform(softcap="final_logit_softcapping"),
     "gemma3_text": LogitTransform(softcap="final_logit_softcapping"),
+    "gemma4_text": LogitTransform(softcap="final_logit_softcapping"),
     "granite": LogitTransform(divide="logits_scaling"),
     "granite_swa": LogitTransform(divide="logits_scaling"),
     "granitemoe": LogitTransform(divide="logits_scaling"),

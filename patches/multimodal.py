@@ -2,17 +2,18 @@
 
 Transformers loads some of the most fine-tuned checkpoints as vision-language models even for text work:
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
-``Gemma3ForConditionalGeneration``, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
-language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``mistral`` or ``ministral3``); the
-vision tower and the projector only run when images are given.
+``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
+``Gemma4ForConditionalGeneration``, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
+language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
+``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
 The patch switches the text model's attention only (``set_attn_implementation`` for the text sub-config; the
 vision tower keeps its own); the text config's family (``VisionLanguagePatch.text``) finds its attention modules
 and checks the text config. A call with images or video
-(``pixel_values``, ``mm_encoder_outputs``, ``token_type_ids`` marking image tokens) raises on every rank before
-anything runs (``_family.TextOnly``): image tokens attend to each other both ways, which the ring's causal masks
-do not express. The heads of these models apply no logit transform (Gemma 3's vision-language head has no final
-softcapping), so the chunked loss needs none.
+(``pixel_values``, ``input_features``, ``mm_encoder_outputs``, ``token_type_ids`` / ``mm_token_type_ids`` marking
+image tokens) raises on every rank before anything runs (``_family.TextOnly``): image tokens attend to each other
+both ways, which the ring's causal masks do not express. Gemma 4's head softcaps its logits with the text config's
+``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's and Mistral 3's apply nothing.
 """
 
 from __future__ import annotations
@@ -21,17 +22,23 @@ import dataclasses
 import functools
 
 from . import generic, mistral
-from ._family import FamilyPatch
+from ._family import FamilyPatch, LogitTransform
 
 __all__ = ["MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
 
-MEDIA = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")
-"""Keywords that carry images or video into these models' forward."""
+MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs")
+"""Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward."""
 
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
+    "gemma4": ("gemma4_text",),  # Gemma 4 (text, vision, audio)
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
 }
+
+
+LOGIT_TRANSFORMS = {"gemma4": LogitTransform(softcap="final_logit_softcapping")}
+"""What a vision-language head does to the logits, read from the text config (Gemma 4's head softcaps them as its
+text model's does; Gemma 3's does not)."""
 
 
 def text_patch(model_type) -> FamilyPatch:
@@ -70,6 +77,7 @@ PATCHES = {
         model_types=(model_type,),
         attention_class=text_patch(types[0]).attention_class,  # (for messages; the text config's family decides)
         check_config=functools.partial(_check, wrapper=model_type),
+        logit_transform=LOGIT_TRANSFORMS.get(model_type),
         media=MEDIA,
         text_types=types,
     )

@@ -15,6 +15,11 @@ PAD_ID = 0
 # every attention module's `scaling` is multiplied by SCALE_FACTOR: an implementation that ignored Transformers'
 # `scaling` (and used head_dim ** -0.5, or the family's own multiplier) would fail every parity case
 SCALE_FACTOR = 1.5
+# Gemma 4 scores RMS-normed queries and keys with scaling 1.0 (dot products of the order of head_dim): 1.5 times
+# that makes a random tiny model so sharp that fp32 gradients differ from float64 by 3e-5 in Transformers' own
+# attention (0.3: 2.6e-6, measured without the MoE block, which has no float64 kernel). 0.2 (neither 1.0 nor
+# head_dim ** -0.5) keeps the ring's gradient errors at <= 4.4e-6 (measured, 1 to 4 ranks) under the 1e-5 tolerance
+SCALE_FACTORS = {"gemma4_text": 0.2, "gemma4": 0.2}
 
 
 # RoPE types whose frequencies follow the largest position id (config overrides for make_config). The thresholds
@@ -93,12 +98,18 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**_MLA, "q_lora_rank": None, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {**_MLA, "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    # Gemma 4: layers that reuse an earlier layer's keys/values, keys as values on full layers, a wider head_dim on
+    # full layers, per-layer token embeddings, final logit softcapping
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", {"head_dim": 16, "global_head_dim": 32, "num_hidden_layers": 4, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2, "attention_k_eq_v": True, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "final_logit_softcapping": 2.0, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}),
     "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM", {**_MLA, "num_layers": 1, "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32, "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2}),
 }  # fmt: skip
 """The families covered by one line each: what their tiny config exercises (see patches/generic.py)."""
 
 
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
+               {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "head_dim": 16, "patch_size": 14}),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
                {"head_dim": 16, "query_pre_attn_scalar": 20, **_SLIDE_FULL},
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -211,7 +222,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):
                 m.sinks.normal_()
     for m in model.modules():  # a non-default attention scale, which the ring must honour
         if isinstance(getattr(m, "scaling", None), float):
-            m.scaling *= SCALE_FACTOR  # the family's own scale (multipliers, query_pre_attn_scalar), changed
+            m.scaling *= SCALE_FACTORS.get(family, SCALE_FACTOR)  # the family's own scale (multipliers, ...), changed
     return model
 
 

@@ -34,6 +34,9 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     # multi-head latent attention: the cache keeps the compressed latents (this rank's tokens' share)
     "deepseek_v3-latent-cache": ("deepseek_v3", 2, 15, 2, {}),
     "glm4_moe_lite-latent-cache": ("glm4_moe_lite", 1, 13, 0, {}),
+    # Gemma 4: its last layers attend with the keys/values of earlier layers (no cache of their own)
+    "gemma4_text-shared-kv": ("gemma4_text", 2, 14, 3, {}),
+    "gemma4-vision-language": ("gemma4", 1, 13, 0, {}),
     # RoPE frequencies chosen by the largest position: longrope past its threshold from the prompt on (rank 1's
     # shard alone stays below it); dynamic NTK growing with every new token past 32
     "phi3-longrope": ("phi3", 1, 38, 0, {"config": LONGROPE}),

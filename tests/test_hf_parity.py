@@ -107,9 +107,14 @@ CASES = {
     "deepseek_v3-packed-lora": ("deepseek_v3", "packed", 45, {"lora": True}),
     "glm4_moe_lite-plain-checkpointing": ("glm4_moe_lite", "plain", 40, {"checkpointing": True}),
     "longcat_flash-packed": ("longcat_flash", "packed", 40, {}),
+    # Gemma 4 (text): shared keys/values across layers, keys as values, per-layer embeddings, softcapping
+    "gemma4_text-packed": ("gemma4_text", "packed", 45, {}),
+    "gemma4_text-padded-lora-checkpointing": ("gemma4_text", "padded", 40, {"lora": True, "checkpointing": True}),
     # vision-language models, text-only batches (their text model patched; the vision tower gets no gradient)
     "gemma3-packed": ("gemma3", "packed", 45, {}),
     "gemma3-padded-lora-checkpointing": ("gemma3", "padded", 40, {"lora": True, "checkpointing": True}),
+    "gemma4-packed-ulysses": ("gemma4", "packed", 40, {"ulysses": 2}),
+    "gemma4-padded-checkpointing": ("gemma4", "padded", 45, {"checkpointing": True}),
     "mistral3-plain": ("mistral3", "plain", 45, {}),
     "mistral3-packed-ulysses": ("mistral3", "packed", 40, {"ulysses": 2}),
     "mistral3-ministral3-padded": ("mistral3-ministral3", "padded", 45, {}),
