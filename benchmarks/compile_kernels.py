@@ -112,18 +112,24 @@ def compile_kernel(fn, arch: int, dtype: str, constexprs: dict, warps: int, stag
     return int(kernel.metadata.shared), registers, stack
 
 
-def reports(arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"), config=None, softcap=None):
+def reports(
+    arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"), config=None, softcap=None, v_head_dim=None
+):
     """Compile the three kernels of one (arch, dtype, head_dim) cell: yields a ``Report`` per kernel.
 
-    ``softcap``: compile the attention-logit-softcapping variant (a compile-time option) with that cap."""
+    ``softcap``: compile the attention-logit-softcapping variant (a compile-time option) with that cap.
+    ``v_head_dim``: the values' head_dim when it differs (multi-head latent attention; the config is chosen for the
+    larger of the two, as ``triton_backend`` does)."""
     import torch
     import triton
 
     from hf_ring.kernels import triton_backend, triton_bwd, triton_fwd
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    cfg = config or triton_backend.cuda_config(divmod(arch, 10), torch_dtype, head_dim)
-    base = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SCAN=cfg.scan,
+    dv = v_head_dim or head_dim
+    cfg = config or triton_backend.cuda_config(divmod(arch, 10), torch_dtype, max(head_dim, dv))
+    base = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HEAD_DIM_V=dv,
+                BLOCK_DV=max(16, triton.next_power_of_2(dv)), SCAN=cfg.scan,
                 CAUSAL=True, HAS_WINDOW=True, HAS_DOCS=True, UPCAST=cfg.upcast or dtype == "fp32",
                 SOFTCAP=triton_fwd.softcap_constexpr(softcap))  # fmt: skip
     plan = {
@@ -133,7 +139,7 @@ def reports(arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"),
     }
     for name in kernels:
         fn, m, n, warps, stages = plan[name]
-        cap = "" if softcap is None else f" cap{softcap:g}"
+        cap = ("" if softcap is None else f" cap{softcap:g}") + ("" if dv == head_dim else f" dv{dv}")
         rep = Report(arch, dtype, head_dim, name, f"M{m} N{n} w{warps} s{stages}{cap}")
         t0 = time.perf_counter()
         try:
@@ -153,6 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--kernels", nargs="+", default=["fwd", "dq", "dkdv"], choices=["fwd", "dq", "dkdv"])
     p.add_argument("--softcap", type=float, default=None, help="compile the logit-softcapping variant with this cap")
+    p.add_argument("--v-head-dim", type=int, default=None, help="the values' head_dim, when it differs (MLA)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler this script reports on")
@@ -164,7 +171,9 @@ def main(argv=None) -> int:
     for arch in args.arch:
         for dtype in args.dtypes:
             for head_dim in args.head_dims:
-                for rep in reports(arch, dtype, head_dim, args.kernels, softcap=args.softcap):
+                for rep in reports(
+                    arch, dtype, head_dim, args.kernels, softcap=args.softcap, v_head_dim=args.v_head_dim
+                ):
                     print(rep.line(), flush=True)
                     failed += not rep.ok
     print(f"{failed} kernel(s) failed or do not fit" if failed else "every kernel compiled and fits")
