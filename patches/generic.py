@@ -13,7 +13,8 @@ interleaved rotary embeddings (GLM, Phi, StableLM, Nemotron, GPT-NeoX), layers w
 softcapping (Granite, Cohere, Gemma2), parallel attention + MLP blocks (Cohere, GPT-NeoX, StableLM),
 mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, dots1, GLM-4-MoE, gpt-oss, Ernie 4.5 MoE,
 HunYuan MoE, Cohere2-MoE, Mellum, MiniMax-M2, AFMoE, Solar-Open, Exaone-MoE, FlexOlmo, DeepSeek-V2/V3,
-GLM-4.7-Flash, LongCat-Flash), multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, LongCat-Flash:
+GLM-4.7-Flash, LongCat-Flash, Mistral 4, A.X K1, MiMo-V2-Flash, Laguna, HunYuan V3), multi-head latent attention
+(DeepSeek-V2/V3, Mistral 4, GLM-4.7-Flash, LongCat-Flash, MiniCPM3, Youtu, A.X K1:
 latents expanded per token before the attention function; the values' own head_dim is taken by the ring as
 it is, and ``ring_generate``'s cache keeps the latents). RoPE types whose
 frequencies follow the largest position of the input (``dynamic``, ``longrope``) are given the whole sequence's
@@ -41,6 +42,7 @@ FAMILIES = {
     "afmoe": "transformers.models.afmoe.modeling_afmoe.AfmoeAttention",
     "apertus": "transformers.models.apertus.modeling_apertus.ApertusAttention",
     "arcee": "transformers.models.arcee.modeling_arcee.ArceeAttention",
+    "axk1": "transformers.models.axk1.modeling_axk1.AXK1Attention",
     "bitnet": "transformers.models.bitnet.modeling_bitnet.BitNetAttention",
     "cohere": "transformers.models.cohere.modeling_cohere.CohereAttention",
     "cohere2": "transformers.models.cohere2.modeling_cohere2.Cohere2Attention",
@@ -70,13 +72,20 @@ FAMILIES = {
     "helium": "transformers.models.helium.modeling_helium.HeliumAttention",
     "hunyuan_v1_dense": "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
     "hunyuan_v1_moe": "transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Attention",
+    "hy_v3": "transformers.models.hy_v3.modeling_hy_v3.HYV3Attention",
+    "hyperclovax": "transformers.models.hyperclovax.modeling_hyperclovax.HyperCLOVAXAttention",
     "jais2": "transformers.models.jais2.modeling_jais2.Jais2Attention",
+    "laguna": "transformers.models.laguna.modeling_laguna.LagunaAttention",
     "longcat_flash": "transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
+    "mimo_v2_flash": "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashAttention",
+    "minicpm3": "transformers.models.minicpm3.modeling_minicpm3.MiniCPM3Attention",
     "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2Attention",
     "ministral": "transformers.models.ministral.modeling_ministral.MinistralAttention",
     "ministral3": "transformers.models.ministral3.modeling_ministral3.Ministral3Attention",
+    "mistral4": "transformers.models.mistral4.modeling_mistral4.Mistral4Attention",
     "mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralAttention",
+    "nanochat": "transformers.models.nanochat.modeling_nanochat.NanoChatAttention",
     "nemotron": "transformers.models.nemotron.modeling_nemotron.NemotronAttention",
     "olmo": "transformers.models.olmo.modeling_olmo.OlmoAttention",
     "olmo2": "transformers.models.olmo2.modeling_olmo2.Olmo2Attention",
@@ -93,6 +102,7 @@ FAMILIES = {
     "stablelm": "transformers.models.stablelm.modeling_stablelm.StableLmAttention",
     "starcoder2": "transformers.models.starcoder2.modeling_starcoder2.Starcoder2Attention",
     "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma.VaultGemmaAttention",
+    "youtu": "transformers.models.youtu.modeling_youtu.YoutuAttention",
 }
 """``config.model_type`` -> the attention class the generic patch switches."""
 
@@ -165,6 +175,9 @@ LOGIT_TRANSFORMS = {
     "granite": LogitTransform(divide="logits_scaling"),
     "granite_swa": LogitTransform(divide="logits_scaling"),
     "granitemoe": LogitTransform(divide="logits_scaling"),
+    "hyperclovax": LogitTransform(multiply="logits_scaling"),
+    "minicpm3": LogitTransform(divide="logits_scaling"),  # divides the hidden states (the head has no bias)
+    "nanochat": LogitTransform(softcap="final_logit_softcapping"),
     "vaultgemma": LogitTransform(softcap="final_logit_softcapping"),
 }
 """What these families' causal-LM heads do to the lm_head output before the loss (the others: nothing)."""

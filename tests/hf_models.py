@@ -39,7 +39,7 @@ DYNAMIC_FULL_LAYERS = {  # Gemma 3: RoPE per layer type, dynamic on the full-att
                         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
 }  # fmt: skip
 
-EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "vaultgemma")
+EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "mimo_v2_flash", "vaultgemma")
 """Families with attention logit softcapping or sinks: their reference is Transformers' eager attention."""
 
 _SLIDE_FULL = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
@@ -101,6 +101,16 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     # Gemma 4: layers that reuse an earlier layer's keys/values, keys as values on full layers, a wider head_dim on
     # full layers, per-layer token embeddings, final logit softcapping
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", {"head_dim": 16, "global_head_dim": 32, "num_hidden_layers": 4, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2, "attention_k_eq_v": True, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "final_logit_softcapping": 2.0, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}),
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", _MLA),  # scaled embeddings and residuals
+    "youtu": ("YoutuConfig", "YoutuForCausalLM", _MLA),
+    "axk1": ("AXK1Config", "AXK1ForCausalLM", {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32}),
+    # sinks, sliding / full mix, values with their own head_dim, experts
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", {"head_dim": 16, "v_head_dim": 12, **_SLIDE_FULL, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32}),
+    "laguna": ("LagunaConfig", "LagunaForCausalLM", {"head_dim": 16, **_SLIDE_FULL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "moe_intermediate_size": 32}),
+    "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {"final_logit_softcapping": 2.0}),
+    "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {"head_dim": 16, "embedding_multiplier": 3.0, "logits_scaling": 0.5, "residual_multiplier": 0.5, "attention_multiplier": 0.2}),
     "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM", {**_MLA, "num_layers": 1, "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32, "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2}),
 }  # fmt: skip
 """The families covered by one line each: what their tiny config exercises (see patches/generic.py)."""

@@ -34,6 +34,8 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     # multi-head latent attention: the cache keeps the compressed latents (this rank's tokens' share)
     "deepseek_v3-latent-cache": ("deepseek_v3", 2, 15, 2, {}),
     "glm4_moe_lite-latent-cache": ("glm4_moe_lite", 1, 13, 0, {}),
+    "mistral4-latent-cache": ("mistral4", 2, 12, 3, {}),  # Llama-4 query scaling by position as well
+    "mimo_v2_flash-sinks-values": ("mimo_v2_flash", 1, 15, 0, {}),  # sinks, windows, values of their own head_dim
     # Gemma 4: its last layers attend with the keys/values of earlier layers (no cache of their own)
     "gemma4_text-shared-kv": ("gemma4_text", 2, 14, 3, {}),
     "gemma4-vision-language": ("gemma4", 1, 13, 0, {}),
