@@ -179,7 +179,8 @@ class RingComm:
 class LoopbackComm:
     """``RingComm``'s interface for N virtual ranks that run one after another in one process.
 
-    ``blocks[r]`` is the message virtual rank r sends first (its stacked keys/values). At the s-th
+    ``blocks[r]`` is the message virtual rank r sends first (its keys/values as ``hf_ring.ring._message`` builds
+    them: stacked, or side by side when the values have their own head_dim). At the s-th
     exchange of a pass (s = 1 .. N-1) rank ``rank`` receives ``blocks[(rank - s) % N]``, handed over
     without a copy, as a P2P receive of another rank's block would deliver it. Every pass of the ring
     (a forward, a backward) makes N-1 exchanges; the counter wraps after each.

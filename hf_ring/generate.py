@@ -255,6 +255,11 @@ class _Before:
         pos = kwargs.get("position_ids")
         if pos is None:
             pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        elif pos.dim() == 3:  # multimodal RoPE (Qwen-VL: [3 or 4, batch, prompt]): one row for text-only prompts
+            if not bool((pos == pos[:1]).all()):
+                raise ValueError("ring_generate: the prompt's multimodal position ids differ between their rows "
+                                 "(image or video positions); ring_generate takes text-only prompts")  # fmt: skip
+            pos = pos[0]
         full = {
             "input_ids": torch.nn.functional.pad(ids, (pad, 0), value=0),
             "attention_mask": torch.nn.functional.pad(mask, (pad, 0), value=0),
@@ -267,7 +272,7 @@ class _Before:
         st.docs = torch.where(full["attention_mask"].cpu().bool(), 0, -1).to(torch.int32)
         # the logits of this rank's last token (the owner's is the prompt's last), as an index: an integer would
         # let Gemma 4 run its KV-shared layers on that token alone, and those layers see every rank's tokens here
-        last = torch.tensor([local["input_ids"].shape[1] - 1], device=ids.device)
+        last = torch.tensor([local["input_ids"].shape[1] - 1])  # on the CPU: any device's hidden states take it
         local.update(use_cache=True, past_key_values=kwargs["past_key_values"], logits_to_keep=last)
         local["cache_position"] = st.local.to(ids.device)
         local[DECODE_KWARG] = self.cache

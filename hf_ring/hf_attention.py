@@ -389,7 +389,8 @@ def ring_attention_forward(
     Args:
         module: the calling attention module; its ``hf_ring_config`` (set by ``apply_ring_attention``)
             gives group, layout and backend (defaults: world group, zigzag, auto).
-        query: [batch, q_heads, local_seq, head_dim]; key, value: [batch, kv_heads, local_seq, head_dim].
+        query: [batch, q_heads, local_seq, head_dim]; key, value: [batch, kv_heads, local_seq, head_dim] (the
+            values' head_dim may differ: multi-head latent attention).
         attention_mask: what ``ring_mask_function`` returned: None or a 2-D padding mask (one rank only).
         scaling: score scale (default ``head_dim ** -0.5``); dropout: must be 0 (no attention dropout).
         sliding_window: Transformers' window W (key visible iff ``q - W < k <= q``), or None.
@@ -400,7 +401,7 @@ def ring_attention_forward(
             a feature hf_ring does not implement is never dropped silently.
 
     Returns:
-        ``(out, None)``, out: [batch, local_seq, q_heads, head_dim] in query's dtype.
+        ``(out, None)``, out: [batch, local_seq, q_heads, v_head_dim] in query's dtype.
     """
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
     unknown = _unknown_kwargs_error(kwargs)
@@ -480,7 +481,7 @@ def ring_attention_forward(
 
 def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_window, kwargs) -> torch.Tensor:
     """A decode step of ``ring_generate``: the new tokens' queries (alike on every rank) against every rank's
-    cached keys (``decode_attention``); [batch, new, q_heads, head_dim]."""
+    cached keys (``decode_attention``); [batch, new, q_heads, v_head_dim]."""
     from .decode import decode_attention
 
     st = cache.state

@@ -110,9 +110,10 @@ def _carries(value) -> bool:
 
 
 class TextOnly:
-    """Forward pre-hook of a vision-language model whose text model is patched: a call with images or video (the
-    family's ``media`` keywords, or ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises, on every rank alike, before
-    anything runs. Their tokens attend to each other both ways, which the ring's causal masks do not express."""
+    """Forward pre-hook of a vision-language model whose text model is patched: a call with images, video or audio
+    (the family's ``media`` keywords, or ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises, on
+    every rank alike, before anything runs. Image tokens attend to each other both ways, which the ring's causal
+    masks do not express; audio features would need the same sharding as images."""
 
     def __init__(self, name: str, media: tuple):
         self.name = name
@@ -131,7 +132,7 @@ class TextOnly:
         if given:
             raise ValueError(
                 f"hf_ring patches the text model of this {self.name} model and runs text-only batches; the batch "
-                f"carries {', '.join(given)}: images or video are not supported under ring attention"
+                f"carries {', '.join(given)}: images, video or audio are not supported under ring attention"
             )
 
 

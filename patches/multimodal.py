@@ -3,7 +3,9 @@
 Transformers loads some of the most fine-tuned checkpoints as vision-language models even for text work:
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
-``Gemma4ForConditionalGeneration``, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
+``Gemma4ForConditionalGeneration``, Qwen2.5-VL / Qwen3-VL are ``Qwen2_5_VLForConditionalGeneration`` /
+``Qwen3VLForConditionalGeneration`` (text models that exist only inside them: ``INNER``), and Mistral Small 3.1 /
+3.2 are ``Mistral3ForConditionalGeneration``. Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -24,7 +26,7 @@ import functools
 from . import generic, mistral
 from ._family import FamilyPatch, LogitTransform
 
-__all__ = ["MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
+__all__ = ["INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
 
 MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs")
 """Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward."""
@@ -32,6 +34,8 @@ MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_ou
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
     "gemma4": ("gemma4_text",),  # Gemma 4 (text, vision, audio)
+    "qwen2_5_vl": ("qwen2_5_vl_text",),
+    "qwen3_vl": ("qwen3_vl_text",),
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
 }
 
@@ -41,8 +45,23 @@ LOGIT_TRANSFORMS = {"gemma4": LogitTransform(softcap="final_logit_softcapping")}
 text model's does; Gemma 3's does not)."""
 
 
+INNER = {
+    model_type: FamilyPatch(
+        name=model_type, model_types=(model_type,), attention_class=path, check_config=generic.check
+    )
+    for model_type, path in {
+        "qwen2_5_vl_text": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLAttention",
+        "qwen3_vl_text": "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextAttention",
+    }.items()
+}
+"""Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as
+the generic patch's, for the wrapper to use."""
+
+
 def text_patch(model_type) -> FamilyPatch:
     """The patch of a text family these models hold (its attention class, its config check)."""
+    if model_type in INNER:
+        return INNER[model_type]
     return mistral.PATCH if model_type in mistral.PATCH.model_types else generic.PATCHES[model_type]
 
 

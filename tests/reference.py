@@ -79,6 +79,7 @@ def virtual_ring(q, k, v, do, n: int, layout: str, *, backend="torch", causal=Tr
     each rank, summed where they would arrive). ``LoopbackComm`` hands each rank the blocks the others send."""
     import hf_ring
     from hf_ring.layout import positions
+    from hf_ring.ring import _halves, _message
 
     kw = dict(layout=layout, backend=backend, causal=causal, sliding_window=window, document_ids=docs)
     if n == 1:
@@ -86,9 +87,9 @@ def virtual_ring(q, k, v, do, n: int, layout: str, *, backend="torch", causal=Tr
         out = hf_ring.ring_attention(*leaves, **kw)
         return (out.detach(), *torch.autograd.grad(out, leaves, do))
     pos = [positions(q.shape[2], rank=r, world_size=n, layout=layout) for r in range(n)]
-    blocks = [torch.stack([k.index_select(2, p), v.index_select(2, p)]) for p in pos]
-    out, dq = torch.zeros_like(q), torch.zeros_like(q)
-    dkv = torch.zeros(2, *k.shape, dtype=torch.float32)
+    blocks = [_message(k.index_select(2, p), v.index_select(2, p)) for p in pos]  # what each rank sends first
+    out, dq = torch.zeros(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device), torch.zeros_like(q)
+    dk, dv = torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)
     for r, p in enumerate(pos):
         leaves = [x.index_select(2, p).requires_grad_() for x in (q, k, v)]
         comm = hf_ring.LoopbackComm(r, n, blocks, record=True)
@@ -96,5 +97,7 @@ def virtual_ring(q, k, v, do, n: int, layout: str, *, backend="torch", causal=Tr
         grads = torch.autograd.grad(o, leaves, do.index_select(2, p))
         out[:, :, p], dq[:, :, p] = o.detach(), grads[0]
         for step, acc in enumerate(comm.sent):  # what left rank r at this step belongs to block (r - step) mod n
-            dkv[:, :, :, pos[(r - step) % n]] += acc
-    return out, dq, dkv[0], dkv[1]
+            gk, gv = _halves(acc, k.shape[3])
+            dk[:, :, pos[(r - step) % n]] += gk
+            dv[:, :, pos[(r - step) % n]] += gv
+    return out, dq, dk, dv

@@ -39,6 +39,7 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     # Gemma 4: its last layers attend with the keys/values of earlier layers (no cache of their own)
     "gemma4_text-shared-kv": ("gemma4_text", 2, 14, 3, {}),
     "gemma4-vision-language": ("gemma4", 1, 13, 0, {}),
+    "qwen3_vl-vision-language": ("qwen3_vl", 2, 12, 3, {}),  # multimodal RoPE on text positions
     # RoPE frequencies chosen by the largest position: longrope past its threshold from the prompt on (rank 1's
     # shard alone stays below it); dynamic NTK growing with every new token past 32
     "phi3-longrope": ("phi3", 1, 38, 0, {"config": LONGROPE}),
@@ -209,7 +210,7 @@ def test_bad_generation_calls_raise_on_every_rank(two_ranks):
         assert "cache_implementation" in (e["static cache"] or ""), (rank, e)
         assert "assisted decoding (assistant_model)" in (e["assisted"] or ""), (rank, e)
         assert "hf_ring.ring_generate(model, inputs" in (e["plain generate"] or ""), (rank, e)
-        assert "carries pixel_values: images or video are not supported" in (e["images"] or ""), (rank, e)
+        assert "carries pixel_values: images, video or audio are not supported" in (e["images"] or ""), (rank, e)
 
 
 def test_the_model_trains_as_before_after_generating(two_ranks):

@@ -53,7 +53,8 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
         if patch.name in multimodal.WRAPPERS:  # a vision-language model: its text config's family does the work
             assert multimodal.PATCHES[model_type] is patch and patch.media == multimodal.MEDIA
             assert patch.text_types == multimodal.WRAPPERS[model_type]
-            assert all(multimodal.text_patch(t) is REGISTRY[t] for t in patch.text_types)
+            # the text family's own patch; or, for a text model with no causal-LM class of its own, an inner one
+            assert all(multimodal.text_patch(t) is REGISTRY.get(t, multimodal.INNER.get(t)) for t in patch.text_types)
             continue
         mod = importlib.import_module(f"hf_ring.patches.{patch.name}")  # a dedicated module, Liger-style entry points
         assert mod.PATCH is patch
@@ -115,7 +116,7 @@ def _sub_configs(config) -> list:
     return [config] + [getattr(config, k) for k in config.sub_configs if getattr(config, k, None) is not None]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4", "mistral3", "mistral3-ministral3"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "mistral3", "mistral3-ministral3", "qwen2_5_vl", "qwen3_vl"])
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
     """The text model of a vision-language model is patched; images, video or image tokens raise before anything
     runs, naming what the batch carries; without them the model runs as before."""
@@ -128,10 +129,12 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
     pixels = torch.zeros(1, 3, 28, 28)
     for call in (
         lambda: model(input_ids=ids, pixel_values=pixels),
-        lambda: model(ids, pixels),  # positional
+        lambda: model(
+            ids, *[None] * (list(inspect.signature(type(model).forward).parameters).index("pixel_values") - 2), pixels
+        ),  # positional (Qwen-VL takes attention_mask, ... before pixel_values)
         lambda: model.model(input_ids=ids, pixel_values=pixels),  # the inner model, called on its own
     ):
-        with pytest.raises(ValueError, match="carries pixel_values: images or video are not supported"):
+        with pytest.raises(ValueError, match="carries pixel_values: images, video or audio are not supported"):
             call()
     # an empty mm_encoder_outputs (Transformers 5.23's generate passes one; 5.17 has no such argument) carries nothing
     if "mm_encoder_outputs" in inspect.signature(type(model).forward).parameters:

@@ -70,6 +70,7 @@ def cases(draw):
         "kv": kv,
         "q_heads": kv * draw(st.sampled_from((1, 2, 3))),  # kv = 1 with a ratio > 1: MQA
         "head_dim": draw(st.sampled_from(HEAD_DIMS)),
+        "v_head_dim": draw(st.one_of(st.none(), st.sampled_from(HEAD_DIMS))),  # values of their own head_dim (MLA)
         "causal": draw(st.booleans()),
         "window": draw(st.one_of(st.none(), st.integers(1, full + 3))),
         "dtype": draw(st.sampled_from(("float32", "bfloat16"))),
@@ -96,8 +97,9 @@ def _check(case):
     n, dtype = case["n"], getattr(torch, case["dtype"])
     g = torch.Generator().manual_seed(case["seed"])
     b, s, d = case["batch"], case["full"], case["head_dim"]
-    q, do = (torch.randn(b, case["q_heads"], s, d, generator=g) for _ in range(2))
-    k, v = (torch.randn(b, case["kv"], s, d, generator=g) for _ in range(2))
+    dv = case.get("v_head_dim") or d
+    q, do = torch.randn(b, case["q_heads"], s, d, generator=g), torch.randn(b, case["q_heads"], s, dv, generator=g)
+    k, v = torch.randn(b, case["kv"], s, d, generator=g), torch.randn(b, case["kv"], s, dv, generator=g)
     q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
     opts = {"causal": case["causal"], "window": case["window"], "docs": case["docs"]}
     out, dq, dk, dv = virtual_ring(q, k, v, do, n, case["layout"], backend=case["backend"], **opts)

@@ -27,7 +27,8 @@ def _cases(world_size: int) -> list[dict]:
     cu = torch.tensor([0, 7, 20, 20, 33, s], dtype=torch.int32)  # boundaries off the chunk edges, one empty doc
     pad = torch.arange(s)[None].repeat(2, 1)
     pad = torch.where(pad < torch.tensor([[s - 9], [s - 20]]), 0, -1)  # right padding: rows that see nothing
-    base = dict(batch=2, hq=4, hkv=2, d=64, dv=None, causal=True, window=None, cu=None, docs=None)
+    # lowp: also run in fp16 / bf16 (test_low_precision_within_twice_sdpa_error)
+    base = dict(batch=2, hq=4, hkv=2, d=64, dv=None, causal=True, window=None, cu=None, docs=None, lowp=True)
     # values with their own head_dim (multi-head latent attention: DeepSeek's 192 / 128, scaled down), one
     # combination of features per layout
     mla = {
@@ -40,13 +41,13 @@ def _cases(world_size: int) -> list[dict]:
         cases += [
             dict(base, layout=layout),
             dict(base, layout=layout, causal=False),
-            dict(base, layout=layout, hq=4, hkv=4, d=80),
+            dict(base, layout=layout, hq=4, hkv=4, d=80, lowp=False),
             dict(base, layout=layout, hq=8, hkv=2, d=128, batch=1),
             dict(base, layout=layout, hq=4, hkv=1, d=64),  # MQA
             dict(base, layout=layout, window=9),
-            dict(base, layout=layout, window=9, causal=False, d=80),
+            dict(base, layout=layout, window=9, causal=False, d=80, lowp=False),
             dict(base, layout=layout, batch=1, cu=cu),
-            dict(base, layout=layout, batch=1, cu=cu, window=6, hkv=1),
+            dict(base, layout=layout, batch=1, cu=cu, window=6, hkv=1, lowp=False),
             dict(base, layout=layout, docs=pad),
             dict(base, layout=layout, **mla[layout]),
         ]
@@ -186,13 +187,13 @@ def test_ulysses_ring_hybrid_softcap_sinks_and_errors_on_every_rank():
 
 def test_without_process_group_equals_plain_attention():
     assert not dist.is_initialized()
-    for case in _cases(1)[:10]:
+    for case in (c for c in _cases(1) if c["layout"] == "zigzag"):
         errs, _, _ = _run_case(0, 1, case)
         assert max(errs) <= FP32_TOL, (case["layout"], errs)
 
 
 def _lowp_worker(rank, world, dtype):
-    cases = [c for i, c in enumerate(_cases(world)) if i % 11 in (0, 1, 3, 4, 5, 7, 9, 10)]
+    cases = [c for c in _cases(world) if c["lowp"]]
     return {b: [_run_case(rank, world, c, dtype=dtype, seed=1, backend=b) for c in cases] for b in LOWP_BACKENDS}
 
 

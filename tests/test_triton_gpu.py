@@ -35,8 +35,8 @@ def _rand(*shape, dtype, seed):
 
 
 def _step(backend, q, k, v, do, mask, scale):
-    b, hq, lq, d = q.shape
-    out = torch.zeros(b, hq, lq, d, device=CUDA)
+    b, hq, lq, _ = q.shape
+    out = torch.zeros(b, hq, lq, v.shape[-1], device=CUDA)
     lse = torch.full((b, hq, lq), -math.inf, device=CUDA)
     backend.forward(q, k, v, mask, scale, out, lse)
     delta = (do.float() * out).sum(-1)
@@ -71,6 +71,8 @@ CASES = {
     "zigzag-half-d64": dict(b=1, hq=8, hkv=2, lq=2048, lk=2048, d=64, q_off=2048, causal=True),
     "window-d256": dict(b=1, hq=4, hkv=1, lq=1024, lk=1024, d=256, q_off=0, causal=True, window=300),
     "docs-d128": dict(b=2, hq=4, hkv=2, lq=1536, lk=1536, d=128, q_off=0, causal=True, docs=True),
+    # DeepSeek's multi-head latent attention: queries / keys 192, values 128 (the head_dim-256 tiles)
+    "mla-zigzag-d192-dv128": dict(b=1, hq=8, hkv=8, lq=2048, lk=2048, d=192, dv=128, q_off=2048, causal=True),
 }
 
 
@@ -92,8 +94,8 @@ def test_kernels_match_sdpa_on_gpu(name, dtype):
     c = CASES[name]
     q = _rand(c["b"], c["hq"], c["lq"], c["d"], dtype=dtype, seed=0)
     k = _rand(c["b"], c["hkv"], c["lk"], c["d"], dtype=dtype, seed=1)
-    v = _rand(c["b"], c["hkv"], c["lk"], c["d"], dtype=dtype, seed=2)
-    do = _rand(c["b"], c["hq"], c["lq"], c["d"], dtype=dtype, seed=3)
+    v = _rand(c["b"], c["hkv"], c["lk"], c.get("dv", c["d"]), dtype=dtype, seed=2)
+    do = _rand(c["b"], c["hq"], c["lq"], c.get("dv", c["d"]), dtype=dtype, seed=3)
     mask, scale = _mask(c), c["d"] ** -0.5
     mine = _step(triton_backend, q, k, v, do, mask, scale)
     ref = _dense(q, k, v, do, mask, scale, torch.float64)
@@ -119,6 +121,21 @@ def test_ring_one_gpu_bf16_matches_sdpa(layout):
     mask = BlockMask(torch.arange(4096), torch.arange(4096), True)
     ref = _dense(q, k, v, do, mask, 128**-0.5, torch.float32)
     yard = _dense(q, k, v, do, mask, 128**-0.5, torch.bfloat16)
+    for n, a, y, r in zip(("out", "dq", "dk", "dv"), mine, yard, ref):
+        assert rel_err(a, r) <= LOWP_FACTOR * rel_err(y, r) + LOWP_EPS, n
+
+
+def test_values_of_their_own_head_dim_through_two_virtual_ranks_bf16():
+    """DeepSeek's 192 / 128 through ring_attention over 2 virtual ranks: the keys and values travel side by side in
+    one message and reach the kernels as strided views of it."""
+    from .reference import virtual_ring
+
+    q, k = _rand(1, 8, 2048, 192, dtype=torch.bfloat16, seed=8), _rand(1, 8, 2048, 192, dtype=torch.bfloat16, seed=9)
+    v, do = _rand(1, 8, 2048, 128, dtype=torch.bfloat16, seed=10), _rand(1, 8, 2048, 128, dtype=torch.bfloat16, seed=11)
+    mine = virtual_ring(q, k, v, do, 2, "zigzag", backend="triton")
+    mask = BlockMask(torch.arange(2048), torch.arange(2048), True)
+    ref = _dense(q, k, v, do, mask, 192**-0.5, torch.float32)
+    yard = _dense(q, k, v, do, mask, 192**-0.5, torch.bfloat16)
     for n, a, y, r in zip(("out", "dq", "dk", "dv"), mine, yard, ref):
         assert rel_err(a, r) <= LOWP_FACTOR * rel_err(y, r) + LOWP_EPS, n
 

@@ -69,9 +69,9 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None):
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
-    q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim].
-    out: [batch, q_heads, local_q, head_dim] fp32; lse: [batch, q_heads, local_q] fp32.
-    softcap: attention logit softcapping (None: off). Returns ``(out, lse)``.
+    q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim] (values of another
+    head_dim run on the fallback). out: [batch, q_heads, local_q, v_head_dim] fp32; lse: [batch, q_heads,
+    local_q] fp32. softcap: attention logit softcapping (None: off). Returns ``(out, lse)``.
     """
     pieces = plan(mask) if _usable(q, v) else None
     if pieces is None:

@@ -36,10 +36,10 @@ _HALF = (torch.float16, torch.bfloat16)
 SOFTCAP = True  # on the masked fallback (the fused ops have no softcapping)
 
 
-def runs_on_fused_ops(q: torch.Tensor, v: torch.Tensor) -> bool:
+def runs_on_fused_ops(q: torch.Tensor, v: torch.Tensor | None = None) -> bool:
     """True when PyTorch's fused ops take inputs like ``q`` and ``v`` (device, dtype, head_dim; the flash ops
-    need v's head_dim equal to q's)."""
-    if v.shape[-1] != q.shape[-1]:
+    need v's head_dim equal to q's; ``v`` None: like ``q``)."""
+    if v is not None and v.shape[-1] != q.shape[-1]:
         return False
     if q.device.type == "cpu":
         return q.dtype in (torch.float32, *_HALF)
@@ -87,8 +87,9 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
     q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim] (any strides
-    with a contiguous last dimension). out: [batch, q_heads, local_q, head_dim] fp32; lse: [batch,
-    q_heads, local_q] fp32. softcap: logit softcapping (the step then runs on the fallback).
+    with a contiguous last dimension; values of another head_dim run on the fallback). out: [batch, q_heads,
+    local_q, v_head_dim] fp32; lse: [batch, q_heads, local_q] fp32. softcap: logit softcapping (the step then
+    runs on the fallback).
     Returns ``(out, lse)``.
     """
     pieces = mask.pieces() if runs_on_fused_ops(q, v) and softcap is None else None

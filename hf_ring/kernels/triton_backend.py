@@ -209,7 +209,9 @@ def unsupported(q, k, v) -> str | None:
         )
     if q.device.type not in ("cpu", "cuda"):
         return f"device type {q.device.type!r} is not supported (CUDA, or CPU in Triton's interpreter)"
-    if max(q.shape[2], k.shape[2]) * max(q.shape[3], v.shape[3]) >= INT32_LIMIT:
+    # inside the ring, keys and values of their own head_dim are views of one [..., D + Dv] message
+    row = max(q.shape[3], v.shape[3]) if v.shape[3] == q.shape[3] else q.shape[3] + v.shape[3]
+    if max(q.shape[2], k.shape[2]) * row >= INT32_LIMIT:
         return "a (batch, head) slice holds 2**31 or more elements, beyond the kernels' int32 offsets"
     return None
 
@@ -328,9 +330,8 @@ def backward(
     }  # fmt: skip
     _check(q, k, v, mask, acc)
     if do.shape != (b, hq, lq, v.shape[-1]) or do.dtype != q.dtype:
-        raise ValueError(
-            f"do must be {q.dtype} {(b, hq, lq, v.shape[-1])} (q's rows, v's head_dim), got {do.dtype} {tuple(do.shape)}"
-        )
+        want = (b, hq, lq, v.shape[-1])
+        raise ValueError(f"do must be {q.dtype} {want} (q's rows, v's head_dim), got {do.dtype} {tuple(do.shape)}")
     if lq == 0 or k.shape[2] == 0:
         return dq, dk, dv
     q_pos, k_pos, q_doc, k_doc = _positions(mask, q.device, b)
