@@ -3,9 +3,9 @@
 Transformers loads some of the most fine-tuned checkpoints as vision-language models even for text work:
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
-``Gemma4ForConditionalGeneration``, Qwen2.5-VL / Qwen3-VL are ``Qwen2_5_VLForConditionalGeneration`` /
-``Qwen3VLForConditionalGeneration`` (text models that exist only inside them: ``INNER``), and Mistral Small 3.1 /
-3.2 are ``Mistral3ForConditionalGeneration``. Their
+``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
+``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), and Mistral Small 3.1 / 3.2
+are ``Mistral3ForConditionalGeneration``. Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -34,8 +34,10 @@ MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_ou
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
     "gemma4": ("gemma4_text",),  # Gemma 4 (text, vision, audio)
+    "qwen2_vl": ("qwen2_vl_text",),
     "qwen2_5_vl": ("qwen2_5_vl_text",),
     "qwen3_vl": ("qwen3_vl_text",),
+    "qwen3_vl_moe": ("qwen3_vl_moe_text",),  # Qwen3-VL-30B-A3B, 235B-A22B
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
 }
 
@@ -50,8 +52,10 @@ INNER = {
         name=model_type, model_types=(model_type,), attention_class=path, check_config=generic.check
     )
     for model_type, path in {
+        "qwen2_vl_text": "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLAttention",
         "qwen2_5_vl_text": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLAttention",
         "qwen3_vl_text": "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextAttention",
+        "qwen3_vl_moe_text": "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

@@ -116,7 +116,10 @@ def _sub_configs(config) -> list:
     return [config] + [getattr(config, k) for k in config.sub_configs if getattr(config, k, None) is not None]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4", "mistral3", "mistral3-ministral3", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize(
+    "family",
+    ["gemma3", "gemma4", "mistral3", "mistral3-ministral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"],
+)
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
     """The text model of a vision-language model is patched; images, video or image tokens raise before anything
     runs, naming what the batch carries; without them the model runs as before."""

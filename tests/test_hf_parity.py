@@ -126,6 +126,8 @@ CASES = {
     "gemma4-padded-checkpointing": ("gemma4", "padded", 45, {"checkpointing": True}),
     "qwen2_5_vl-padded": ("qwen2_5_vl", "padded", 40, {}),
     "qwen3_vl-packed": ("qwen3_vl", "packed", 45, {}),
+    "qwen2_vl-plain": ("qwen2_vl", "plain", 40, {}),
+    "qwen3_vl_moe-padded-ulysses": ("qwen3_vl_moe", "padded", 40, {"ulysses": 2}),
     "mistral3-plain": ("mistral3", "plain", 45, {}),
     "mistral3-packed-ulysses": ("mistral3", "packed", 40, {"ulysses": 2}),
     "mistral3-ministral3-padded": ("mistral3-ministral3", "padded", 45, {}),
