@@ -4,8 +4,8 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
 ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
-``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), and Mistral Small 3.1 / 3.2
-are ``Mistral3ForConditionalGeneration``. Their
+``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), InternVL 3 / 3.5 holds a Qwen2,
+Qwen3, Qwen3-MoE or Llama text model, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from . import generic, mistral
+from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch, LogitTransform
 
 __all__ = ["INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
@@ -38,6 +38,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "qwen2_5_vl": ("qwen2_5_vl_text",),
     "qwen3_vl": ("qwen3_vl_text",),
     "qwen3_vl_moe": ("qwen3_vl_moe_text",),  # Qwen3-VL-30B-A3B, 235B-A22B
+    "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),  # InternVL 3 / 3.5
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
 }
 
@@ -66,7 +67,8 @@ def text_patch(model_type) -> FamilyPatch:
     """The patch of a text family these models hold (its attention class, its config check)."""
     if model_type in INNER:
         return INNER[model_type]
-    return mistral.PATCH if model_type in mistral.PATCH.model_types else generic.PATCHES[model_type]
+    dedicated = {t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types}
+    return dedicated[model_type] if model_type in dedicated else generic.PATCHES[model_type]
 
 
 @dataclasses.dataclass(frozen=True)

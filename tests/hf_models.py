@@ -142,6 +142,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                                           "mrope_interleaved": True}},
                      {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                       "patch_size": 14, "deepstack_visual_indexes": [0]}),
+    "internvl": ("InternVLConfig", "InternVLForConditionalGeneration", {"model_type": "qwen3", "head_dim": 16},
+                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "image_size": 28, "patch_size": 14}),
     "mistral3-ministral3": ("Mistral3Config", "Mistral3ForConditionalGeneration",  # a Ministral 3 text model
                             {"model_type": "ministral3", "head_dim": 16, "sliding_window": 6},
                             {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,

@@ -41,6 +41,7 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "gemma4-vision-language": ("gemma4", 1, 13, 0, {}),
     "qwen3_vl-vision-language": ("qwen3_vl", 2, 12, 3, {}),  # multimodal RoPE on text positions
     "qwen2_vl-vision-language": ("qwen2_vl", 1, 13, 0, {}),  # three position rows (Qwen3-VL: four)
+    "internvl-vision-language": ("internvl", 2, 12, 2, {}),  # a Qwen3 text model (a dedicated patch)
     # RoPE frequencies chosen by the largest position: longrope past its threshold from the prompt on (rank 1's
     # shard alone stays below it); dynamic NTK growing with every new token past 32
     "phi3-longrope": ("phi3", 1, 38, 0, {"config": LONGROPE}),

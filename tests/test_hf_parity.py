@@ -127,6 +127,7 @@ CASES = {
     "qwen2_5_vl-padded": ("qwen2_5_vl", "padded", 40, {}),
     "qwen3_vl-packed": ("qwen3_vl", "packed", 45, {}),
     "qwen2_vl-plain": ("qwen2_vl", "plain", 40, {}),
+    "internvl-packed": ("internvl", "packed", 45, {}),
     "qwen3_vl_moe-padded-ulysses": ("qwen3_vl_moe", "padded", 40, {"ulysses": 2}),
     "mistral3-plain": ("mistral3", "plain", 45, {}),
     "mistral3-packed-ulysses": ("mistral3", "packed", 40, {"ulysses": 2}),
