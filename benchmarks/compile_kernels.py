@@ -121,15 +121,13 @@ def reports(
     ``v_head_dim``: the values' head_dim when it differs (multi-head latent attention; the config is chosen for the
     larger of the two, as ``triton_backend`` does)."""
     import torch
-    import triton
 
     from hf_ring.kernels import triton_backend, triton_bwd, triton_fwd
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     dv = v_head_dim or head_dim
     cfg = config or triton_backend.cuda_config(divmod(arch, 10), torch_dtype, max(head_dim, dv))
-    base = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HEAD_DIM_V=dv,
-                BLOCK_DV=max(16, triton.next_power_of_2(dv)), SCAN=cfg.scan,
+    base = dict(**triton_fwd.head_dims(head_dim, dv), SCAN=cfg.scan,
                 CAUSAL=True, HAS_WINDOW=True, HAS_DOCS=True, UPCAST=cfg.upcast or dtype == "fp32",
                 SOFTCAP=triton_fwd.softcap_constexpr(softcap))  # fmt: skip
     plan = {

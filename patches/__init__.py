@@ -11,7 +11,7 @@ vision-language models whose text model is of a supported family are patched for
 
 from __future__ import annotations
 
-from . import generic, llama, mistral, multimodal, qwen2, qwen3
+from . import generic, multimodal
 from ._family import FamilyPatch, is_applied
 from .llama import apply_ring_attention_to_llama, revert_ring_attention_from_llama
 from .mistral import apply_ring_attention_to_mistral, revert_ring_attention_from_mistral
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 REGISTRY: dict = {
-    **{t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types},
+    **multimodal.DEDICATED,
     **generic.PATCHES,
     **multimodal.PATCHES,
 }

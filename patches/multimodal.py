@@ -24,9 +24,9 @@ import dataclasses
 import functools
 
 from . import generic, llama, mistral, qwen2, qwen3
-from ._family import FamilyPatch, LogitTransform
+from ._family import FamilyPatch
 
-__all__ = ["INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
+__all__ = ["DEDICATED", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
 
 MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs")
 """Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward."""
@@ -43,10 +43,14 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
 }
 
 
-LOGIT_TRANSFORMS = {"gemma4": LogitTransform(softcap="final_logit_softcapping")}
+LOGIT_TRANSFORMS = {"gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"]}
 """What a vision-language head does to the logits, read from the text config (Gemma 4's head softcaps them as its
 text model's does; Gemma 3's does not)."""
 
+
+DEDICATED = {t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types}
+"""The families with a module of their own (``config.model_type`` -> patch): text models of some wrappers here, and
+the first part of ``hf_ring.patches.REGISTRY``."""
 
 INNER = {
     model_type: FamilyPatch(
@@ -65,10 +69,7 @@ the generic patch's, for the wrapper to use."""
 
 def text_patch(model_type) -> FamilyPatch:
     """The patch of a text family these models hold (its attention class, its config check)."""
-    if model_type in INNER:
-        return INNER[model_type]
-    dedicated = {t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types}
-    return dedicated[model_type] if model_type in dedicated else generic.PATCHES[model_type]
+    return INNER.get(model_type) or DEDICATED.get(model_type) or generic.PATCHES[model_type]
 
 
 @dataclasses.dataclass(frozen=True)

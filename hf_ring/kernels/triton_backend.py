@@ -198,8 +198,9 @@ def _bwd_fake(
 
 def unsupported(q, k, v) -> str | None:
     """Why this backend cannot run these inputs, or None (the ring falls back from ``"auto"`` on a reason)."""
-    if max(q.shape[-1], v.shape[-1]) > 256:
-        return f"head_dim {max(q.shape[-1], v.shape[-1])} is above 256"
+    widest = max(q.shape[-1], v.shape[-1])
+    if widest > 256:
+        return f"head_dim {widest} is above 256"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return f"dtype {q.dtype} is not supported (float16, bfloat16, float32)"
     if q.device.type == "cpu" and not interpreted():
@@ -210,7 +211,7 @@ def unsupported(q, k, v) -> str | None:
     if q.device.type not in ("cpu", "cuda"):
         return f"device type {q.device.type!r} is not supported (CUDA, or CPU in Triton's interpreter)"
     # inside the ring, keys and values of their own head_dim are views of one [..., D + Dv] message
-    row = max(q.shape[3], v.shape[3]) if v.shape[3] == q.shape[3] else q.shape[3] + v.shape[3]
+    row = q.shape[3] if v.shape[3] == q.shape[3] else q.shape[3] + v.shape[3]
     if max(q.shape[2], k.shape[2]) * row >= INT32_LIMIT:
         return "a (batch, head) slice holds 2**31 or more elements, beyond the kernels' int32 offsets"
     return None
@@ -329,8 +330,8 @@ def backward(
         "dq": (dq, (b, hq, lq, d)), "dk": (dk, tuple(k.shape)), "dv": (dv, tuple(v.shape)),
     }  # fmt: skip
     _check(q, k, v, mask, acc)
-    if do.shape != (b, hq, lq, v.shape[-1]) or do.dtype != q.dtype:
-        want = (b, hq, lq, v.shape[-1])
+    want = (b, hq, lq, v.shape[-1])
+    if do.shape != want or do.dtype != q.dtype:
         raise ValueError(f"do must be {q.dtype} {want} (q's rows, v's head_dim), got {do.dtype} {tuple(do.shape)}")
     if lq == 0 or k.shape[2] == 0:
         return dq, dk, dv

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import _LOG2E, LOG2E, _bounds, _scan, _tanh, _tile_class, softcap_constexpr
+from .triton_fwd import _LOG2E, LOG2E, _bounds, _scan, _tanh, _tile_class, head_dims, softcap_constexpr
 
 __all__ = ["bwd_launch"]
 
@@ -388,8 +388,7 @@ def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window,
     else:
         q_doc, k_doc, doc_strides = q_pos, k_pos, (0, 0)
     common = dict(
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        HEAD_DIM_V=v.shape[-1], BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])), SCAN=cfg.scan,
+        **head_dims(head_dim, v.shape[-1]), SCAN=cfg.scan,
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=has_docs,
         UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
     )  # fmt: skip

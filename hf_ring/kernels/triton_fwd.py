@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "fwd_launch", "softcap_constexpr"]
+__all__ = ["LOG2E", "fwd_launch", "head_dims", "softcap_constexpr"]
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -138,6 +138,12 @@ def _scan(
     f_first = tl.where(run, f_first, end)
     f_end = tl.where(run, f_last + 1, end)
     return first, f_first, f_end, end
+
+
+def head_dims(head_dim: int, v_head_dim: int) -> dict:
+    """The kernels' head-size constants: q/k's and v's head_dim and their tiles (powers of two, at least 16)."""
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HEAD_DIM_V=v_head_dim,
+                BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)))  # fmt: skip
 
 
 def softcap_constexpr(softcap: float | None) -> float:
@@ -360,9 +366,7 @@ def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, 
         q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *doc_strides,
         lq, lk, hq, hq // hkv, scale * LOG2E, 0 if window is None else int(window),
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        HEAD_DIM_V=v.shape[-1], BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SCAN=cfg.scan,
+        **head_dims(head_dim, v.shape[-1]), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SCAN=cfg.scan,
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=has_docs,
         UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
