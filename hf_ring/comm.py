@@ -19,7 +19,8 @@ one's message to the other.
 per batch, not once per layer. ``all_reduce_max`` serves models whose RoPE frequencies follow the
 largest position id (``hf_ring.patches._rope``): once per forward, on the device.
 
-``HeadExchange`` is the Ulysses all-to-all (heads for sequence, inside a group of U ranks), and
+``StateGather`` is the linear-attention layers' all-gather (each chunk's recurrent state and convolution inputs
+to every rank; autograd-aware). ``HeadExchange`` is the Ulysses all-to-all (heads for sequence, inside a group of U ranks), and
 ``ulysses_groups`` splits a CP group into Ulysses groups and the rings across them (the hybrid).
 
 ``LoopbackComm`` stands in for ``RingComm`` when N virtual ranks run one after another in one
@@ -38,8 +39,8 @@ import torch.distributed as dist
 from . import guard
 
 __all__ = [
-    "HeadExchange", "LoopbackComm", "RingComm", "UlyssesGroups", "auto_ulysses_size", "group_rank_and_size",
-    "ulysses_groups",
+    "HeadExchange", "LoopbackComm", "RingComm", "StateGather", "UlyssesGroups", "auto_ulysses_size",
+    "group_rank_and_size", "ulysses_groups",
 ]  # fmt: skip
 
 
@@ -230,6 +231,83 @@ class LoopbackComm:
         return [list(values) for _ in range(self.world_size)]
 
 
+def _collective_failed(group, who: str, timeout, what: str, error: RuntimeError, timed: bool) -> Exception:
+    """The error to raise when a collective of ``group`` failed on this rank (``who``: "rank 1 of a Ulysses group";
+    ``what``: "its all-to-all"; ``timed``: it ran past ``timeout``): the record of a group stopped elsewhere
+    (``hf_ring.guard``), a timeout naming the peers, or a lost peer."""
+    record = guard.lost([group], f"in {what}")
+    if record is not None:
+        return guard.stopped_by_peers(f"{who} stopped in {what}", record)
+    peers = dist.get_process_group_ranks(group) if group is not None else "every rank"
+    if timed:
+        return TimeoutError(
+            f"ring_attention: {who} waited more than {timeout:g} s in {what} for its peers (global ranks {peers}): "
+            "a peer died, is stuck, or failed elsewhere; see its error (timeout= of apply_ring_attention / "
+            "RingAttentionPlugin)"
+        )
+    return RuntimeError(f"ring_attention: {who} lost its peers (global ranks {peers}) in {what}: {error}")
+
+
+class StateGather:
+    """All-gather of one tensor per rank over a CP group, autograd-aware: ``gather(x)`` returns ``[world, *x.shape]``
+    (every rank's ``x``, in group-rank order); its backward sums the gradients of every rank's copy (one all-reduce)
+    and keeps this rank's slice. The linear-attention layers send each chunk's recurrent state and last
+    convolution inputs through it (``hf_ring.linear_attention``): one small collective per layer and pass.
+
+    ``bytes_received`` counts what arrives from other ranks in the forward. ``timeout`` (seconds; CPU tensors on
+    gloo) bounds the wait as ``RingComm.wait`` does; None: the process group's own timeout.
+    """
+
+    def __init__(self, group, timeout: float | None = None):
+        self.group = group
+        self.timeout = timeout
+        self.rank, self.world_size = group_rank_and_size(group)
+        self.bytes_received = 0
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x.unsqueeze(0)
+        return _Gather.apply(x, self)
+
+    def _run(self, op, *args) -> None:
+        on_gpu = args[0].is_cuda if isinstance(args[0], torch.Tensor) else args[0][0].is_cuda
+        limit = None if self.timeout is None or on_gpu else datetime.timedelta(seconds=self.timeout)
+        try:
+            if limit is None:
+                op(*args, group=self.group)
+            else:
+                op(*args, group=self.group, async_op=True).wait(limit)
+        except RuntimeError as e:
+            timed = limit is not None and "time" in str(e).lower()
+            who = f"rank {self.rank} of the CP group"
+            raise _collective_failed(self.group, who, self.timeout, "a linear-attention all-gather", e, timed) from e
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        every = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._run(dist.all_gather, every, x)
+        self.bytes_received += x.numel() * x.element_size() * (self.world_size - 1)
+        return torch.stack(every)
+
+    def _sum(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        self._run(dist.all_reduce, grad)
+        return grad[self.rank]
+
+
+class _Gather(torch.autograd.Function):
+    """``StateGather.gather``: all-gather forward, sum of every rank's gradient of this rank's slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, gather):
+        ctx.gather = gather
+        return gather._gather(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.gather._sum(grad), None
+
+
 class HeadExchange:
     """All-to-all over the heads inside a Ulysses group of U ranks (autograd-aware).
 
@@ -264,21 +342,9 @@ class HeadExchange:
             else:
                 dist.all_to_all_single(recv, send, group=self.group, async_op=True).wait(limit)
         except RuntimeError as e:
-            record = guard.lost([self.group], "in the Ulysses all-to-all")
-            if record is not None:
-                raise guard.stopped_by_peers(
-                    f"rank {self.rank} of a Ulysses group stopped in its all-to-all", record
-                ) from e
-            peers = dist.get_process_group_ranks(self.group) if self.group is not None else "every rank"
-            if limit is not None and "time" in str(e).lower():
-                raise TimeoutError(
-                    f"ring_attention: rank {self.rank} of a Ulysses group waited more than {self.timeout:g} s in its "
-                    f"all-to-all for its peers (global ranks {peers}): a peer died, is stuck, or failed elsewhere; see "
-                    "its error (timeout= of apply_ring_attention / RingAttentionPlugin)"
-                ) from e
-            raise RuntimeError(
-                f"ring_attention: rank {self.rank} of a Ulysses group lost its peers (global ranks {peers}): {e}"
-            ) from e
+            timed = limit is not None and "time" in str(e).lower()
+            who = f"rank {self.rank} of a Ulysses group"
+            raise _collective_failed(self.group, who, self.timeout, "its all-to-all", e, timed) from e
         moved = send.numel() * send.element_size() * (self.world_size - 1) // self.world_size
         self.bytes_sent += moved
         self.bytes_received += moved

@@ -164,6 +164,12 @@ def ring_generate(model, inputs, **generate_kwargs):
             f"ring_generate does not support {patch.name} models: their decoder layers do not pass the sharded KV "
             "cache on to the attention; generate with hf_ring.revert_ring_attention(model) and model.generate()"
         )
+    if patch.linear_modules(target):
+        raise ValueError(
+            f"ring_generate does not support {patch.name} models: their linear-attention layers keep a recurrent "
+            "state, not a KV cache the ranks can share; generate with hf_ring.revert_ring_attention(model) and "
+            "model.generate()"
+        )
     if patch.media:  # a vision-language model: images given to generate() would never reach the sharded prefill
         from .patches._family import TextOnly
 

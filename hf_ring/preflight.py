@@ -15,7 +15,7 @@ from .comm import RingComm
 from .guard import InStepError
 from .kernels import BACKENDS
 
-__all__ = ["FIELDS", "check_everywhere", "fingerprint", "local_error", "raise_on_every_rank", "summary"]
+__all__ = ["FIELDS", "check_everywhere", "dtype_index", "fingerprint", "local_error", "raise_on_every_rank", "summary"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -108,6 +108,11 @@ def local_error(
     return None
 
 
+def dtype_index(dtype: torch.dtype) -> int:
+    """A floating dtype as an integer for the cross-rank summaries (-1 for one not listed)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
 def _bits(x) -> int:
     """A float's exact bits as an int (0 for None), for the cross-rank summary."""
     return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
@@ -120,7 +125,7 @@ def summary(q, k, v, layout, causal, scale, window, softcap, sinks, docs, error,
     b, hq, lq, d = q.shape
     documents = -1 if docs is None else fingerprint(docs)
     return [
-        0, lq, b, hq, k.shape[1], d, v.shape[3], _DTYPES.index(q.dtype), _layout.LAYOUTS.index(layout),
+        0, lq, b, hq, k.shape[1], d, v.shape[3], dtype_index(q.dtype), _layout.LAYOUTS.index(layout),
         int(causal), -1 if window is None else int(window), _bits(scale), _bits(softcap), int(sinks is not None),
         documents, ulysses_size,
     ]  # fmt: skip

@@ -32,7 +32,7 @@ import torch
 from ..guard import in_backward
 from ..hf_attention import ATTN_IMPLEMENTATION, BATCH_DOCUMENT_KWARGS, CONFIG_ATTR, RingConfig, register
 from ..ring import PlanCache
-from . import _rope
+from . import _rope, linear
 
 __all__ = ["EndBatch", "FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "TextOnly", "is_applied"]
 
@@ -41,6 +41,12 @@ ORIGINAL_ATTR = "hf_ring_original_attn_implementation"
 
 FALLBACK_ATTN_IMPLEMENTATION = "sdpa"
 """What revert switches to when the model was ``"hf_ring"`` before the first apply."""
+
+
+def _class(path: str) -> type:
+    """The class at dotted ``path`` ("transformers.models.llama.modeling_llama.LlamaAttention")."""
+    module, _, cls = path.rpartition(".")
+    return getattr(importlib.import_module(module), cls)
 
 
 def _no_check(config) -> None:
@@ -209,13 +215,22 @@ class FamilyPatch:
     # a vision-language model (its text model of a supported family is patched, nothing else): the keywords that
     # carry images or video into its forward, refused (``TextOnly``); () for text models
     media: tuple = ()
+    # the family's linear-attention (Gated DeltaNet) class, whose modules' forward ``patches.linear`` replaces
+    # while the model is patched (hybrid models: Qwen3-Next, Qwen3.5); None: attention layers only
+    linear_class: str | None = None
 
     def attention_type(self) -> type:
-        module, _, cls = self.attention_class.rpartition(".")
-        return getattr(importlib.import_module(module), cls)
+        return _class(self.attention_class)
 
     def attention_modules(self, model: torch.nn.Module) -> list:
         cls = self.attention_type()
+        return [m for m in model.modules() if isinstance(m, cls)]
+
+    def linear_modules(self, model: torch.nn.Module) -> list:
+        """The model's linear-attention modules (none for a family without ``linear_class``)."""
+        if self.linear_class is None:
+            return []
+        cls = _class(self.linear_class)
         return [m for m in model.modules() if isinstance(m, cls)]
 
     def _check_model(self, model) -> None:
@@ -263,6 +278,8 @@ class FamilyPatch:
             setattr(m, CONFIG_ATTR, cfg)
         _rope.remove(model)
         _rope.install(rotaries, cfg)
+        linear.remove(model)
+        linear.install(self.linear_modules(model), cfg)
         _set_hooks(model, cfg.plans, TextOnly(self.name, self.media) if self.media else None)
         setattr(model, ORIGINAL_ATTR, original)
         return model
@@ -280,6 +297,7 @@ class FamilyPatch:
             if hasattr(m, CONFIG_ATTR):
                 delattr(m, CONFIG_ATTR)
         _rope.remove(model)
+        linear.remove(model)
         _set_hooks(model, None)
         delattr(model, ORIGINAL_ATTR)
         return model

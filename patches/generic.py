@@ -34,8 +34,8 @@ from __future__ import annotations
 from ._family import FamilyPatch, LogitTransform, check_layer_types
 
 __all__ = [
-    "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LOGIT_TRANSFORMS", "PATCHES", "check", "check_causal_mask_only",
-    "check_gemma4", "check_without_windows",
+    "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LINEAR", "LOGIT_TRANSFORMS", "PATCHES", "check",
+    "check_causal_mask_only", "check_gemma4", "check_linear", "check_without_windows",
 ]  # fmt: skip
 
 FAMILIES = {
@@ -95,6 +95,9 @@ FAMILIES = {
     "phi": "transformers.models.phi.modeling_phi.PhiAttention",
     "phi3": "transformers.models.phi3.modeling_phi3.Phi3Attention",
     "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention",
+    "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Attention",
+    "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeAttention",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextAttention",
     "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",
     "seed_oss": "transformers.models.seed_oss.modeling_seed_oss.SeedOssAttention",
     "smollm3": "transformers.models.smollm3.modeling_smollm3.SmolLM3Attention",
@@ -115,6 +118,18 @@ def check(config, *, windows: bool = True) -> None:
         check_layer_types(config, what)
     else:
         check_layer_types(config, what, allowed=("full_attention",), window=False)
+    _check_router(config, what)
+
+
+def check_linear(config) -> None:
+    """``check`` for a hybrid family: full-attention layers (no windows) and linear-attention layers
+    (``hf_ring.patches.linear``)."""
+    what = getattr(config, "model_type", "model")
+    check_layer_types(config, what, allowed=("full_attention", "linear_attention"), window=False)
+    _check_router(config, what)
+
+
+def _check_router(config, what: str) -> None:
     if getattr(config, "output_router_logits", False):
         raise ValueError(
             f"{what}: config.output_router_logits=True returns the MoE router's logits (for a load-balancing loss), "
@@ -158,7 +173,17 @@ def check_gemma4(config) -> None:
         )
 
 
-CHECKS = {"olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4}
+LINEAR = {
+    "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
+    "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
+}
+"""Hybrid families: their linear-attention (Gated DeltaNet) class (``hf_ring.patches.linear``)."""
+
+CHECKS = {
+    "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
+    **{model_type: check_linear for model_type in LINEAR},
+}  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
 DROPS_LAYER_KWARGS = {"nemotron", "stablelm"}
@@ -190,6 +215,7 @@ PATCHES = {
         check_config=CHECKS.get(model_type, check),
         logit_transform=LOGIT_TRANSFORMS.get(model_type),
         layer_kwargs=model_type not in DROPS_LAYER_KWARGS,
+        linear_class=LINEAR.get(model_type),
     )
     for model_type, path in FAMILIES.items()
 }

@@ -18,7 +18,7 @@ import hf_ring
 from hf_ring.loss import default_chunk_size, is_chunked, liger_unavailable
 
 from .dist_utils import run_distributed
-from .hf_models import make_batch, make_model
+from .hf_models import DECAY_PARAMS, RTOL_DECAY, make_batch, make_model
 
 RTOL = 1e-5  # fp32: the chunked sum reorders the additions of the loss, nothing else
 CHUNK = 7  # tokens per chunk: many chunks, a ragged last one
@@ -55,8 +55,9 @@ def test_every_family_matches_the_unmodified_loss_and_gradients(family):
         assert out.logits is None and not is_chunked(model)
         assert _rel(out.loss, ref.loss) <= RTOL, (family, kind)
         assert grads.keys() == ref_grads.keys()
-        worst = max(grads, key=lambda n: _rel(grads[n], ref_grads[n]))
-        assert _rel(grads[worst], ref_grads[worst]) <= RTOL, (family, kind, worst)
+        for name in grads:  # a linear-attention decay's gradient: a sum that nearly cancels (its own bound)
+            bound = RTOL_DECAY if name.endswith(DECAY_PARAMS) else RTOL
+            assert _rel(grads[name], ref_grads[name]) <= bound, (family, kind, name)
 
 
 def test_without_labels_the_model_runs_as_before_and_revert_restores_it():

@@ -11,6 +11,7 @@ import inspect
 import pytest
 import torch
 from hf_ring.patches import REGISTRY, get_patch
+from hf_ring.patches.linear import ShardedGatedDeltaNet
 
 import hf_ring
 from hf_ring import hf_attention
@@ -92,14 +93,17 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert AttentionInterface._global_mapping["hf_ring"] is hf_attention.ring_attention_forward
     assert AttentionMaskInterface._global_mapping["hf_ring"] is hf_attention.ring_mask_function
     modules = get_patch(family).attention_modules(model)
-    assert len(modules) == text.num_hidden_layers
+    linear = get_patch(family).linear_modules(model)  # hybrids: their Gated DeltaNet layers
+    assert len(modules) + len(linear) == text.num_hidden_layers
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
+    assert all(isinstance(m.__dict__.get("forward"), ShardedGatedDeltaNet) for m in linear)
     ring = _logits(model, input_ids=ids)
     torch.testing.assert_close(ring, before, atol=ATOL, rtol=0)
 
     assert hf_ring.revert_ring_attention(model) is model
     assert all(c._attn_implementation == original for c in _sub_configs(model.config))
     assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in modules)
+    assert not any("forward" in m.__dict__ for m in linear)
     assert torch.equal(_logits(model, input_ids=ids), before)  # bit-identical
 
     if family not in DEDICATED:
@@ -118,7 +122,17 @@ def _sub_configs(config) -> list:
 
 @pytest.mark.parametrize(
     "family",
-    ["gemma3", "gemma4", "mistral3", "mistral3-ministral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"],
+    [
+        "gemma3",
+        "gemma4",
+        "mistral3",
+        "mistral3-ministral3",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_5",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+    ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
     """The text model of a vision-language model is patched; images, video or image tokens raise before anything

@@ -116,7 +116,10 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
         "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
     }
     config = {"num_hidden_layers": 3, **(rope if where == "after-rope" else {})}
-    model = hf_ring.apply_ring_attention(make_model("llama", **config), ulysses_size=2 if hybrid else None)
+    family = "llama"
+    if where == "between-linear":  # Qwen3.5: the peers wait in layer 2's linear-attention all-gather
+        family, config["layer_types"] = "qwen3_5_text", ["linear_attention", "full_attention", "linear_attention"]
+    model = hf_ring.apply_ring_attention(make_model(family, **config), ulysses_size=2 if hybrid else None)
     if where == "backward-reentrant":  # the layers' forwards run without grad, recomputed in the backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.enable_input_require_grads()
@@ -135,7 +138,7 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
     layer = model.model.layers[1]
     if failing and where == "after-rope":  # after the rotary embedding's all-reduce, before layer 0's attention
         model.model.layers[0].self_attn.q_proj.register_forward_hook(fail)
-    elif failing and where in ("between", "between-hybrid"):  # after layer 1's attention exchanged, before layer 2's
+    elif failing and where in ("between", "between-hybrid", "between-linear"):  # after layer 1's attention, before 2
         layer.mlp.register_forward_hook(fail)
     elif failing and where in ("backward", "backward-reentrant"):  # layer 2's ring backward ran, layer 1's never does
         layer.mlp.register_full_backward_hook(fail)
@@ -171,6 +174,7 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
         ("backward", 2),
         ("backward-reentrant", 2),
         ("between-hybrid", 2),
+        ("between-linear", 2),
         ("between", 4),
         ("after-rope", 2),
     ],  # fmt: skip
@@ -183,6 +187,7 @@ def test_a_one_sided_caught_failure_makes_every_rank_raise_naming_rank_and_call(
     assert results[FAIL_RANK]["errors"][0][1].startswith("injected failure"), "the failing rank sees its own error"
     call = {"between": "in its forward after ring-attention call 2 (layer 1)",
             "between-hybrid": "in its forward after ring-attention call 2 (layer 1)",
+            "between-linear": "in its forward after ring-attention call 2 (layer 1)",
             "inside": f"in the forward at ring step 1 of {world_size} of ring-attention call 2 (layer 1)",
             "backward": "in its backward (after 1 ring-attention backward calls of the step)",
             "backward-reentrant": "in its backward (after 1 ring-attention backward calls of the step)",

@@ -1,0 +1,232 @@
+"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) under context parallelism.
+
+These hybrid models interleave full-attention layers (switched to ring attention like every family) with linear
+attention: a short causal convolution and the gated delta rule, a recurrence over the sequence. While a model is
+patched, each such module's ``forward`` is replaced (an instance attribute; ``revert`` removes it) by
+``ShardedGatedDeltaNet``, which computes what the module computes on the unsharded sequence, with the module's
+own projections, norm and kernels (Transformers' ``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule``, or
+the hub kernels they dispatch to), around ``hf_ring.linear_attention`` (the states and convolution inputs each
+chunk needs from the chunks before it, from other ranks).
+
+Checked once per forward, on every rank alike (the ring's pre-flight exchange, so bad input never hangs a rank):
+ranks agree on shapes, dtype, layout and batch; the batch is what ``shard_batch`` cut for this group. Refused:
+packed documents (several documents in one row: the state would have to restart at each, which Transformers'
+own fallback kernel does not do either), the striped layout, chunks shorter than the convolution, and a cache
+holding earlier tokens (generation: ``ring_generate`` does not run these models). Padding (``shard_batch``'s
+document id -1, or a 2-D ``attention_mask`` with one rank) zeroes the layer's input there, as Transformers does.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .. import guard, preflight
+from ..comm import RingComm, StateGather, group_rank_and_size
+from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_group
+from ..hf_attention import _documents as documents
+from ..hf_attention import _sharding_error as sharding_error
+from ..layout import LAYOUTS, positions
+from ..linear_attention import causal_conv1d, chunks, gated_delta_rule
+
+__all__ = ["FIELDS", "ShardedGatedDeltaNet", "install", "remove"]
+
+FIELDS = ("error", "local_seq", "batch", "k_heads", "v_heads", "d_k", "d_v", "dtype", "layout", "conv_kernel",
+          "documents", *(f"unused_{i}" for i in range(5)))  # fmt: skip
+"""What ranks must agree on (the same number of fields as the ring's pre-flight, whose exchange this joins)."""
+assert len(FIELDS) == len(preflight.FIELDS)
+
+
+class ShardedGatedDeltaNet:
+    """The ``forward`` of a Gated DeltaNet module while its model is patched (same signature as Transformers')."""
+
+    def __init__(self, module: torch.nn.Module, cfg: RingConfig):
+        self.module = module
+        self.cfg = cfg
+
+    def __call__(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        m, cfg = self.module, self.cfg
+        if lost_group(cfg):
+            raise ValueError(LOST_GROUP)
+        rank, world_size = group_rank_and_size(cfg.group)
+        batch, local_len, _ = hidden_states.shape
+        error = _refusal(m, cache_params, cfg, rank, world_size, local_len)
+        keep = docs = None
+        if error is None:
+            error, keep, docs = _padding(m, attention_mask, kwargs, cfg, rank, world_size, local_len)
+        if world_size == 1:
+            if error:
+                raise guard.InStepError(f"{type(m).__name__}: {error}")
+        else:
+            self._check(error, hidden_states, docs, rank, world_size)
+        if keep is not None:  # padding: zero the input there, as Transformers' apply_mask_to_padding_states
+            hidden_states = (hidden_states * keep[:, :, None]).to(hidden_states.dtype)
+        plan = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout)
+        if world_size == 1:
+            return _forward(m, hidden_states, plan, None)
+        groups = [cfg.group]
+        grad = torch.is_grad_enabled() and hidden_states.requires_grad
+        name = "a linear-attention layer"
+        if cfg.plans is not None:  # counted as the ring's calls are (hf_ring.guard), named by its layer
+            cfg.plans.progress.label = f"layer {m.layer_idx}"
+            name = cfg.plans.progress.call(groups, grad)
+        try:
+            return _forward(m, hidden_states, plan, StateGather(cfg.group, cfg.timeout))
+        except BaseException as e:  # out of step with the peers from here on: stop the group (hf_ring.guard)
+            if isinstance(e, guard.StoppedError):
+                guard.stop(groups, guard.record_of(groups[0]) or str(e))
+            else:
+                guard.stop(groups, f"global rank {guard.global_rank()} failed in {name}: {type(e).__name__}: {e}")
+            raise
+
+    def _check(self, error, hidden_states, docs, rank, world_size) -> None:
+        """The cross-rank check, once per forward (the plan cache's), joined by every rank (``docs``: the batch's
+        document ids of the unsharded sequence, the same on every rank, or None)."""
+        m, cfg = self.module, self.cfg
+        plans = cfg.plans
+        key = ("gated_delta_net", rank, world_size, cfg.layout, tuple(hidden_states.shape), hidden_states.dtype)
+        if error is None and plans is not None and plans.checked(key, docs) is not None:
+            return
+        b, n, _ = hidden_states.shape
+        summary = [
+            0, n, b, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
+            preflight.dtype_index(hidden_states.dtype), LAYOUTS.index(cfg.layout), m.conv_kernel_size,
+            -1 if docs is None else preflight.fingerprint(docs), 0, 0, 0, 0, 0,
+        ]  # fmt: skip
+        if error is not None:
+            summary = [1] + [0] * (len(FIELDS) - 1)
+        comm = RingComm(cfg.group, timeout=cfg.timeout)
+        preflight.check_everywhere(error, summary, comm, hidden_states.device, fields=FIELDS, op=type(m).__name__)
+        if plans is not None:
+            plans.store(key, docs, True)
+
+
+def _refusal(m, cache_params, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
+    """What this rank cannot run, as a message that says what to do; or None."""
+    if cache_params is not None and _has_state(cache_params, m.layer_idx):
+        return (
+            "a cache holding earlier tokens (generation) is not supported for linear-attention layers under "
+            "hf_ring; call hf_ring.revert_ring_attention(model) before generate()"
+        )
+    if world_size > 1 and cfg.layout == "striped":
+        return (
+            "linear-attention layers cannot run on the striped layout (each token's state comes from the token "
+            "before it, on another rank); use layout='zigzag' or 'contiguous'"
+        )
+    if world_size > 1:
+        n = local_len // 2 if cfg.layout == "zigzag" else local_len
+        if n < m.conv_kernel_size - 1:
+            return (
+                f"each rank's chunks hold {n} tokens, fewer than the convolution's {m.conv_kernel_size - 1} inputs "
+                "before a token; use longer sequences"
+            )
+    return None
+
+
+def _has_state(cache, layer_idx: int) -> bool:
+    """The cache already holds this layer's recurrent state (Transformers 5.23's and 5.17's cache interfaces)."""
+    get = getattr(cache, "get_recurrent_state", None)
+    if get is not None:
+        try:
+            return get(layer_idx, state_idx=0) is not None
+        except (IndexError, KeyError, TypeError, AttributeError):
+            return False
+    has = getattr(cache, "has_previous_state", None)
+    if has is not None:
+        try:
+            return bool(has(layer_idx, state_idx=0))
+        except (IndexError, KeyError, TypeError, AttributeError):
+            return False
+    return False
+
+
+def _padding(m, attention_mask, kwargs, cfg: RingConfig, rank, world_size, local_len):
+    """``(error, keep, docs)``: why the batch cannot run here (or None); ``[batch or 1, local_seq]`` 1 for tokens,
+    0 for padding (None: no padding); the document ids of the unsharded sequence (None: none). Derived as the
+    ring's attention derives them; once per forward with a plan cache (every layer then gets the same objects)."""
+    sharding = sharding_error(m, kwargs, cfg, rank, world_size, local_len)
+    if sharding:
+        return sharding, None, None
+    device = m.out_proj.weight.device
+
+    def make():
+        return _keep(attention_mask, kwargs, cfg.layout, rank, world_size, local_len, device)
+
+    if cfg.plans is None:
+        return make()
+    sources = (attention_mask, *(kwargs.get(k) for k in (DOCUMENT_IDS_KWARG, "cu_seq_lens_q", "seq_idx")))
+    return cfg.plans.derived((_keep, *sources), make)
+
+
+def _keep(attention_mask, kwargs, layout, rank, world_size, local_len, device):
+    full = local_len * world_size
+    try:
+        docs, cu = documents(attention_mask, kwargs, full, world_size)
+    except ValueError as e:
+        return str(e), None, None
+    packed = (
+        "packed documents (several documents in one row) are not supported for linear-attention layers: the "
+        "recurrent state would have to restart at each document; pad each document to its own row instead"
+    )
+    if cu is not None:
+        return (packed if cu.numel() > 2 else None), None, cu
+    if docs is None:
+        return None, None, None
+    ids = docs.detach().cpu().long()
+    top = ids.max(dim=-1, keepdim=True).values
+    if bool(((ids >= 0) & (ids != top)).any()):
+        return packed, None, docs
+    if bool((ids >= 0).all()):
+        return None, None, docs
+    local = positions(full, rank=rank, world_size=world_size, layout=layout)
+    return None, (ids[:, local] >= 0).to(device), docs
+
+
+def _project(m, hidden_states):
+    """``(mixed_qkv [b, n, 2 key_dim + value_dim], z [b, n, v_heads, d_v], b, a [b, n, v_heads])``: Qwen3.5's
+    separate projections or Qwen3-Next's fused, head-interleaved ones."""
+    if hasattr(m, "in_proj_qkvz"):  # Qwen3-Next
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hidden_states), m.in_proj_ba(hidden_states))
+        mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (q, k, v)], dim=-1)
+        return mixed, z, b, a
+    batch, n, _ = hidden_states.shape
+    z = m.in_proj_z(hidden_states).reshape(batch, n, -1, m.head_v_dim)
+    return m.in_proj_qkv(hidden_states), z, m.in_proj_b(hidden_states), m.in_proj_a(hidden_states)
+
+
+def _forward(m, hidden_states, plan, gather):
+    """Transformers' Gated DeltaNet forward without a cache, its convolution and recurrence over the CP group."""
+    kernels = sys.modules[type(m).__module__]  # the module's own functions (hub kernels when Transformers set them)
+    batch, n, _ = hidden_states.shape
+    mixed, z, b, a = _project(m, hidden_states)
+    weight = m.conv1d.weight.squeeze(1)
+
+    def conv(x):
+        return kernels.causal_conv1d_fn(x, weight, m.conv1d.bias, activation=m.activation)
+
+    mixed = causal_conv1d(mixed.transpose(1, 2), conv, m.conv_kernel_size, plan, gather).transpose(1, 2)
+    q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    q = q.reshape(batch, n, -1, m.head_k_dim)
+    k = k.reshape(batch, n, -1, m.head_k_dim)
+    v = v.reshape(batch, n, -1, m.head_v_dim)
+    beta = b.sigmoid()
+    g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+    core = gated_delta_rule(
+        q, k, v, g, beta, kernel=kernels.torch_chunk_gated_delta_rule, plan=plan, gather=gather,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(batch, n, -1)
+    return m.out_proj(core)
+
+
+def install(modules: list, cfg: RingConfig) -> None:
+    for m in modules:
+        m.forward = ShardedGatedDeltaNet(m, cfg)
+
+
+def remove(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), ShardedGatedDeltaNet):
+            del m.forward
