@@ -30,7 +30,7 @@ Caveat: with more than one rank the batch should come from ``hf_ring.shard_batch
 see packing or padding of the unsharded sequence from the local shard alone, so a 2-D padding mask
 is refused there. A batch sharded by hand (no ``ring_shard_info`` / ``ring_document_ids``) must carry
 the global positions of its tokens: ``position_ids`` that restart (packing) or are local (missing)
-raise. That check runs once per forward (in the layer with ``layer_idx == 0``) and costs one small
+raise. That check runs once per forward (in the first attention layer) and costs one small
 device-to-host copy when ``position_ids`` live on a GPU; ``shard_batch`` users never pay it.
 """
 
@@ -46,7 +46,14 @@ import torch.distributed as dist
 
 from .comm import UlyssesGroups, group_rank_and_size
 from .kernels import BACKENDS
-from .layout import LAYOUTS, documents_from_cu_seqlens, documents_from_positions, positions, valid_cu_seqlens
+from .layout import (
+    LAYOUTS,
+    documents_from_cu_seqlens,
+    documents_from_positions,
+    positions,
+    several_documents,
+    valid_cu_seqlens,
+)
 from .ring import PlanCache, raise_on_every_rank, ring_attention
 
 __all__ = [
@@ -54,6 +61,7 @@ __all__ = [
     "CONFIG_ATTR",
     "DOCUMENT_IDS_KWARG",
     "RingConfig",
+    "PACKED_WITH_MIXERS",
     "SHARD_INFO_KWARG",
     "ShardInfo",
     "register",
@@ -116,6 +124,9 @@ class RingConfig:
     plans: PlanCache | None = dataclasses.field(default=None, compare=False, repr=False)
     ulysses: UlyssesGroups | None = dataclasses.field(default=None, compare=False)  # the Ulysses x Ring hybrid
     timeout: float | None = None  # seconds a rank waits for its ring peers (gloo) before it raises
+    # the model also has linear-attention or convolution layers (``hf_ring.patches.linear``), which cannot keep
+    # packed documents apart: batches of several documents per row are refused (``PACKED_WITH_MIXERS``)
+    mixers: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -155,6 +166,12 @@ class RingConfig:
 LOST_GROUP = (
     "this model's ring attention lost its process group when the model was pickled; call "
     "hf_ring.apply_ring_attention(model, group=...) again"
+)
+
+
+PACKED_WITH_MIXERS = (
+    "packed documents (several documents in one row) are not supported in a model with linear-attention or "
+    "convolution layers: their state would have to restart at each document; pad each document to its own row"
 )
 
 
@@ -325,11 +342,20 @@ def _hand_sharded_error(module, kwargs: dict, cfg: RingConfig, rank: int, world_
     """Why this rank's ``position_ids`` are not the global positions of its tokens in the layout, or None.
 
     Only for batches sharded without ``shard_batch`` over several ranks: restarting positions (packing)
-    or local positions would otherwise pass silently. Checked once per forward (layer 0).
+    or local positions would otherwise pass silently. Checked once per forward with a plan cache (the first
+    attention layer: a hybrid's layer 0 may be a linear-attention layer, which gets no positions), else per call.
     """
     pos = kwargs.get("position_ids")
-    if pos is None or getattr(module, "layer_idx", 0) != 0:
+    if pos is None:
         return None
+    if cfg.plans is None:
+        return _positions_error(pos, cfg, rank, world_size, local_len)
+    return cfg.plans.derived(
+        (_hand_sharded_error, pos), lambda: _positions_error(pos, cfg, rank, world_size, local_len)
+    )
+
+
+def _positions_error(pos, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
     pos = pos.detach().cpu().long().reshape(-1, pos.shape[-1])  # one small copy per forward on a GPU
     if pos.shape[-1] != local_len:
         return None  # not per-token positions (Transformers would fail on them); nothing to compare
@@ -455,6 +481,8 @@ def ring_attention_forward(
         document_ids, cu_seqlens = cfg.plans.derived(
             sources, lambda: _documents(attention_mask, kwargs, full, world_size)
         )
+    if cfg.mixers and several_documents(document_ids, cu_seqlens):  # (a hybrid's linear layers refused them first,
+        raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)  # unless seen by positions)
     if cfg.plans is not None:  # names the call in errors ("ring-attention call 3 (layer 2)")
         layer = getattr(module, "layer_idx", None)
         cfg.plans.progress.label = "" if layer is None else f"layer {layer}"

@@ -26,6 +26,7 @@ __all__ = [
     "valid_cu_seqlens",
     "documents_from_cu_seqlens",
     "documents_from_positions",
+    "several_documents",
 ]
 
 LAYOUTS = ("zigzag", "striped", "contiguous")
@@ -118,3 +119,15 @@ def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     return starts.cumsum(-1) - 1
+
+
+def several_documents(document_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> bool:
+    """Some row holds more than one document: ``cu_seqlens`` with more than one, or ``document_ids`` (``[rows,
+    seq]``, -1 = padding) with two different ids >= 0 in a row (one host copy)."""
+    if cu_seqlens is not None:
+        return cu_seqlens.numel() > 2
+    if document_ids is None:
+        return False
+    ids = document_ids.detach().cpu().long()
+    top = ids.max(dim=-1, keepdim=True).values
+    return bool(((ids >= 0) & (ids != top)).any())

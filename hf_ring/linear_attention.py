@@ -47,9 +47,9 @@ class Chunks:
     """How this rank's ``local_seq`` tokens cut into runs of consecutive positions: ``count`` runs of ``length``
     tokens each, run ``i`` being chunk ``index[i]`` of the ``total`` chunks of the whole sequence, in order."""
 
-    def __init__(self, count: int, length: int, index: tuple, total: int, rank: int, world_size: int):
+    def __init__(self, count: int, length: int, index: tuple, total: int, world_size: int):
         self.count, self.length, self.index, self.total = count, length, index, total
-        self.rank, self.world_size = rank, world_size
+        self.world_size = world_size
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """``x`` with its ``dim`` (this rank's tokens) cut into the runs, stacked on a new leading dimension."""
@@ -70,15 +70,15 @@ def chunks(local_seq: int, *, rank: int, world_size: int, layout: str) -> Chunks
     """The runs of ``rank``'s tokens (see ``Chunks``); ValueError for the striped layout over several ranks."""
     _layout.check_layout(layout)
     if world_size == 1:
-        return Chunks(1, local_seq, (0,), 1, rank, 1)
+        return Chunks(1, local_seq, (0,), 1, 1)
     if layout == "striped":
         raise ValueError(
             "linear-attention layers (Gated DeltaNet) cannot run on the striped layout: each token's state comes "
             "from the token before it, which lives on another rank; use layout='zigzag' or 'contiguous'"
         )
     if layout == "contiguous":
-        return Chunks(1, local_seq, (rank,), world_size, rank, world_size)
-    return Chunks(2, local_seq // 2, (rank, 2 * world_size - 1 - rank), 2 * world_size, rank, world_size)
+        return Chunks(1, local_seq, (rank,), world_size, world_size)
+    return Chunks(2, local_seq // 2, (rank, 2 * world_size - 1 - rank), 2 * world_size, world_size)
 
 
 class _Uses(torch.autograd.Function):
@@ -154,7 +154,7 @@ def gated_delta_rule(
         kernel_kwargs: passed on (``use_qk_l2norm_in_kernel``).
 
     Returns:
-        [batch, local_seq, v_heads, d_v] in the kernel's output dtype.
+        [batch, local_seq, v_heads, d_v] in query's dtype (the kernel's output dtype).
 
     With fewer key than value heads, q and k are repeated to the value heads first (each serving
     ``v_heads / k_heads`` consecutive ones), as Transformers 5.17's modules do before their kernel and later
@@ -170,19 +170,25 @@ def gated_delta_rule(
         return out
     b, _, hv, dv = value.shape
     dk = key.shape[-1]
-    q, k, v, gs, bs = (plan.split(t, dim=1).flatten(0, 1) for t in (query, key, value, g, beta))
+    dtype = query.dtype
+    # fp32 into the kernel: its zero-state outputs and u_t are corrected before the one rounding to the input dtype
+    # (Transformers' fallback kernel computes in fp32 anyway); fp32 states and their composition, also under autocast
+    q, k, v, gs, bs = (plan.split(t.float(), dim=1).flatten(0, 1) for t in (query, key, value, g, beta))
     wide = torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1)  # the identity's columns carry P_t
     start = torch.zeros(q.shape[0], hv, dk, dv + dk, dtype=torch.float32, device=q.device)
     start[..., dv:] = torch.eye(dk, dtype=torch.float32, device=q.device)
-    out, final = kernel(q, k, wide, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
-    every = gather.gather(final.float().unflatten(0, (plan.count, b)))  # [world, runs, b, hv, dk, dv + dk]
-    # the state each of this rank's chunks starts from, composed in sequence order (fp32)
-    states, x = [], torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=q.device)
-    for c in range(max(plan.index) + 1):
-        if c in plan.index:
-            states.append(x)
-        fp = every[plan.owner(c)]
-        x = fp[..., dv:] @ x + fp[..., :dv]
-    starts = torch.stack([states[sorted(plan.index).index(c)] for c in plan.index]).flatten(0, 1)
-    fixed = out[..., :dv].float() + torch.einsum("blhk,bhkv->blhv", out[..., dv:].float(), starts)
-    return _Uses.apply(plan.join(fixed.to(out.dtype).unflatten(0, (plan.count, b)), dim=1), every)
+    with torch.autocast(q.device.type, enabled=False):
+        out, final = kernel(q, k, wide, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
+        every = gather.gather(final.float().unflatten(0, (plan.count, b)))  # [world, runs, b, hv, dk, dv + dk]
+        # the state each of this rank's chunks starts from, composed in sequence order
+        last = max(plan.index)
+        starts, x = {}, torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=q.device)
+        for c in range(last + 1):
+            if c in plan.index:
+                starts[c] = x
+            if c < last:
+                fp = every[plan.owner(c)]
+                x = fp[..., dv:] @ x + fp[..., :dv]
+        x0 = torch.stack([starts[c] for c in plan.index]).flatten(0, 1)
+        fixed = out[..., :dv].float() + torch.einsum("blhk,bhkv->blhv", out[..., dv:].float(), x0)
+    return _Uses.apply(plan.join(fixed.to(dtype).unflatten(0, (plan.count, b)), dim=1), every)

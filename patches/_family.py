@@ -263,6 +263,8 @@ class FamilyPatch:
         modules = self.attention_modules(model)
         if not modules:
             raise ValueError(f"found no {self.attention_class.rpartition('.')[2]} module in {type(model).__name__}")
+        mixers = self.linear_modules(model)
+        linear.check(mixers)
         original = getattr(model, ORIGINAL_ATTR, text._attn_implementation)
         if original == ATTN_IMPLEMENTATION:  # loaded with attn_implementation="hf_ring"
             original = FALLBACK_ATTN_IMPLEMENTATION
@@ -272,14 +274,14 @@ class FamilyPatch:
                 f"{type(model).__name__} did not accept attn_implementation={ATTN_IMPLEMENTATION!r} "
                 "(it does not dispatch attention through transformers.AttentionInterface)"
             )
-        if cfg.plans is None:
-            cfg = dataclasses.replace(cfg, plans=PlanCache())
+        if cfg.plans is None or cfg.mixers != bool(mixers):
+            cfg = dataclasses.replace(cfg, plans=cfg.plans or PlanCache(), mixers=bool(mixers))
         for m in modules:
             setattr(m, CONFIG_ATTR, cfg)
         _rope.remove(model)
         _rope.install(rotaries, cfg)
         linear.remove(model)
-        linear.install(self.linear_modules(model), cfg)
+        linear.install(mixers, cfg)
         _set_hooks(model, cfg.plans, TextOnly(self.name, self.media) if self.media else None)
         setattr(model, ORIGINAL_ATTR, original)
         return model

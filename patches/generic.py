@@ -95,6 +95,8 @@ FAMILIES = {
     "phi": "transformers.models.phi.modeling_phi.PhiAttention",
     "phi3": "transformers.models.phi3.modeling_phi3.Phi3Attention",
     "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention",
+    "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
+    "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeAttention",
     "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Attention",
     "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeAttention",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextAttention",
@@ -122,10 +124,10 @@ def check(config, *, windows: bool = True) -> None:
 
 
 def check_linear(config) -> None:
-    """``check`` for a hybrid family: full-attention layers (no windows) and linear-attention layers
-    (``hf_ring.patches.linear``)."""
+    """``check`` for a hybrid family: full-attention layers (no windows), and linear-attention or short-convolution
+    layers (``hf_ring.patches.linear``)."""
     what = getattr(config, "model_type", "model")
-    check_layer_types(config, what, allowed=("full_attention", "linear_attention"), window=False)
+    check_layer_types(config, what, allowed=("full_attention", "linear_attention", "conv"), window=False)
     _check_router(config, what)
 
 
@@ -174,11 +176,13 @@ def check_gemma4(config) -> None:
 
 
 LINEAR = {
+    "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv",
+    "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
     "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
     "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
 }
-"""Hybrid families: their linear-attention (Gated DeltaNet) class (``hf_ring.patches.linear``)."""
+"""Hybrid families: their linear-attention (Gated DeltaNet) or short-convolution class (``hf_ring.patches.linear``)."""
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,

@@ -1,19 +1,22 @@
-"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) under context parallelism.
+"""Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
+Qwen3.5-MoE) and short convolutions (LFM2, LFM2-MoE).
 
-These hybrid models interleave full-attention layers (switched to ring attention like every family) with linear
-attention: a short causal convolution and the gated delta rule, a recurrence over the sequence. While a model is
-patched, each such module's ``forward`` is replaced (an instance attribute; ``revert`` removes it) by
-``ShardedGatedDeltaNet``, which computes what the module computes on the unsharded sequence, with the module's
-own projections, norm and kernels (Transformers' ``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule``, or
-the hub kernels they dispatch to), around ``hf_ring.linear_attention`` (the states and convolution inputs each
-chunk needs from the chunks before it, from other ranks).
+These hybrid models interleave full-attention layers (switched to ring attention like every family) with layers
+that look back along the sequence another way: a short causal convolution, followed in the Gated DeltaNet by the
+gated delta rule, a recurrence over the sequence. While a model is patched, each such module's ``forward`` is
+replaced (an instance attribute; ``revert`` removes it) by ``ShardedMixer``, which computes what the module
+computes on the unsharded sequence, with the module's own projections, norm and kernels (Transformers'
+``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule``, or the hub kernels they dispatch to), around
+``hf_ring.linear_attention`` (the states and convolution inputs each chunk needs from the chunks before it, from
+other ranks).
 
 Checked once per forward, on every rank alike (the ring's pre-flight exchange, so bad input never hangs a rank):
 ranks agree on shapes, dtype, layout and batch; the batch is what ``shard_batch`` cut for this group. Refused:
 packed documents (several documents in one row: the state would have to restart at each, which Transformers'
 own fallback kernel does not do either), the striped layout, chunks shorter than the convolution, and a cache
 holding earlier tokens (generation: ``ring_generate`` does not run these models). Padding (``shard_batch``'s
-document id -1, or a 2-D ``attention_mask`` with one rank) zeroes the layer's input there, as Transformers does.
+document id -1, or a 2-D ``attention_mask`` with one rank) zeroes the layer's input there, as Transformers does;
+a layer its decoder layer calls without the batch's keywords (LFM2 on Transformers 5.17) refuses padded batches.
 """
 
 from __future__ import annotations
@@ -25,34 +28,38 @@ import torch.nn.functional as F
 
 from .. import guard, preflight
 from ..comm import RingComm, StateGather, group_rank_and_size
-from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_group
+from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, PACKED_WITH_MIXERS, RingConfig, lost_group
 from ..hf_attention import _documents as documents
+from ..hf_attention import _dropped_documents_error as dropped_documents_error
 from ..hf_attention import _sharding_error as sharding_error
-from ..layout import LAYOUTS, positions
+from ..layout import LAYOUTS, positions, several_documents
 from ..linear_attention import causal_conv1d, chunks, gated_delta_rule
 
-__all__ = ["FIELDS", "ShardedGatedDeltaNet", "install", "remove"]
+__all__ = ["FIELDS", "ShardedMixer", "check", "install", "remove"]
 
-FIELDS = ("error", "local_seq", "batch", "k_heads", "v_heads", "d_k", "d_v", "dtype", "layout", "conv_kernel",
-          "documents", *(f"unused_{i}" for i in range(5)))  # fmt: skip
-"""What ranks must agree on (the same number of fields as the ring's pre-flight, whose exchange this joins)."""
-assert len(FIELDS) == len(preflight.FIELDS)
+FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kernel", "documents",
+          *(f"unused_{i}" for i in range(8)))  # fmt: skip
+"""What ranks must agree on (as many fields as the ring's pre-flight, whose exchange this joins)."""
 
 
-class ShardedGatedDeltaNet:
-    """The ``forward`` of a Gated DeltaNet module while its model is patched (same signature as Transformers')."""
+class ShardedMixer:
+    """The ``forward`` of a linear-attention or short-convolution module while its model is patched (Transformers'
+    signatures: ``(hidden_states, cache_params / past_key_values, attention_mask, **kwargs)``)."""
 
     def __init__(self, module: torch.nn.Module, cfg: RingConfig):
         self.module = module
         self.cfg = cfg
+        self.compute = _short_conv if hasattr(module, "in_proj") else _gated_delta_net
+        self.kernels = _kernels(module)
 
-    def __call__(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    def __call__(self, hidden_states, cache_params=None, attention_mask=None, past_key_values=None, **kwargs):
         m, cfg = self.module, self.cfg
         if lost_group(cfg):
             raise ValueError(LOST_GROUP)
         rank, world_size = group_rank_and_size(cfg.group)
         batch, local_len, _ = hidden_states.shape
-        error = _refusal(m, cache_params, cfg, rank, world_size, local_len)
+        cache = cache_params if cache_params is not None else past_key_values
+        error = _refusal(m, cache, cfg, rank, world_size, local_len) or dropped_documents_error(m, kwargs, cfg)
         keep = docs = None
         if error is None:
             error, keep, docs = _padding(m, attention_mask, kwargs, cfg, rank, world_size, local_len)
@@ -65,7 +72,7 @@ class ShardedGatedDeltaNet:
             hidden_states = (hidden_states * keep[:, :, None]).to(hidden_states.dtype)
         plan = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout)
         if world_size == 1:
-            return _forward(m, hidden_states, plan, None)
+            return self.compute(m, self.kernels, hidden_states, plan, None)
         groups = [cfg.group]
         grad = torch.is_grad_enabled() and hidden_states.requires_grad
         name = "a linear-attention layer"
@@ -73,7 +80,7 @@ class ShardedGatedDeltaNet:
             cfg.plans.progress.label = f"layer {m.layer_idx}"
             name = cfg.plans.progress.call(groups, grad)
         try:
-            return _forward(m, hidden_states, plan, StateGather(cfg.group, cfg.timeout))
+            return self.compute(m, self.kernels, hidden_states, plan, StateGather(cfg.group, cfg.timeout))
         except BaseException as e:  # out of step with the peers from here on: stop the group (hf_ring.guard)
             if isinstance(e, guard.StoppedError):
                 guard.stop(groups, guard.record_of(groups[0]) or str(e))
@@ -86,14 +93,13 @@ class ShardedGatedDeltaNet:
         document ids of the unsharded sequence, the same on every rank, or None)."""
         m, cfg = self.module, self.cfg
         plans = cfg.plans
-        key = ("gated_delta_net", rank, world_size, cfg.layout, tuple(hidden_states.shape), hidden_states.dtype)
+        key = ("mixer", rank, world_size, cfg.layout, tuple(hidden_states.shape), hidden_states.dtype)
         if error is None and plans is not None and plans.checked(key, docs) is not None:
             return
         b, n, _ = hidden_states.shape
         summary = [
-            0, n, b, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
-            preflight.dtype_index(hidden_states.dtype), LAYOUTS.index(cfg.layout), m.conv_kernel_size,
-            -1 if docs is None else preflight.fingerprint(docs), 0, 0, 0, 0, 0,
+            0, n, b, hidden_states.shape[-1], preflight.dtype_index(hidden_states.dtype), LAYOUTS.index(cfg.layout),
+            m.conv_kernel_size, -1 if docs is None else preflight.fingerprint(docs), 0, 0, 0, 0, 0, 0, 0, 0,
         ]  # fmt: skip
         if error is not None:
             summary = [1] + [0] * (len(FIELDS) - 1)
@@ -110,34 +116,33 @@ def _refusal(m, cache_params, cfg: RingConfig, rank: int, world_size: int, local
             "a cache holding earlier tokens (generation) is not supported for linear-attention layers under "
             "hf_ring; call hf_ring.revert_ring_attention(model) before generate()"
         )
-    if world_size > 1 and cfg.layout == "striped":
+    try:
+        n = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout).length
+    except ValueError as e:  # the striped layout
+        return str(e)
+    if world_size > 1 and n < m.conv_kernel_size - 1:
         return (
-            "linear-attention layers cannot run on the striped layout (each token's state comes from the token "
-            "before it, on another rank); use layout='zigzag' or 'contiguous'"
+            f"each rank's chunks hold {n} tokens, fewer than the convolution's {m.conv_kernel_size - 1} inputs "
+            "before a token; use longer sequences"
         )
-    if world_size > 1:
-        n = local_len // 2 if cfg.layout == "zigzag" else local_len
-        if n < m.conv_kernel_size - 1:
-            return (
-                f"each rank's chunks hold {n} tokens, fewer than the convolution's {m.conv_kernel_size - 1} inputs "
-                "before a token; use longer sequences"
-            )
     return None
 
 
 def _has_state(cache, layer_idx: int) -> bool:
-    """The cache already holds this layer's recurrent state (Transformers 5.23's and 5.17's cache interfaces)."""
-    get = getattr(cache, "get_recurrent_state", None)
-    if get is not None:
-        try:
-            return get(layer_idx, state_idx=0) is not None
-        except (IndexError, KeyError, TypeError, AttributeError):
-            return False
-    has = getattr(cache, "has_previous_state", None)
+    """The cache already holds this layer's state (Transformers 5.23's and 5.17's cache interfaces)."""
+    for name in ("get_recurrent_state", "get_conv_state"):  # 5.23
+        get = getattr(cache, name, None)
+        if get is not None:
+            try:
+                if get(layer_idx, state_idx=0) is not None:
+                    return True
+            except (IndexError, KeyError, TypeError, AttributeError, ValueError):
+                pass
+    has = getattr(cache, "has_previous_state", None)  # 5.17
     if has is not None:
         try:
-            return bool(has(layer_idx, state_idx=0))
-        except (IndexError, KeyError, TypeError, AttributeError):
+            return bool(has(layer_idx))
+        except (IndexError, KeyError, TypeError, AttributeError, ValueError):
             return False
     return False
 
@@ -166,18 +171,13 @@ def _keep(attention_mask, kwargs, layout, rank, world_size, local_len, device):
         docs, cu = documents(attention_mask, kwargs, full, world_size)
     except ValueError as e:
         return str(e), None, None
-    packed = (
-        "packed documents (several documents in one row) are not supported for linear-attention layers: the "
-        "recurrent state would have to restart at each document; pad each document to its own row instead"
-    )
+    if several_documents(docs, cu):
+        return PACKED_WITH_MIXERS, None, docs if cu is None else cu
     if cu is not None:
-        return (packed if cu.numel() > 2 else None), None, cu
+        return None, None, cu
     if docs is None:
         return None, None, None
     ids = docs.detach().cpu().long()
-    top = ids.max(dim=-1, keepdim=True).values
-    if bool(((ids >= 0) & (ids != top)).any()):
-        return packed, None, docs
     if bool((ids >= 0).all()):
         return None, None, docs
     local = positions(full, rank=rank, world_size=world_size, layout=layout)
@@ -196,9 +196,31 @@ def _project(m, hidden_states):
     return m.in_proj_qkv(hidden_states), z, m.in_proj_b(hidden_states), m.in_proj_a(hidden_states)
 
 
-def _forward(m, hidden_states, plan, gather):
+def _kernels(module):
+    """The Transformers module defining ``module``'s class, whose ``causal_conv1d_fn`` (and
+    ``torch_chunk_gated_delta_rule``) its forward calls: looked up along the class's bases, since FSDP2's
+    ``fully_shard`` gives a sharded module a class of its own, defined elsewhere."""
+    for cls in type(module).__mro__:
+        found = sys.modules.get(cls.__module__)
+        if found is not None and hasattr(found, "causal_conv1d_fn"):
+            return found
+    raise ValueError(f"{type(module).__name__}: found no causal_conv1d_fn beside its class (not a Transformers module)")
+
+
+def _short_conv(m, kernels, hidden_states, plan, gather):
+    """Transformers' LFM2 short convolution without a cache (gated by its projections), over the CP group."""
+    b, c, x = m.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
+    weight = m.conv.weight.squeeze(1)
+
+    def conv(t):
+        return kernels.causal_conv1d_fn(t, weight, m.conv.bias)
+
+    y = causal_conv1d(b * x, conv, m.conv_kernel_size, plan, gather)
+    return m.out_proj((c * y).transpose(-1, -2).contiguous())
+
+
+def _gated_delta_net(m, kernels, hidden_states, plan, gather):
     """Transformers' Gated DeltaNet forward without a cache, its convolution and recurrence over the CP group."""
-    kernels = sys.modules[type(m).__module__]  # the module's own functions (hub kernels when Transformers set them)
     batch, n, _ = hidden_states.shape
     mixed, z, b, a = _project(m, hidden_states)
     weight = m.conv1d.weight.squeeze(1)
@@ -221,12 +243,22 @@ def _forward(m, hidden_states, plan, gather):
     return m.out_proj(core)
 
 
+def check(modules: list) -> None:
+    """ValueError for modules whose ``forward`` cannot be replaced (before anything is patched)."""
+    hooked = [type(m).__name__ for m in modules if hasattr(m, "_hf_hook")]
+    if hooked:  # its instance forward is Accelerate's (device_map / offload), which a revert must not lose
+        raise ValueError(
+            f"{hooked[0]} carries Accelerate hooks (a model loaded with device_map= or offloaded): hf_ring cannot "
+            "run its layers on a sharded sequence then; load the model without device_map for training"
+        )
+
+
 def install(modules: list, cfg: RingConfig) -> None:
     for m in modules:
-        m.forward = ShardedGatedDeltaNet(m, cfg)
+        m.forward = ShardedMixer(m, cfg)
 
 
 def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
-        if isinstance(m.__dict__.get("forward"), ShardedGatedDeltaNet):
+        if isinstance(m.__dict__.get("forward"), ShardedMixer):
             del m.forward

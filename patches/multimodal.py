@@ -40,6 +40,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "qwen3_vl_moe": ("qwen3_vl_moe_text",),  # Qwen3-VL-30B-A3B, 235B-A22B
     "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),  # InternVL 3 / 3.5
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
+    "lfm2_vl": ("lfm2",),  # LFM2-VL
     "qwen3_5": ("qwen3_5_text",),  # Qwen3.5 (every checkpoint is this vision-language model)
     "qwen3_5_moe": ("qwen3_5_moe_text",),
 }

@@ -118,6 +118,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {"head_dim": 16, "embedding_multiplier": 3.0, "logits_scaling": 0.5, "residual_multiplier": 0.5, "attention_multiplier": 0.2}),
     # hybrids: Gated DeltaNet (linear attention) layers beside gated full-attention layers
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _LINEAR),
+    # hybrids: gated short convolutions (kernel 3, with bias) beside full-attention layers
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"], "conv_bias": True}),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1,
+                 "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**_LINEAR, **_MOE_SHARED}),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**_LINEAR, **_MOE_SHARED}),  # fused projections
     "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM", {**_MLA, "num_layers": 1, "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32, "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2}),
@@ -167,12 +171,23 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                 _QWEN3_5_VISION),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
                     {**_LINEAR, **_MOE_SHARED, "rope_parameters": _MROPE_HALF}, _QWEN3_5_VISION),
+    "lfm2_vl": ("Lfm2VlConfig", "Lfm2VlForConditionalGeneration", MORE_FAMILIES["lfm2"][2],
+                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "patch_size": 16}),
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {"head_dim": 16, "sliding_window": 7},
                  {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
+
+
+def transformers_at_least(release: str | None) -> bool:
+    """The installed Transformers is ``release`` or later (None: any)."""
+    import transformers
+    from packaging.version import Version
+
+    return release is None or Version(transformers.__version__) >= Version(release)
 
 
 def make_config(family: str, **overrides):
@@ -393,12 +408,7 @@ def ring_step(model, batch, layout, ulysses_size=None):
         hf_ring.revert_ring_attention(model)
 
 
-DECAY_PARAMS = (
-    "linear_attn.A_log",
-    "linear_attn.dt_bias",
-    "linear_attn.in_proj_a.weight",
-    "linear_attn.in_proj_ba.weight",
-)
+DECAY_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
 """The Gated DeltaNet's decay parameters and the projections that feed the decay: their gradients are sums over
 every token of terms that nearly cancel (norm 1e-4 for A_log in the tiny models), so any reordering of the
 recurrence moves them far more than the others: Transformers' own kernel, its chunk size alone changed from 64 to

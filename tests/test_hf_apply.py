@@ -11,7 +11,7 @@ import inspect
 import pytest
 import torch
 from hf_ring.patches import REGISTRY, get_patch
-from hf_ring.patches.linear import ShardedGatedDeltaNet
+from hf_ring.patches.linear import ShardedMixer
 
 import hf_ring
 from hf_ring import hf_attention
@@ -96,7 +96,7 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     linear = get_patch(family).linear_modules(model)  # hybrids: their Gated DeltaNet layers
     assert len(modules) + len(linear) == text.num_hidden_layers
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
-    assert all(isinstance(m.__dict__.get("forward"), ShardedGatedDeltaNet) for m in linear)
+    assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
     ring = _logits(model, input_ids=ids)
     torch.testing.assert_close(ring, before, atol=ATOL, rtol=0)
 
@@ -125,6 +125,7 @@ def _sub_configs(config) -> list:
     [
         "gemma3",
         "gemma4",
+        "lfm2_vl",
         "mistral3",
         "mistral3-ministral3",
         "qwen2_vl",
