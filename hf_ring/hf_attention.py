@@ -124,8 +124,8 @@ class RingConfig:
     plans: PlanCache | None = dataclasses.field(default=None, compare=False, repr=False)
     ulysses: UlyssesGroups | None = dataclasses.field(default=None, compare=False)  # the Ulysses x Ring hybrid
     timeout: float | None = None  # seconds a rank waits for its ring peers (gloo) before it raises
-    # the model also has linear-attention or convolution layers (``hf_ring.patches.linear``), which cannot keep
-    # packed documents apart: batches of several documents per row are refused (``PACKED_WITH_MIXERS``)
+    # the model also has linear-attention or convolution layers (``hf_ring.patches.linear``), which see packed
+    # documents only through the batch's keywords, not through position_ids (``PACKED_WITH_MIXERS``)
     mixers: bool = False
 
     def __post_init__(self):
@@ -170,8 +170,10 @@ LOST_GROUP = (
 
 
 PACKED_WITH_MIXERS = (
-    "packed documents (several documents in one row) are not supported in a model with linear-attention or "
-    "convolution layers: their state would have to restart at each document; pad each document to its own row"
+    "packed documents marked only by restarting position_ids cannot reach this model's linear-attention or "
+    "convolution layers (their decoder layers are not given position_ids), which would run across the documents; "
+    "pass cu_seq_lens_q / cu_seq_lens_k (DataCollatorWithFlattening(return_flash_attn_kwargs=True)) or the batch "
+    "through hf_ring.shard_batch"
 )
 
 
@@ -481,8 +483,10 @@ def ring_attention_forward(
         document_ids, cu_seqlens = cfg.plans.derived(
             sources, lambda: _documents(attention_mask, kwargs, full, world_size)
         )
-    if cfg.mixers and several_documents(document_ids, cu_seqlens):  # (a hybrid's linear layers refused them first,
-        raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)  # unless seen by positions)
+    by_positions = DOCUMENT_IDS_KWARG not in kwargs and all(kwargs.get(k) is None for k in _PACKING_KWARGS)
+    by_positions = by_positions and attention_mask is None
+    if cfg.mixers and by_positions and several_documents(document_ids, cu_seqlens):
+        raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)
     if cfg.plans is not None:  # names the call in errors ("ring-attention call 3 (layer 2)")
         layer = getattr(module, "layer_idx", None)
         cfg.plans.progress.label = "" if layer is None else f"layer {layer}"

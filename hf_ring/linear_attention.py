@@ -26,9 +26,11 @@ Qwen3.5's 128 / 128) and two all-gathers per layer and pass (every chunk's state
 ``H_v d_k (d_v + d_k)`` fp32 values; Qwen3.5-27B, 8 ranks: about 100 MB received per layer). Both all-gathers are
 differentiable (``hf_ring.comm.StateGather``): the backward sums what every rank's outputs owe to each chunk.
 
+Packed documents (``documents=``): each rank cuts its chunks where the document changes; the state and the
+convolution start afresh at each document, as if each ran alone (``_rule_with_documents``).
+
 Limits: the striped layout has no chunks (every token's predecessor lives on another rank) and is refused; chunks
-must hold at least K - 1 tokens. Documents packed into one row would need the state to restart at each boundary,
-which the Transformers models' own fallback kernels do not do either: the Transformers integration refuses them.
+must hold at least K - 1 tokens.
 """
 
 from __future__ import annotations
@@ -107,7 +109,12 @@ def _previous(every: torch.Tensor, plan: Chunks, fill: torch.Tensor) -> torch.Te
 
 
 def causal_conv1d(
-    x: torch.Tensor, conv: Callable, kernel_size: int, plan: Chunks, gather: StateGather | None
+    x: torch.Tensor,
+    conv: Callable,
+    kernel_size: int,
+    plan: Chunks,
+    gather: StateGather | None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A causal convolution over the whole sequence, on this rank's tokens.
 
@@ -116,18 +123,76 @@ def causal_conv1d(
         conv: ``conv(x) -> y`` with y[..., t] depending on x[..., t - K + 1 .. t] (zeros before the start), as
             Transformers' ``causal_conv1d_fn`` with the layer's weights.
         kernel_size: K. plan: this rank's runs (``chunks``). gather: the group's ``StateGather`` (None: one rank).
+        documents: None, or [1 or batch, full_seq] document ids of the unsharded sequence (the same on every
+            rank): each document is convolved on its own (zeros before its first token).
 
     Returns:
         [batch, channels, local_seq]: what the convolution of the unsharded sequence gives at these tokens.
     """
     halo = kernel_size - 1
-    if plan.world_size == 1 or halo == 0:
+    if documents is None and (plan.world_size == 1 or halo == 0):
         return conv(x)
     runs = plan.split(x, dim=2)  # [runs, b, c, n]
-    tails = gather.gather(runs[..., -halo:])  # [world, runs, b, c, K - 1]
-    before = _previous(tails, plan, torch.zeros_like(runs[0, ..., :halo]))
-    y = conv(torch.cat([before, runs], dim=-1).flatten(0, 1))  # runs stacked on the batch
-    return _Uses.apply(plan.join(y[..., halo:].unflatten(0, (plan.count, -1)), dim=2), tails)
+    tails = None if plan.world_size == 1 else gather.gather(runs[..., -halo:])  # [world, runs, b, c, K - 1]
+    zeros = torch.zeros_like(runs[0, ..., :halo])
+    before = zeros.expand(plan.count, *zeros.shape) if tails is None else _previous(tails, plan, zeros)
+    if documents is None:
+        y = conv(torch.cat([before, runs], dim=-1).flatten(0, 1))  # runs stacked on the batch
+        y = plan.join(y[..., halo:].unflatten(0, (plan.count, -1)), dim=2)
+    else:
+        y = torch.stack([_conv_row(runs[:, r], before[:, r], conv, halo, plan, _row(documents, r))
+                         for r in range(x.shape[0])], dim=1)  # fmt: skip
+        y = plan.join(y, dim=2)
+    return y if tails is None else _Uses.apply(y, tails)
+
+
+class _Segment:
+    """Tokens ``start:end`` of run ``run``, one document; ``continues``: it goes on from the chunk before."""
+
+    def __init__(self, run: int, start: int, end: int, continues: bool):
+        self.run, self.start, self.end, self.continues = run, start, end, continues
+
+
+def _row(documents: torch.Tensor, r: int) -> list:
+    """Row ``r``'s document ids of the whole sequence (a list; one row for every batch row)."""
+    return documents[0 if documents.shape[0] == 1 else r].tolist()
+
+
+def _segments(ids: list, plan: Chunks) -> list:
+    """This rank's runs cut where the document changes, in order (``ids``: the row's ids of the whole sequence)."""
+    out = []
+    for i, c in enumerate(plan.index):
+        lo = c * plan.length
+        run = ids[lo : lo + plan.length]
+        cuts = [0, *(t for t in range(1, plan.length) if run[t] != run[t - 1]), plan.length]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            out.append(_Segment(i, a, b, a == 0 and c > 0 and ids[lo - 1] == run[0]))
+    return out
+
+
+def _padded(pieces: list, length: int) -> torch.Tensor:
+    """Pieces of unequal length along dim 0, each zero-padded at its end to ``length``, stacked."""
+    return torch.stack([torch.nn.functional.pad(p, (0, 0) * (p.dim() - 1) + (0, length - p.shape[0])) for p in pieces])
+
+
+def _conv_row(runs, before, conv, halo: int, plan: Chunks, ids: list) -> torch.Tensor:
+    """``causal_conv1d`` of one batch row with documents: every segment convolved with the inputs before it that
+    belong to its document (the halo's, for a segment going on from the chunk before). runs: [runs, c, n]."""
+    segments = _segments(ids, plan)
+    pieces = []
+    for s in segments:
+        h = torch.zeros_like(before[s.run])
+        if s.continues:
+            lo = plan.index[s.run] * plan.length
+            same = [ids[lo - halo + j] == ids[lo] if lo - halo + j >= 0 else False for j in range(halo)]
+            h = before[s.run] * torch.tensor(same, dtype=h.dtype, device=h.device)
+        pieces.append(torch.cat([h, runs[s.run][:, s.start : s.end]], dim=-1).T)  # [K - 1 + len, c]
+    longest = max(p.shape[0] for p in pieces)
+    y = conv(_padded(pieces, longest).transpose(1, 2))  # [segments, c, longest]
+    out = [[] for _ in range(plan.count)]
+    for s, piece in zip(segments, y):
+        out[s.run].append(piece[:, halo : halo + s.end - s.start])
+    return torch.stack([torch.cat(parts, dim=-1) for parts in out])  # [runs, c, n]
 
 
 def gated_delta_rule(
@@ -140,6 +205,7 @@ def gated_delta_rule(
     kernel: Callable,
     plan: Chunks,
     gather: StateGather | None,
+    documents: torch.Tensor | None = None,
     **kernel_kwargs,
 ) -> torch.Tensor:
     """The gated delta rule over the whole sequence, on this rank's tokens.
@@ -151,6 +217,8 @@ def gated_delta_rule(
             **kernel_kwargs) -> (out, final_state)`` (Transformers' ``torch_chunk_gated_delta_rule`` or the fla
             kernel it dispatches to); states ``[batch, v_heads, d_k, d_v]``.
         plan: this rank's runs (``chunks``). gather: the group's ``StateGather`` (None: one rank).
+        documents: None, or [1 or batch, full_seq] document ids of the unsharded sequence (the same on every rank):
+            the state starts from zero at each document's first token (see ``_rule_with_documents``).
         kernel_kwargs: passed on (``use_qk_l2norm_in_kernel``).
 
     Returns:
@@ -163,6 +231,8 @@ def gated_delta_rule(
     groups = value.shape[2] // key.shape[2]
     if groups > 1:
         query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
+    if documents is not None:
+        return _rule_with_documents(query, key, value, g, beta, kernel, plan, gather, documents, kernel_kwargs)
     if plan.world_size == 1:
         out, _ = kernel(
             query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False, **kernel_kwargs
@@ -180,15 +250,65 @@ def gated_delta_rule(
     with torch.autocast(q.device.type, enabled=False):
         out, final = kernel(q, k, wide, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
         every = gather.gather(final.float().unflatten(0, (plan.count, b)))  # [world, runs, b, hv, dk, dv + dk]
-        # the state each of this rank's chunks starts from, composed in sequence order
-        last = max(plan.index)
-        starts, x = {}, torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=q.device)
-        for c in range(last + 1):
-            if c in plan.index:
-                starts[c] = x
-            if c < last:
-                fp = every[plan.owner(c)]
-                x = fp[..., dv:] @ x + fp[..., :dv]
+        starts = _compose(every, plan, dv)
         x0 = torch.stack([starts[c] for c in plan.index]).flatten(0, 1)
         fixed = out[..., :dv].float() + torch.einsum("blhk,bhkv->blhv", out[..., dv:].float(), x0)
     return _Uses.apply(plan.join(fixed.to(dtype).unflatten(0, (plan.count, b)), dim=1), every)
+
+
+def _compose(every: torch.Tensor, plan: Chunks, dv: int) -> dict:
+    """The state each of this rank's chunks starts from (chunk -> [batch, v_heads, d_k, d_v], fp32), composed in
+    sequence order from every chunk's ``[F | P]`` (``every``: [world, runs, batch, v_heads, d_k, d_v + d_k])."""
+    last = max(plan.index)
+    starts, x = {}, torch.zeros(*every.shape[2:-1], dv, dtype=torch.float32, device=every.device)
+    for c in range(last + 1):
+        if c in plan.index:
+            starts[c] = x
+        if c < last:
+            fp = every[plan.owner(c)]
+            x = fp[..., dv:] @ x + fp[..., :dv]
+    return starts
+
+
+def _rule_with_documents(query, key, value, g, beta, kernel, plan: Chunks, gather, documents, kernel_kwargs):
+    """``gated_delta_rule`` with documents: each batch row's runs cut into segments of one document, all of them
+    in one kernel call (zero-padded at their ends to the longest: zero keys and values, no decay and beta 0 there
+    leave the state as it is). A segment starting a document starts from zero; only a run's first segment, when
+    its document goes on from the chunk before, takes that chunk's state (its output corrected), and a chunk passes
+    its transition on only if one document runs through it (else the next chunk's state is its last segment's)."""
+    b, _, hv, dv = value.shape
+    dk = key.shape[-1]
+    dtype = query.dtype
+    wide_v = torch.cat([value.float(), value.new_zeros(*value.shape[:-1], dk, dtype=torch.float32)], dim=-1)
+    tensors = [plan.split(t.float(), dim=1) for t in (query, key, wide_v, g, beta)]  # each [runs, b, n, ...]
+    with torch.autocast(query.device.type, enabled=False):
+        rows, exports = [], []
+        for r in range(b):
+            segments = _segments(_row(documents, r), plan)
+            longest = max(s.end - s.start for s in segments)
+            q, k, v, gs, bs = (_padded([t[s.run, r, s.start : s.end] for s in segments], longest) for t in tensors)
+            start = torch.zeros(len(segments), hv, dk, dv + dk, dtype=torch.float32, device=q.device)
+            start[..., dv:] = torch.eye(dk, dtype=torch.float32, device=q.device)
+            out, final = kernel(q, k, v, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
+            rows.append((segments, out))
+            state = []
+            for i in range(plan.count):
+                mine = [j for j, s in enumerate(segments) if s.run == i]
+                through = len(mine) == 1 and segments[mine[0]].continues  # one document through the whole chunk
+                f = final[mine[-1]].float()
+                state.append(torch.cat([f[..., :dv], f[..., dv:] if through else torch.zeros_like(f[..., dv:])], -1))
+            exports.append(torch.stack(state))
+        every = None if gather is None else gather.gather(torch.stack(exports, dim=1))  # [world, runs, b, ...]
+        starts = {} if every is None else _compose(every, plan, dv)
+        result = []
+        for r, (segments, out) in enumerate(rows):
+            parts = [[] for _ in range(plan.count)]
+            for s, o in zip(segments, out):
+                o = o[: s.end - s.start].float()
+                y = o[..., :dv]
+                if s.continues:
+                    y = y + torch.einsum("lhk,hkv->lhv", o[..., dv:], starts[plan.index[s.run]][r])
+                parts[s.run].append(y)
+            result.append(torch.stack([torch.cat(p, dim=0) for p in parts]))  # [runs, n, hv, dv]
+        y = plan.join(torch.stack(result, dim=1).to(dtype), dim=1)
+    return y if every is None else _Uses.apply(y, every)

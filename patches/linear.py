@@ -11,10 +11,10 @@ computes on the unsharded sequence, with the module's own projections, norm and 
 other ranks).
 
 Checked once per forward, on every rank alike (the ring's pre-flight exchange, so bad input never hangs a rank):
-ranks agree on shapes, dtype, layout and batch; the batch is what ``shard_batch`` cut for this group. Refused:
-packed documents (several documents in one row: the state would have to restart at each, which Transformers'
-own fallback kernel does not do either), the striped layout, chunks shorter than the convolution, and a cache
-holding earlier tokens (generation: ``ring_generate`` does not run these models). Padding (``shard_batch``'s
+ranks agree on shapes, dtype, layout and batch; the batch is what ``shard_batch`` cut for this group. Packed
+documents are kept apart (``hf_ring.linear_attention``: the state and the convolution start afresh at each).
+Refused: the striped layout, chunks shorter than the convolution, and a cache holding earlier tokens
+(generation: ``ring_generate`` does not run these models). Padding (``shard_batch``'s
 document id -1, or a 2-D ``attention_mask`` with one rank) zeroes the layer's input there, as Transformers does;
 a layer its decoder layer calls without the batch's keywords (LFM2 on Transformers 5.17) refuses padded batches.
 """
@@ -28,11 +28,11 @@ import torch.nn.functional as F
 
 from .. import guard, preflight
 from ..comm import RingComm, StateGather, group_rank_and_size
-from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, PACKED_WITH_MIXERS, RingConfig, lost_group
+from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_group
 from ..hf_attention import _documents as documents
 from ..hf_attention import _dropped_documents_error as dropped_documents_error
 from ..hf_attention import _sharding_error as sharding_error
-from ..layout import LAYOUTS, positions, several_documents
+from ..layout import LAYOUTS, documents_from_cu_seqlens, positions, several_documents
 from ..linear_attention import causal_conv1d, chunks, gated_delta_rule
 
 __all__ = ["FIELDS", "ShardedMixer", "check", "install", "remove"]
@@ -60,9 +60,9 @@ class ShardedMixer:
         batch, local_len, _ = hidden_states.shape
         cache = cache_params if cache_params is not None else past_key_values
         error = _refusal(m, cache, cfg, rank, world_size, local_len) or dropped_documents_error(m, kwargs, cfg)
-        keep = docs = None
+        keep = docs = packed = None
         if error is None:
-            error, keep, docs = _padding(m, attention_mask, kwargs, cfg, rank, world_size, local_len)
+            error, keep, docs, packed = _padding(m, attention_mask, kwargs, cfg, rank, world_size, local_len)
         if world_size == 1:
             if error:
                 raise guard.InStepError(f"{type(m).__name__}: {error}")
@@ -72,7 +72,7 @@ class ShardedMixer:
             hidden_states = (hidden_states * keep[:, :, None]).to(hidden_states.dtype)
         plan = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout)
         if world_size == 1:
-            return self.compute(m, self.kernels, hidden_states, plan, None)
+            return self.compute(m, self.kernels, hidden_states, plan, None, packed)
         groups = [cfg.group]
         grad = torch.is_grad_enabled() and hidden_states.requires_grad
         name = "a linear-attention layer"
@@ -80,7 +80,7 @@ class ShardedMixer:
             cfg.plans.progress.label = f"layer {m.layer_idx}"
             name = cfg.plans.progress.call(groups, grad)
         try:
-            return self.compute(m, self.kernels, hidden_states, plan, StateGather(cfg.group, cfg.timeout))
+            return self.compute(m, self.kernels, hidden_states, plan, StateGather(cfg.group, cfg.timeout), packed)
         except BaseException as e:  # out of step with the peers from here on: stop the group (hf_ring.guard)
             if isinstance(e, guard.StoppedError):
                 guard.stop(groups, guard.record_of(groups[0]) or str(e))
@@ -148,12 +148,13 @@ def _has_state(cache, layer_idx: int) -> bool:
 
 
 def _padding(m, attention_mask, kwargs, cfg: RingConfig, rank, world_size, local_len):
-    """``(error, keep, docs)``: why the batch cannot run here (or None); ``[batch or 1, local_seq]`` 1 for tokens,
-    0 for padding (None: no padding); the document ids of the unsharded sequence (None: none). Derived as the
-    ring's attention derives them; once per forward with a plan cache (every layer then gets the same objects)."""
+    """``(error, keep, docs, packed)``: why the batch cannot run here (or None); ``[batch or 1, local_seq]`` 1 for
+    tokens, 0 for padding (None: no padding); the document ids of the unsharded sequence (None: none); the same as
+    int64 CPU ids when some row holds several documents (else None). Derived as the ring's attention derives
+    them; once per forward with a plan cache (every layer then gets the same objects)."""
     sharding = sharding_error(m, kwargs, cfg, rank, world_size, local_len)
     if sharding:
-        return sharding, None, None
+        return sharding, None, None, None
     device = m.out_proj.weight.device
 
     def make():
@@ -170,18 +171,17 @@ def _keep(attention_mask, kwargs, layout, rank, world_size, local_len, device):
     try:
         docs, cu = documents(attention_mask, kwargs, full, world_size)
     except ValueError as e:
-        return str(e), None, None
-    if several_documents(docs, cu):
-        return PACKED_WITH_MIXERS, None, docs if cu is None else cu
+        return str(e), None, None, None
     if cu is not None:
-        return None, None, cu
+        docs = documents_from_cu_seqlens(cu, full)[None]
     if docs is None:
-        return None, None, None
+        return None, None, None, None
     ids = docs.detach().cpu().long()
+    packed = ids if several_documents(ids, None) else None
     if bool((ids >= 0).all()):
-        return None, None, docs
+        return None, None, docs, packed
     local = positions(full, rank=rank, world_size=world_size, layout=layout)
-    return None, (ids[:, local] >= 0).to(device), docs
+    return None, (ids[:, local] >= 0).to(device), docs, packed
 
 
 def _project(m, hidden_states):
@@ -207,7 +207,7 @@ def _kernels(module):
     raise ValueError(f"{type(module).__name__}: found no causal_conv1d_fn beside its class (not a Transformers module)")
 
 
-def _short_conv(m, kernels, hidden_states, plan, gather):
+def _short_conv(m, kernels, hidden_states, plan, gather, documents):
     """Transformers' LFM2 short convolution without a cache (gated by its projections), over the CP group."""
     b, c, x = m.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
     weight = m.conv.weight.squeeze(1)
@@ -215,11 +215,11 @@ def _short_conv(m, kernels, hidden_states, plan, gather):
     def conv(t):
         return kernels.causal_conv1d_fn(t, weight, m.conv.bias)
 
-    y = causal_conv1d(b * x, conv, m.conv_kernel_size, plan, gather)
+    y = causal_conv1d(b * x, conv, m.conv_kernel_size, plan, gather, documents)
     return m.out_proj((c * y).transpose(-1, -2).contiguous())
 
 
-def _gated_delta_net(m, kernels, hidden_states, plan, gather):
+def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents):
     """Transformers' Gated DeltaNet forward without a cache, its convolution and recurrence over the CP group."""
     batch, n, _ = hidden_states.shape
     mixed, z, b, a = _project(m, hidden_states)
@@ -228,7 +228,7 @@ def _gated_delta_net(m, kernels, hidden_states, plan, gather):
     def conv(x):
         return kernels.causal_conv1d_fn(x, weight, m.conv1d.bias, activation=m.activation)
 
-    mixed = causal_conv1d(mixed.transpose(1, 2), conv, m.conv_kernel_size, plan, gather).transpose(1, 2)
+    mixed = causal_conv1d(mixed.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents).transpose(1, 2)
     q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
     q = q.reshape(batch, n, -1, m.head_k_dim)
     k = k.reshape(batch, n, -1, m.head_k_dim)
@@ -236,7 +236,7 @@ def _gated_delta_net(m, kernels, hidden_states, plan, gather):
     beta = b.sigmoid()
     g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
     core = gated_delta_rule(
-        q, k, v, g, beta, kernel=kernels.torch_chunk_gated_delta_rule, plan=plan, gather=gather,
+        q, k, v, g, beta, kernel=kernels.torch_chunk_gated_delta_rule, plan=plan, gather=gather, documents=documents,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(batch, n, -1)

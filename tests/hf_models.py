@@ -380,6 +380,21 @@ def reference_step(model, batch):
     return loss.detach().float(), {n: g.float() for n, g in grads(model).items()}
 
 
+def per_document_step(model, batch):
+    """Loss and gradients of a packed one-row batch (``make_batch("packed", ...)``) as the model gives them for
+    each document alone: what keeping packed documents apart means in every layer (a hybrid's recurrence too)."""
+    model.zero_grad(set_to_none=True)
+    ids, labels, pos = batch["input_ids"][0], batch["labels"][0], batch["position_ids"][0]
+    starts = [*(pos == 0).nonzero().flatten().tolist(), len(ids)]
+    targets = sum(int((labels[a + 1 : b] != -100).sum()) for a, b in zip(starts[:-1], starts[1:]))
+    total = 0.0
+    for a, b in zip(starts[:-1], starts[1:]):
+        loss = model(input_ids=ids[None, a:b], labels=labels[None, a:b], num_items_in_batch=targets).loss
+        loss.backward()
+        total = total + loss.detach()
+    return total, grads(model)
+
+
 def ring_step(model, batch, layout, ulysses_size=None):
     import torch.distributed as dist
 
