@@ -13,7 +13,8 @@ per world size; the tests assert on the JSON it writes:
 - Accelerate's own ``ParallelismConfig(dp_shard_size=dp, cp_size=2)``: hf_ring takes the CP size from it and
   runs ring attention in place of Accelerate's CP (no SDPA hooks; ``maybe_context_parallel`` a no-op), exactly;
 - the torch-native recipe (device mesh, ``apply_ring_attention(group=...)``, ``fully_shard``,
-  ``hf_ring.fsdp.set_cp_gradient_reduction``) matches single-process training too;
+  ``hf_ring.fsdp.set_cp_gradient_reduction``) matches single-process training too, also for a hybrid model
+  (Qwen3.5's Gated DeltaNet layers, one of them a module FSDP2 shards on its own);
 - ``RingAttentionTrainer`` (and TRL's ``SFTTrainer`` through ``RingSFTTrainer``, CP = 2) with
   ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``: logged losses and final weights equal
   single-process training with the Trainer's token-weighted loss.
@@ -86,6 +87,13 @@ class _OnFsdp2:
 FSDP2_ARGS = dict(
     fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
 )
+
+
+def _tiny_hybrid():
+    from tests.hf_models import make_model
+    from tests.train_utils import VOCAB
+
+    return make_model("qwen3_5_text", vocab_size=VOCAB)
 
 
 def _has_trl() -> bool:
@@ -233,6 +241,21 @@ def worker(out: Path) -> None:
         native_losses.append(float(cp * total[0] / total[1]))
     native_state = full_state(native)
 
+    # -- F: a hybrid (Qwen3.5: a Gated DeltaNet layer, sharded as a module of its own too) with that recipe ------
+    hybrid = hf_ring.apply_ring_attention(_tiny_hybrid(), group=cp_group)
+    fully_shard(hybrid.model.layers[0].linear_attn)  # FSDP2 gives it a class of its own
+    for layer in hybrid.model.layers:
+        fully_shard(layer)
+    fully_shard(hybrid)
+    set_cp_gradient_reduction(hybrid, dp_size=dp)
+    opt_f = torch.optim.SGD(hybrid.parameters(), lr=LR)
+    for step in range(2):
+        batch = hf_ring.shard_batch(raw_batch(data, step * dp + mesh.get_local_rank("dp")), group=cp_group)
+        hybrid(**batch).loss.backward()
+        opt_f.step()
+        opt_f.zero_grad()
+    hybrid_state = full_state(hybrid)
+
     # -- D: the Trainer (and TRL) with fsdp_version 2 ----------------------------------------------------
     trained, train = _trainers(out, world)
     res.update({k: v for k, v in trained.items() if not k.endswith("_state")})
@@ -252,6 +275,8 @@ def worker(out: Path) -> None:
         res["pc_weights_err"] = max_param_rel_err(res["pc_state"], ref_state)
         res["native_weights_err"] = max_param_rel_err(native_state, ref_state)
         res["native_losses"] = native_losses
+        _, hybrid_ref = replica_reference(data, dp, 2, make=_tiny_hybrid)
+        res["hybrid_weights_err"] = max_param_rel_err(hybrid_state, hybrid_ref)
         ref_bf16_losses, ref_bf16_state = replica_reference(data, dp, 2, torch.bfloat16)
         ref32_losses, ref32_state = replica_reference(data, dp, 2)
         res["bf16"] = {
@@ -302,6 +327,13 @@ def test_torch_native_fsdp2_recipe_matches_single_process_training(launch):
     ref = launch[2][0]
     assert ref["native_weights_err"] <= RTOL, f"{ref['native_weights_err']:.2e}"
     assert ref["native_losses"] == pytest.approx(ref["ref_losses"], rel=RTOL)
+
+
+def test_hybrid_model_with_fsdp2_matches_single_process_training(launch):
+    """Qwen3.5 (Gated DeltaNet layers; one sharded by FSDP2 as a module of its own): two SGD steps of the native
+    recipe give the weights of single-process training on the full sequences."""
+    world, _, results = launch
+    assert results[0]["hybrid_weights_err"] <= RTOL, f"world {world}: {results[0]['hybrid_weights_err']:.2e}"
 
 
 def test_trainer_and_trl_with_fsdp2_match_single_process(launch):

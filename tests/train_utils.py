@@ -224,14 +224,17 @@ def raw_batch(data, index):
     return collate(data[index * BATCH : (index + 1) * BATCH])
 
 
-def replica_reference(data, dp: int, steps: int, dtype=torch.float32, clip: float | None = None) -> tuple[list, dict]:
+def replica_reference(
+    data, dp: int, steps: int, dtype=torch.float32, clip: float | None = None, make=None
+) -> tuple[list, dict]:
     """Single-process SGD on full sequences: per-step token-weighted losses and final weights.
 
     ``dtype=torch.bfloat16`` runs forward and backward on a bf16 copy and applies the fp32 gradients to
     the fp32 weights, as an FSDP2 policy with bf16 parameters and fp32 reduction does. ``clip``: the
-    gradient-norm clipping of the update (DeepSpeed's ``gradient_clipping``).
+    gradient-norm clipping of the update (DeepSpeed's ``gradient_clipping``). ``make``: builds the model
+    (default ``tiny_llama``).
     """
-    master = tiny_llama()
+    master = (make or tiny_llama)()
     opt = torch.optim.SGD(master.parameters(), lr=LR)
     losses = []
     for step in range(steps):
