@@ -35,6 +35,7 @@ must hold at least K - 1 tokens.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -130,7 +131,7 @@ def causal_conv1d(
         [batch, channels, local_seq]: what the convolution of the unsharded sequence gives at these tokens.
     """
     halo = kernel_size - 1
-    if documents is None and (plan.world_size == 1 or halo == 0):
+    if halo == 0 or (documents is None and plan.world_size == 1):
         return conv(x)
     runs = plan.split(x, dim=2)  # [runs, b, c, n]
     tails = None if plan.world_size == 1 else gather.gather(runs[..., -halo:])  # [world, runs, b, c, K - 1]
@@ -140,7 +141,7 @@ def causal_conv1d(
         y = conv(torch.cat([before, runs], dim=-1).flatten(0, 1))  # runs stacked on the batch
         y = plan.join(y[..., halo:].unflatten(0, (plan.count, -1)), dim=2)
     else:
-        y = torch.stack([_conv_row(runs[:, r], before[:, r], conv, halo, plan, _row(documents, r))
+        y = torch.stack([_conv_row(runs[:, r], before[:, r], conv, halo, plan, *_row(documents, r, plan))
                          for r in range(x.shape[0])], dim=1)  # fmt: skip
         y = plan.join(y, dim=2)
     return y if tails is None else _Uses.apply(y, tails)
@@ -153,13 +154,29 @@ class _Segment:
         self.run, self.start, self.end, self.continues = run, start, end, continues
 
 
-def _row(documents: torch.Tensor, r: int) -> list:
-    """Row ``r``'s document ids of the whole sequence (a list; one row for every batch row)."""
-    return documents[0 if documents.shape[0] == 1 else r].tolist()
+_SEGMENTS: dict = {}  # id(documents tensor) -> (a weak reference to it, {(row, plan): (ids, segments)})
+
+
+def _row(documents: torch.Tensor, r: int, plan: Chunks) -> tuple[list, list]:
+    """Row ``r``'s document ids of the whole sequence (a list; one row for every batch row) and this rank's
+    segments of it, computed once per documents tensor (every layer of a forward gets the same one)."""
+    r = 0 if documents.shape[0] == 1 else r
+    tag = id(documents)
+    entry = _SEGMENTS.get(tag)
+    if entry is None or entry[0]() is not documents:  # dropped with the tensor (the end of its forward)
+        entry = (weakref.ref(documents, lambda _: _SEGMENTS.pop(tag, None)), {})
+        _SEGMENTS[tag] = entry
+    cached = entry[1]
+    key = (r, plan.index, plan.length)
+    if key not in cached:
+        ids = documents[r].tolist()
+        cached[key] = (ids, _segments(ids, plan))
+    return cached[key]
 
 
 def _segments(ids: list, plan: Chunks) -> list:
-    """This rank's runs cut where the document changes, in order (``ids``: the row's ids of the whole sequence)."""
+    """This rank's runs cut where the document id changes, in order (``ids``: the row's ids of the whole
+    sequence; a document is a run of equal ids, as for the attention)."""
     out = []
     for i, c in enumerate(plan.index):
         lo = c * plan.length
@@ -175,24 +192,47 @@ def _padded(pieces: list, length: int) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(p, (0, 0) * (p.dim() - 1) + (0, length - p.shape[0])) for p in pieces])
 
 
-def _conv_row(runs, before, conv, halo: int, plan: Chunks, ids: list) -> torch.Tensor:
+def _groups(lengths: list) -> list:
+    """Indices of pieces grouped for one kernel call each, padded to the group's longest: longest first, a piece
+    joins the current group while the group's padded size stays within twice its tokens (so all calls together
+    compute at most twice the tokens there are, however the lengths are spread)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, tokens = [], 0
+    for i in order:
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= 2 * (tokens + lengths[i]):
+            groups[-1].append(i)
+            tokens += lengths[i]
+        else:
+            groups.append([i])
+            tokens = lengths[i]
+    return groups
+
+
+def _conv_row(runs, before, conv, halo: int, plan: Chunks, ids: list, segments: list) -> torch.Tensor:
     """``causal_conv1d`` of one batch row with documents: every segment convolved with the inputs before it that
-    belong to its document (the halo's, for a segment going on from the chunk before). runs: [runs, c, n]."""
-    segments = _segments(ids, plan)
+    belong to its document (the halo's, for a segment going on from the chunk before: those in the run of equal
+    ids reaching the chunk's start). runs: [runs, c, n]."""
     pieces = []
     for s in segments:
         h = torch.zeros_like(before[s.run])
         if s.continues:
             lo = plan.index[s.run] * plan.length
-            same = [ids[lo - halo + j] == ids[lo] if lo - halo + j >= 0 else False for j in range(halo)]
+            reach = 0  # how many tokens before the chunk belong to its first document
+            while reach < halo and lo - reach - 1 >= 0 and ids[lo - reach - 1] == ids[lo]:
+                reach += 1
+            same = [j >= halo - reach for j in range(halo)]
             h = before[s.run] * torch.tensor(same, dtype=h.dtype, device=h.device)
         pieces.append(torch.cat([h, runs[s.run][:, s.start : s.end]], dim=-1).T)  # [K - 1 + len, c]
-    longest = max(p.shape[0] for p in pieces)
-    y = conv(_padded(pieces, longest).transpose(1, 2))  # [segments, c, longest]
-    out = [[] for _ in range(plan.count)]
-    for s, piece in zip(segments, y):
-        out[s.run].append(piece[:, halo : halo + s.end - s.start])
-    return torch.stack([torch.cat(parts, dim=-1) for parts in out])  # [runs, c, n]
+    out: list = [None] * len(segments)
+    for group in _groups([p.shape[0] for p in pieces]):
+        longest = max(pieces[i].shape[0] for i in group)
+        y = conv(_padded([pieces[i] for i in group], longest).transpose(1, 2))  # [pieces, c, longest]
+        for i, piece in zip(group, y):
+            out[i] = piece[:, halo : halo + segments[i].end - segments[i].start]
+    parts = [[] for _ in range(plan.count)]
+    for s, piece in zip(segments, out):
+        parts[s.run].append(piece)
+    return torch.stack([torch.cat(p, dim=-1) for p in parts])  # [runs, c, n]
 
 
 def gated_delta_rule(
@@ -271,9 +311,9 @@ def _compose(every: torch.Tensor, plan: Chunks, dv: int) -> dict:
 
 
 def _rule_with_documents(query, key, value, g, beta, kernel, plan: Chunks, gather, documents, kernel_kwargs):
-    """``gated_delta_rule`` with documents: each batch row's runs cut into segments of one document, all of them
-    in one kernel call (zero-padded at their ends to the longest: zero keys and values, no decay and beta 0 there
-    leave the state as it is). A segment starting a document starts from zero; only a run's first segment, when
+    """``gated_delta_rule`` with documents: each batch row's runs cut into segments of one document, run in a few
+    kernel calls (``_groups``: zero-padded at their ends to the group's longest, at most twice the tokens in all;
+    zero keys and values, no decay and beta 0 there leave the state as it is). A segment starting a document starts from zero; only a run's first segment, when
     its document goes on from the chunk before, takes that chunk's state (its output corrected), and a chunk passes
     its transition on only if one document runs through it (else the next chunk's state is its last segment's)."""
     b, _, hv, dv = value.shape
@@ -284,12 +324,19 @@ def _rule_with_documents(query, key, value, g, beta, kernel, plan: Chunks, gathe
     with torch.autocast(query.device.type, enabled=False):
         rows, exports = [], []
         for r in range(b):
-            segments = _segments(_row(documents, r), plan)
-            longest = max(s.end - s.start for s in segments)
-            q, k, v, gs, bs = (_padded([t[s.run, r, s.start : s.end] for s in segments], longest) for t in tensors)
-            start = torch.zeros(len(segments), hv, dk, dv + dk, dtype=torch.float32, device=q.device)
-            start[..., dv:] = torch.eye(dk, dtype=torch.float32, device=q.device)
-            out, final = kernel(q, k, v, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
+            _, segments = _row(documents, r, plan)
+            out, final = [None] * len(segments), [None] * len(segments)
+            for group in _groups([s.end - s.start for s in segments]):
+                longest = max(segments[i].end - segments[i].start for i in group)
+                q, k, v, gs, bs = (
+                    _padded([t[segments[i].run, r, segments[i].start : segments[i].end] for i in group], longest)
+                    for t in tensors
+                )
+                start = torch.zeros(len(group), hv, dk, dv + dk, dtype=torch.float32, device=q.device)
+                start[..., dv:] = torch.eye(dk, dtype=torch.float32, device=q.device)
+                o, f = kernel(q, k, v, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
+                for j, i in enumerate(group):
+                    out[i], final[i] = o[j], f[j]
             rows.append((segments, out))
             state = []
             for i in range(plan.count):

@@ -163,3 +163,13 @@ def test_bench_generate_cpu_runs_both_sides_and_compares_their_tokens(tmp_path):
     assert [r["processes"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows), rows
     assert rows[1]["same_tokens"] is True and rows[1]["prefill_efficiency"] > 0 and rows[1]["decode_ratio"] > 0
     assert len(_rows(tmp_path, "g")) == 2
+
+
+def test_bench_linear_cpu_checks_the_sharded_rule_and_times_it(tmp_path):
+    """bench_linear_cpu.py at a tiny length: the sharded output checked against the whole sequence's, one row."""
+    import bench_linear_cpu
+
+    row = bench_linear_cpu.main(["--seq-len", "256", "--world", "2", "--rank", "1", "--repeat", "1", "--d-k", "16",
+                                 "--d-v", "24", "--out", str(tmp_path / "linear.csv")])  # fmt: skip
+    assert float(row["rel_err"]) <= 1e-5 and row["sharded_ms"] > 0 and row["local_ms"] > 0, row
+    assert len(_rows(tmp_path, "linear")) == 1

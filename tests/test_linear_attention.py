@@ -18,6 +18,7 @@ from tests.dist_utils import run_distributed
 from tests.hf_models import (
     RTOL_DECAY,
     errors,
+    grads,
     make_batch,
     make_model,
     per_document_step,
@@ -32,7 +33,7 @@ TOL = {"out": 1e-6, "grad": 2e-6}
 RTOL = 1e-5  # the models' loss and gradients (fp32), as tests/test_hf_parity.py
 
 # (batch, seq, k_heads, v_heads, d_k, d_v, conv kernel): GQA-like heads (v_heads a multiple), odd sizes
-SHAPES = [(2, 36, 2, 4, 16, 12, 4), (1, 60, 1, 1, 8, 20, 3)]
+SHAPES = [(2, 36, 2, 4, 16, 12, 4), (2, 60, 1, 1, 8, 20, 3)]
 
 
 def _kernel():
@@ -69,10 +70,11 @@ def _layer(x, weight, decay, beta, shape, plan, gather, documents=None):
     )  # fmt: skip
 
 
-# packed documents per shape (rows of their own): boundaries inside chunks and on them, a document shorter than
-# the convolution, padding (-1) between documents
+# packed documents per shape: boundaries inside chunks and on them, a document shorter than the convolution, one
+# starting a token before a chunk (at 2 ranks: only part of the halo is its own), padding (-1) between documents;
+# rows of their own, or one row for the whole batch
 DOCUMENTS = {
-    SHAPES[0]: torch.tensor([[0] * 7 + [1] * 2 + [2] * 15 + [3] * 12, [0] * 18 + [1] * 18]),
+    SHAPES[0]: torch.tensor([[0] * 7 + [1] * 2 + [2] * 17 + [3] * 10, [0] * 18 + [1] * 18]),
     SHAPES[1]: torch.tensor([[0] * 25 + [-1] * 5 + [1] * 30]),
 }
 
@@ -164,6 +166,22 @@ def test_one_rank_calls_the_kernel_as_it_is_and_striped_is_refused():
     zigzag = chunks(12, rank=1, world_size=3, layout="zigzag")
     assert (zigzag.count, zigzag.length, zigzag.index, zigzag.total) == (2, 6, (1, 4), 6)
     assert [zigzag.owner(c) for c in range(6)] == [(0, 0), (1, 0), (2, 0), (2, 1), (1, 1), (0, 1)]
+
+
+def test_one_rank_packing_by_cu_seq_lens_keeps_documents_apart():
+    """One rank, no shard_batch: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` reach the linear layers too, and the loss and
+    gradients are those of each document alone."""
+    batch, _ = make_batch("packed", 40)
+    pos = batch["position_ids"][0]
+    cu = torch.tensor([*(pos == 0).nonzero().flatten().tolist(), pos.numel()], dtype=torch.int32)
+    model = make_model("qwen3_5_text")
+    ref_loss, ref_grads = per_document_step(model, batch)
+    hf_ring.apply_ring_attention(model)
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=40, max_length_k=40).loss
+    loss.backward()
+    e = errors(loss.detach(), grads(model), ref_loss, ref_grads)
+    assert e["loss"] <= RTOL and e["grad"] <= RTOL and e["decay"] <= RTOL_DECAY, e
 
 
 def test_one_rank_refuses_packing_by_positions_and_a_cache_with_state():
@@ -349,3 +367,16 @@ def test_packed_documents_are_kept_apart_in_every_layer(world):
         assert e["loss"] <= RTOL, (name, e)
         assert e["grad"] <= RTOL, (name, e)
         assert e["decay"] <= RTOL_DECAY, (name, e)
+
+
+def test_pieces_are_grouped_with_at_most_twice_their_tokens_padded():
+    from hf_ring.linear_attention import _groups
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        lengths = torch.randint(1, 400, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        groups = _groups(lengths)
+        assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+        padded = sum(max(lengths[i] for i in group) * len(group) for group in groups)
+        assert padded <= 2 * sum(lengths), (lengths, groups)
+    assert _groups([8000] + [10] * 50) == [[0, 1], list(range(2, 51))]  # the short ones padded to 10, not 8000
