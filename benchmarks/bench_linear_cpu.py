@@ -37,6 +37,20 @@ FIELDS = ["date", "cpu", "threads", "torch", "transformers", "seq_len", "world",
           "local_ms", "sharded_ms", "whole_per_rank_ms", "sharded_vs_local", "rel_err"]  # fmt: skip
 
 
+class _Sent(Exception):  # noqa: N818 - not an error: the recording stops the rank's call there
+    pass
+
+
+class _Recorded:
+    """Stands in for the all-gather in a rank's call: keeps what the rank sends and stops the call there."""
+
+    sent = None
+
+    def gather(self, x):
+        self.sent = x
+        raise _Sent
+
+
 class _Handed:
     """Every chunk's state, handed to the rank in-process (stands in for the all-gather)."""
 
@@ -85,11 +99,17 @@ def main(argv=None) -> dict:
     rep = (lambda t: t.repeat_interleave(groups, dim=2)) if groups > 1 else (lambda t: t)
     pos = L.positions(n, rank=args.rank, world_size=world, layout="zigzag")
     plan = chunks(len(pos), rank=args.rank, world_size=world, layout="zigzag")
-    with torch.no_grad():  # every chunk's [F | P], as the all-gather would hand them over
+    with torch.no_grad():  # every chunk's [F | P], as each rank hands them to the all-gather
         sent = []
         for r in range(world):
             p = L.positions(n, rank=r, world_size=world, layout="zigzag")
-            sent.append(_states(kernel, q[:, p], k[:, p], v[:, p], g[:, p], beta[:, p], plan, rep))
+            record = _Recorded()
+            try:
+                gated_delta_rule(q[:, p], k[:, p], v[:, p], g[:, p], beta[:, p], kernel=kernel, gather=record,
+                                 plan=chunks(len(p), rank=r, world_size=world, layout="zigzag"),
+                                 use_qk_l2norm_in_kernel=True)  # fmt: skip
+            except _Sent:
+                sent.append(record.sent)
         every = torch.stack(sent)
     mine = [t[:, pos].detach().requires_grad_() for t in (q, k, v, g, beta)]
 
@@ -126,19 +146,6 @@ def main(argv=None) -> dict:
     }  # fmt: skip
     print("rows appended to", append_rows(args.out, FIELDS, [row]))
     return row
-
-
-def _states(kernel, q, k, v, g, beta, plan, rep):
-    """One rank's chunks' final states from ``[0 | I]`` with widened values: ``[runs, batch, v_heads, d_k, d_v + d_k]``."""
-    b, _, hv, dv = v.shape
-    dk = k.shape[-1]
-    runs = [plan.split(t.float(), dim=1).flatten(0, 1) for t in (q, k, v, g, beta)]
-    wide = torch.cat([runs[2], runs[2].new_zeros(*runs[2].shape[:-1], dk)], dim=-1)
-    start = torch.zeros(runs[0].shape[0], hv, dk, dv + dk)
-    start[..., dv:] = torch.eye(dk)
-    _, final = kernel(rep(runs[0]), rep(runs[1]), wide, g=runs[3], beta=runs[4], initial_state=start,
-                      output_final_state=True, use_qk_l2norm_in_kernel=True)  # fmt: skip
-    return final.unflatten(0, (plan.count, b))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["InStepError", "Progress", "StoppedError", "in_backward", "raise_if_stopped", "record_of", "stop"]
+__all__ = ["InStepError", "Progress", "StoppedError", "failed", "in_backward", "raise_if_stopped", "record_of", "stop"]
 
 KEY = "hf_ring/stopped"
 _BREAK_TAG = 0x7FFF0000  # a tag no exchange uses: the receive posted on it times out at once
@@ -124,6 +124,16 @@ def _break(group) -> None:
         except Exception as e:  # noqa: BLE001 - the wait is meant to fail
             if "timed out" in str(e).lower():
                 return
+
+
+def failed(groups, error: BaseException, what: str) -> None:
+    """This rank failed out of step with its peers (``what``: where, after "failed", e.g. " in layer 3"): stop
+    ``groups``, naming this rank, the place and the error. An exchange that failed because a group was stopped
+    elsewhere spreads that record instead."""
+    if isinstance(error, StoppedError):
+        stop(groups, record_of(groups[0]) or str(error))
+        return
+    stop(groups, f"global rank {global_rank()} failed{what}: {type(error).__name__}: {error}")
 
 
 def stopped_by_peers(who: str, record: str) -> StoppedError:

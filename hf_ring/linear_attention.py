@@ -192,6 +192,14 @@ def _padded(pieces: list, length: int) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(p, (0, 0) * (p.dim() - 1) + (0, length - p.shape[0])) for p in pieces])
 
 
+def _by_run(segments: list, pieces: list, plan: Chunks, dim: int) -> torch.Tensor:
+    """Each segment's piece put back in its run (joined along ``dim``), the runs stacked: [runs, ...]."""
+    parts = [[] for _ in range(plan.count)]
+    for s, piece in zip(segments, pieces):
+        parts[s.run].append(piece)
+    return torch.stack([torch.cat(p, dim=dim) for p in parts])
+
+
 def _groups(lengths: list) -> list:
     """Indices of pieces grouped for one kernel call each, padded to the group's longest: longest first, a piece
     joins the current group while the group's padded size stays within twice its tokens (so all calls together
@@ -229,10 +237,7 @@ def _conv_row(runs, before, conv, halo: int, plan: Chunks, ids: list, segments: 
         y = conv(_padded([pieces[i] for i in group], longest).transpose(1, 2))  # [pieces, c, longest]
         for i, piece in zip(group, y):
             out[i] = piece[:, halo : halo + segments[i].end - segments[i].start]
-    parts = [[] for _ in range(plan.count)]
-    for s, piece in zip(segments, out):
-        parts[s.run].append(piece)
-    return torch.stack([torch.cat(p, dim=-1) for p in parts])  # [runs, c, n]
+    return _by_run(segments, out, plan, dim=-1)  # [runs, c, n]
 
 
 def gated_delta_rule(
@@ -283,17 +288,28 @@ def gated_delta_rule(
     dtype = query.dtype
     # fp32 into the kernel: its zero-state outputs and u_t are corrected before the one rounding to the input dtype
     # (Transformers' fallback kernel computes in fp32 anyway); fp32 states and their composition, also under autocast
-    q, k, v, gs, bs = (plan.split(t.float(), dim=1).flatten(0, 1) for t in (query, key, value, g, beta))
-    wide = torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1)  # the identity's columns carry P_t
-    start = torch.zeros(q.shape[0], hv, dk, dv + dk, dtype=torch.float32, device=q.device)
-    start[..., dv:] = torch.eye(dk, dtype=torch.float32, device=q.device)
+    q, k, v, gs, bs = (plan.split(t.float(), dim=1).flatten(0, 1) for t in (query, key, _widened(value, dk), g, beta))
     with torch.autocast(q.device.type, enabled=False):
-        out, final = kernel(q, k, wide, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
+        start = _identity_start(q.shape[0], hv, dk, dv, q.device)
+        out, final = kernel(q, k, v, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
         every = gather.gather(final.float().unflatten(0, (plan.count, b)))  # [world, runs, b, hv, dk, dv + dk]
         starts = _compose(every, plan, dv)
         x0 = torch.stack([starts[c] for c in plan.index]).flatten(0, 1)
         fixed = out[..., :dv].float() + torch.einsum("blhk,bhkv->blhv", out[..., dv:].float(), x0)
     return _Uses.apply(plan.join(fixed.to(dtype).unflatten(0, (plan.count, b)), dim=1), every)
+
+
+def _widened(value: torch.Tensor, dk: int) -> torch.Tensor:
+    """The values in fp32 with ``dk`` zero columns after their own: the identity's columns of the starting state
+    (``_identity_start``) then carry P_t."""
+    return torch.cat([value.float(), value.new_zeros(*value.shape[:-1], dk, dtype=torch.float32)], dim=-1)
+
+
+def _identity_start(n: int, heads: int, dk: int, dv: int, device) -> torch.Tensor:
+    """``n`` starting states ``[0 | I]``: ``[n, heads, d_k, d_v + d_k]`` fp32, zeros beside a d_k identity."""
+    start = torch.zeros(n, heads, dk, dv + dk, dtype=torch.float32, device=device)
+    start[..., dv:] = torch.eye(dk, dtype=torch.float32, device=device)
+    return start
 
 
 def _compose(every: torch.Tensor, plan: Chunks, dv: int) -> dict:
@@ -313,14 +329,16 @@ def _compose(every: torch.Tensor, plan: Chunks, dv: int) -> dict:
 def _rule_with_documents(query, key, value, g, beta, kernel, plan: Chunks, gather, documents, kernel_kwargs):
     """``gated_delta_rule`` with documents: each batch row's runs cut into segments of one document, run in a few
     kernel calls (``_groups``: zero-padded at their ends to the group's longest, at most twice the tokens in all;
-    zero keys and values, no decay and beta 0 there leave the state as it is). A segment starting a document starts from zero; only a run's first segment, when
-    its document goes on from the chunk before, takes that chunk's state (its output corrected), and a chunk passes
-    its transition on only if one document runs through it (else the next chunk's state is its last segment's)."""
+    zero keys and values, no decay and beta 0 there leave the state as it is). A segment starting a document
+    starts from zero; only a run's first segment, when its document goes on from the chunk before, takes that
+    chunk's state (its output corrected), and a chunk passes its transition on only if one document runs through
+    it (else the next chunk's state is its last segment's)."""
     b, _, hv, dv = value.shape
     dk = key.shape[-1]
     dtype = query.dtype
-    wide_v = torch.cat([value.float(), value.new_zeros(*value.shape[:-1], dk, dtype=torch.float32)], dim=-1)
-    tensors = [plan.split(t.float(), dim=1) for t in (query, key, wide_v, g, beta)]  # each [runs, b, n, ...]
+    tensors = [
+        plan.split(t.float(), dim=1) for t in (query, key, _widened(value, dk), g, beta)
+    ]  # each [runs, b, n, ...]
     with torch.autocast(query.device.type, enabled=False):
         rows, exports = [], []
         for r in range(b):
@@ -332,8 +350,7 @@ def _rule_with_documents(query, key, value, g, beta, kernel, plan: Chunks, gathe
                     _padded([t[segments[i].run, r, segments[i].start : segments[i].end] for i in group], longest)
                     for t in tensors
                 )
-                start = torch.zeros(len(group), hv, dk, dv + dk, dtype=torch.float32, device=q.device)
-                start[..., dv:] = torch.eye(dk, dtype=torch.float32, device=q.device)
+                start = _identity_start(len(group), hv, dk, dv, q.device)
                 o, f = kernel(q, k, v, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
                 for j, i in enumerate(group):
                     out[i], final[i] = o[j], f[j]
@@ -349,13 +366,13 @@ def _rule_with_documents(query, key, value, g, beta, kernel, plan: Chunks, gathe
         starts = {} if every is None else _compose(every, plan, dv)
         result = []
         for r, (segments, out) in enumerate(rows):
-            parts = [[] for _ in range(plan.count)]
+            pieces = []
             for s, o in zip(segments, out):
                 o = o[: s.end - s.start].float()
                 y = o[..., :dv]
                 if s.continues:
                     y = y + torch.einsum("lhk,hkv->lhv", o[..., dv:], starts[plan.index[s.run]][r])
-                parts[s.run].append(y)
-            result.append(torch.stack([torch.cat(p, dim=0) for p in parts]))  # [runs, n, hv, dv]
+                pieces.append(y)
+            result.append(_by_run(segments, pieces, plan, dim=0))  # [runs, n, hv, dv]
         y = plan.join(torch.stack(result, dim=1).to(dtype), dim=1)
     return y if every is None else _Uses.apply(y, every)

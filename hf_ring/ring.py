@@ -476,11 +476,8 @@ def _failed(watch, comm, error: BaseException) -> None:
     if watch is None:
         return
     groups, name, _ = watch
-    if isinstance(error, guard.StoppedError):
-        guard.stop(groups, guard.record_of(groups[0]) or str(error))
-        return
     where = f" {comm.where}" if comm.where else ""
-    guard.stop(groups, f"global rank {guard.global_rank()} failed{where} of {name}: {type(error).__name__}: {error}")
+    guard.failed(groups, error, f"{where} of {name}")
 
 
 class _RingAttention(torch.autograd.Function):

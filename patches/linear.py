@@ -82,10 +82,7 @@ class ShardedMixer:
         try:
             return self.compute(m, self.kernels, hidden_states, plan, StateGather(cfg.group, cfg.timeout), packed)
         except BaseException as e:  # out of step with the peers from here on: stop the group (hf_ring.guard)
-            if isinstance(e, guard.StoppedError):
-                guard.stop(groups, guard.record_of(groups[0]) or str(e))
-            else:
-                guard.stop(groups, f"global rank {guard.global_rank()} failed in {name}: {type(e).__name__}: {e}")
+            guard.failed(groups, e, f" in {name}")
             raise
 
     def _check(self, error, hidden_states, docs, rank, world_size) -> None:
