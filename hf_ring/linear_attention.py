@@ -1,4 +1,5 @@
-"""Linear-attention layers (Gated DeltaNet: Qwen3-Next, Qwen3.5) over a sequence sharded across a CP group, exactly.
+"""Recurrent sequence mixers (Gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba2: Granite 4.0-H, Bamba, Nemotron-H,
+Falcon-H1) over a sequence sharded across a CP group, exactly.
 
 A Gated DeltaNet layer runs a short causal convolution over its projected inputs, then the gated delta rule, a
 recurrence over the sequence with a ``[d_k, d_v]`` state per value head::
@@ -26,8 +27,14 @@ Qwen3.5's 128 / 128) and two all-gathers per layer and pass (every chunk's state
 ``H_v d_k (d_v + d_k)`` fp32 values; Qwen3.5-27B, 8 ranks: about 100 MB received per layer). Both all-gathers are
 differentiable (``hf_ring.comm.StateGather``): the backward sums what every rank's outputs owe to each chunk.
 
+Mamba2 (``mamba2_scan``) is the same with a scalar decay per head: a chunk's transition is one number per head,
+so the kernel runs as it is (from a zero state, returning its final state) and the correction needs only the
+cumulative decays and ``C_t``. Both recurrences run through one driver (``_scan``), each described by a small
+class (``_DeltaRule``, ``_Mamba2``): its kernel call, its carry ``[F | P]``, how a carry composes and how a
+starting state corrects the outputs.
+
 Packed documents (``documents=``): each rank cuts its chunks where the document changes; the state and the
-convolution start afresh at each document, as if each ran alone (``_rule_with_documents``).
+convolution start afresh at each document, as if each ran alone (``_scan``).
 
 Limits: the striped layout has no chunks (every token's predecessor lives on another rank) and is refused; chunks
 must hold at least K - 1 tokens.
@@ -43,7 +50,7 @@ import torch
 from . import layout as _layout
 from .comm import StateGather
 
-__all__ = ["Chunks", "chunks", "gated_delta_rule", "causal_conv1d"]
+__all__ = ["Chunks", "chunks", "causal_conv1d", "gated_delta_rule", "mamba2_scan"]
 
 
 class Chunks:
@@ -263,7 +270,7 @@ def gated_delta_rule(
             kernel it dispatches to); states ``[batch, v_heads, d_k, d_v]``.
         plan: this rank's runs (``chunks``). gather: the group's ``StateGather`` (None: one rank).
         documents: None, or [1 or batch, full_seq] document ids of the unsharded sequence (the same on every rank):
-            the state starts from zero at each document's first token (see ``_rule_with_documents``).
+            the state starts from zero at each document's first token (see ``_scan``).
         kernel_kwargs: passed on (``use_qk_l2norm_in_kernel``).
 
     Returns:
@@ -276,27 +283,122 @@ def gated_delta_rule(
     groups = value.shape[2] // key.shape[2]
     if groups > 1:
         query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
-    if documents is not None:
-        return _rule_with_documents(query, key, value, g, beta, kernel, plan, gather, documents, kernel_kwargs)
-    if plan.world_size == 1:
+    if documents is None and plan.world_size == 1:
         out, _ = kernel(
             query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False, **kernel_kwargs
         )
         return out
-    b, _, hv, dv = value.shape
-    dk = key.shape[-1]
-    dtype = query.dtype
     # fp32 into the kernel: its zero-state outputs and u_t are corrected before the one rounding to the input dtype
     # (Transformers' fallback kernel computes in fp32 anyway); fp32 states and their composition, also under autocast
-    q, k, v, gs, bs = (plan.split(t.float(), dim=1).flatten(0, 1) for t in (query, key, _widened(value, dk), g, beta))
-    with torch.autocast(q.device.type, enabled=False):
-        start = _identity_start(q.shape[0], hv, dk, dv, q.device)
-        out, final = kernel(q, k, v, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
-        every = gather.gather(final.float().unflatten(0, (plan.count, b)))  # [world, runs, b, hv, dk, dv + dk]
-        starts = _compose(every, plan, dv)
-        x0 = torch.stack([starts[c] for c in plan.index]).flatten(0, 1)
-        fixed = out[..., :dv].float() + torch.einsum("blhk,bhkv->blhv", out[..., dv:].float(), x0)
-    return _Uses.apply(plan.join(fixed.to(dtype).unflatten(0, (plan.count, b)), dim=1), every)
+    dk, dv = key.shape[-1], value.shape[-1]
+    inputs = [t.float() for t in (query, key, _widened(value, dk), g, beta)]
+    return _scan(_DeltaRule(kernel, dk, dv, kernel_kwargs), inputs, plan, gather, documents, query.dtype)
+
+
+def mamba2_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    kernel: Callable,
+    chunk_size: int,
+    D: torch.Tensor | None,
+    plan: Chunks,
+    gather: StateGather | None,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mamba2's selective state-space scan over the whole sequence, on this rank's tokens::
+
+        h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,        y_t = h_t C_t + D x_t
+
+    with a ``[head_dim, d_state]`` state per head. The decay is a scalar per head and token, so a chunk that
+    starts from ``X`` ends in ``a X + F`` (``a``: the product of its decays) and outputs ``y_t(0) + exp(sum of
+    dt A up to t) X C_t``: every rank runs its chunks once from a zero state, all-gathers ``(F, a)`` and corrects.
+
+    Args:
+        x: [batch, local_seq, heads, head_dim]; dt: [batch, local_seq, heads], the step sizes after the model's
+            bias, softplus and limits; A: [heads], negative; B, C: [batch, local_seq, groups, d_state] (``heads`` a
+            multiple of ``groups``); D: [heads] or None. Transformers' layout.
+        kernel: the model's chunked scan, ``kernel(x, dt, A, B, C, chunk_size, D=, return_final_states=True) ->
+            (y, final_state [batch, heads, head_dim, d_state])`` (Transformers' ``mamba2_chunk_scan`` or the
+            mamba-ssm kernel it dispatches to), given the processed ``dt`` (no bias, no softplus).
+        plan: this rank's runs (``chunks``). gather: the group's ``StateGather`` (None: one rank).
+        documents: as for ``gated_delta_rule``: the state starts from zero at each document's first token.
+
+    Returns:
+        [batch, local_seq, heads, head_dim] fp32 (the fallback kernel's output dtype; the model's gated norm rounds).
+    """
+    inputs = [t.float() for t in (x, dt, B, C)]
+    scan = _Mamba2(kernel, chunk_size, A.float(), None if D is None else D.float())
+    if documents is None and plan.world_size == 1:
+        return scan.run(inputs)[0]
+    return _scan(scan, inputs, plan, gather, documents, torch.float32)
+
+
+class _DeltaRule:
+    """The gated delta rule as ``_scan`` drives it: inputs ``(q, k, v widened, g, beta)``; the carry of a piece is
+    ``[F | P]`` (``[heads, d_k, d_v + d_k]``: the zero-state final state beside the product of the transitions,
+    what the identity's columns of the starting state ``[0 | I]`` end as)."""
+
+    def __init__(self, kernel: Callable, dk: int, dv: int, kwargs: dict):
+        self.kernel, self.dk, self.dv, self.kwargs = kernel, dk, dv, kwargs
+
+    def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, g, beta = inputs
+        start = _identity_start(q.shape[0], v.shape[2], self.dk, self.dv, q.device)
+        out, final = self.kernel(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, **self.kwargs)
+        return out, final.float()
+
+    def cut(self, carry: torch.Tensor) -> torch.Tensor:
+        """The carry of a piece whose document ends in it: its state, no transition (the next one starts anew)."""
+        return torch.cat([carry[..., : self.dv], torch.zeros_like(carry[..., self.dv :])], dim=-1)
+
+    def empty(self, carry: torch.Tensor) -> torch.Tensor:
+        return carry.new_zeros(*carry.shape[:-1], self.dv)
+
+    def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return carry[..., self.dv :] @ state + carry[..., : self.dv]
+
+    def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
+        y = out[..., : self.dv].float()
+        if state is None:
+            return y
+        return y + torch.einsum("blhk,bhkv->blhv", out[..., self.dv :].float(), state)
+
+
+class _Mamba2:
+    """Mamba2's scan as ``_scan`` drives it: inputs ``(x, dt, B, C)``; the carry of a piece is ``[F | a]``
+    (``[heads, head_dim * d_state + 1]``: the zero-state final state, flattened, beside the product of the
+    decays)."""
+
+    def __init__(self, kernel: Callable, chunk_size: int, A: torch.Tensor, D: torch.Tensor | None):
+        self.kernel, self.chunk_size, self.A, self.D = kernel, chunk_size, A, D
+
+    def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        x, dt, B, C = inputs
+        out, final = self.kernel(x, dt, self.A, B, C, self.chunk_size, D=self.D, return_final_states=True)
+        decay = (dt * self.A).sum(dim=1).exp()  # [n, heads]; zero-padded ends (dt = 0) leave it as it is
+        return out.float(), torch.cat([final.float().flatten(-2), decay[..., None]], dim=-1)
+
+    def cut(self, carry: torch.Tensor) -> torch.Tensor:
+        return torch.cat([carry[..., :-1], torch.zeros_like(carry[..., -1:])], dim=-1)
+
+    def empty(self, carry: torch.Tensor) -> torch.Tensor:
+        return carry.new_zeros(*carry.shape[:-1], carry.shape[-1] - 1)
+
+    def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return carry[..., -1:] * state + carry[..., :-1]
+
+    def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
+        if state is None:
+            return out
+        _, dt, _, C = inputs
+        C = C.repeat_interleave(out.shape[2] // C.shape[2], dim=2)  # [n, len, heads, d_state]
+        decay = torch.cumsum(dt * self.A, dim=1).exp()  # [n, len, heads]
+        state = state.unflatten(-1, (out.shape[-1], C.shape[-1]))  # [n, heads, head_dim, d_state]
+        return out + decay[..., None] * torch.einsum("blhs,bhps->blhp", C, state)
 
 
 def _widened(value: torch.Tensor, dk: int) -> torch.Tensor:
@@ -312,67 +414,72 @@ def _identity_start(n: int, heads: int, dk: int, dv: int, device) -> torch.Tenso
     return start
 
 
-def _compose(every: torch.Tensor, plan: Chunks, dv: int) -> dict:
-    """The state each of this rank's chunks starts from (chunk -> [batch, v_heads, d_k, d_v], fp32), composed in
-    sequence order from every chunk's ``[F | P]`` (``every``: [world, runs, batch, v_heads, d_k, d_v + d_k])."""
+def _compose(scan, every: torch.Tensor, plan: Chunks) -> dict:
+    """The state each of this rank's chunks starts from (chunk -> [batch, ...], fp32), composed in sequence order
+    from every chunk's carry (``every``: [world, runs, batch, ...])."""
     last = max(plan.index)
-    starts, x = {}, torch.zeros(*every.shape[2:-1], dv, dtype=torch.float32, device=every.device)
+    starts, x = {}, scan.empty(every[0, 0])
     for c in range(last + 1):
         if c in plan.index:
             starts[c] = x
         if c < last:
-            fp = every[plan.owner(c)]
-            x = fp[..., dv:] @ x + fp[..., :dv]
+            x = scan.step(every[plan.owner(c)], x)
     return starts
 
 
-def _rule_with_documents(query, key, value, g, beta, kernel, plan: Chunks, gather, documents, kernel_kwargs):
-    """``gated_delta_rule`` with documents: each batch row's runs cut into segments of one document, run in a few
-    kernel calls (``_groups``: zero-padded at their ends to the group's longest, at most twice the tokens in all;
-    zero keys and values, no decay and beta 0 there leave the state as it is). A segment starting a document
-    starts from zero; only a run's first segment, when its document goes on from the chunk before, takes that
-    chunk's state (its output corrected), and a chunk passes its transition on only if one document runs through
-    it (else the next chunk's state is its last segment's)."""
-    b, _, hv, dv = value.shape
-    dk = key.shape[-1]
-    dtype = query.dtype
-    tensors = [
-        plan.split(t.float(), dim=1) for t in (query, key, _widened(value, dk), g, beta)
-    ]  # each [runs, b, n, ...]
-    with torch.autocast(query.device.type, enabled=False):
+def _scan(scan, inputs: list, plan: Chunks, gather, documents, dtype) -> torch.Tensor:
+    """A recurrence affine in its starting state (``scan``: ``_DeltaRule``, ``_Mamba2``) over the CP group, on this
+    rank's tokens (``inputs``: fp32 [batch, local_seq, ...]), in ``dtype``.
+
+    Without documents: this rank's runs in one kernel call (stacked on the batch) from a zero state; every chunk's
+    carry all-gathered; each run's starting state composed in sequence order and its outputs corrected.
+
+    With documents: each batch row's runs cut into segments of one document, run in a few kernel calls
+    (``_groups``: zero-padded at their ends to the group's longest, at most twice the tokens in all; zero inputs
+    leave the state as it is). A segment starting a document starts from zero; only a run's first segment, when
+    its document goes on from the chunk before, takes that chunk's state (its output corrected), and a chunk
+    passes its transition on only if one document runs through it (else the next chunk's state is its last
+    segment's)."""
+    b = inputs[0].shape[0]
+    runs = [plan.split(t, dim=1) for t in inputs]  # each [runs, b, n, ...]
+    with torch.autocast(inputs[0].device.type, enabled=False):
+        if documents is None:
+            flat = [t.flatten(0, 1) for t in runs]
+            out, carry = scan.run(flat)
+            every = gather.gather(carry.unflatten(0, (plan.count, b)))  # [world, runs, b, ...]
+            starts = _compose(scan, every, plan)
+            y = scan.output(out, flat, torch.stack([starts[c] for c in plan.index]).flatten(0, 1))
+            return _Uses.apply(plan.join(y.to(dtype).unflatten(0, (plan.count, b)), dim=1), every)
         rows, exports = [], []
         for r in range(b):
             _, segments = _row(documents, r, plan)
-            out, final = [None] * len(segments), [None] * len(segments)
+            done: list = [None] * len(segments)  # (out, carry, inputs) of each segment
             for group in _groups([s.end - s.start for s in segments]):
                 longest = max(segments[i].end - segments[i].start for i in group)
-                q, k, v, gs, bs = (
+                pieces = [
                     _padded([t[segments[i].run, r, segments[i].start : segments[i].end] for i in group], longest)
-                    for t in tensors
-                )
-                start = _identity_start(len(group), hv, dk, dv, q.device)
-                o, f = kernel(q, k, v, g=gs, beta=bs, initial_state=start, output_final_state=True, **kernel_kwargs)
+                    for t in runs
+                ]
+                out, carry = scan.run(pieces)
                 for j, i in enumerate(group):
-                    out[i], final[i] = o[j], f[j]
-            rows.append((segments, out))
+                    done[i] = (out[j], carry[j], [t[j] for t in pieces])
+            rows.append((segments, done))
             state = []
             for i in range(plan.count):
                 mine = [j for j, s in enumerate(segments) if s.run == i]
                 through = len(mine) == 1 and segments[mine[0]].continues  # one document through the whole chunk
-                f = final[mine[-1]].float()
-                state.append(torch.cat([f[..., :dv], f[..., dv:] if through else torch.zeros_like(f[..., dv:])], -1))
+                carry = done[mine[-1]][1]
+                state.append(carry if through else scan.cut(carry))
             exports.append(torch.stack(state))
         every = None if gather is None else gather.gather(torch.stack(exports, dim=1))  # [world, runs, b, ...]
-        starts = {} if every is None else _compose(every, plan, dv)
+        starts = {} if every is None else _compose(scan, every, plan)
         result = []
-        for r, (segments, out) in enumerate(rows):
+        for r, (segments, done) in enumerate(rows):
             pieces = []
-            for s, o in zip(segments, out):
-                o = o[: s.end - s.start].float()
-                y = o[..., :dv]
-                if s.continues:
-                    y = y + torch.einsum("lhk,hkv->lhv", o[..., dv:], starts[plan.index[s.run]][r])
-                pieces.append(y)
-            result.append(_by_run(segments, pieces, plan, dim=0))  # [runs, n, hv, dv]
+            for s, (out, _, ins) in zip(segments, done):
+                n = s.end - s.start
+                x = starts[plan.index[s.run]][r][None] if s.continues else None
+                pieces.append(scan.output(out[None, :n], [t[None, :n] for t in ins], x)[0])
+            result.append(_by_run(segments, pieces, plan, dim=0))  # [runs, n, ...]
         y = plan.join(torch.stack(result, dim=1).to(dtype), dim=1)
     return y if every is None else _Uses.apply(y, every)

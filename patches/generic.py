@@ -43,6 +43,7 @@ FAMILIES = {
     "apertus": "transformers.models.apertus.modeling_apertus.ApertusAttention",
     "arcee": "transformers.models.arcee.modeling_arcee.ArceeAttention",
     "axk1": "transformers.models.axk1.modeling_axk1.AXK1Attention",
+    "bamba": "transformers.models.bamba.modeling_bamba.BambaAttention",
     "bitnet": "transformers.models.bitnet.modeling_bitnet.BitNetAttention",
     "cohere": "transformers.models.cohere.modeling_cohere.CohereAttention",
     "cohere2": "transformers.models.cohere2.modeling_cohere2.Cohere2Attention",
@@ -55,6 +56,7 @@ FAMILIES = {
     "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeAttention",
     "exaone4": "transformers.models.exaone4.modeling_exaone4.Exaone4Attention",
     "exaone_moe": "transformers.models.exaone_moe.modeling_exaone_moe.ExaoneMoeAttention",
+    "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Attention",
     "flex_olmo": "transformers.models.flex_olmo.modeling_flex_olmo.FlexOlmoAttention",
     "gemma": "transformers.models.gemma.modeling_gemma.GemmaAttention",
     "gemma2": "transformers.models.gemma2.modeling_gemma2.Gemma2Attention",
@@ -69,6 +71,7 @@ FAMILIES = {
     "granite": "transformers.models.granite.modeling_granite.GraniteAttention",
     "granite_swa": "transformers.models.granite_swa.modeling_granite_swa.GraniteSWAAttention",
     "granitemoe": "transformers.models.granitemoe.modeling_granitemoe.GraniteMoeAttention",
+    "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridAttention",
     "helium": "transformers.models.helium.modeling_helium.HeliumAttention",
     "hunyuan_v1_dense": "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
     "hunyuan_v1_moe": "transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Attention",
@@ -87,6 +90,7 @@ FAMILIES = {
     "mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralAttention",
     "nanochat": "transformers.models.nanochat.modeling_nanochat.NanoChatAttention",
     "nemotron": "transformers.models.nemotron.modeling_nemotron.NemotronAttention",
+    "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHAttention",
     "olmo": "transformers.models.olmo.modeling_olmo.OlmoAttention",
     "olmo2": "transformers.models.olmo2.modeling_olmo2.Olmo2Attention",
     "olmo3": "transformers.models.olmo3.modeling_olmo3.Olmo3Attention",
@@ -127,7 +131,8 @@ def check_linear(config) -> None:
     """``check`` for a hybrid family: full-attention layers (no windows), and linear-attention or short-convolution
     layers (``hf_ring.patches.linear``)."""
     what = getattr(config, "model_type", "model")
-    check_layer_types(config, what, allowed=("full_attention", "linear_attention", "conv"), window=False)
+    allowed = ("full_attention", "linear_attention", "conv", "hybrid", "mlp", "moe")
+    check_layer_types(config, what, allowed=allowed, window=False)
     _check_router(config, what)
 
 
@@ -176,6 +181,10 @@ def check_gemma4(config) -> None:
 
 
 LINEAR = {
+    "bamba": "transformers.models.bamba.modeling_bamba.BambaMixer",
+    "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer",
+    "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+    "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv",
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
     "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
@@ -204,6 +213,8 @@ LOGIT_TRANSFORMS = {
     "granite": LogitTransform(divide="logits_scaling"),
     "granite_swa": LogitTransform(divide="logits_scaling"),
     "granitemoe": LogitTransform(divide="logits_scaling"),
+    "granitemoehybrid": LogitTransform(divide="logits_scaling"),
+    "falcon_h1": LogitTransform(multiply="lm_head_multiplier"),
     "hyperclovax": LogitTransform(multiply="logits_scaling"),
     "minicpm3": LogitTransform(divide="logits_scaling"),  # divides the hidden states (the head has no bias)
     "nanochat": LogitTransform(softcap="final_logit_softcapping"),

@@ -1,12 +1,13 @@
 """Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
-Qwen3.5-MoE) and short convolutions (LFM2, LFM2-MoE).
+Qwen3.5-MoE), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) and short convolutions (LFM2, LFM2-MoE).
 
 These hybrid models interleave full-attention layers (switched to ring attention like every family) with layers
 that look back along the sequence another way: a short causal convolution, followed in the Gated DeltaNet by the
-gated delta rule, a recurrence over the sequence. While a model is patched, each such module's ``forward`` is
+gated delta rule and in Mamba2 by a selective state-space scan, recurrences over the sequence. While a model is patched, each such module's ``forward`` is
 replaced (an instance attribute; ``revert`` removes it) by ``ShardedMixer``, which computes what the module
 computes on the unsharded sequence, with the module's own projections, norm and kernels (Transformers'
-``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule``, or the hub kernels they dispatch to), around
+``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule`` and ``mamba2_chunk_scan``, or the hub kernels they
+dispatch to), around
 ``hf_ring.linear_attention`` (the states and convolution inputs each chunk needs from the chunks before it, from
 other ranks).
 
@@ -33,7 +34,7 @@ from ..hf_attention import _documents as documents
 from ..hf_attention import _dropped_documents_error as dropped_documents_error
 from ..hf_attention import _sharding_error as sharding_error
 from ..layout import LAYOUTS, documents_from_cu_seqlens, positions, several_documents
-from ..linear_attention import causal_conv1d, chunks, gated_delta_rule
+from ..linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan
 
 __all__ = ["FIELDS", "ShardedMixer", "check", "install", "remove"]
 
@@ -49,7 +50,7 @@ class ShardedMixer:
     def __init__(self, module: torch.nn.Module, cfg: RingConfig):
         self.module = module
         self.cfg = cfg
-        self.compute = _short_conv if hasattr(module, "in_proj") else _gated_delta_net
+        self.compute = _computation(module)
         self.kernels = _kernels(module)
 
     def __call__(self, hidden_states, cache_params=None, attention_mask=None, past_key_values=None, **kwargs):
@@ -69,10 +70,10 @@ class ShardedMixer:
         else:
             self._check(error, hidden_states, docs, rank, world_size)
         if keep is not None:  # padding: zero the input there, as Transformers' apply_mask_to_padding_states
-            hidden_states = (hidden_states * keep[:, :, None]).to(hidden_states.dtype)
+            hidden_states = _masked(hidden_states, keep)
         plan = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout)
         if world_size == 1:
-            return self.compute(m, self.kernels, hidden_states, plan, None, packed)
+            return self.compute(m, self.kernels, hidden_states, plan, None, packed, keep)
         groups = [cfg.group]
         grad = torch.is_grad_enabled() and hidden_states.requires_grad
         name = "a linear-attention layer"
@@ -80,7 +81,7 @@ class ShardedMixer:
             cfg.plans.progress.label = f"layer {m.layer_idx}"
             name = cfg.plans.progress.call(groups, grad)
         try:
-            return self.compute(m, self.kernels, hidden_states, plan, StateGather(cfg.group, cfg.timeout), packed)
+            return self.compute(m, self.kernels, hidden_states, plan, StateGather(cfg.group, cfg.timeout), packed, keep)
         except BaseException as e:  # out of step with the peers from here on: stop the group (hf_ring.guard)
             guard.failed(groups, e, f" in {name}")
             raise
@@ -204,7 +205,19 @@ def _kernels(module):
     raise ValueError(f"{type(module).__name__}: found no causal_conv1d_fn beside its class (not a Transformers module)")
 
 
-def _short_conv(m, kernels, hidden_states, plan, gather, documents):
+def _masked(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [batch, local_seq, ...] zeroed at padding (Transformers' ``apply_mask_to_padding_states``)."""
+    return x if keep is None else (x * keep[:, :, None]).to(x.dtype)
+
+
+def _computation(module):
+    """What ``module`` computes, sharded: a Mamba2 mixer, an LFM2 short convolution or a Gated DeltaNet."""
+    if hasattr(module, "D") and hasattr(module, "A_log"):
+        return _mamba2
+    return _short_conv if hasattr(module, "in_proj") else _gated_delta_net
+
+
+def _short_conv(m, kernels, hidden_states, plan, gather, documents, keep):
     """Transformers' LFM2 short convolution without a cache (gated by its projections), over the CP group."""
     b, c, x = m.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
     weight = m.conv.weight.squeeze(1)
@@ -216,7 +229,7 @@ def _short_conv(m, kernels, hidden_states, plan, gather, documents):
     return m.out_proj((c * y).transpose(-1, -2).contiguous())
 
 
-def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents):
+def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep):
     """Transformers' Gated DeltaNet forward without a cache, its convolution and recurrence over the CP group."""
     batch, n, _ = hidden_states.shape
     mixed, z, b, a = _project(m, hidden_states)
@@ -238,6 +251,41 @@ def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents):
     )  # fmt: skip
     core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(batch, n, -1)
     return m.out_proj(core)
+
+
+def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep):
+    """Transformers' Mamba2 mixer without a cache (Bamba, GraniteMoeHybrid, NemotronH, FalconH1, Zamba2): its
+    convolution and scan over the CP group (the unfused path; FalconH1's multipliers and optional norm)."""
+    batch, n, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    falcon = hasattr(m, "mup_vector")
+    if falcon:
+        hidden_states = hidden_states * m.ssm_in_multiplier
+    projected = m.in_proj(hidden_states)
+    if falcon:
+        projected = projected * m.mup_vector
+    gate, xbc, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+    weight = m.conv1d.weight.squeeze(1)
+
+    def conv(x):
+        return kernels.causal_conv1d_fn(x, weight, m.conv1d.bias, activation=m.activation)
+
+    xbc = causal_conv1d(xbc.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents).transpose(1, 2)
+    x, B, C = torch.split(_masked(xbc, keep), [m.intermediate_size, *(2 * [m.n_groups * m.ssm_state_size])], dim=-1)
+    # the step sizes as the kernels make them (bias, softplus, limits), in fp32 (the fused kernels' precision)
+    dt = F.softplus(dt.float() + m.dt_bias.float())
+    if m.time_step_limit is not None:
+        dt = dt.clamp(*m.time_step_limit)
+    y = mamba2_scan(
+        x.reshape(batch, n, -1, m.head_dim), dt, -m.A_log.float().exp(), B.reshape(batch, n, m.n_groups, -1),
+        C.reshape(batch, n, m.n_groups, -1), kernel=kernels.mamba2_chunk_scan, chunk_size=m.chunk_size, D=m.D,
+        plan=plan, gather=gather, documents=documents,
+    ).reshape(batch, n, -1)  # fmt: skip
+    if falcon and not m.mamba_rms_norm:
+        y = y * F.silu(gate)
+    else:
+        y = m.norm(y, gate)
+    return m.out_proj(y.to(dtype))
 
 
 def check(modules: list) -> None:

@@ -46,6 +46,8 @@ _SLIDE_FULL = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_a
 _LINEAR = {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 12,
            "linear_conv_kernel_dim": 4}  # fmt: skip
+_MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4,
+           "mamba_expand": 1, "mamba_chunk_size": 8}  # fmt: skip
 _MOE_SHARED = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                "shared_expert_intermediate_size": 32}  # fmt: skip
 _MLA = {"num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
@@ -124,6 +126,20 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**_LINEAR, **_MOE_SHARED}),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**_LINEAR, **_MOE_SHARED}),  # fused projections
+    # hybrids: Mamba2 layers (a [head_dim, d_state] state per head, heads sharing B and C in groups) beside attention
+    "bamba": ("BambaConfig", "BambaForCausalLM", {**_MAMBA2, "attn_layer_indices": [1]}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {**_MAMBA2, "layer_types": ["mamba", "attention"],
+                         "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32,
+                         "position_embedding_type": "rope", "attention_multiplier": 0.2, "embedding_multiplier": 3.0,
+                         "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {"num_hidden_layers": 3, "layers_block_type": ["mamba", "attention", "moe"],
+                   "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 8,
+                   "conv_kernel": 4, "chunk_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}),
+    # attention and Mamba2 side by side in every layer, muP multipliers, the gated norm after the gate
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {**_MAMBA2, "mamba_d_ssm": 64, "mamba_rms_norm": True,
+                  "mamba_norm_before_gate": False, "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0,
+                  "key_multiplier": 0.7, "attention_in_multiplier": 1.3, "ssm_in_multiplier": 0.8, "ssm_out_multiplier": 1.2}),
     "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM", {**_MLA, "num_layers": 1, "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32, "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2}),
 }  # fmt: skip
 """The families covered by one line each: what their tiny config exercises (see patches/generic.py)."""

@@ -166,10 +166,16 @@ def test_bench_generate_cpu_runs_both_sides_and_compares_their_tokens(tmp_path):
 
 
 def test_bench_linear_cpu_checks_the_sharded_rule_and_times_it(tmp_path):
-    """bench_linear_cpu.py at a tiny length: the sharded output checked against the whole sequence's, one row."""
+    """bench_linear_cpu.py at a tiny length, both mixers: the sharded output checked against the whole sequence's,
+    one row each."""
     import bench_linear_cpu
 
     row = bench_linear_cpu.main(["--seq-len", "256", "--world", "2", "--rank", "1", "--repeat", "1", "--d-k", "16",
                                  "--d-v", "24", "--out", str(tmp_path / "linear.csv")])  # fmt: skip
     assert float(row["rel_err"]) <= 1e-5 and row["sharded_ms"] > 0 and row["local_ms"] > 0, row
     assert len(_rows(tmp_path, "linear")) == 1
+    row = bench_linear_cpu.main(["--mixer", "mamba2", "--seq-len", "1024", "--world", "2", "--rank", "1", "--repeat",
+                                 "1", "--heads", "4", "--head-dim", "8", "--groups", "2", "--d-state", "8", "--out",
+                                 str(tmp_path / "mamba2.csv")])  # fmt: skip
+    assert float(row["rel_err"]) <= 1e-5 and row["heads"] == 4 and row["sharded_ms"] > 0, row
+    assert len(_rows(tmp_path, "mamba2")) == 1

@@ -93,8 +93,10 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert AttentionInterface._global_mapping["hf_ring"] is hf_attention.ring_attention_forward
     assert AttentionMaskInterface._global_mapping["hf_ring"] is hf_attention.ring_mask_function
     modules = get_patch(family).attention_modules(model)
-    linear = get_patch(family).linear_modules(model)  # hybrids: their Gated DeltaNet layers
-    assert len(modules) + len(linear) == text.num_hidden_layers
+    linear = get_patch(family).linear_modules(model)  # hybrids: their Gated DeltaNet, convolution or Mamba2 layers
+    types = list(getattr(text, "layer_types", None) or [])
+    mixing = [t for t in types if t not in ("mlp", "moe")] or [None] * text.num_hidden_layers  # (Nemotron-H: MLPs)
+    assert len(modules) + len(linear) == len(mixing) + types.count("hybrid")  # (Falcon-H1: attention and Mamba2)
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
     assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
     ring = _logits(model, input_ids=ids)

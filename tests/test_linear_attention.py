@@ -1,8 +1,8 @@
-"""Linear-attention layers (Gated DeltaNet) under context parallelism: ``hf_ring.linear_attention`` against the
-unsharded computation (real gloo ranks), and the Transformers integration's refusals, raised on every rank.
+"""Linear-attention layers (Gated DeltaNet, Mamba2) under context parallelism: ``hf_ring.linear_attention`` against
+the unsharded computation (real gloo ranks), and the Transformers integration's refusals, raised on every rank.
 
-The kernel is Transformers' own ``torch_chunk_gated_delta_rule`` (fp32 inside), the convolution
-Transformers' ``causal_conv1d_fn``; the reference runs them on the whole sequence.
+The kernels are Transformers' own ``torch_chunk_gated_delta_rule`` and ``mamba2_chunk_scan`` (fp32 inside), the
+convolution Transformers' ``causal_conv1d_fn``; the reference runs them on the whole sequence.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import hf_ring
 from hf_ring import layout as L
 from hf_ring.comm import StateGather
-from hf_ring.linear_attention import causal_conv1d, chunks, gated_delta_rule
+from hf_ring.linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan
 from tests.dist_utils import run_distributed
 from tests.hf_models import (
     RTOL_DECAY,
@@ -74,14 +74,15 @@ def _layer(x, weight, decay, beta, shape, plan, gather, documents=None):
 # starting a token before a chunk (at 2 ranks: only part of the halo is its own), padding (-1) between documents;
 # rows of their own, or one row for the whole batch
 DOCUMENTS = {
-    SHAPES[0]: torch.tensor([[0] * 7 + [1] * 2 + [2] * 17 + [3] * 10, [0] * 18 + [1] * 18]),
-    SHAPES[1]: torch.tensor([[0] * 25 + [-1] * 5 + [1] * 30]),
+    36: torch.tensor([[0] * 7 + [1] * 2 + [2] * 17 + [3] * 10, [0] * 18 + [1] * 18]),
+    60: torch.tensor([[0] * 25 + [-1] * 5 + [1] * 30]),
 }
 
 
-def _per_document(leaves, shape, documents):
-    """``_layer`` of each document alone (the reference for packed documents), in place in the whole sequence."""
-    x, weight, decay, beta = leaves
+def _per_document(layer, leaves, shape, documents):
+    """``layer`` of each document alone (the reference for packed documents), in place in the whole sequence
+    (``leaves``: the convolution's input first, then its weight, then per-token tensors and parameters)."""
+    x = leaves[0]
     rows = []
     for r in range(x.shape[0]):
         ids = documents[0 if documents.shape[0] == 1 else r]
@@ -89,61 +90,110 @@ def _per_document(leaves, shape, documents):
         for d in ids.unique().tolist():
             at = (ids == d).nonzero().flatten()
             one = chunks(len(at), rank=0, world_size=1, layout="zigzag")
-            parts[d] = (at, _layer(x[r : r + 1][:, :, at], weight, decay[r : r + 1, at], beta[r : r + 1, at], shape,
-                                   one, None)[0])  # fmt: skip
+            mine = [t[r : r + 1][:, :, at] if i == 0 else t[r : r + 1, at] if t.dim() == 3 else t
+                    for i, t in enumerate(leaves)]  # fmt: skip
+            parts[d] = (at, layer(*mine, shape, one, None)[0])
         order = torch.cat([at for at, _ in parts.values()]).argsort()
         rows.append(torch.cat([y for _, y in parts.values()])[order])
     return torch.stack(rows)
+
+
+# Mamba2 (batch, seq, heads, head_dim, groups, d_state, conv kernel): heads sharing B and C in groups, odd sizes
+MAMBA_SHAPES = [(2, 36, 4, 6, 2, 8, 4), (2, 60, 3, 4, 1, 5, 3)]
+
+
+def _mamba_inputs(shape):
+    b, n, h, p, groups, d_state, kernel = shape
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    channels = h * p + 2 * groups * d_state
+    x = torch.randn(b, channels, n, generator=g)
+    weight = torch.randn(channels, kernel, generator=g) / kernel
+    dt = torch.randn(b, n, h, generator=g)  # before the softplus
+    A = -0.5 - torch.rand(h, generator=g)
+    D = torch.randn(h, generator=g)
+    upstream = torch.randn(b, n, h, p, generator=g)
+    return x, weight, dt, A, D, upstream
+
+
+def _mamba_layer(x, weight, dt, A, D, shape, plan, gather, documents=None):
+    """Convolution then Mamba2's scan, as Bamba's mixer runs them (``[batch, seq, heads, head_dim]``)."""
+    from transformers.models.bamba.modeling_bamba import causal_conv1d_fn, mamba2_chunk_scan
+
+    b, _, h, p, groups, d_state, k_size = shape
+    b = x.shape[0]
+    y = causal_conv1d(x, lambda t: causal_conv1d_fn(t, weight, None, activation="silu"), k_size, plan, gather,
+                      documents).transpose(1, 2)  # fmt: skip
+    n = y.shape[1]
+    xs, B, C = torch.split(y, [h * p, groups * d_state, groups * d_state], dim=-1)
+    return mamba2_scan(
+        xs.reshape(b, n, h, p), torch.nn.functional.softplus(dt), A, B.reshape(b, n, groups, d_state),
+        C.reshape(b, n, groups, d_state), kernel=mamba2_chunk_scan, chunk_size=8, D=D, plan=plan, gather=gather,
+        documents=documents,
+    )  # fmt: skip
 
 
 def _leaves(*ts):
     return [t.clone().requires_grad_(True) for t in ts]
 
 
+# per kind: the layer, its inputs, which leaves are parameters (their gradient summed over the ranks), the bytes
+# one chunk sends (its state and its K - 1 convolution inputs, fp32)
+KINDS = {
+    "gated_delta_net": (_layer, _inputs, (1,), SHAPES,
+                        lambda b, n, hk, hv, dk, dv, k: hv * dk * (dv + dk) + (2 * hk * dk + hv * dv) * (k - 1)),
+    "mamba2": (_mamba_layer, _mamba_inputs, (1, 3, 4), MAMBA_SHAPES,
+               lambda b, n, h, p, g, s, k: h * (p * s + 1) + (h * p + 2 * g * s) * (k - 1)),
+}  # fmt: skip
+
+
+def _shard(t, i: int, pos, params: tuple):
+    """Leaf ``i``'s part on the rank holding ``pos``: a parameter whole, the convolution's input [b, c, n] and the
+    per-token tensors [b, n, ...] at those positions."""
+    return t if i in params else t[:, :, pos] if i == 0 else t[:, pos]
+
+
 def _sharded_worker(rank: int, world: int) -> dict:
     out = {}
-    for shape in SHAPES:
-        for layout, packed in (("zigzag", False), ("contiguous", False), ("zigzag", True), ("contiguous", True)):
-            x, weight, decay, beta, upstream = _inputs(shape)
-            documents = DOCUMENTS[shape] if packed else None
-            ref_leaves = _leaves(x, weight, decay, beta)
-            if packed:
-                ref = _per_document(ref_leaves, shape, documents)
-            else:
-                ref = _layer(*ref_leaves, shape, chunks(shape[1], rank=0, world_size=1, layout=layout), None)
-            (ref * upstream).sum().backward()
-            pos = L.positions(shape[1], rank=rank, world_size=world, layout=layout)
-            mine = _leaves(x[:, :, pos], weight, decay[:, pos], beta[:, pos])
-            gather = StateGather(None)
-            plan = chunks(len(pos), rank=rank, world_size=world, layout=layout)
-            got = _layer(*mine, shape, plan, gather, documents)
-            (got * upstream[:, pos]).sum().backward()
-            dweight = mine[1].grad.clone()
-            torch.distributed.all_reduce(dweight)  # the weight's gradient: every rank's share
-            b, n, hk, hv, dk, dv, k_size = shape
-            runs = 2 if layout == "zigzag" else 1
-            expected = (world - 1) * runs * b * (hv * dk * (dv + dk) + (2 * hk * dk + hv * dv) * (k_size - 1)) * 4
-            out[(shape, layout, packed)] = {
-                "out": rel(got.detach(), ref.detach()[:, pos]),
-                "x": rel(mine[0].grad, ref_leaves[0].grad[:, :, pos]),
-                "weight": rel(dweight, ref_leaves[1].grad),
-                "g": rel(mine[2].grad, ref_leaves[2].grad[:, pos]),
-                "beta": rel(mine[3].grad, ref_leaves[3].grad[:, pos]),
-                "bytes": (gather.bytes_received, expected),
-            }
+    for kind, (layer, make_inputs, params, shapes, chunk_values) in KINDS.items():
+        for shape in shapes:
+            for layout, packed in (("zigzag", False), ("contiguous", False), ("zigzag", True), ("contiguous", True)):
+                *leaves, upstream = make_inputs(shape)
+                documents = DOCUMENTS[shape[1]] if packed else None
+                ref_leaves = _leaves(*leaves)
+                if packed:
+                    ref = _per_document(layer, ref_leaves, shape, documents)
+                else:
+                    ref = layer(*ref_leaves, shape, chunks(shape[1], rank=0, world_size=1, layout=layout), None)
+                (ref * upstream).sum().backward()
+                pos = L.positions(shape[1], rank=rank, world_size=world, layout=layout)
+                mine = _leaves(*(_shard(t, i, pos, params) for i, t in enumerate(leaves)))
+                gather = StateGather(None)
+                plan = chunks(len(pos), rank=rank, world_size=world, layout=layout)
+                got = layer(*mine, shape, plan, gather, documents)
+                (got * upstream[:, pos]).sum().backward()
+                e = {"out": rel(got.detach(), ref.detach()[:, pos])}
+                for i, (t, r) in enumerate(zip(mine, ref_leaves)):
+                    grad = t.grad.clone()
+                    if i in params:
+                        torch.distributed.all_reduce(grad)  # a parameter's gradient: every rank's share
+                    e[f"grad {i}"] = rel(grad, _shard(r.grad, i, pos, params))
+                runs = 2 if layout == "zigzag" else 1
+                e["bytes"] = (gather.bytes_received, (world - 1) * runs * shape[0] * chunk_values(*shape) * 4)
+                out[(kind, shape, layout, packed)] = e
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_gated_delta_net_matches_the_unsharded_sequence(world):
-    """Outputs and the gradients of the inputs, the decays and the convolution weight, every rank, both layouts
-    with chunks (contiguous: rank 0 needs nothing from the others yet joins the backward's collectives); packed
-    documents against each document alone."""
-    for rank, results in enumerate(run_distributed(_sharded_worker, world, timeout=240)):
-        for (shape, layout, packed), e in results.items():
-            where = f"rank {rank}, {layout}, {shape}, {'packed' if packed else 'one document'}"
+def test_sharded_recurrences_match_the_unsharded_sequence(world):
+    """Gated DeltaNet and Mamba2: outputs and the gradients of the inputs, the decays or step sizes, the
+    convolution weight and the parameters, every rank, both layouts with chunks (contiguous: rank 0 needs nothing
+    from the others yet joins the backward's collectives); packed documents against each document alone."""
+    for rank, results in enumerate(run_distributed(_sharded_worker, world, timeout=300)):
+        assert {kind for kind, *_ in results} == set(KINDS)
+        for (kind, shape, layout, packed), e in results.items():
+            where = f"rank {rank}, {kind}, {layout}, {shape}, {'packed' if packed else 'one document'}"
             assert e["out"] <= TOL["out"], (where, e)
-            for key in ("x", "weight", "g", "beta"):
+            for key in (k for k in e if k.startswith("grad")):
                 assert e[key] <= TOL["grad"], (where, key, e)
             got, expected = e["bytes"]
             assert got == expected, (where, got, expected)  # one state and K - 1 inputs per chunk of each peer
@@ -184,16 +234,17 @@ def test_one_rank_packing_by_cu_seq_lens_keeps_documents_apart():
     assert e["loss"] <= RTOL and e["grad"] <= RTOL and e["decay"] <= RTOL_DECAY, e
 
 
-def test_one_rank_refuses_packing_by_positions_and_a_cache_with_state():
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+def test_one_rank_refuses_packing_by_positions_and_a_cache_with_state(family):
     """One rank: packing signalled only by restarting positions (the attention would keep documents apart, the
-    linear layers, given no positions, could not) and a decode step on a cache that holds the layers' states raise; the checks exchange
-    as many fields as the ring's pre-flight, whose exchange they join."""
+    linear layers, given no positions, could not) and a decode step on a cache that holds the layers' states raise;
+    the checks exchange as many fields as the ring's pre-flight, whose exchange they join."""
     from hf_ring.patches import linear
 
     from hf_ring import preflight
 
     assert len(linear.FIELDS) == len(preflight.FIELDS)
-    model = make_model("qwen3_5_text")
+    model = make_model(family)
     ids = make_batch("plain", 40)[0]["input_ids"][:1]
     with torch.no_grad():
         past = model(input_ids=ids, use_cache=True).past_key_values  # the unpatched model fills its cache
@@ -339,6 +390,8 @@ HYBRID_PACKED = {  # name: (family, layout); LFM2's layers get the batch's keywo
     "qwen3_5_text": ("qwen3_5_text", "zigzag"),
     "qwen3_next-contiguous": ("qwen3_next", "contiguous"),
     "lfm2": ("lfm2", "zigzag"),
+    "bamba": ("bamba", "zigzag"),
+    "falcon_h1-contiguous": ("falcon_h1", "contiguous"),
 }
 
 
