@@ -1,5 +1,5 @@
 """Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
-Qwen3.5-MoE), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) and short convolutions (LFM2, LFM2-MoE).
+Qwen3.5-MoE, OLMo Hybrid), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) and short convolutions (LFM2, LFM2-MoE).
 
 These hybrid models interleave full-attention layers (switched to ring attention like every family) with layers
 that look back along the sequence another way: a short causal convolution, followed in the Gated DeltaNet by the
@@ -153,7 +153,7 @@ def _padding(m, attention_mask, kwargs, cfg: RingConfig, rank, world_size, local
     sharding = sharding_error(m, kwargs, cfg, rank, world_size, local_len)
     if sharding:
         return sharding, None, None, None
-    device = m.out_proj.weight.device
+    device = _output(m).weight.device
 
     def make():
         return _keep(attention_mask, kwargs, cfg.layout, rank, world_size, local_len, device)
@@ -184,14 +184,23 @@ def _keep(attention_mask, kwargs, layout, rank, world_size, local_len, device):
 
 def _project(m, hidden_states):
     """``(mixed_qkv [b, n, 2 key_dim + value_dim], z [b, n, v_heads, d_v], b, a [b, n, v_heads])``: Qwen3.5's
-    separate projections or Qwen3-Next's fused, head-interleaved ones."""
+    separate projections, Qwen3-Next's fused, head-interleaved ones, or OLMo Hybrid's (q / k / v, its gate g)."""
     if hasattr(m, "in_proj_qkvz"):  # Qwen3-Next
         q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hidden_states), m.in_proj_ba(hidden_states))
         mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (q, k, v)], dim=-1)
         return mixed, z, b, a
     batch, n, _ = hidden_states.shape
+    if hasattr(m, "g_proj"):  # OLMo Hybrid
+        mixed = torch.cat([m.q_proj(hidden_states), m.k_proj(hidden_states), m.v_proj(hidden_states)], dim=-1)
+        z = m.g_proj(hidden_states).reshape(batch, n, -1, m.head_v_dim)
+        return mixed, z, m.b_proj(hidden_states), m.a_proj(hidden_states)
     z = m.in_proj_z(hidden_states).reshape(batch, n, -1, m.head_v_dim)
     return m.in_proj_qkv(hidden_states), z, m.in_proj_b(hidden_states), m.in_proj_a(hidden_states)
+
+
+def _output(m) -> torch.nn.Module:
+    """The module's output projection (OLMo Hybrid's ``o_proj``, the others' ``out_proj``)."""
+    return m.o_proj if hasattr(m, "o_proj") else m.out_proj
 
 
 def _kernels(module):
@@ -244,13 +253,16 @@ def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep):
     k = k.reshape(batch, n, -1, m.head_k_dim)
     v = v.reshape(batch, n, -1, m.head_v_dim)
     beta = b.sigmoid()
+    if getattr(m, "allow_neg_eigval", False):  # OLMo Hybrid: beta in [0, 2]
+        beta = beta * 2.0
     g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
     core = gated_delta_rule(
         q, k, v, g, beta, kernel=kernels.torch_chunk_gated_delta_rule, plan=plan, gather=gather, documents=documents,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
-    core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(batch, n, -1)
-    return m.out_proj(core)
+    norm = m.o_norm if hasattr(m, "o_norm") else m.norm
+    core = norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(batch, n, -1)
+    return _output(m)(core)
 
 
 def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep):

@@ -151,6 +151,8 @@ CASES = {
     "qwen3_5_moe_text-plain-ulysses": ("qwen3_5_moe_text", "plain", 40, {"ulysses": 2}),
     "qwen3_next-padded": ("qwen3_next", "padded", 45, {}),
     "qwen3_5-padded": ("qwen3_5", "padded", 40, {}),
+    "olmo_hybrid-plain": ("olmo_hybrid", "plain", 45, {}),
+    "olmo_hybrid-padded-lora": ("olmo_hybrid", "padded", 40, {"lora": True}),
     "lfm2-padded": ("lfm2", "padded", 45, {"since": "5.23"}),  # 5.17's LFM2 layers drop the batch's keywords
     "lfm2-plain-lora-checkpointing": ("lfm2", "plain", 40, {"lora": True, "checkpointing": True}),
     "lfm2_moe-plain-contiguous": ("lfm2_moe", "plain", 40, {"layout": "contiguous"}),

@@ -391,6 +391,7 @@ HYBRID_PACKED = {  # name: (family, layout); LFM2's layers get the batch's keywo
     "qwen3_next-contiguous": ("qwen3_next", "contiguous"),
     "lfm2": ("lfm2", "zigzag"),
     "bamba": ("bamba", "zigzag"),
+    "olmo_hybrid": ("olmo_hybrid", "zigzag"),
     "falcon_h1-contiguous": ("falcon_h1", "contiguous"),
 }
 
