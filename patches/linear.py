@@ -1,5 +1,5 @@
 """Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
-Qwen3.5-MoE, OLMo Hybrid), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) and short convolutions (LFM2, LFM2-MoE).
+Qwen3.5-MoE, OLMo Hybrid), Kimi Delta Attention (Kimi Linear), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) and short convolutions (LFM2, LFM2-MoE).
 
 These hybrid models interleave full-attention layers (switched to ring attention like every family) with layers
 that look back along the sequence another way: a short causal convolution, followed in the Gated DeltaNet by the
@@ -220,9 +220,12 @@ def _masked(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 
 def _computation(module):
-    """What ``module`` computes, sharded: a Mamba2 mixer, an LFM2 short convolution or a Gated DeltaNet."""
+    """What ``module`` computes, sharded: a Mamba2 mixer, Kimi Delta Attention, an LFM2 short convolution or a Gated
+    DeltaNet."""
     if hasattr(module, "D") and hasattr(module, "A_log"):
         return _mamba2
+    if hasattr(module, "forget_gate"):
+        return _kimi_delta
     return _short_conv if hasattr(module, "in_proj") else _gated_delta_net
 
 
@@ -263,6 +266,28 @@ def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep):
     norm = m.o_norm if hasattr(m, "o_norm") else m.norm
     core = norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(batch, n, -1)
     return _output(m)(core)
+
+
+def _kimi_delta(m, kernels, hidden_states, plan, gather, documents, keep):
+    """Transformers' Kimi Delta Attention (Kimi Linear) without a cache: the gated delta rule with a decay per key
+    channel (its transitions are as affine in the state; the same widened values carry them)."""
+    batch, n, _ = hidden_states.shape
+    heads = (batch, n, -1, m.head_dim)
+    mixed = torch.cat([m.q_proj(hidden_states), m.k_proj(hidden_states), m.v_proj(hidden_states)], dim=-1)
+    weight = m.conv1d.weight.squeeze(1)
+
+    def conv(x):
+        return kernels.causal_conv1d_fn(x, weight, m.conv1d.bias, activation=m.activation)
+
+    mixed = causal_conv1d(mixed.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents).transpose(1, 2)
+    q, k, v = (t.reshape(heads) for t in torch.split(mixed, [m.qkv_dim] * 3, dim=-1))
+    core = gated_delta_rule(
+        q, k, v, m.forget_gate(hidden_states), m.b_proj(hidden_states).sigmoid(),
+        kernel=kernels.chunk_kimi_delta_attention, plan=plan, gather=gather, documents=documents,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    gate = m.g_b_proj(m.g_a_proj(hidden_states)).reshape(heads)
+    return m.o_proj(m.o_norm(core, gate).reshape(batch, n, -1))
 
 
 def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep):

@@ -126,6 +126,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**_LINEAR, **_MOE_SHARED}),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**_LINEAR, **_MOE_SHARED}),  # fused projections
+    # Kimi Delta Attention (a decay per key channel) beside latent attention without RoPE, experts
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", {**_MLA, "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                    "mlp_layer_types": ["dense", "sparse", "sparse"], "linear_num_heads": 2, "linear_head_dim": 16,
+                    "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32}),
     "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", _LINEAR),  # q/k/v and gate projections, beta x 2
     # hybrids: Mamba2 layers (a [head_dim, d_state] state per head, heads sharing B and C in groups) beside attention
     "bamba": ("BambaConfig", "BambaForCausalLM", {**_MAMBA2, "attn_layer_indices": [1]}),

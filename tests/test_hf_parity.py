@@ -152,6 +152,8 @@ CASES = {
     "qwen3_next-padded": ("qwen3_next", "padded", 45, {}),
     "qwen3_5-padded": ("qwen3_5", "padded", 40, {}),
     "olmo_hybrid-plain": ("olmo_hybrid", "plain", 45, {}),
+    "kimi_linear-padded": ("kimi_linear", "padded", 45, {}),
+    "kimi_linear-plain-contiguous": ("kimi_linear", "plain", 40, {"layout": "contiguous"}),
     "olmo_hybrid-padded-lora": ("olmo_hybrid", "padded", 40, {"lora": True}),
     "lfm2-padded": ("lfm2", "padded", 45, {"since": "5.23"}),  # 5.17's LFM2 layers drop the batch's keywords
     "lfm2-plain-lora-checkpointing": ("lfm2", "plain", 40, {"lora": True, "checkpointing": True}),

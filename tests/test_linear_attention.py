@@ -54,9 +54,11 @@ def _inputs(shape):
     return x, weight, decay, beta, upstream
 
 
-def _layer(x, weight, decay, beta, shape, plan, gather, documents=None):
-    """Convolution then the gated delta rule, as the Gated DeltaNet runs them (``[batch, seq, v_heads, d_v]``)."""
-    conv_fn, kernel = _kernel()
+def _layer(x, weight, decay, beta, shape, plan, gather, documents=None, kernel=None):
+    """Convolution then the gated delta rule, as the Gated DeltaNet runs them (``[batch, seq, v_heads, d_v]``;
+    ``kernel``: another rule's, Kimi Delta Attention's)."""
+    conv_fn, gdn = _kernel()
+    kernel = kernel or gdn
     b, _, hk, hv, dk, dv, k_size = shape
     b = x.shape[0]
     y = causal_conv1d(x, lambda t: conv_fn(t, weight, None, activation="silu"), k_size, plan, gather, documents)
@@ -90,7 +92,7 @@ def _per_document(layer, leaves, shape, documents):
         for d in ids.unique().tolist():
             at = (ids == d).nonzero().flatten()
             one = chunks(len(at), rank=0, world_size=1, layout="zigzag")
-            mine = [t[r : r + 1][:, :, at] if i == 0 else t[r : r + 1, at] if t.dim() == 3 else t
+            mine = [t[r : r + 1][:, :, at] if i == 0 else t[r : r + 1, at] if t.dim() >= 3 else t
                     for i, t in enumerate(leaves)]  # fmt: skip
             parts[d] = (at, layer(*mine, shape, one, None)[0])
         order = torch.cat([at for at, _ in parts.values()]).argsort()
@@ -132,6 +134,23 @@ def _mamba_layer(x, weight, dt, A, D, shape, plan, gather, documents=None):
     )  # fmt: skip
 
 
+# Kimi Delta Attention (same shape tuple as SHAPES, as many key as value heads): a decay per key channel
+KDA_SHAPES = [(2, 36, 2, 2, 8, 12, 4)]
+
+
+def _kda_inputs(shape):
+    x, weight, _, beta, upstream = _inputs(shape)
+    b, n, _, h, dk, _, _ = shape
+    decay = -torch.rand(b, n, h, dk, generator=torch.Generator().manual_seed(5))
+    return x, weight, decay, beta, upstream
+
+
+def _kda_layer(x, weight, decay, beta, shape, plan, gather, documents=None):
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    return _layer(x, weight, decay, beta, shape, plan, gather, documents, kernel=chunk_kimi_delta_attention)
+
+
 def _leaves(*ts):
     return [t.clone().requires_grad_(True) for t in ts]
 
@@ -141,6 +160,8 @@ def _leaves(*ts):
 KINDS = {
     "gated_delta_net": (_layer, _inputs, (1,), SHAPES,
                         lambda b, n, hk, hv, dk, dv, k: hv * dk * (dv + dk) + (2 * hk * dk + hv * dv) * (k - 1)),
+    "kimi_delta": (_kda_layer, _kda_inputs, (1,), KDA_SHAPES,
+                   lambda b, n, hk, hv, dk, dv, k: hv * dk * (dv + dk) + (2 * hk * dk + hv * dv) * (k - 1)),
     "mamba2": (_mamba_layer, _mamba_inputs, (1, 3, 4), MAMBA_SHAPES,
                lambda b, n, h, p, g, s, k: h * (p * s + 1) + (h * p + 2 * g * s) * (k - 1)),
 }  # fmt: skip
@@ -392,6 +413,7 @@ HYBRID_PACKED = {  # name: (family, layout); LFM2's layers get the batch's keywo
     "lfm2": ("lfm2", "zigzag"),
     "bamba": ("bamba", "zigzag"),
     "olmo_hybrid": ("olmo_hybrid", "zigzag"),
+    "kimi_linear": ("kimi_linear", "zigzag"),
     "falcon_h1-contiguous": ("falcon_h1", "contiguous"),
 }
 
