@@ -83,8 +83,9 @@ def chunks(local_seq: int, *, rank: int, world_size: int, layout: str) -> Chunks
         return Chunks(1, local_seq, (0,), 1, 1)
     if layout == "striped":
         raise ValueError(
-            "linear-attention layers (Gated DeltaNet) cannot run on the striped layout: each token's state comes "
-            "from the token before it, which lives on another rank; use layout='zigzag' or 'contiguous'"
+            "recurrent layers (Gated DeltaNet, Mamba2, short convolutions) cannot run on the striped layout: each "
+            "token's state comes from the token before it, which lives on another rank; use layout='zigzag' or "
+            "'contiguous'"
         )
     if layout == "contiguous":
         return Chunks(1, local_seq, (rank,), world_size, world_size)
@@ -330,11 +331,11 @@ def mamba2_scan(
     Returns:
         [batch, local_seq, heads, head_dim] fp32 (the fallback kernel's output dtype; the model's gated norm rounds).
     """
+    if documents is None and plan.world_size == 1:  # the kernel as the model calls it
+        return kernel(x, dt, A, B, C, chunk_size, D=D).float()
     inputs = [t.float() for t in (x, dt, B, C)]
-    scan = _Mamba2(kernel, chunk_size, A.float(), None if D is None else D.float())
-    if documents is None and plan.world_size == 1:
-        return scan.run(inputs)[0]
-    return _scan(scan, inputs, plan, gather, documents, torch.float32)
+    return _scan(_Mamba2(kernel, chunk_size, A.float(), None if D is None else D.float()), inputs, plan, gather,
+                 documents, torch.float32)  # fmt: skip
 
 
 class _DeltaRule:
@@ -378,7 +379,11 @@ class _Mamba2:
 
     def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
         x, dt, B, C = inputs
-        out, final = self.kernel(x, dt, self.A, B, C, self.chunk_size, D=self.D, return_final_states=True)
+        # pieces shorter than the model's chunk (packed documents) in chunks of the next power of two (at least 16):
+        # the kernel pads every call to a multiple of its chunk; the result is the same up to rounding
+        n = x.shape[1]
+        chunk = self.chunk_size if n >= self.chunk_size else min(self.chunk_size, max(16, 1 << (n - 1).bit_length()))
+        out, final = self.kernel(x, dt, self.A, B, C, chunk, D=self.D, return_final_states=True)
         decay = (dt * self.A).sum(dim=1).exp()  # [n, heads]; zero-padded ends (dt = 0) leave it as it is
         return out.float(), torch.cat([final.float().flatten(-2), decay[..., None]], dim=-1)
 

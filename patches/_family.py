@@ -215,8 +215,8 @@ class FamilyPatch:
     # a vision-language model (its text model of a supported family is patched, nothing else): the keywords that
     # carry images or video into its forward, refused (``TextOnly``); () for text models
     media: tuple = ()
-    # the family's linear-attention (Gated DeltaNet) class, whose modules' forward ``patches.linear`` replaces
-    # while the model is patched (hybrid models: Qwen3-Next, Qwen3.5); None: attention layers only
+    # the family's linear-attention, Mamba2 or short-convolution class (hybrid models: ``generic.LINEAR``), whose
+    # modules' forward ``patches.linear`` replaces while the model is patched; None: attention layers only
     linear_class: str | None = None
 
     def attention_type(self) -> type:

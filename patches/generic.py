@@ -130,12 +130,19 @@ def check(config, *, windows: bool = True) -> None:
 
 
 def check_linear(config) -> None:
-    """``check`` for a hybrid family: full-attention layers (no windows), and linear-attention or short-convolution
-    layers (``hf_ring.patches.linear``)."""
+    """``check`` for a hybrid family: full-attention layers (no windows) beside linear-attention, Mamba2 or
+    short-convolution layers (``hf_ring.patches.linear``), attention and Mamba2 side by side (Falcon-H1's
+    ``hybrid``), or MLP-only layers (Nemotron-H); no z-loss (Bamba)."""
     what = getattr(config, "model_type", "model")
     allowed = ("full_attention", "linear_attention", "conv", "hybrid", "mlp", "moe")
     check_layer_types(config, what, allowed=allowed, window=False)
     _check_router(config, what)
+    if (getattr(config, "z_loss_coefficient", None) or 0) > 0:
+        raise ValueError(
+            f"{what}: config.z_loss_coefficient={config.z_loss_coefficient} adds a z-loss (the mean squared "
+            "log-sum-exp of the logits) that each rank would compute over its own tokens only and that hf_ring's "
+            "loss aggregation does not reproduce; set config.z_loss_coefficient=0 to train with context parallelism"
+        )
 
 
 def _check_router(config, what: str) -> None:
@@ -195,8 +202,8 @@ LINEAR = {
     "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
 }
-"""Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention), Mamba2 or short-convolution class
-(``hf_ring.patches.linear``)."""
+"""Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention), Mamba2 or short-convolution class,
+whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,

@@ -1,15 +1,15 @@
 """Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
-Qwen3.5-MoE, OLMo Hybrid), Kimi Delta Attention (Kimi Linear), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) and short convolutions (LFM2, LFM2-MoE).
+Qwen3.5-MoE, OLMo Hybrid), Kimi Delta Attention (Kimi Linear), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H,
+Falcon-H1) and short convolutions (LFM2, LFM2-MoE).
 
 These hybrid models interleave full-attention layers (switched to ring attention like every family) with layers
 that look back along the sequence another way: a short causal convolution, followed in the Gated DeltaNet by the
 gated delta rule and in Mamba2 by a selective state-space scan, recurrences over the sequence. While a model is patched, each such module's ``forward`` is
 replaced (an instance attribute; ``revert`` removes it) by ``ShardedMixer``, which computes what the module
 computes on the unsharded sequence, with the module's own projections, norm and kernels (Transformers'
-``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule`` and ``mamba2_chunk_scan``, or the hub kernels they
-dispatch to), around
-``hf_ring.linear_attention`` (the states and convolution inputs each chunk needs from the chunks before it, from
-other ranks).
+``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention`` and ``mamba2_chunk_scan``,
+or the hub kernels they dispatch to), around ``hf_ring.linear_attention`` (the states and convolution inputs each
+chunk needs from the chunks before it, from other ranks).
 
 Checked once per forward, on every rank alike (the ring's pre-flight exchange, so bad input never hangs a rank):
 ranks agree on shapes, dtype, layout and batch; the batch is what ``shard_batch`` cut for this group. Packed
@@ -204,8 +204,8 @@ def _output(m) -> torch.nn.Module:
 
 
 def _kernels(module):
-    """The Transformers module defining ``module``'s class, whose ``causal_conv1d_fn`` (and
-    ``torch_chunk_gated_delta_rule``) its forward calls: looked up along the class's bases, since FSDP2's
+    """The Transformers module defining ``module``'s class, whose ``causal_conv1d_fn`` (and recurrence kernel:
+    ``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``) its forward calls: looked up along the class's bases, since FSDP2's
     ``fully_shard`` gives a sharded module a class of its own, defined elsewhere."""
     for cls in type(module).__mro__:
         found = sys.modules.get(cls.__module__)
@@ -291,8 +291,9 @@ def _kimi_delta(m, kernels, hidden_states, plan, gather, documents, keep):
 
 
 def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep):
-    """Transformers' Mamba2 mixer without a cache (Bamba, GraniteMoeHybrid, NemotronH, FalconH1, Zamba2): its
-    convolution and scan over the CP group (the unfused path; FalconH1's multipliers and optional norm)."""
+    """Transformers' Mamba2 mixer without a cache (Bamba, GraniteMoeHybrid, NemotronH, FalconH1): its convolution
+    and scan over the CP group (the unfused path; FalconH1's multipliers and optional norm). The step sizes are
+    computed in fp32, as the fused kernels do (Transformers' PyTorch fallback rounds them to the model's dtype)."""
     batch, n, _ = hidden_states.shape
     dtype = hidden_states.dtype
     falcon = hasattr(m, "mup_vector")
@@ -309,7 +310,7 @@ def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep):
 
     xbc = causal_conv1d(xbc.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents).transpose(1, 2)
     x, B, C = torch.split(_masked(xbc, keep), [m.intermediate_size, *(2 * [m.n_groups * m.ssm_state_size])], dim=-1)
-    # the step sizes as the kernels make them (bias, softplus, limits), in fp32 (the fused kernels' precision)
+    # the step sizes as the kernels make them (bias, softplus, limits)
     dt = F.softplus(dt.float() + m.dt_bias.float())
     if m.time_step_limit is not None:
         dt = dt.clamp(*m.time_step_limit)

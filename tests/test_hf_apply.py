@@ -421,6 +421,8 @@ def test_family_patch_errors(monkeypatch):
         ("qwen2_moe", "layer_types", ["sliding_attention", "full_attention"], "does not pass its window"),
         ("olmoe", "output_router_logits", True, "load-balancing loss"),
         ("olmoe", "sliding_window", 8, "given to the attention but not to the model's mask"),
+        ("bamba", "z_loss_coefficient", 1e-4, "z-loss"),
+        ("nemotron_h", "layer_types", ["linear_attention", "sliding_attention", "moe"], "sliding_attention"),
     ],
 )
 def test_unsupported_config_errors(family, attr, value, match):

@@ -160,12 +160,14 @@ CASES = {
     "lfm2_moe-plain-contiguous": ("lfm2_moe", "plain", 40, {"layout": "contiguous"}),
     "lfm2_vl-plain": ("lfm2_vl", "plain", 40, {}),
     # hybrids: Mamba2 layers (their states and convolution inputs cross the ranks)
-    "bamba-plain": ("bamba", "plain", 45, {}),
+    "bamba-plain-dt-limits": ("bamba", "plain", 45, {"config": {"time_step_limit": (1.25, 1.35)}}),  # both bind
     "bamba-padded-lora-checkpointing": ("bamba", "padded", 40, {"lora": True, "checkpointing": True}),
     "granitemoehybrid-padded": ("granitemoehybrid", "padded", 45, {}),
     "granitemoehybrid-contiguous": ("granitemoehybrid", "plain", 40, {"layout": "contiguous"}),
+    "granitemoehybrid-nope-packed": ("granitemoehybrid", "packed", 45, {"config": {"position_embedding_type": "nope"}}),
     "nemotron_h-padded": ("nemotron_h", "padded", 40, {}),
     "falcon_h1-plain": ("falcon_h1", "plain", 45, {}),
+    "falcon_h1-padded-gate-without-norm": ("falcon_h1", "padded", 40, {"config": {"mamba_rms_norm": False}}),
     "falcon_h1-bf16": ("falcon_h1", "plain", 40, {"dtype": torch.bfloat16}),
     # RoPE types that pick their frequencies from the largest position id (given the whole sequence's)
     "phi3-longrope-plain": ("phi3", "plain", 45, {"config": LONGROPE}),

@@ -118,7 +118,8 @@ def _mamba_inputs(shape):
 
 
 def _mamba_layer(x, weight, dt, A, D, shape, plan, gather, documents=None):
-    """Convolution then Mamba2's scan, as Bamba's mixer runs them (``[batch, seq, heads, head_dim]``)."""
+    """Convolution then Mamba2's scan, as Bamba's mixer runs them (``[batch, seq, heads, head_dim]``); the kernel's
+    chunk (32) is longer than the ranks' chunks and most documents, which then run in chunks of 16 or 32."""
     from transformers.models.bamba.modeling_bamba import causal_conv1d_fn, mamba2_chunk_scan
 
     b, _, h, p, groups, d_state, k_size = shape
@@ -129,7 +130,7 @@ def _mamba_layer(x, weight, dt, A, D, shape, plan, gather, documents=None):
     xs, B, C = torch.split(y, [h * p, groups * d_state, groups * d_state], dim=-1)
     return mamba2_scan(
         xs.reshape(b, n, h, p), torch.nn.functional.softplus(dt), A, B.reshape(b, n, groups, d_state),
-        C.reshape(b, n, groups, d_state), kernel=mamba2_chunk_scan, chunk_size=8, D=D, plan=plan, gather=gather,
+        C.reshape(b, n, groups, d_state), kernel=mamba2_chunk_scan, chunk_size=32, D=D, plan=plan, gather=gather,
         documents=documents,
     )  # fmt: skip
 
