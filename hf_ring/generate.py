@@ -13,6 +13,10 @@ processors, stopping criteria, streamers, sampling) with two differences:
   rank's cached keys with ``decode_attention`` (local attention, one all-gather of (out, LSE) per layer, merged by
   the log-sum-exp rule), with the masks from global positions (causal, sliding windows, left padding). New tokens'
   keys/values are kept round-robin (token j of the continuation on rank j mod N), so shards stay balanced.
+- **Hybrids** (linear-attention, Mamba2 and short-convolution layers): the prefill leaves each such layer's state
+  after the whole prompt and its convolution's last inputs on every rank (composed from the chunks' states it
+  exchanges anyway); each decode step runs those layers on the new tokens locally from there, like the
+  unsharded model's cache, with no exchange.
 
 A model called without a cache during ``generate()`` (Phi-3 drops it when its longrope factors switch, to compute
 every key anew) gets a new prefill of the whole sequence into the emptied sharded cache, as Transformers computes it.
@@ -126,11 +130,19 @@ def _cache_classes():
         def __init__(self, state: _State, num_layers: int):
             super().__init__(layers=[ShardedLayer(state) for _ in range(num_layers)])
             self.state = state
+            # hybrids: each recurrent layer's record (its convolution's last inputs, its state after the sequence),
+            # the same on every rank: written by the prefill, carried on by every decode step (patches.linear)
+            self.mixer_records = {}
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            """The sequence's length so far (a hybrid's first layer may hold no keys: the longest layer's)."""
+            return max(layer.get_seq_length() for layer in self.layers)
 
         def restart(self) -> None:
             """Empty, for a new prefill of the whole sequence (the model was called without a cache)."""
             st = self.state
             self.layers = [ShardedLayer(st) for _ in self.layers]
+            self.mixer_records = {}
             st.phase, st.offset, st.prompt, st.generated = "prefill", 0, 0, 0
             st.local = st.docs = st.q_pos = None
 
@@ -163,12 +175,6 @@ def ring_generate(model, inputs, **generate_kwargs):
         raise ValueError(
             f"ring_generate does not support {patch.name} models: their decoder layers do not pass the sharded KV "
             "cache on to the attention; generate with hf_ring.revert_ring_attention(model) and model.generate()"
-        )
-    if patch.linear_modules(target):
-        raise ValueError(
-            f"ring_generate does not support {patch.name} models: their linear-attention layers keep a recurrent "
-            "state, not a KV cache the ranks can share; generate with hf_ring.revert_ring_attention(model) and "
-            "model.generate()"
         )
     if patch.media:  # a vision-language model: images given to generate() would never reach the sharded prefill
         from .patches._family import TextOnly

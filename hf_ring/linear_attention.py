@@ -124,6 +124,7 @@ def causal_conv1d(
     plan: Chunks,
     gather: StateGather | None,
     documents: torch.Tensor | None = None,
+    memory: dict | None = None,
 ) -> torch.Tensor:
     """A causal convolution over the whole sequence, on this rank's tokens.
 
@@ -134,24 +135,39 @@ def causal_conv1d(
         kernel_size: K. plan: this rank's runs (``chunks``). gather: the group's ``StateGather`` (None: one rank).
         documents: None, or [1 or batch, full_seq] document ids of the unsharded sequence (the same on every
             rank): each document is convolved on its own (zeros before its first token).
+        memory: ``hf_ring.ring_generate``'s record of this layer: empty, it gets the sequence's last K - 1 inputs
+            (``"conv"``, the same on every rank); holding them, ``x`` is the next tokens of the sequence (the same
+            on every rank), convolved after them locally, and the record moves on.
 
     Returns:
         [batch, channels, local_seq]: what the convolution of the unsharded sequence gives at these tokens.
     """
     halo = kernel_size - 1
+    if memory is not None and "conv" in memory:  # a decode step: after the sequence's last inputs, no exchange
+        full = torch.cat([memory["conv"], x], dim=-1)
+        memory["conv"] = full[..., full.shape[-1] - halo :]
+        return conv(full)[..., halo:]
+    tails = None
     if halo == 0 or (documents is None and plan.world_size == 1):
-        return conv(x)
-    runs = plan.split(x, dim=2)  # [runs, b, c, n]
-    tails = None if plan.world_size == 1 else gather.gather(runs[..., -halo:])  # [world, runs, b, c, K - 1]
-    zeros = torch.zeros_like(runs[0, ..., :halo])
-    before = zeros.expand(plan.count, *zeros.shape) if tails is None else _previous(tails, plan, zeros)
-    if documents is None:
-        y = conv(torch.cat([before, runs], dim=-1).flatten(0, 1))  # runs stacked on the batch
-        y = plan.join(y[..., halo:].unflatten(0, (plan.count, -1)), dim=2)
+        y = conv(x)
     else:
-        y = torch.stack([_conv_row(runs[:, r], before[:, r], conv, halo, plan, *_row(documents, r, plan))
-                         for r in range(x.shape[0])], dim=1)  # fmt: skip
-        y = plan.join(y, dim=2)
+        runs = plan.split(x, dim=2)  # [runs, b, c, n]
+        tails = None if plan.world_size == 1 else gather.gather(runs[..., -halo:])  # [world, runs, b, c, K - 1]
+        zeros = torch.zeros_like(runs[0, ..., :halo])
+        before = zeros.expand(plan.count, *zeros.shape) if tails is None else _previous(tails, plan, zeros)
+        if documents is None:
+            y = conv(torch.cat([before, runs], dim=-1).flatten(0, 1))  # runs stacked on the batch
+            y = plan.join(y[..., halo:].unflatten(0, (plan.count, -1)), dim=2)
+        else:
+            y = torch.stack([_conv_row(runs[:, r], before[:, r], conv, halo, plan, *_row(documents, r, plan))
+                             for r in range(x.shape[0])], dim=1)  # fmt: skip
+            y = plan.join(y, dim=2)
+    if memory is not None:  # the prefill of ring_generate: the sequence's last K - 1 inputs, for the decode steps
+        if tails is not None:
+            last = tails[plan.owner(plan.total - 1)]
+        else:  # one rank: its own last inputs (zeros before a sequence shorter than the halo)
+            last = torch.nn.functional.pad(x, (max(halo - x.shape[-1], 0), 0))[..., x.shape[-1] - halo :]
+        memory["conv"] = last.detach()
     return y if tails is None else _Uses.apply(y, tails)
 
 
@@ -259,6 +275,7 @@ def gated_delta_rule(
     plan: Chunks,
     gather: StateGather | None,
     documents: torch.Tensor | None = None,
+    memory: dict | None = None,
     **kernel_kwargs,
 ) -> torch.Tensor:
     """The gated delta rule over the whole sequence, on this rank's tokens.
@@ -272,6 +289,9 @@ def gated_delta_rule(
         plan: this rank's runs (``chunks``). gather: the group's ``StateGather`` (None: one rank).
         documents: None, or [1 or batch, full_seq] document ids of the unsharded sequence (the same on every rank):
             the state starts from zero at each document's first token (see ``_scan``).
+        memory: ``hf_ring.ring_generate``'s record of this layer: empty, it gets the state after the whole sequence
+            (``"state"``, fp32, the same on every rank); holding it, the tokens are the next ones of the sequence
+            (the same on every rank), run from it locally, and the record moves on.
         kernel_kwargs: passed on (``use_qk_l2norm_in_kernel``).
 
     Returns:
@@ -284,16 +304,19 @@ def gated_delta_rule(
     groups = value.shape[2] // key.shape[2]
     if groups > 1:
         query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
-    if documents is None and plan.world_size == 1:
-        out, _ = kernel(
-            query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False, **kernel_kwargs
-        )
+    decoding = memory is not None and "state" in memory  # (the prefill's convolution has filled its part)
+    if decoding or (documents is None and plan.world_size == 1):  # the kernel as the model calls it
+        start = memory["state"] if decoding else None
+        out, final = kernel(query, key, value, g=g, beta=beta, initial_state=start,
+                            output_final_state=memory is not None, **kernel_kwargs)  # fmt: skip
+        if memory is not None:
+            memory["state"] = final.detach().float()
         return out
     # fp32 into the kernel: its zero-state outputs and u_t are corrected before the one rounding to the input dtype
     # (Transformers' fallback kernel computes in fp32 anyway); fp32 states and their composition, also under autocast
     dk, dv = key.shape[-1], value.shape[-1]
     inputs = [t.float() for t in (query, key, _widened(value, dk), g, beta)]
-    return _scan(_DeltaRule(kernel, dk, dv, kernel_kwargs), inputs, plan, gather, documents, query.dtype)
+    return _scan(_DeltaRule(kernel, dk, dv, kernel_kwargs), inputs, plan, gather, documents, query.dtype, memory)
 
 
 def mamba2_scan(
@@ -309,6 +332,7 @@ def mamba2_scan(
     plan: Chunks,
     gather: StateGather | None,
     documents: torch.Tensor | None = None,
+    memory: dict | None = None,
 ) -> torch.Tensor:
     """Mamba2's selective state-space scan over the whole sequence, on this rank's tokens::
 
@@ -326,16 +350,25 @@ def mamba2_scan(
             (y, final_state [batch, heads, head_dim, d_state])`` (Transformers' ``mamba2_chunk_scan`` or the
             mamba-ssm kernel it dispatches to), given the processed ``dt`` (no bias, no softplus).
         plan: this rank's runs (``chunks``). gather: the group's ``StateGather`` (None: one rank).
-        documents: as for ``gated_delta_rule``: the state starts from zero at each document's first token.
+        documents, memory: as for ``gated_delta_rule`` (the state starts from zero at each document's first token;
+            ``ring_generate``'s record, states ``[batch, heads, head_dim, d_state]``).
 
     Returns:
         [batch, local_seq, heads, head_dim] fp32 (the fallback kernel's output dtype; the model's gated norm rounds).
     """
+    if memory is not None and "state" in memory:  # a decode step: from the state after the tokens before, locally
+        y, final = kernel(x, dt, A, B, C, chunk_size, D=D, initial_states=memory["state"], return_final_states=True)
+        memory["state"] = final.detach().float()
+        return y.float()
     if documents is None and plan.world_size == 1:  # the kernel as the model calls it
-        return kernel(x, dt, A, B, C, chunk_size, D=D).float()
+        if memory is None:
+            return kernel(x, dt, A, B, C, chunk_size, D=D).float()
+        y, final = kernel(x, dt, A, B, C, chunk_size, D=D, return_final_states=True)
+        memory["state"] = final.detach().float()
+        return y.float()
     inputs = [t.float() for t in (x, dt, B, C)]
     return _scan(_Mamba2(kernel, chunk_size, A.float(), None if D is None else D.float()), inputs, plan, gather,
-                 documents, torch.float32)  # fmt: skip
+                 documents, torch.float32, memory)  # fmt: skip
 
 
 class _DeltaRule:
@@ -362,6 +395,10 @@ class _DeltaRule:
     def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return carry[..., self.dv :] @ state + carry[..., : self.dv]
 
+    def kernel_state(self, state: torch.Tensor) -> torch.Tensor:
+        """A composed state as the kernel takes it (``[batch, heads, d_k, d_v]``, as composed)."""
+        return state
+
     def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
         y = out[..., : self.dv].float()
         if state is None:
@@ -376,9 +413,11 @@ class _Mamba2:
 
     def __init__(self, kernel: Callable, chunk_size: int, A: torch.Tensor, D: torch.Tensor | None):
         self.kernel, self.chunk_size, self.A, self.D = kernel, chunk_size, A, D
+        self.state_shape = None  # (head_dim, d_state), from the first call
 
     def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
         x, dt, B, C = inputs
+        self.state_shape = (x.shape[-1], B.shape[-1])
         # pieces shorter than the model's chunk (packed documents) in chunks of the next power of two (at least 16):
         # the kernel pads every call to a multiple of its chunk; the result is the same up to rounding
         n = x.shape[1]
@@ -395,6 +434,10 @@ class _Mamba2:
 
     def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return carry[..., -1:] * state + carry[..., :-1]
+
+    def kernel_state(self, state: torch.Tensor) -> torch.Tensor:
+        """A composed state as the kernel takes it: ``[batch, heads, head_dim, d_state]``."""
+        return state.unflatten(-1, self.state_shape)
 
     def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
         if state is None:
@@ -432,7 +475,16 @@ def _compose(scan, every: torch.Tensor, plan: Chunks) -> dict:
     return starts
 
 
-def _scan(scan, inputs: list, plan: Chunks, gather, documents, dtype) -> torch.Tensor:
+def _last(scan, every: torch.Tensor, plan: Chunks) -> torch.Tensor:
+    """The state after the whole sequence (``[batch, ...]`` as the kernel takes it), composed from every chunk's
+    carry (``every``: [world, runs, batch, ...])."""
+    x = scan.empty(every[0, 0])
+    for c in range(plan.total):
+        x = scan.step(every[plan.owner(c)], x)
+    return scan.kernel_state(x).detach()
+
+
+def _scan(scan, inputs: list, plan: Chunks, gather, documents, dtype, memory: dict | None = None) -> torch.Tensor:
     """A recurrence affine in its starting state (``scan``: ``_DeltaRule``, ``_Mamba2``) over the CP group, on this
     rank's tokens (``inputs``: fp32 [batch, local_seq, ...]), in ``dtype``.
 
@@ -444,7 +496,7 @@ def _scan(scan, inputs: list, plan: Chunks, gather, documents, dtype) -> torch.T
     leave the state as it is). A segment starting a document starts from zero; only a run's first segment, when
     its document goes on from the chunk before, takes that chunk's state (its output corrected), and a chunk
     passes its transition on only if one document runs through it (else the next chunk's state is its last
-    segment's)."""
+    segment's). ``memory`` (``ring_generate``'s prefill): gets the state after the whole sequence."""
     b = inputs[0].shape[0]
     runs = [plan.split(t, dim=1) for t in inputs]  # each [runs, b, n, ...]
     with torch.autocast(inputs[0].device.type, enabled=False):
@@ -452,6 +504,8 @@ def _scan(scan, inputs: list, plan: Chunks, gather, documents, dtype) -> torch.T
             flat = [t.flatten(0, 1) for t in runs]
             out, carry = scan.run(flat)
             every = gather.gather(carry.unflatten(0, (plan.count, b)))  # [world, runs, b, ...]
+            if memory is not None:
+                memory["state"] = _last(scan, every, plan)
             starts = _compose(scan, every, plan)
             y = scan.output(out, flat, torch.stack([starts[c] for c in plan.index]).flatten(0, 1))
             return _Uses.apply(plan.join(y.to(dtype).unflatten(0, (plan.count, b)), dim=1), every)
@@ -476,7 +530,10 @@ def _scan(scan, inputs: list, plan: Chunks, gather, documents, dtype) -> torch.T
                 carry = done[mine[-1]][1]
                 state.append(carry if through else scan.cut(carry))
             exports.append(torch.stack(state))
-        every = None if gather is None else gather.gather(torch.stack(exports, dim=1))  # [world, runs, b, ...]
+        mine = torch.stack(exports, dim=1)  # [runs, b, ...]
+        every = None if gather is None else gather.gather(mine)  # [world, runs, b, ...]
+        if memory is not None:
+            memory["state"] = _last(scan, mine[None] if every is None else every, plan)
         starts = {} if every is None else _compose(scan, every, plan)
         result = []
         for r, (segments, done) in enumerate(rows):

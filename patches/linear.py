@@ -60,7 +60,13 @@ class ShardedMixer:
         rank, world_size = group_rank_and_size(cfg.group)
         batch, local_len, _ = hidden_states.shape
         cache = cache_params if cache_params is not None else past_key_values
-        error = _refusal(m, cache, cfg, rank, world_size, local_len) or dropped_documents_error(m, kwargs, cfg)
+        memory = _memory(cache, m.layer_idx)
+        if memory:  # a decode step of ring_generate: the same new tokens on every rank, after the prefill's state
+            plan = chunks(local_len, rank=0, world_size=1, layout=cfg.layout)
+            return self.compute(m, self.kernels, hidden_states, plan, None, None, None, memory)
+        error = (None if memory is not None else _refusal(m, cache, cfg, rank, world_size, local_len)) or (
+            dropped_documents_error(m, kwargs, cfg)
+        )
         keep = docs = packed = None
         if error is None:
             error, keep, docs, packed = _padding(m, attention_mask, kwargs, cfg, rank, world_size, local_len)
@@ -73,7 +79,7 @@ class ShardedMixer:
             hidden_states = _masked(hidden_states, keep)
         plan = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout)
         if world_size == 1:
-            return self.compute(m, self.kernels, hidden_states, plan, None, packed, keep)
+            return self.compute(m, self.kernels, hidden_states, plan, None, packed, keep, memory)
         groups = [cfg.group]
         grad = torch.is_grad_enabled() and hidden_states.requires_grad
         name = "a linear-attention layer"
@@ -81,7 +87,8 @@ class ShardedMixer:
             cfg.plans.progress.label = f"layer {m.layer_idx}"
             name = cfg.plans.progress.call(groups, grad)
         try:
-            return self.compute(m, self.kernels, hidden_states, plan, StateGather(cfg.group, cfg.timeout), packed, keep)
+            gather = StateGather(cfg.group, cfg.timeout)
+            return self.compute(m, self.kernels, hidden_states, plan, gather, packed, keep, memory)
         except BaseException as e:  # out of step with the peers from here on: stop the group (hf_ring.guard)
             guard.failed(groups, e, f" in {name}")
             raise
@@ -105,6 +112,13 @@ class ShardedMixer:
         preflight.check_everywhere(error, summary, comm, hidden_states.device, fields=FIELDS, op=type(m).__name__)
         if plans is not None:
             plans.store(key, docs, True)
+
+
+def _memory(cache, layer_idx: int) -> dict | None:
+    """``hf_ring.ring_generate``'s record of this layer (its convolution's last inputs and its state after the
+    sequence; empty before the prefill), kept by its sharded cache; None outside ``ring_generate``."""
+    records = getattr(cache, "mixer_records", None)
+    return None if records is None else records.setdefault(layer_idx, {})
 
 
 def _refusal(m, cache_params, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
@@ -229,7 +243,7 @@ def _computation(module):
     return _short_conv if hasattr(module, "in_proj") else _gated_delta_net
 
 
-def _short_conv(m, kernels, hidden_states, plan, gather, documents, keep):
+def _short_conv(m, kernels, hidden_states, plan, gather, documents, keep, memory):
     """Transformers' LFM2 short convolution without a cache (gated by its projections), over the CP group."""
     b, c, x = m.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
     weight = m.conv.weight.squeeze(1)
@@ -237,11 +251,11 @@ def _short_conv(m, kernels, hidden_states, plan, gather, documents, keep):
     def conv(t):
         return kernels.causal_conv1d_fn(t, weight, m.conv.bias)
 
-    y = causal_conv1d(b * x, conv, m.conv_kernel_size, plan, gather, documents)
+    y = causal_conv1d(b * x, conv, m.conv_kernel_size, plan, gather, documents, memory)
     return m.out_proj((c * y).transpose(-1, -2).contiguous())
 
 
-def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep):
+def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep, memory):
     """Transformers' Gated DeltaNet forward without a cache, its convolution and recurrence over the CP group."""
     batch, n, _ = hidden_states.shape
     mixed, z, b, a = _project(m, hidden_states)
@@ -250,7 +264,8 @@ def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep):
     def conv(x):
         return kernels.causal_conv1d_fn(x, weight, m.conv1d.bias, activation=m.activation)
 
-    mixed = causal_conv1d(mixed.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents).transpose(1, 2)
+    mixed = causal_conv1d(mixed.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents, memory)
+    mixed = mixed.transpose(1, 2)
     q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
     q = q.reshape(batch, n, -1, m.head_k_dim)
     k = k.reshape(batch, n, -1, m.head_k_dim)
@@ -261,14 +276,14 @@ def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep):
     g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
     core = gated_delta_rule(
         q, k, v, g, beta, kernel=kernels.torch_chunk_gated_delta_rule, plan=plan, gather=gather, documents=documents,
-        use_qk_l2norm_in_kernel=True,
+        memory=memory, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     norm = m.o_norm if hasattr(m, "o_norm") else m.norm
     core = norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(batch, n, -1)
     return _output(m)(core)
 
 
-def _kimi_delta(m, kernels, hidden_states, plan, gather, documents, keep):
+def _kimi_delta(m, kernels, hidden_states, plan, gather, documents, keep, memory):
     """Transformers' Kimi Delta Attention (Kimi Linear) without a cache: the gated delta rule with a decay per key
     channel (its transitions are as affine in the state; the same widened values carry them)."""
     batch, n, _ = hidden_states.shape
@@ -279,18 +294,19 @@ def _kimi_delta(m, kernels, hidden_states, plan, gather, documents, keep):
     def conv(x):
         return kernels.causal_conv1d_fn(x, weight, m.conv1d.bias, activation=m.activation)
 
-    mixed = causal_conv1d(mixed.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents).transpose(1, 2)
+    mixed = causal_conv1d(mixed.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents, memory)
+    mixed = mixed.transpose(1, 2)
     q, k, v = (t.reshape(heads) for t in torch.split(mixed, [m.qkv_dim] * 3, dim=-1))
     core = gated_delta_rule(
         q, k, v, m.forget_gate(hidden_states), m.b_proj(hidden_states).sigmoid(),
-        kernel=kernels.chunk_kimi_delta_attention, plan=plan, gather=gather, documents=documents,
+        kernel=kernels.chunk_kimi_delta_attention, plan=plan, gather=gather, documents=documents, memory=memory,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     gate = m.g_b_proj(m.g_a_proj(hidden_states)).reshape(heads)
     return m.o_proj(m.o_norm(core, gate).reshape(batch, n, -1))
 
 
-def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep):
+def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep, memory):
     """Transformers' Mamba2 mixer without a cache (Bamba, GraniteMoeHybrid, NemotronH, FalconH1): its convolution
     and scan over the CP group (the unfused path; FalconH1's multipliers and optional norm). The step sizes are
     computed in fp32, as the fused kernels do (Transformers' PyTorch fallback rounds them to the model's dtype)."""
@@ -308,7 +324,8 @@ def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep):
     def conv(x):
         return kernels.causal_conv1d_fn(x, weight, m.conv1d.bias, activation=m.activation)
 
-    xbc = causal_conv1d(xbc.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents).transpose(1, 2)
+    xbc = causal_conv1d(xbc.transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents, memory)
+    xbc = xbc.transpose(1, 2)
     x, B, C = torch.split(_masked(xbc, keep), [m.intermediate_size, *(2 * [m.n_groups * m.ssm_state_size])], dim=-1)
     # the step sizes as the kernels make them (bias, softplus, limits)
     dt = F.softplus(dt.float() + m.dt_bias.float())
@@ -317,7 +334,7 @@ def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep):
     y = mamba2_scan(
         x.reshape(batch, n, -1, m.head_dim), dt, -m.A_log.float().exp(), B.reshape(batch, n, m.n_groups, -1),
         C.reshape(batch, n, m.n_groups, -1), kernel=kernels.mamba2_chunk_scan, chunk_size=m.chunk_size, D=m.D,
-        plan=plan, gather=gather, documents=documents,
+        plan=plan, gather=gather, documents=documents, memory=memory,
     ).reshape(batch, n, -1)  # fmt: skip
     if falcon and not m.mamba_rms_norm:
         y = y * F.silu(gate)

@@ -5,7 +5,8 @@ One launch of 2 gloo ranks runs every case: greedy decoding must give token-for-
 unmodified model (Llama, Mistral's sliding window, Qwen2's mixed layers, Qwen3, Gemma2's softcapping, gpt-oss's
 sinks, a LoRA model, Gemma 3's vision-language model, every layout, a left-padded batch of 2, longrope and dynamic RoPE), sampling under a fixed
 seed too; each rank holds about half the cache; after generating, the model trains as before. Bad calls raise on
-every rank.
+every rank. Hybrids (linear-attention, Mamba2, convolution layers) give the same tokens and every step's logits,
+at 2 ranks and at 4.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from .dist_utils import run_distributed
-from .hf_models import DYNAMIC, LONGROPE, VOCAB, make_model
+from .hf_models import DYNAMIC, LONGROPE, VOCAB, make_model, transformers_at_least
 
 NEW = 8  # tokens generated per case
 
@@ -49,6 +50,72 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "phi3-longrope-crossing": ("phi3", 2, 33, 2, {"config": LONGROPE}),
     "llama-dynamic-padded-batch": ("llama", 2, 30, 3, {"config": DYNAMIC}),
 }
+
+
+HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layout): models with recurrent layers
+    # (Falcon-H1's own generate() fails on Transformers 5.17 with a padded batch: its cases from 5.23 on)
+    "qwen3_5_text": ("qwen3_5_text", 2, 14, 3, "zigzag"),
+    "qwen3_next-contiguous": ("qwen3_next", 1, 13, 0, "contiguous"),
+    "olmo_hybrid": ("olmo_hybrid", 1, 13, 0, "zigzag"),
+    "kimi_linear": ("kimi_linear", 2, 12, 2, "zigzag"),  # a decay per key channel
+    "bamba": ("bamba", 2, 14, 3, "zigzag"),  # Mamba2
+    "granitemoehybrid-contiguous": ("granitemoehybrid", 2, 12, 2, "contiguous"),
+    "nemotron_h": ("nemotron_h", 1, 13, 0, "zigzag"),
+    "falcon_h1": ("falcon_h1", 2, 15, 1, "zigzag"),  # attention and Mamba2 in every layer
+    "lfm2": ("lfm2", 2, 13, 4, "zigzag"),  # short convolutions only
+    "qwen3_5-vision-language": ("qwen3_5", 1, 13, 0, "zigzag"),
+}
+HYBRID_RTOL = 1e-5  # every step's logits (fp32); measured up to 2e-7 (the prefill's sharded sums, rounding)
+
+
+def _long_memory(model):
+    """Slow decays (``A_log`` = -3: about exp(-0.065) per token) so that the state after the prompt matters to every
+    step: with the Transformers defaults of the tiny configs, a Mamba2 state fades within a few tokens and decoding
+    from a zero state would change the logits by only 1e-5 (measured: 2.5e-2 for the Gated DeltaNet)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.fill_(-3.0)
+    return model
+
+
+def _hybrids(rank, world, cases: dict) -> dict:
+    """Per case: the unmodified model's ``generate()`` and ``ring_generate``'s, with every step's logits."""
+    import hf_ring
+
+    out = {}
+    kwargs = {"max_new_tokens": NEW, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    for name, (family, b, s, pad, layout) in cases.items():
+        if family == "falcon_h1" and not transformers_at_least("5.23"):
+            continue
+        inputs = _prompt(b, s, pad)
+        model = _long_memory(_model(family, {}))
+        with torch.no_grad():
+            ref = model.generate(**inputs, **kwargs)
+        hf_ring.apply_ring_attention(model, layout=layout)
+        try:
+            with torch.no_grad():
+                got = hf_ring.ring_generate(model, inputs, **kwargs)
+        except ValueError as e:
+            out[name] = str(e)
+            continue
+        err = max(float((a - r).norm() / r.norm()) for a, r in zip(got.logits, ref.logits))
+        out[name] = (torch.equal(got.sequences, ref.sequences), len(got.logits) == len(ref.logits), err)
+    return out
+
+
+def _check_hybrids(results: list, cases: dict) -> None:
+    for rank, r in enumerate(results):
+        for name in cases:
+            if cases[name][0] == "falcon_h1" and not transformers_at_least("5.23"):
+                continue
+            got = r[name]
+            if name == "lfm2" and not transformers_at_least("5.23"):  # its 5.17 layers drop the batch's keywords
+                assert isinstance(got, str) and "called without them" in got, got
+                continue
+            assert not isinstance(got, str), (name, got)
+            same, steps, err = got
+            assert same and steps and err <= HYBRID_RTOL, (rank, name, got)
 
 
 def _prompt(b: int, s: int, pad: int, seed: int = 3) -> dict:
@@ -96,6 +163,7 @@ def _worker(rank, world):
         except ValueError as e:
             out = str(e)
         results[name] = (ref, out)
+    results["hybrids"] = _hybrids(rank, world, HYBRIDS)
     results["cache"] = _cache_shares(rank, world)
     results["errors"] = _errors(rank, world)
     results["trains"] = _trains_after_generate()
@@ -195,6 +263,28 @@ def test_ring_generate_gives_the_unmodified_models_tokens(two_ranks, name):
         assert torch.equal(out, ref), (
             f"rank {rank} {name}:\n ours {out[:, -NEW:].tolist()}\n want {ref[:, -NEW:].tolist()}"
         )
+
+
+def test_hybrids_generate_from_the_prompts_recurrent_states(two_ranks):
+    """Models with linear-attention, Mamba2 or convolution layers: the prefill leaves every rank each layer's state
+    after the whole prompt (and its convolution's last inputs); the decode steps go on from there. The unmodified
+    model's tokens and every step's logits (which a state lost or wrong would move: 2.5e-2 for a zero state)."""
+    _check_hybrids([r["hybrids"] for r in two_ranks], HYBRIDS)
+
+
+def _four_ranks(rank, world):
+    return _hybrids(rank, world, FOUR_RANKS)
+
+
+FOUR_RANKS = {  # 8 zig-zag chunks of 4 tokens (at least the convolution's 3 inputs before each)
+    "qwen3_5_text": ("qwen3_5_text", 2, 29, 3, "zigzag"),
+    "bamba-contiguous": ("bamba", 1, 30, 0, "contiguous"),
+    "falcon_h1": ("falcon_h1", 2, 27, 2, "zigzag"),
+}
+
+
+def test_hybrids_generate_at_four_ranks():
+    _check_hybrids(run_distributed(_four_ranks, 4, timeout=300), FOUR_RANKS)
 
 
 def test_each_rank_holds_its_share_of_the_cache(two_ranks):

@@ -372,7 +372,6 @@ def _hf_worker(rank: int, world: int) -> dict:
 
     model = hf_ring.apply_ring_attention(make_model("qwen3_5_text"))
     plain, _ = make_batch("plain", 40)
-    out["generate"] = error_of(lambda: hf_ring.ring_generate(model, {"input_ids": plain["input_ids"]}))
     # ranks that disagree on their shard's length (a batch cut by hand, each rank its own way)
     ids = plain["input_ids"][:, : 8 + 4 * rank]
     pos = torch.arange(ids.shape[1])[None] + 20 * rank
@@ -397,7 +396,6 @@ def _hf_worker(rank: int, world: int) -> dict:
 
 def test_integration_refuses_on_every_rank_and_the_group_stays_usable():
     for r in run_distributed(_hf_worker, 2, timeout=240):
-        assert "recurrent state" in r["generate"] and "revert_ring_attention" in r["generate"], r["generate"]
         assert "disagree" in r["disagree"] or "rejected their input" in r["disagree"], r["disagree"]
         assert "striped layout" in r["striped"], r["striped"]
         assert "hf_ring.shard_batch" in r["local_positions"], r["local_positions"]
