@@ -74,6 +74,7 @@ class _State:
     q_pos: torch.Tensor | None = None  # global positions of the tokens of the current decode step
     generated: int = 0  # tokens decoded so far (every rank counts them all)
     kv_source: dict = dataclasses.field(default_factory=dict)  # layer that reuses another's keys/values -> that layer
+    updated: object = None  # the cache layer updated last (an attention block shared by several layers: its call's)
 
 
 @functools.cache
@@ -97,6 +98,7 @@ def _cache_classes():
 
         def update(self, key_states, value_states, *args, **kwargs):
             st = self.state
+            st.updated = self
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             if st.phase == "prefill":

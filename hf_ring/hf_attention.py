@@ -517,7 +517,13 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
     from .decode import decode_attention
 
     st = cache.state
-    layer = cache.layers[st.kv_source.get(module.layer_idx, module.layer_idx)]  # Gemma 4: a KV-shared layer's source
+    index = getattr(module, "layer_idx", None)
+    if index in st.kv_source:  # Gemma 4: a KV-shared layer attends with its source layer's keys
+        layer = cache.layers[st.kv_source[index]]
+    elif index is None or index < 0:  # a block shared by several layers (Zamba2): the layer its call just updated
+        layer = st.updated
+    else:
+        layer = cache.layers[index]
     causal = _is_causal(module, kwargs)
     query, key, value = _autocast(query, key, value)
     docs = {}  # one document per row: only padding needs the document mask (costly tiles on the CPU)

@@ -114,6 +114,7 @@ FAMILIES = {
     "starcoder2": "transformers.models.starcoder2.modeling_starcoder2.Starcoder2Attention",
     "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma.VaultGemmaAttention",
     "youtu": "transformers.models.youtu.modeling_youtu.YoutuAttention",
+    "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2Attention",
 }
 """``config.model_type`` -> the attention class the generic patch switches."""
 
@@ -201,6 +202,7 @@ LINEAR = {
     "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
     "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
+    "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer",
 }
 """Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention), Mamba2 or short-convolution class,
 whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""

@@ -141,6 +141,12 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                    "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 8,
                    "conv_kernel": 4, "chunk_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}),
+    # Mamba2 layers and a shared attention block (on the hidden states beside the embeddings, LoRA-like adapters
+    # per call site) every few layers
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", {"num_hidden_layers": 4, "num_key_value_heads": 4, "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"],
+               "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 1, "mamba_headdim": 16, "mamba_ngroups": 2,
+               "n_mamba_heads": 4, "chunk_size": 8, "num_mem_blocks": 1, "use_shared_attention_adapter": True,
+               "adapter_rank": 8, "use_mem_rope": True}),
     # attention and Mamba2 side by side in every layer, muP multipliers, the gated norm after the gate
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {**_MAMBA2, "mamba_d_ssm": 64, "mamba_rms_norm": True,
                   "mamba_norm_before_gate": False, "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0,
@@ -444,11 +450,14 @@ def ring_step(model, batch, layout, ulysses_size=None):
         hf_ring.revert_ring_attention(model)
 
 
-DECAY_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
+DECAY_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight", "mamba_decoder.mamba.A_log")
 """The Gated DeltaNet's decay parameters and the projections that feed the decay: their gradients are sums over
 every token of terms that nearly cancel (norm 1e-4 for A_log in the tiny models), so any reordering of the
 recurrence moves them far more than the others: Transformers' own kernel, its chunk size alone changed from 64 to
-8, moves A_log's by 4e-5 and in_proj_a's by 6e-6. Their error is reported apart (``decay``)."""
+8, moves A_log's by 4e-5 and in_proj_a's by 6e-6. Zamba2's Mamba2 layers after its shared attention block: A_log's
+gradient is 6e-10 there (its step sizes start at 0.001 to 0.1), beside 1e-2 for D, and moves by 7e-15 absolute
+(1.2e-5 relative) at one rank, where only the padding added for the layout differs. Their error is reported apart
+(``decay``)."""
 
 RTOL_DECAY = 1e-3
 """fp32 bound on those gradients: the ring's reordering measured up to 2.2e-4 (2 and 4 ranks), the chunked loss's

@@ -62,6 +62,7 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     "granitemoehybrid-contiguous": ("granitemoehybrid", 2, 12, 2, "contiguous"),
     "nemotron_h": ("nemotron_h", 1, 13, 0, "zigzag"),
     "falcon_h1": ("falcon_h1", 2, 15, 1, "zigzag"),  # attention and Mamba2 in every layer
+    "zamba2": ("zamba2", 2, 13, 2, "zigzag"),  # an attention block shared by several layers
     "lfm2": ("lfm2", 2, 13, 4, "zigzag"),  # short convolutions only
     "qwen3_5-vision-language": ("qwen3_5", 1, 13, 0, "zigzag"),
 }

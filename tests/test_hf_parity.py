@@ -166,6 +166,8 @@ CASES = {
     "granitemoehybrid-contiguous": ("granitemoehybrid", "plain", 40, {"layout": "contiguous"}),
     "granitemoehybrid-nope-packed": ("granitemoehybrid", "packed", 45, {"config": {"position_embedding_type": "nope"}}),
     "nemotron_h-padded": ("nemotron_h", "padded", 40, {}),
+    "zamba2-padded": ("zamba2", "padded", 45, {}),
+    "zamba2-packed-contiguous": ("zamba2", "packed", 40, {"layout": "contiguous"}),
     "falcon_h1-plain": ("falcon_h1", "plain", 45, {}),
     "falcon_h1-padded-gate-without-norm": ("falcon_h1", "padded", 40, {"config": {"mamba_rms_norm": False}}),
     "falcon_h1-bf16": ("falcon_h1", "plain", 40, {"dtype": torch.bfloat16}),
