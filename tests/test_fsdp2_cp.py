@@ -22,6 +22,7 @@ per world size; the tests assert on the JSON it writes:
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -89,11 +90,14 @@ FSDP2_ARGS = dict(
 )
 
 
-def _tiny_hybrid():
+HYBRIDS = {"qwen3_5_text": "linear_attn", "bamba": "mamba"}  # family: its first layer's recurrent module
+
+
+def _tiny_hybrid(family: str = "qwen3_5_text"):
     from tests.hf_models import make_model
     from tests.train_utils import VOCAB
 
-    return make_model("qwen3_5_text", vocab_size=VOCAB)
+    return make_model(family, vocab_size=VOCAB)
 
 
 def _has_trl() -> bool:
@@ -241,20 +245,23 @@ def worker(out: Path) -> None:
         native_losses.append(float(cp * total[0] / total[1]))
     native_state = full_state(native)
 
-    # -- F: a hybrid (Qwen3.5: a Gated DeltaNet layer, sharded as a module of its own too) with that recipe ------
-    hybrid = hf_ring.apply_ring_attention(_tiny_hybrid(), group=cp_group)
-    fully_shard(hybrid.model.layers[0].linear_attn)  # FSDP2 gives it a class of its own
-    for layer in hybrid.model.layers:
-        fully_shard(layer)
-    fully_shard(hybrid)
-    set_cp_gradient_reduction(hybrid, dp_size=dp)
-    opt_f = torch.optim.SGD(hybrid.parameters(), lr=LR)
-    for step in range(2):
-        batch = hf_ring.shard_batch(raw_batch(data, step * dp + mesh.get_local_rank("dp")), group=cp_group)
-        hybrid(**batch).loss.backward()
-        opt_f.step()
-        opt_f.zero_grad()
-    hybrid_state = full_state(hybrid)
+    # -- F: hybrids (Qwen3.5's Gated DeltaNet, Bamba's Mamba2; the first layer's sharded by FSDP2 as a module of its
+    # own too) with that recipe
+    hybrid_states = {}
+    for family, mixer in HYBRIDS.items():
+        hybrid = hf_ring.apply_ring_attention(_tiny_hybrid(family), group=cp_group)
+        fully_shard(getattr(hybrid.model.layers[0], mixer))  # FSDP2 gives it a class of its own
+        for layer in hybrid.model.layers:
+            fully_shard(layer)
+        fully_shard(hybrid)
+        set_cp_gradient_reduction(hybrid, dp_size=dp)
+        opt_f = torch.optim.SGD(hybrid.parameters(), lr=LR)
+        for step in range(2):
+            batch = hf_ring.shard_batch(raw_batch(data, step * dp + mesh.get_local_rank("dp")), group=cp_group)
+            hybrid(**batch).loss.backward()
+            opt_f.step()
+            opt_f.zero_grad()
+        hybrid_states[family] = full_state(hybrid)
 
     # -- D: the Trainer (and TRL) with fsdp_version 2 ----------------------------------------------------
     trained, train = _trainers(out, world)
@@ -275,8 +282,9 @@ def worker(out: Path) -> None:
         res["pc_weights_err"] = max_param_rel_err(res["pc_state"], ref_state)
         res["native_weights_err"] = max_param_rel_err(native_state, ref_state)
         res["native_losses"] = native_losses
-        _, hybrid_ref = replica_reference(data, dp, 2, make=_tiny_hybrid)
-        res["hybrid_weights_err"] = max_param_rel_err(hybrid_state, hybrid_ref)
+        for family, state in hybrid_states.items():
+            _, hybrid_ref = replica_reference(data, dp, 2, make=functools.partial(_tiny_hybrid, family))
+            res[f"hybrid_weights_err_{family}"] = max_param_rel_err(state, hybrid_ref)
         ref_bf16_losses, ref_bf16_state = replica_reference(data, dp, 2, torch.bfloat16)
         ref32_losses, ref32_state = replica_reference(data, dp, 2)
         res["bf16"] = {
@@ -329,11 +337,13 @@ def test_torch_native_fsdp2_recipe_matches_single_process_training(launch):
     assert ref["native_losses"] == pytest.approx(ref["ref_losses"], rel=RTOL)
 
 
-def test_hybrid_model_with_fsdp2_matches_single_process_training(launch):
-    """Qwen3.5 (Gated DeltaNet layers; one sharded by FSDP2 as a module of its own): two SGD steps of the native
-    recipe give the weights of single-process training on the full sequences."""
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_hybrid_model_with_fsdp2_matches_single_process_training(launch, family):
+    """Qwen3.5 (Gated DeltaNet layers) and Bamba (Mamba2 layers), the first one sharded by FSDP2 as a module of its
+    own: two SGD steps of the native recipe give the weights of single-process training on the full sequences."""
     world, _, results = launch
-    assert results[0]["hybrid_weights_err"] <= RTOL, f"world {world}: {results[0]['hybrid_weights_err']:.2e}"
+    err = results[0][f"hybrid_weights_err_{family}"]
+    assert err <= RTOL, f"world {world}, {family}: {err:.2e}"
 
 
 def test_trainer_and_trl_with_fsdp2_match_single_process(launch):
