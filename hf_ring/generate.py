@@ -16,7 +16,9 @@ processors, stopping criteria, streamers, sampling) with two differences:
 - **Hybrids** (linear-attention, Mamba2 and short-convolution layers): the prefill leaves each such layer's state
   after the whole prompt and its convolution's last inputs on every rank (composed from the chunks' states it
   exchanges anyway); each decode step runs those layers on the new tokens locally from there, like the
-  unsharded model's cache, with no exchange.
+  unsharded model's cache, with no exchange. A short prompt is left-padded further, so that every rank's chunks
+  hold the convolutions' inputs before a token; the padding added here reaches no convolution (its inputs are
+  zeroed there: a projection's bias would otherwise reach the first tokens' convolution).
 
 A model called without a cache during ``generate()`` (Phi-3 drops it when its longrope factors switch, to compute
 every key anew) gets a new prefill of the whole sequence into the emptied sharded cache, as Transformers computes it.
@@ -75,6 +77,7 @@ class _State:
     generated: int = 0  # tokens decoded so far (every rank counts them all)
     kv_source: dict = dataclasses.field(default_factory=dict)  # layer that reuses another's keys/values -> that layer
     updated: object = None  # the cache layer updated last (an attention block shared by several layers: its call's)
+    halo: int = 0  # hybrids: the most inputs before a token any convolution reads (each chunk needs at least that)
 
 
 @functools.cache
@@ -137,7 +140,8 @@ def _cache_classes():
             self.mixer_records = {}
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
-            """The sequence's length so far (a hybrid's first layer may hold no keys: the longest layer's)."""
+            """The sequence's length so far, whatever ``layer_idx`` (a hybrid's first layer may hold no keys: the
+            longest layer's; Transformers asks before a forward, when every layer holds as many)."""
             return max(layer.get_seq_length() for layer in self.layers)
 
         def restart(self) -> None:
@@ -191,6 +195,7 @@ def ring_generate(model, inputs, **generate_kwargs):
         raise ValueError(f"ring_generate takes input_ids and attention_mask in inputs, not {unknown}")
     rank, world = group_rank_and_size(cfg.group)
     state = _State(group=cfg.group, rank=rank, world=world, layout=cfg.layout, kv_source=_kv_sources(target))
+    state.halo = max((m.conv_kernel_size - 1 for m in patch.linear_modules(target)), default=0)
     _, cache_cls = _cache_classes()
     cache = cache_cls(state, target.config.get_text_config().num_hidden_layers)
     hooks = [
@@ -264,7 +269,12 @@ class _Before:
     def _prefill(self, kwargs: dict, ids: torch.Tensor, mask) -> dict:
         st = self.state
         b, s = ids.shape
-        pad = -s % required_multiple(st.layout, st.world)
+        multiple = required_multiple(st.layout, st.world)
+        pad = -s % multiple
+        if st.world > 1 and st.halo:  # hybrids: every chunk holds at least the convolutions' inputs before a token
+            runs = 1 if st.layout == "contiguous" else 2
+            short = st.world * runs * st.halo - (s + pad)
+            pad += max(0, -(-short // multiple) * multiple)
         mask = torch.ones_like(ids) if mask is None else mask
         pos = kwargs.get("position_ids")
         if pos is None:

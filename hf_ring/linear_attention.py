@@ -137,12 +137,18 @@ def causal_conv1d(
             rank): each document is convolved on its own (zeros before its first token).
         memory: ``hf_ring.ring_generate``'s record of this layer: empty, it gets the sequence's last K - 1 inputs
             (``"conv"``, the same on every rank); holding them, ``x`` is the next tokens of the sequence (the same
-            on every rank), convolved after them locally, and the record moves on.
+            on every rank), convolved after them locally, and the record moves on. ``"added"``: [local_seq] True
+            at the padding ``ring_generate`` put before the prompt, whose inputs are zeroed.
 
     Returns:
         [batch, channels, local_seq]: what the convolution of the unsharded sequence gives at these tokens.
     """
     halo = kernel_size - 1
+    if memory is not None and documents is not None:
+        raise ValueError("ring_generate keeps one document per row; packed documents have no state to go on from")
+    added = None if memory is None else memory.pop("added", None)
+    if added is not None:  # the prefill: ring_generate's padding before the prompt, as if nothing were there
+        x = x * ~added
     if memory is not None and "conv" in memory:  # a decode step: after the sequence's last inputs, no exchange
         full = torch.cat([memory["conv"], x], dim=-1)
         memory["conv"] = full[..., full.shape[-1] - halo :]

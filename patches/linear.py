@@ -15,7 +15,8 @@ Checked once per forward, on every rank alike (the ring's pre-flight exchange, s
 ranks agree on shapes, dtype, layout and batch; the batch is what ``shard_batch`` cut for this group. Packed
 documents are kept apart (``hf_ring.linear_attention``: the state and the convolution start afresh at each).
 Refused: the striped layout, chunks shorter than the convolution, and a cache holding earlier tokens
-(generation: ``ring_generate`` does not run these models). Padding (``shard_batch``'s
+(of ``model.generate()``; ``hf_ring.ring_generate`` keeps each layer's state and convolution inputs on every rank
+after its prefill, and runs the decode steps locally from them). Padding (``shard_batch``'s
 document id -1, or a 2-D ``attention_mask`` with one rank) zeroes the layer's input there, as Transformers does;
 a layer its decoder layer calls without the batch's keywords (LFM2 on Transformers 5.17) refuses padded batches.
 """
@@ -63,10 +64,14 @@ class ShardedMixer:
         memory = _memory(cache, m.layer_idx)
         if memory:  # a decode step of ring_generate: the same new tokens on every rank, after the prefill's state
             plan = chunks(local_len, rank=0, world_size=1, layout=cfg.layout)
-            return self.compute(m, self.kernels, hidden_states, plan, None, None, None, memory)
-        error = (None if memory is not None else _refusal(m, cache, cfg, rank, world_size, local_len)) or (
-            dropped_documents_error(m, kwargs, cfg)
-        )
+            try:
+                return self.compute(m, self.kernels, hidden_states, plan, None, None, None, memory)
+            except BaseException as e:  # the peers would wait in the next layer's exchange: stop the group
+                guard.failed([cfg.group], e, f" in a decode step of layer {m.layer_idx}")
+                raise
+        if memory is not None:  # the prefill: the padding ring_generate added before the prompt reaches no convolution
+            memory["added"] = _added(cache, hidden_states.device)
+        error = _refusal(m, cache, cfg, rank, world_size, local_len) or dropped_documents_error(m, kwargs, cfg)
         keep = docs = packed = None
         if error is None:
             error, keep, docs, packed = _padding(m, attention_mask, kwargs, cfg, rank, world_size, local_len)
@@ -121,12 +126,19 @@ def _memory(cache, layer_idx: int) -> dict | None:
     return None if records is None else records.setdefault(layer_idx, {})
 
 
+def _added(cache, device) -> torch.Tensor | None:
+    """[local_seq] True at this rank's tokens that ``ring_generate`` added before the prompt (None: none)."""
+    st = cache.state
+    return None if st.offset == 0 else (st.local < st.offset).to(device)
+
+
 def _refusal(m, cache_params, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
     """What this rank cannot run, as a message that says what to do; or None."""
     if cache_params is not None and _has_state(cache_params, m.layer_idx):
         return (
             "a cache holding earlier tokens (generation) is not supported for linear-attention layers under "
-            "hf_ring; call hf_ring.revert_ring_attention(model) before generate()"
+            "hf_ring; generate with hf_ring.ring_generate(model, inputs, ...), or call "
+            "hf_ring.revert_ring_attention(model) before generate()"
         )
     try:
         n = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout).length
@@ -329,7 +341,8 @@ def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep, memory):
     x, B, C = torch.split(_masked(xbc, keep), [m.intermediate_size, *(2 * [m.n_groups * m.ssm_state_size])], dim=-1)
     # the step sizes as the kernels make them (bias, softplus, limits)
     dt = F.softplus(dt.float() + m.dt_bias.float())
-    if m.time_step_limit is not None:
+    decoding = memory is not None and "state" in memory
+    if m.time_step_limit is not None and not decoding:  # (Transformers' decode step does not clamp)
         dt = dt.clamp(*m.time_step_limit)
     y = mamba2_scan(
         x.reshape(batch, n, -1, m.head_dim), dt, -m.A_log.float().exp(), B.reshape(batch, n, m.n_groups, -1),
@@ -345,7 +358,7 @@ def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep, memory):
 
 def check(modules: list) -> None:
     """ValueError for modules whose ``forward`` cannot be replaced (before anything is patched)."""
-    hooked = [type(m).__name__ for m in modules if hasattr(m, "_hf_hook")]
+    hooked = [type(m).__name__ for m in modules if any(hasattr(c, "_hf_hook") for c in m.modules())]
     if hooked:  # its instance forward is Accelerate's (device_map / offload), which a revert must not lose
         raise ValueError(
             f"{hooked[0]} carries Accelerate hooks (a model loaded with device_map= or offloaded): hf_ring cannot "

@@ -66,22 +66,43 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     "lfm2": ("lfm2", 2, 13, 4, "zigzag"),  # short convolutions only
     "qwen3_5-vision-language": ("qwen3_5", 1, 13, 0, "zigzag"),
 }
-HYBRID_RTOL = 1e-5  # every step's logits (fp32); measured up to 2e-7 (the prefill's sharded sums, rounding)
+HYBRID_RTOL = 1e-5  # every step's logits (fp32); measured up to 6.2e-7 (the prefill's sharded sums, rounding)
 
 
 def _long_memory(model):
     """Slow decays (``A_log`` = -3: about exp(-0.065) per token) so that the state after the prompt matters to every
     step: with the Transformers defaults of the tiny configs, a Mamba2 state fades within a few tokens and decoding
-    from a zero state would change the logits by only 1e-5 (measured: 2.5e-2 for the Gated DeltaNet)."""
+    from a zero state would change the logits by only 1e-5 (with these: 5.5e-2, ``test_a_lost_state_shows``). Biases (zero at
+    initialisation) drawn at random: LFM2's projection bias reaches its convolution's inputs, so padding that
+    ring_generate added before the prompt would change the first tokens, were its inputs not zeroed."""
+    g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
                 p.fill_(-3.0)
+            elif name.endswith("bias") and p.dim() == 1 and "norm" not in name and "dt_bias" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 2.0)
     return model
 
 
-def _hybrids(rank, world, cases: dict) -> dict:
-    """Per case: the unmodified model's ``generate()`` and ``ring_generate``'s, with every step's logits."""
+def _forgetting(model):
+    """A pre-hook that zeroes every recurrent layer's state after the prefill (the negative control)."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        calls.append(1)
+        cache = kwargs.get("past_key_values")
+        if len(calls) == 2 and cache is not None:  # the first decode step
+            for record in cache.mixer_records.values():
+                if "state" in record:
+                    record["state"].zero_()
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _hybrids(rank, world, cases: dict, forget: bool = False) -> dict:
+    """Per case: the unmodified model's ``generate()`` and ``ring_generate``'s, with every step's logits
+    (``forget``: the states zeroed after the prefill)."""
     import hf_ring
 
     out = {}
@@ -94,12 +115,16 @@ def _hybrids(rank, world, cases: dict) -> dict:
         with torch.no_grad():
             ref = model.generate(**inputs, **kwargs)
         hf_ring.apply_ring_attention(model, layout=layout)
+        hook = _forgetting(model) if forget else None
         try:
             with torch.no_grad():
                 got = hf_ring.ring_generate(model, inputs, **kwargs)
         except ValueError as e:
             out[name] = str(e)
             continue
+        finally:
+            if hook is not None:
+                hook.remove()
         err = max(float((a - r).norm() / r.norm()) for a, r in zip(got.logits, ref.logits))
         out[name] = (torch.equal(got.sequences, ref.sequences), len(got.logits) == len(ref.logits), err)
     return out
@@ -111,7 +136,7 @@ def _check_hybrids(results: list, cases: dict) -> None:
             if cases[name][0] == "falcon_h1" and not transformers_at_least("5.23"):
                 continue
             got = r[name]
-            if name == "lfm2" and not transformers_at_least("5.23"):  # its 5.17 layers drop the batch's keywords
+            if cases[name][0] == "lfm2" and not transformers_at_least("5.23"):  # its 5.17 layers drop the keywords
                 assert isinstance(got, str) and "called without them" in got, got
                 continue
             assert not isinstance(got, str), (name, got)
@@ -165,6 +190,7 @@ def _worker(rank, world):
             out = str(e)
         results[name] = (ref, out)
     results["hybrids"] = _hybrids(rank, world, HYBRIDS)
+    results["forgetting"] = _hybrids(rank, world, FORGETTING, forget=True)
     results["cache"] = _cache_shares(rank, world)
     results["errors"] = _errors(rank, world)
     results["trains"] = _trains_after_generate()
@@ -273,6 +299,18 @@ def test_hybrids_generate_from_the_prompts_recurrent_states(two_ranks):
     _check_hybrids([r["hybrids"] for r in two_ranks], HYBRIDS)
 
 
+FORGETTING = {"qwen3_5_text": HYBRIDS["qwen3_5_text"], "bamba": HYBRIDS["bamba"]}
+
+
+def test_a_lost_state_shows(two_ranks):
+    """The negative control: the states zeroed after the prefill move the logits far beyond the tolerance (measured
+    9e-2 for the Gated DeltaNet, 5.5e-2 for Mamba2, with the slow decays and random biases)."""
+    for r in two_ranks:
+        for name, got in r["forgetting"].items():
+            assert not isinstance(got, str), (name, got)
+            assert got[2] > 10 * HYBRID_RTOL, (name, got)
+
+
 def _four_ranks(rank, world):
     return _hybrids(rank, world, FOUR_RANKS)
 
@@ -281,6 +319,9 @@ FOUR_RANKS = {  # 8 zig-zag chunks of 4 tokens (at least the convolution's 3 inp
     "qwen3_5_text": ("qwen3_5_text", 2, 29, 3, "zigzag"),
     "bamba-contiguous": ("bamba", 1, 30, 0, "contiguous"),
     "falcon_h1": ("falcon_h1", 2, 27, 2, "zigzag"),
+    # prompts shorter than 8 chunks of 3: left-padded further (LFM2: its projection bias zeroed there)
+    "lfm2-short": ("lfm2", 2, 7, 2, "zigzag"),
+    "nemotron_h-short": ("nemotron_h", 1, 5, 0, "contiguous"),
 }
 
 
