@@ -9,7 +9,9 @@ function, on local tokens, and so is exact under context parallelism as it is: Q
 Gemma3, Cohere, StableLM, Phi, Exaone4/Exaone-MoE, HunYuan, Apertus, FlexOlmo, MiniMax-M2, AFMoE),
 clipped projections (OLMo), partial or
 interleaved rotary embeddings (GLM, Phi, StableLM, Nemotron, GPT-NeoX), layers without RoPE
-(SmolLM3), an attention multiplier (Granite, passed as ``scaling``), logit scales and final logit
+(SmolLM3), learned absolute positions (GPT-2, StarCoder 1: from the global ``position_ids``), multi-query
+attention (StarCoder 1), a mixture of attention heads (JetMoE), differential attention (DiffLlama: two maps through
+the ring, combined after it), an attention multiplier (Granite, passed as ``scaling``), logit scales and final logit
 softcapping (Granite, Cohere, Gemma2), parallel attention + MLP blocks (Cohere, GPT-NeoX, StableLM),
 mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, dots1, GLM-4-MoE, gpt-oss, Ernie 4.5 MoE,
 HunYuan MoE, Cohere2-MoE, Mellum, MiniMax-M2, AFMoE, Solar-Open, Exaone-MoE, FlexOlmo, DeepSeek-V2/V3,
@@ -51,6 +53,7 @@ FAMILIES = {
     "cwm": "transformers.models.cwm.modeling_cwm.CwmAttention",
     "deepseek_v2": "transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention",
     "deepseek_v3": "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
+    "diffllama": "transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention",
     "dots1": "transformers.models.dots1.modeling_dots1.Dots1Attention",
     "ernie4_5": "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention",
     "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeAttention",
@@ -66,20 +69,27 @@ FAMILIES = {
     "glm4": "transformers.models.glm4.modeling_glm4.Glm4Attention",
     "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention",
     "glm4_moe_lite": "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
+    "gpt2": "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
+    "gpt_bigcode": "transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention",
     "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention",
     "granite": "transformers.models.granite.modeling_granite.GraniteAttention",
     "granite_swa": "transformers.models.granite_swa.modeling_granite_swa.GraniteSWAAttention",
     "granitemoe": "transformers.models.granitemoe.modeling_granitemoe.GraniteMoeAttention",
+    "granitemoe_swa": "transformers.models.granitemoe_swa.modeling_granitemoe_swa.GraniteMoeSWAAttention",
     "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridAttention",
+    "granitemoeshared": "transformers.models.granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedAttention",
     "helium": "transformers.models.helium.modeling_helium.HeliumAttention",
     "hunyuan_v1_dense": "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
     "hunyuan_v1_moe": "transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Attention",
     "hy_v3": "transformers.models.hy_v3.modeling_hy_v3.HYV3Attention",
     "hyperclovax": "transformers.models.hyperclovax.modeling_hyperclovax.HyperCLOVAXAttention",
     "jais2": "transformers.models.jais2.modeling_jais2.Jais2Attention",
+    "jetmoe": "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearAttention",
     "laguna": "transformers.models.laguna.modeling_laguna.LagunaAttention",
+    "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
+    "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeAttention",
     "longcat_flash": "transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
     "mimo_v2_flash": "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashAttention",
@@ -101,12 +111,10 @@ FAMILIES = {
     "phi": "transformers.models.phi.modeling_phi.PhiAttention",
     "phi3": "transformers.models.phi3.modeling_phi3.Phi3Attention",
     "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention",
-    "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
-    "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeAttention",
-    "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Attention",
     "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeAttention",
-    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextAttention",
+    "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Attention",
     "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextAttention",
     "seed_oss": "transformers.models.seed_oss.modeling_seed_oss.SeedOssAttention",
     "smollm3": "transformers.models.smollm3.modeling_smollm3.SmolLM3Attention",
     "solar_open": "transformers.models.solar_open.modeling_solar_open.SolarOpenAttention",
@@ -209,6 +217,7 @@ whose modules' forward ``hf_ring.patches.linear`` replaces while the model is pa
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
+
     **{model_type: check_linear for model_type in LINEAR},
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
@@ -227,6 +236,8 @@ LOGIT_TRANSFORMS = {
     "granite": LogitTransform(divide="logits_scaling"),
     "granite_swa": LogitTransform(divide="logits_scaling"),
     "granitemoe": LogitTransform(divide="logits_scaling"),
+    "granitemoe_swa": LogitTransform(divide="logits_scaling"),
+    "granitemoeshared": LogitTransform(divide="logits_scaling"),
     "granitemoehybrid": LogitTransform(divide="logits_scaling"),
     "falcon_h1": LogitTransform(multiply="lm_head_multiplier"),
     "hyperclovax": LogitTransform(multiply="logits_scaling"),

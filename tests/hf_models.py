@@ -39,7 +39,7 @@ DYNAMIC_FULL_LAYERS = {  # Gemma 3: RoPE per layer type, dynamic on the full-att
                         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
 }  # fmt: skip
 
-EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "mimo_v2_flash", "vaultgemma")
+EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma")
 """Families with attention logit softcapping or sinks: their reference is Transformers' eager attention."""
 
 _SLIDE_FULL = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
@@ -118,6 +118,18 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "hy_v3": ("HYV3Config", "HYV3ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "moe_intermediate_size": 32}),
     "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {"final_logit_softcapping": 2.0}),
     "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {"head_dim": 16, "embedding_multiplier": 3.0, "logits_scaling": 0.5, "residual_multiplier": 0.5, "attention_multiplier": 0.2}),
+    # more attention families: absolute learned positions (GPT-2), multi-query attention (StarCoder 1),
+    # mixtures of attention heads (JetMoE), differential attention (DiffLlama), shared experts, and sinks with
+    # windows (Granite MoE variants)
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16}),
+    "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {"head_dim": 16}),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                         "shared_intermediate_size": 32, "attention_multiplier": 0.2, "embedding_multiplier": 3.0,
+                         "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                       "logits_scaling": 2.0, **_SLIDE_FULL}),
     # hybrids: Gated DeltaNet (linear attention) layers beside gated full-attention layers
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _LINEAR),
     # hybrids: gated short convolutions (kernel 3, with bias) beside full-attention layers
@@ -450,14 +462,26 @@ def ring_step(model, batch, layout, ulysses_size=None):
         hf_ring.revert_ring_attention(model)
 
 
-DECAY_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight", "mamba_decoder.mamba.A_log")
+DECAY_PARAMS = (
+    "linear_attn.A_log",
+    "linear_attn.dt_bias",
+    "linear_attn.in_proj_a.weight",
+    "mamba_decoder.mamba.A_log",
+    "self_attn.lambda_q1",
+    "self_attn.lambda_k1",
+    "self_attn.lambda_q2",
+    "self_attn.lambda_k2",
+)
 """The Gated DeltaNet's decay parameters and the projections that feed the decay: their gradients are sums over
 every token of terms that nearly cancel (norm 1e-4 for A_log in the tiny models), so any reordering of the
 recurrence moves them far more than the others: Transformers' own kernel, its chunk size alone changed from 64 to
 8, moves A_log's by 4e-5 and in_proj_a's by 6e-6. Zamba2's Mamba2 layers after its shared attention block: A_log's
 gradient is 6e-10 there (its step sizes start at 0.001 to 0.1), beside 1e-2 for D, and moves by 7e-15 absolute
-(1.2e-5 relative) at one rank, where only the padding added for the layout differs. Their error is reported apart
-(``decay``)."""
+(1.2e-5 relative) at one rank, where only the padding added for the layout differs. DiffLlama's lambdas (the
+weight of its second attention map): sums over every query of differences of two attentions, norm 6e-5 beside 1.5
+for the largest, moved by 2e-9 absolute (2.7e-5 relative; 6.6e-5 at one rank, where the reference's SDPA sums in
+another order). Their error is reported apart (``decay``)."""
+
 
 RTOL_DECAY = 1e-3
 """fp32 bound on those gradients: the ring's reordering measured up to 2.2e-4 (2 and 4 ranks), the chunked loss's

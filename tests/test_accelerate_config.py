@@ -151,13 +151,13 @@ def test_accelerate_parallelism_config_gives_the_cp_size_or_a_clear_error():
 
 
 def test_unsupported_models_are_refused_before_any_collective():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
     from hf_ring.accelerate import RingAttentionPlugin
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32))
-    with pytest.raises(ValueError, match="no ring-attention patch for model type 'gpt2'"):
-        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(), gpt2)
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, n_head=2, hidden_size=16, vocab_size=32))
+    with pytest.raises(ValueError, match="no ring-attention patch for model type 'bloom'"):
+        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(), bloom)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(), torch.nn.Linear(2, 2))
 

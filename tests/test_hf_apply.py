@@ -365,19 +365,19 @@ class _Wrapper(torch.nn.Module):  # what DDP / FSDP / accelerator.prepare hand b
 
 def test_apply_errors():
     from hf_ring.patches import apply_ring_attention_to_mistral, revert_ring_attention_from_llama
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
     with pytest.raises(TypeError, match="PreTrainedModel or a peft PeftModel"):
         hf_ring.apply_ring_attention(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="_Wrapper.*apply before wrapping, or pass model.module"):
         hf_ring.apply_ring_attention(_Wrapper(make_model("llama")))
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=VOCAB))
     with pytest.raises(
-        ValueError, match="model type 'gpt2'; supported model types: afmoe, apertus, .*, starcoder2, vaultgemma"
+        ValueError, match="model type 'bloom'; supported model types: afmoe, apertus, .*, starcoder2, vaultgemma"
     ):
-        hf_ring.apply_ring_attention(gpt2)
-    with pytest.raises(ValueError, match="model type 'gpt2'"):
-        hf_ring.revert_ring_attention(gpt2)
+        hf_ring.apply_ring_attention(bloom)
+    with pytest.raises(ValueError, match="model type 'bloom'"):
+        hf_ring.revert_ring_attention(bloom)
     llama = make_model("llama")
     with pytest.raises(ValueError, match="covers model types \\['mistral'\\], not 'llama'"):
         apply_ring_attention_to_mistral(model=llama)

@@ -113,6 +113,12 @@ CASES = {
     "persimmon-padded": ("persimmon", "padded", 45, {}),
     "solar_open-plain": ("solar_open", "plain", 40, {}),
     "vaultgemma-packed": ("vaultgemma", "packed", 45, {}),
+    "gpt2-padded": ("gpt2", "padded", 45, {}),
+    "gpt_bigcode-plain": ("gpt_bigcode", "plain", 45, {}),
+    "jetmoe-padded": ("jetmoe", "padded", 40, {}),
+    "diffllama-packed": ("diffllama", "packed", 45, {}),
+    "granitemoeshared-padded": ("granitemoeshared", "padded", 45, {}),
+    "granitemoe_swa-packed": ("granitemoe_swa", "packed", 40, {}),
     # multi-head latent attention (values with their own head_dim), MoE
     "deepseek_v2-padded": ("deepseek_v2", "padded", 40, {}),
     "deepseek_v3-packed-lora": ("deepseek_v3", "packed", 45, {"lora": True}),
