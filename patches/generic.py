@@ -9,8 +9,8 @@ function, on local tokens, and so is exact under context parallelism as it is: Q
 Gemma3, Cohere, StableLM, Phi, Exaone4/Exaone-MoE, HunYuan, Apertus, FlexOlmo, MiniMax-M2, AFMoE),
 clipped projections (OLMo), partial or
 interleaved rotary embeddings (GLM, Phi, StableLM, Nemotron, GPT-NeoX), layers without RoPE
-(SmolLM3), learned absolute positions (GPT-2, StarCoder 1: from the global ``position_ids``), multi-query
-attention (StarCoder 1), a mixture of attention heads (JetMoE), differential attention (DiffLlama: two maps through
+(SmolLM3), learned absolute positions (GPT-2: from the global ``position_ids``), a mixture of attention heads
+(JetMoE), differential attention (DiffLlama: two maps through
 the ring, combined after it), an attention multiplier (Granite, passed as ``scaling``), logit scales and final logit
 softcapping (Granite, Cohere, Gemma2), parallel attention + MLP blocks (Cohere, GPT-NeoX, StableLM),
 mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, dots1, GLM-4-MoE, gpt-oss, Ernie 4.5 MoE,
@@ -37,7 +37,7 @@ from ._family import FamilyPatch, LogitTransform, check_layer_types
 
 __all__ = [
     "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LINEAR", "LOGIT_TRANSFORMS", "PATCHES", "check",
-    "check_causal_mask_only", "check_gemma4", "check_linear", "check_without_windows",
+    "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_without_windows",
 ]  # fmt: skip
 
 FAMILIES = {
@@ -70,7 +70,6 @@ FAMILIES = {
     "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention",
     "glm4_moe_lite": "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
     "gpt2": "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
-    "gpt_bigcode": "transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention",
     "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention",
     "granite": "transformers.models.granite.modeling_granite.GraniteAttention",
@@ -175,6 +174,17 @@ def check_without_windows(config) -> None:
     check(config, windows=False)
 
 
+def check_decoder_only(config) -> None:
+    """``check``, and no cross-attention (GPT-2 as a decoder of an encoder-decoder model: its cross-attention
+    modules are of the same class and would be switched too, over encoder states no rank shards)."""
+    check(config)
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError(
+            f"{config.model_type}: config.add_cross_attention=True (a decoder attending to an encoder) is not "
+            "supported under ring attention; hf_ring trains decoder-only language models"
+        )
+
+
 def check_causal_mask_only(config) -> None:
     """``check``, and no ``config.sliding_window``: OLMoE passes it to the attention function but masks causally
     only (its SDPA and FlashAttention paths would disagree); it has no such field unless one is added."""
@@ -217,8 +227,7 @@ whose modules' forward ``hf_ring.patches.linear`` replaces while the model is pa
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
-
-    **{model_type: check_linear for model_type in LINEAR},
+    "gpt2": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 

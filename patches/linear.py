@@ -67,7 +67,8 @@ class ShardedMixer:
             try:
                 return self.compute(m, self.kernels, hidden_states, plan, None, None, None, memory)
             except BaseException as e:  # the peers would wait in the next layer's exchange: stop the group
-                guard.failed([cfg.group], e, f" in a decode step of layer {m.layer_idx}")
+                if world_size > 1:
+                    guard.failed([cfg.group], e, f" in a decode step of layer {m.layer_idx}")
                 raise
         if memory is not None:  # the prefill: the padding ring_generate added before the prompt reaches no convolution
             memory["added"] = _added(cache, hidden_states.device)

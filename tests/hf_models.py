@@ -118,11 +118,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "hy_v3": ("HYV3Config", "HYV3ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "moe_intermediate_size": 32}),
     "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {"final_logit_softcapping": 2.0}),
     "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {"head_dim": 16, "embedding_multiplier": 3.0, "logits_scaling": 0.5, "residual_multiplier": 0.5, "attention_multiplier": 0.2}),
-    # more attention families: absolute learned positions (GPT-2), multi-query attention (StarCoder 1),
+    # more attention families: absolute learned positions (GPT-2),
     # mixtures of attention heads (JetMoE), differential attention (DiffLlama), shared experts, and sinks with
     # windows (Granite MoE variants)
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
-    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
     "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16}),
     "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {"head_dim": 16}),
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,

@@ -422,6 +422,7 @@ def test_family_patch_errors(monkeypatch):
         ("olmoe", "output_router_logits", True, "load-balancing loss"),
         ("olmoe", "sliding_window", 8, "given to the attention but not to the model's mask"),
         ("bamba", "z_loss_coefficient", 1e-4, "z-loss"),
+        ("gpt2", "add_cross_attention", True, "add_cross_attention=True"),
         ("nemotron_h", "layer_types", ["linear_attention", "sliding_attention", "moe"], "sliding_attention"),
     ],
 )

@@ -114,7 +114,6 @@ CASES = {
     "solar_open-plain": ("solar_open", "plain", 40, {}),
     "vaultgemma-packed": ("vaultgemma", "packed", 45, {}),
     "gpt2-padded": ("gpt2", "padded", 45, {}),
-    "gpt_bigcode-plain": ("gpt_bigcode", "plain", 45, {}),
     "jetmoe-padded": ("jetmoe", "padded", 40, {}),
     "diffllama-packed": ("diffllama", "packed", 45, {}),
     "granitemoeshared-padded": ("granitemoeshared", "padded", 45, {}),
