@@ -49,6 +49,9 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     # crossing the threshold while decoding: Phi-3's generate drops the cache and computes it anew (a new prefill)
     "phi3-longrope-crossing": ("phi3", 2, 33, 2, {"config": LONGROPE}),
     "llama-dynamic-padded-batch": ("llama", 2, 30, 3, {"config": DYNAMIC}),
+    "gpt2-learned-positions": ("gpt2", 2, 14, 3, {}),  # absolute positions from the global position ids
+    "diffllama-differential": ("diffllama", 1, 13, 0, {}),  # two attention maps per layer, each decoded
+    "granitemoe_swa-sinks-window": ("granitemoe_swa", 2, 14, 3, {}),
 }
 
 
