@@ -15,8 +15,8 @@ processors, stopping criteria, streamers, sampling) with two differences:
   keys/values are kept round-robin (token j of the continuation on rank j mod N), so shards stay balanced.
 - **Hybrids** (linear-attention, Mamba2 and short-convolution layers): the prefill leaves each such layer's state
   after the whole prompt and its convolution's last inputs on every rank (composed from the chunks' states it
-  exchanges anyway); each decode step runs those layers on the new tokens locally from there, like the
-  unsharded model's cache, with no exchange. A short prompt is left-padded further, so that every rank's chunks
+  exchanges anyway); each decode step runs those layers on the new tokens locally from there with the model's
+  one-token kernels, like the unsharded model's decoding, with no exchange. A short prompt is left-padded further, so that every rank's chunks
   hold the convolutions' inputs before a token; the padding added here reaches no convolution (its inputs are
   zeroed there: a projection's bias would otherwise reach the first tokens' convolution).
 

@@ -282,6 +282,7 @@ def gated_delta_rule(
     gather: StateGather | None,
     documents: torch.Tensor | None = None,
     memory: dict | None = None,
+    step_kernel: Callable | None = None,
     **kernel_kwargs,
 ) -> torch.Tensor:
     """The gated delta rule over the whole sequence, on this rank's tokens.
@@ -298,6 +299,8 @@ def gated_delta_rule(
         memory: ``hf_ring.ring_generate``'s record of this layer: empty, it gets the state after the whole sequence
             (``"state"``, fp32, the same on every rank); holding it, the tokens are the next ones of the sequence
             (the same on every rank), run from it locally, and the record moves on.
+        step_kernel: the model's token-by-token kernel (``torch_recurrent_gated_delta_rule``, same signature), for
+            a decode step of one token, as the model's own decoding runs it; None: ``kernel``.
         kernel_kwargs: passed on (``use_qk_l2norm_in_kernel``).
 
     Returns:
@@ -313,8 +316,9 @@ def gated_delta_rule(
     decoding = memory is not None and "state" in memory  # (the prefill's convolution has filled its part)
     if decoding or (documents is None and plan.world_size == 1):  # the kernel as the model calls it
         start = memory["state"] if decoding else None
-        out, final = kernel(query, key, value, g=g, beta=beta, initial_state=start,
-                            output_final_state=memory is not None, **kernel_kwargs)  # fmt: skip
+        run = step_kernel if decoding and step_kernel is not None and query.shape[1] == 1 else kernel
+        out, final = run(query, key, value, g=g, beta=beta, initial_state=start,
+                         output_final_state=memory is not None, **kernel_kwargs)  # fmt: skip
         if memory is not None:
             memory["state"] = final.detach().float()
         return out
@@ -339,6 +343,7 @@ def mamba2_scan(
     gather: StateGather | None,
     documents: torch.Tensor | None = None,
     memory: dict | None = None,
+    step_kernel: Callable | None = None,
 ) -> torch.Tensor:
     """Mamba2's selective state-space scan over the whole sequence, on this rank's tokens::
 
@@ -358,10 +363,19 @@ def mamba2_scan(
         plan: this rank's runs (``chunks``). gather: the group's ``StateGather`` (None: one rank).
         documents, memory: as for ``gated_delta_rule`` (the state starts from zero at each document's first token;
             ``ring_generate``'s record, states ``[batch, heads, head_dim, d_state]``).
+        step_kernel: the model's one-token update (``mamba2_selective_state_update``, or mamba-ssm's
+            ``selective_state_update``: the state updated in place), for a decode step of one token, as the
+            model's own decoding runs it; None: ``kernel``.
 
     Returns:
         [batch, local_seq, heads, head_dim] fp32 (the fallback kernel's output dtype; the model's gated norm rounds).
     """
+    if memory is not None and "state" in memory and step_kernel is not None and x.shape[1] == 1:
+        b, _, h, p = x.shape
+        s = B.shape[-1]
+        y = step_kernel(memory["state"], x[:, 0], dt[:, 0, :, None].expand(b, h, p), A[:, None, None].expand(h, p, s),
+                        B[:, 0], C[:, 0], None if D is None else D[:, None].expand(h, p), dt_softplus=False)  # fmt: skip
+        return y[:, None].float()
     if memory is not None and "state" in memory:  # a decode step: from the state after the tokens before, locally
         y, final = kernel(x, dt, A, B, C, chunk_size, D=D, initial_states=memory["state"], return_final_states=True)
         memory["state"] = final.detach().float()

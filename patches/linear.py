@@ -289,7 +289,8 @@ def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep, m
     g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
     core = gated_delta_rule(
         q, k, v, g, beta, kernel=kernels.torch_chunk_gated_delta_rule, plan=plan, gather=gather, documents=documents,
-        memory=memory, use_qk_l2norm_in_kernel=True,
+        memory=memory, step_kernel=getattr(kernels, "torch_recurrent_gated_delta_rule", None),
+        use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     norm = m.o_norm if hasattr(m, "o_norm") else m.norm
     core = norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(batch, n, -1)
@@ -313,7 +314,7 @@ def _kimi_delta(m, kernels, hidden_states, plan, gather, documents, keep, memory
     core = gated_delta_rule(
         q, k, v, m.forget_gate(hidden_states), m.b_proj(hidden_states).sigmoid(),
         kernel=kernels.chunk_kimi_delta_attention, plan=plan, gather=gather, documents=documents, memory=memory,
-        use_qk_l2norm_in_kernel=True,
+        step_kernel=getattr(kernels, "recurrent_kimi_delta_attention", None), use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     gate = m.g_b_proj(m.g_a_proj(hidden_states)).reshape(heads)
     return m.o_proj(m.o_norm(core, gate).reshape(batch, n, -1))
@@ -349,6 +350,7 @@ def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep, memory):
         x.reshape(batch, n, -1, m.head_dim), dt, -m.A_log.float().exp(), B.reshape(batch, n, m.n_groups, -1),
         C.reshape(batch, n, m.n_groups, -1), kernel=kernels.mamba2_chunk_scan, chunk_size=m.chunk_size, D=m.D,
         plan=plan, gather=gather, documents=documents, memory=memory,
+        step_kernel=getattr(kernels, "mamba2_selective_state_update", None),
     ).reshape(batch, n, -1)  # fmt: skip
     if falcon and not m.mamba_rms_norm:
         y = y * F.silu(gate)

@@ -365,6 +365,36 @@ def test_one_process_without_a_group():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize(
+    "family, module, kernel",
+    [
+        ("bamba", "transformers.models.bamba.modeling_bamba", "mamba2_selective_state_update"),
+        ("qwen3_5_text", "transformers.models.qwen3_5.modeling_qwen3_5", "torch_recurrent_gated_delta_rule"),
+    ],
+)
+def test_hybrid_decode_steps_run_the_models_one_token_kernels(monkeypatch, family, module, kernel):
+    """One process: each decode step of a recurrent layer runs the model's own one-token kernel (as its decoding
+    does; not the chunked kernel padded to a chunk), and the tokens are the unmodified model's."""
+    import importlib
+
+    import hf_ring
+
+    calls = []
+    mod = importlib.import_module(module)
+    original = getattr(mod, kernel)
+    inputs = _prompt(2, 14, 3)
+    model = _long_memory(_model(family, {}))
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    monkeypatch.setattr(mod, kernel, lambda *a, **k: calls.append(1) or original(*a, **k))
+    hf_ring.apply_ring_attention(model)
+    with torch.no_grad():
+        out = hf_ring.ring_generate(model, inputs, max_new_tokens=NEW, do_sample=False)
+    layers = len(hf_ring.patches.get_patch(family).linear_modules(model))
+    assert torch.equal(out, ref)
+    assert len(calls) == layers * (NEW - 1), (len(calls), layers)  # the first new token comes from the prefill
+
+
 @pytest.mark.parametrize("family", ["nemotron", "stablelm"])
 def test_families_whose_layers_drop_the_cache_are_refused(family):
     import hf_ring
