@@ -5,7 +5,8 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
 ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
 ``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), InternVL 3 / 3.5 holds a Qwen2,
-Qwen3, Qwen3-MoE or Llama text model, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
+Qwen3, Qwen3-MoE or Llama text model, LLaVA and LLaVA-NeXT a Llama, Mistral or Qwen2 one, Idefics3 and SmolVLM a
+Llama one, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -43,6 +44,10 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "lfm2_vl": ("lfm2",),  # LFM2-VL
     "qwen3_5": ("qwen3_5_text",),  # Qwen3.5 (every checkpoint is this vision-language model)
     "qwen3_5_moe": ("qwen3_5_moe_text",),
+    "llava": ("llama", "mistral", "qwen2"),  # LLaVA 1.5 and checkpoints of its architecture
+    "llava_next": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT (1.6)
+    "idefics3": ("llama",),  # Idefics3
+    "smolvlm": ("llama",),  # SmolVLM
 }
 
 

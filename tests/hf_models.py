@@ -215,6 +215,18 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {"head_dim": 16, "sliding_window": 7},
                  {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "llava": ("LlavaConfig", "LlavaForConditionalGeneration", {"model_type": "llama"},
+              {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration", {"model_type": "mistral", "sliding_window": 7},
+                   {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                    "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {"model_type": "llama"},
+                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "image_size": 28, "patch_size": 14}),
+    "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
+                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "image_size": 28, "patch_size": 14}),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""

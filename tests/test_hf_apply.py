@@ -127,7 +127,10 @@ def _sub_configs(config) -> list:
     [
         "gemma3",
         "gemma4",
+        "idefics3",
         "lfm2_vl",
+        "llava",
+        "llava_next",
         "mistral3",
         "mistral3-ministral3",
         "qwen2_vl",
@@ -135,6 +138,7 @@ def _sub_configs(config) -> list:
         "qwen3_5",
         "qwen3_vl",
         "qwen3_vl_moe",
+        "smolvlm",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):

@@ -148,6 +148,10 @@ CASES = {
     "mistral3-plain": ("mistral3", "plain", 45, {}),
     "mistral3-packed-ulysses": ("mistral3", "packed", 40, {"ulysses": 2}),
     "mistral3-ministral3-padded": ("mistral3-ministral3", "padded", 45, {}),
+    "llava-packed": ("llava", "packed", 40, {}),
+    "llava_next-padded": ("llava_next", "padded", 45, {}),
+    "idefics3-plain": ("idefics3", "plain", 40, {}),
+    "smolvlm-packed-lora": ("smolvlm", "packed", 45, {"lora": True}),
     # hybrids: Gated DeltaNet layers (their states and convolution inputs cross the ranks; no packed documents)
     "qwen3_5_text-plain": ("qwen3_5_text", "plain", 45, {}),
     "qwen3_5_text-padded-lora-checkpointing": ("qwen3_5_text", "padded", 40, {"lora": True, "checkpointing": True}),
