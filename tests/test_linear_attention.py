@@ -405,6 +405,27 @@ def test_gpu_mamba_ssm_kernel_through_the_sharded_scan():
 
 
 @pytest.mark.gpu
+def test_gpu_fla_kda_kernel_through_the_sharded_rule():
+    """fla's Kimi Delta Attention kernel (a decay per key channel), which Transformers dispatches Kimi Linear to on a
+    GPU: virtual ranks against the same kernel unsharded, bf16 (2x its own error against fp32 plus an epsilon)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kernel = pytest.importorskip("fla.ops.kda", reason="needs flash-linear-attention").chunk_kda
+
+    def inputs(dtype):
+        q, k, v, decay, beta = _rule_inputs("cuda", dtype, hk=4, hv=4)
+        per_channel = -torch.rand(*decay.shape, q.shape[-1], generator=torch.Generator().manual_seed(8)) / 4
+        return [q, k, v, per_channel.to("cuda"), beta]
+
+    exact = _one_device(kernel, *inputs(torch.float32)).float()
+    low = inputs(torch.bfloat16)
+    yardstick = rel(_one_device(kernel, *low).float(), exact)
+    for world, layout in ((2, "zigzag"), (8, "zigzag"), (4, "contiguous")):
+        ring = _virtual_ranks(_rule(kernel), low, world, layout)
+        assert rel(ring.float(), exact) <= 2 * yardstick + 1e-3, (world, layout, rel(ring.float(), exact), yardstick)
+
+
+@pytest.mark.gpu
 def test_gpu_fla_kernel_through_the_sharded_rule():
     """The fla kernel Transformers dispatches to on a GPU, with values d_v + d_k wide and a starting state: virtual
     ranks against the same kernel unsharded, bf16 (2x its own error against fp32 plus an epsilon)."""
