@@ -16,9 +16,10 @@ processors, stopping criteria, streamers, sampling) with two differences:
 - **Hybrids** (linear-attention, Mamba2 and short-convolution layers): the prefill leaves each such layer's state
   after the whole prompt and its convolution's last inputs on every rank (composed from the chunks' states it
   exchanges anyway); each decode step runs those layers on the new tokens locally from there with the model's
-  one-token kernels, like the unsharded model's decoding, with no exchange. A short prompt is left-padded further, so that every rank's chunks
-  hold the convolutions' inputs before a token; the padding added here reaches no convolution (its inputs are
-  zeroed there: a projection's bias would otherwise reach the first tokens' convolution).
+  one-token kernels, like the unsharded model's decoding, with no exchange. A short prompt is left-padded
+  further, so that every rank's chunks hold the convolutions' inputs before a token; the padding added here
+  reaches no convolution (its inputs are zeroed there: a projection's bias would otherwise reach the first
+  tokens' convolution).
 
 A model called without a cache during ``generate()`` (Phi-3 drops it when its longrope factors switch, to compute
 every key anew) gets a new prefill of the whole sequence into the emptied sharded cache, as Transformers computes it.

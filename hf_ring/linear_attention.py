@@ -370,20 +370,18 @@ def mamba2_scan(
     Returns:
         [batch, local_seq, heads, head_dim] fp32 (the fallback kernel's output dtype; the model's gated norm rounds).
     """
-    if memory is not None and "state" in memory and step_kernel is not None and x.shape[1] == 1:
+    decoding = memory is not None and "state" in memory  # a decode step: from the state after the tokens before
+    if decoding and step_kernel is not None and x.shape[1] == 1:  # (updates the state in place)
         b, _, h, p = x.shape
         s = B.shape[-1]
         y = step_kernel(memory["state"], x[:, 0], dt[:, 0, :, None].expand(b, h, p), A[:, None, None].expand(h, p, s),
                         B[:, 0], C[:, 0], None if D is None else D[:, None].expand(h, p), dt_softplus=False)  # fmt: skip
         return y[:, None].float()
-    if memory is not None and "state" in memory:  # a decode step: from the state after the tokens before, locally
-        y, final = kernel(x, dt, A, B, C, chunk_size, D=D, initial_states=memory["state"], return_final_states=True)
-        memory["state"] = final.detach().float()
-        return y.float()
-    if documents is None and plan.world_size == 1:  # the kernel as the model calls it
+    if decoding or (documents is None and plan.world_size == 1):  # the kernel as the model calls it
         if memory is None:
             return kernel(x, dt, A, B, C, chunk_size, D=D).float()
-        y, final = kernel(x, dt, A, B, C, chunk_size, D=D, return_final_states=True)
+        start = {"initial_states": memory["state"]} if decoding else {}
+        y, final = kernel(x, dt, A, B, C, chunk_size, D=D, return_final_states=True, **start)
         memory["state"] = final.detach().float()
         return y.float()
     inputs = [t.float() for t in (x, dt, B, C)]
