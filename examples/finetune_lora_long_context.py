@@ -161,8 +161,10 @@ def main(argv=None) -> None:
             )
         if args.output_dir:
             print(f"  LoRA adapter saved to {args.output_dir}")
-        if not all(math.isfinite(x) for x in losses):
-            raise SystemExit("non-finite loss")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # every rank closes the process group together, none leaves while others work
+    if not all(math.isfinite(x) for x in losses):
+        raise SystemExit("non-finite loss")
 
 
 if __name__ == "__main__":

@@ -139,6 +139,8 @@ def main(argv=None) -> None:
             if "loss" in h:
                 print(f"  step {h['step']:>3}  loss {h['loss']:.4f}")
         print(f"  eval loss {metrics['eval_loss']:.4f}")
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # every rank closes the process group together
 
 
 def _list_collate(features: list) -> dict:

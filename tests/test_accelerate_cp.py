@@ -31,6 +31,7 @@ from tests.train_utils import (
     max_param_rel_err,
     read_results,
     rel_err,
+    run_worker,
     tiny_llama,
     token_dataset,
     torchrun,
@@ -357,4 +358,4 @@ def test_lora_matches_and_saves_a_plain_adapter(launch):
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    run_worker(worker, Path(sys.argv[1]))

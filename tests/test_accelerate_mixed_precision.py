@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.train_utils import collate, read_results, rel_err, tiny_llama, token_dataset, torchrun
+from tests.train_utils import collate, read_results, rel_err, run_worker, tiny_llama, token_dataset, torchrun
 
 SEQ_LEN = 30
 EPS = 2e-3  # bf16 has 8 mantissa bits: allow a small absolute slack on top of 2x the plain bf16 error
@@ -65,4 +65,4 @@ def test_bf16_autocast_matches_within_the_low_precision_rule(tmp_path):
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    run_worker(worker, Path(sys.argv[1]))

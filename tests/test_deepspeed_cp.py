@@ -35,6 +35,7 @@ from tests.train_utils import (
     plugin_train,
     read_results,
     replica_reference,
+    run_worker,
     tiny_llama,
     token_dataset,
     torchrun,
@@ -266,4 +267,4 @@ def test_trl_sft_trainer_with_deepspeed_zero3_matches_single_process(launch):
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    run_worker(worker, Path(sys.argv[1]))

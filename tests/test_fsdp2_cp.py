@@ -43,6 +43,7 @@ from tests.train_utils import (
     raw_batch,
     read_results,
     replica_reference,
+    run_worker,
     tiny_llama,
     token_dataset,
     torchrun,
@@ -380,4 +381,4 @@ def test_set_cp_gradient_reduction_refuses_a_model_without_fsdp2():
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    run_worker(worker, Path(sys.argv[1]))

@@ -35,6 +35,7 @@ from tests.train_utils import (
     logged_losses,
     max_param_rel_err,
     read_results,
+    run_worker,
     sft_trainer,
     tiny_llama,
     token_dataset,
@@ -320,4 +321,4 @@ def test_trl_sft_trainer(launch):
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]), int(sys.argv[2]))
+    run_worker(worker, Path(sys.argv[1]), int(sys.argv[2]))

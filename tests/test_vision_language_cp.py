@@ -27,6 +27,7 @@ from tests.train_utils import (
     full_loss_sum,
     max_param_rel_err,
     read_results,
+    run_worker,
     token_dataset,
     torchrun,
 )
@@ -151,4 +152,4 @@ def test_the_check_names_what_text_batches_never_reach():
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
+    run_worker(worker, Path(sys.argv[1]))

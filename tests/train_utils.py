@@ -100,6 +100,23 @@ def torchrun(script: Path, nproc: int, *args, timeout: float = 300, env: dict | 
     return out
 
 
+def run_worker(worker, *args) -> None:
+    """A launched script's entry: ``worker(*args)``, then every rank leaves together.
+
+    A rank that finished early used to exit while rank 0 still computed its references; tearing down
+    gloo's (and DeepSpeed's) threads at interpreter exit can abort that process (SIGABRT, "terminate called
+    without an active exception"), and torchrun then kills the others. A barrier and an explicit
+    ``destroy_process_group`` close the group while every rank is alive. Only after success: a rank that
+    raised exits with its traceback, and torchrun stops the rest.
+    """
+    import torch.distributed as dist
+
+    worker(*args)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def read_results(folder: Path, world: int) -> list:
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
