@@ -235,11 +235,13 @@ class _Before:
     def __call__(self, module, args, kwargs):
         st = self.state
         ids = kwargs.get("input_ids", args[0] if args else None)
-        given = kwargs.get("past_key_values")
+        # Transformers 5.24's generate() passes the cache as ``cache``, earlier releases as ``past_key_values``
+        key = "cache" if "cache" in kwargs else "past_key_values"
+        given = kwargs.get(key)
         if given is None:  # the family's generate drops the cache to compute it anew (Phi-3's longrope switch)
             self._check_whole(ids, kwargs.get("attention_mask"))
             self.cache.restart()
-            kwargs = {**kwargs, "past_key_values": self.cache}
+            kwargs = {**kwargs, key: self.cache}
         elif given is not self.cache:
             raise ValueError("ring_generate: the model was called with another cache than its sharded one")
         if not isinstance(ids, torch.Tensor):
@@ -249,7 +251,7 @@ class _Before:
             mask = kwargs.get("attention_mask")
             summary = [0, ids.shape[0], ids.shape[1], fingerprint(ids, mask)]
             check_everywhere(None, summary, comm, ids.device, fields=_PREFILL_FIELDS, op="ring_generate (prompt)")
-            return (), self._prefill(kwargs, ids, mask)
+            return (), self._prefill(kwargs, ids, mask, key)
         start = self.cache.get_seq_length()  # every rank's tokens so far, in generate()'s coordinates
         summary = [0, ids.shape[0], ids.shape[1], start, fingerprint(ids)]
         check_everywhere(None, summary, comm, ids.device, fields=_STEP_FIELDS, op="ring_generate (decode step)")
@@ -267,7 +269,7 @@ class _Before:
                 "original_max_position_embeddings"
             )
 
-    def _prefill(self, kwargs: dict, ids: torch.Tensor, mask) -> dict:
+    def _prefill(self, kwargs: dict, ids: torch.Tensor, mask, cache_key: str) -> dict:
         st = self.state
         b, s = ids.shape
         multiple = required_multiple(st.layout, st.world)
@@ -298,7 +300,7 @@ class _Before:
         # the logits of this rank's last token (the owner's is the prompt's last), as an index: an integer would
         # let Gemma 4 run its KV-shared layers on that token alone, and those layers see every rank's tokens here
         last = torch.tensor([local["input_ids"].shape[1] - 1])  # on the CPU: any device's hidden states take it
-        local.update(use_cache=True, past_key_values=kwargs["past_key_values"], logits_to_keep=last)
+        local.update({"use_cache": True, cache_key: kwargs[cache_key], "logits_to_keep": last})
         local["cache_position"] = st.local.to(ids.device)
         local[DECODE_KWARG] = self.cache
         for key in ("return_dict", "output_attentions", "output_hidden_states"):

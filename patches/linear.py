@@ -46,7 +46,8 @@ FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kern
 
 class ShardedMixer:
     """The ``forward`` of a linear-attention or short-convolution module while its model is patched (Transformers'
-    signatures: ``(hidden_states, cache_params / past_key_values, attention_mask, **kwargs)``)."""
+    signatures: ``(hidden_states, cache_params / past_key_values / cache, attention_mask, **kwargs)``; Transformers
+    5.24 names the cache ``cache``)."""
 
     def __init__(self, module: torch.nn.Module, cfg: RingConfig):
         self.module = module
@@ -54,13 +55,15 @@ class ShardedMixer:
         self.compute = _computation(module)
         self.kernels = _kernels(module)
 
-    def __call__(self, hidden_states, cache_params=None, attention_mask=None, past_key_values=None, **kwargs):
+    def __call__(
+        self, hidden_states, cache_params=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
+    ):
         m, cfg = self.module, self.cfg
         if lost_group(cfg):
             raise ValueError(LOST_GROUP)
         rank, world_size = group_rank_and_size(cfg.group)
         batch, local_len, _ = hidden_states.shape
-        cache = cache_params if cache_params is not None else past_key_values
+        cache = next((c for c in (cache_params, past_key_values, cache) if c is not None), None)
         memory = _memory(cache, m.layer_idx)
         if memory:  # a decode step of ring_generate: the same new tokens on every rank, after the prefill's state
             plan = chunks(local_len, rank=0, world_size=1, layout=cfg.layout)

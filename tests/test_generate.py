@@ -94,7 +94,7 @@ def _forgetting(model):
 
     def hook(module, args, kwargs):
         calls.append(1)
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # Transformers 5.24's name, earlier releases'
         if len(calls) == 2 and cache is not None:  # the first decode step
             for record in cache.mixer_records.values():
                 if "state" in record:
