@@ -14,6 +14,14 @@ become global document ids of the unsharded sequence (``ring_document_ids``, -1 
 attention function hands to ``ring_attention``. They stay on the CPU: the ring classifies tiles on
 the host, so a device copy would only cost a sync per layer.
 
+Images and video (``pixel_values`` or ``pixel_values_videos`` in the batch): the vision features must land on
+the image tokens of the whole sequence and multimodal RoPE (Qwen-VL) numbers the whole sequence, so
+``input_ids`` (padded to the layout's multiple, with an ``attention_mask`` when anything is padding) and the
+media keys go to the model whole, and the model's text model cuts its input embeddings and positions to the
+rank's shard (``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the sequence keys
+is per image (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
+(``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys.
+
 No communication happens here: every rank shards the same full batch (it must be identical on every
 rank of the group), so every error is raised on every rank before any collective.
 """
@@ -36,12 +44,16 @@ from .layout import (
     valid_cu_seqlens,
 )
 
-__all__ = ["shard_batch", "reduce_loss", "IGNORE_INDEX"]
+__all__ = ["shard_batch", "reduce_loss", "IGNORE_INDEX", "MEDIA_KEYS"]
 
 IGNORE_INDEX = -100
 
+MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
+"""Keys whose presence makes a batch multimodal (its inputs go to the model whole, see the module docstring)."""
+
 _SEQUENCE_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # per token in a multimodal batch: padded as input_ids
 
 
 def _group(group) -> tuple[int, int]:
@@ -56,11 +68,13 @@ def _group(group) -> tuple[int, int]:
 def _validate(batch) -> tuple:
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_batch expects a dict of tensors from a collator, got {type(batch).__name__}")
+    media = any(batch.get(k) is not None for k in MEDIA_KEYS)
     unknown = sorted(set(batch) - set(_SEQUENCE_KEYS) - set(_PACKING_KEYS))
-    if unknown:
+    if unknown and not media:
         raise ValueError(
             f"shard_batch does not know how to shard {unknown}; it takes {', '.join(_SEQUENCE_KEYS)} "
-            f"(and the packing keys {', '.join(_PACKING_KEYS)}); remove the others from the batch"
+            f"(and the packing keys {', '.join(_PACKING_KEYS)}; with images or video {', '.join(MEDIA_KEYS)} and "
+            "their per-image keys); remove the others from the batch"
         )
     input_ids = batch.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
@@ -68,6 +82,34 @@ def _validate(batch) -> tuple:
     shape = tuple(input_ids.shape)
     if shape[1] == 0:
         raise ValueError("shard_batch: input_ids is empty (seq_len 0)")
+    if media:
+        for key in MEDIA_KEYS:
+            value = batch.get(key)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"shard_batch: {key} must be a tensor (as a processor returns it), got {type(value).__name__}"
+                )
+        packing = [k for k in ("position_ids", *_PACKING_KEYS) if batch.get(k) is not None]
+        if packing:
+            raise ValueError(
+                f"shard_batch: a batch with images or video takes no {packing}: the model numbers the whole "
+                "sequence itself (multimodal RoPE), and packed documents with images are not supported; pad "
+                "instead (attention_mask)"
+            )
+        for key in _TOKEN_TYPE_KEYS:
+            t = batch.get(key)
+            if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"shard_batch: {key} must have the shape of input_ids {shape}, got {got}")
+        per_token = sorted(
+            k for k in unknown
+            if k not in _TOKEN_TYPE_KEYS and isinstance(batch[k], torch.Tensor) and tuple(batch[k].shape[:2]) == shape
+        )  # fmt: skip
+        if per_token:  # the labels are sharded: a per-token tensor left whole would no longer line up with them
+            raise ValueError(
+                f"shard_batch does not know how to shard {per_token} (per-token, the shape of input_ids) in a batch "
+                f"with images; it passes per-image keys on and pads {', '.join(_TOKEN_TYPE_KEYS)}; remove the others"
+            )
     labels, mask, pos = batch.get("labels"), batch.get("attention_mask"), batch.get("position_ids")
     for name, t in (("labels", labels), ("attention_mask", mask)):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
@@ -97,7 +139,7 @@ def _validate(batch) -> tuple:
         pos = (torch.arange(shape[1]) - cu[doc])[None].to(input_ids.device)
     elif pos is None and batch.get("seq_idx") is not None:
         raise ValueError("shard_batch: a batch packed with seq_idx also needs position_ids (or cu_seq_lens_q)")
-    return input_ids, labels, mask, pos
+    return input_ids, labels, mask, pos, media
 
 
 def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: bool = True) -> dict:
@@ -107,7 +149,8 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         batch: a collator's output: ``input_ids`` [batch, seq_len], optional ``labels`` (unshifted,
             -100 = ignore), ``attention_mask`` (1 = token, 0 = padding), ``position_ids`` (restarting
             at each document for packed batches), and optionally ``cu_seq_lens_q/k``,
-            ``max_length_q/k``, ``seq_idx`` (superseded by ``position_ids`` when both are present).
+            ``max_length_q/k``, ``seq_idx`` (superseded by ``position_ids`` when both are present); or
+            a vision-language processor's batch with ``pixel_values`` / ``pixel_values_videos`` (not packed).
             Identical on every rank of ``group``.
         group: the context-parallel process group (None: the default group; none initialised: 1 rank).
         layout: must match the layout given to ``apply_ring_attention``.
@@ -121,7 +164,9 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         and ``num_items_in_batch`` (valid targets in the whole batch); ``ring_document_ids``:
         [batch, padded seq_len] (CPU, int32) when the batch is packed or padded, else None;
         ``ring_shard_info``: a ``ShardInfo`` (layout, group size, rank, padded length) that the
-        attention checks against ``apply_ring_attention``'s settings; ``use_cache=False``.
+        attention checks against ``apply_ring_attention``'s settings; ``use_cache=False``. A batch with
+        images or video keeps ``input_ids`` [batch, padded seq_len] whole (with ``attention_mask`` when
+        anything is padding), passes its media keys on and has no ``position_ids``; the labels are sharded.
 
     Warning:
         ``labels`` in the output are ALREADY SHIFTED (``labels[:, i]`` is the target of token i, equal to
@@ -131,7 +176,7 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
     """
     check_layout(layout)
     rank, world = _group(group)
-    input_ids, labels, mask, pos = _validate(batch)
+    input_ids, labels, mask, pos, media = _validate(batch)
     b, s = input_ids.shape
     m = required_multiple(layout, world)
     pad = -s % m
@@ -164,8 +209,17 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         local[name] = shard(x, dim=1, rank=rank, world_size=world, layout=layout)
 
     ids = torch.nn.functional.pad(input_ids, (0, pad), value=0) if pad else input_ids
-    put("input_ids", ids)
-    put("position_ids", pos)
+    if media:  # the whole inputs: the model's text model cuts its embeddings and positions (ShardInfo.whole_inputs)
+        local["input_ids"] = ids
+        if padded:  # the model's multimodal positions skip padding as they do unsharded
+            local["attention_mask"] = valid.to(device=dev, dtype=mask.dtype if mask is not None else torch.long)
+        for key, value in batch.items():
+            if key not in _SEQUENCE_KEYS:
+                per_token = key in _TOKEN_TYPE_KEYS and isinstance(value, torch.Tensor)
+                local[key] = torch.nn.functional.pad(value, (0, pad), value=0) if per_token and pad else value
+    else:
+        put("input_ids", ids)
+        put("position_ids", pos)
     if labels is not None:
         full = torch.full((b, s + pad), IGNORE_INDEX, dtype=torch.long, device=labels.device)
         full[:, : s - 1] = labels[:, 1:]
@@ -177,7 +231,7 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         local["num_items_in_batch"] = (full != IGNORE_INDEX).sum()
     # present even when None: tells the attention function that packing and padding are resolved
     local[DOCUMENT_IDS_KWARG] = torch.where(valid, docs, -1).to(torch.int32) if packed or padded else None
-    local[SHARD_INFO_KWARG] = ShardInfo(layout=layout, world_size=world, rank=rank, seq_len=s + pad)
+    local[SHARD_INFO_KWARG] = ShardInfo(layout=layout, world_size=world, rank=rank, seq_len=s + pad, whole_inputs=media)
     return local
 
 

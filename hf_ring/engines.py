@@ -24,6 +24,7 @@ helpers only where ``deepspeed`` is installed).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -275,11 +276,26 @@ ACCELERATOR_WAY_OUT = (
 
 def check_ddp_reaches_every_parameter(accelerator, model, way_out: str = ACCELERATOR_WAY_OUT) -> None:
     """ValueError when DDP would fail at the second step: trainable parameters that text-only batches never reach
-    (a vision-language model's vision tower) without ``find_unused_parameters`` (``way_out``: how to set it)."""
+    (a vision-language model's vision tower) without ``find_unused_parameters`` (``way_out``: how to set it). Not
+    for the families that take images under the ring (``patches.multimodal.IMAGES``): their batches may carry
+    images, and a mix with text-only batches needs ``find_unused_parameters`` as it does under plain DDP."""
+    from .apply import unwrap_transformers_model
+    from .patches import REGISTRY
+
     handler = getattr(accelerator, "ddp_handler", None)
     if engine_of(accelerator) != "ddp" or getattr(handler, "find_unused_parameters", False):
         return
     unused = outside_text_model(model)
+    patch = REGISTRY.get(getattr(unwrap_transformers_model(model).config, "model_type", None))
+    if unused and getattr(patch, "images", False):  # its batches may carry images, which reach the vision tower
+        warnings.warn(
+            f"{len(unused)} trainable parameters of this vision-language model (e.g. {unused[0]}) lie outside its "
+            "text model: under DDP every batch must reach them (images in every batch, and every vision layer "
+            "used: LLaVA's default feature layer leaves the last one out), else DDP fails at the second step; "
+            f"freeze them or {way_out} if some batches are text-only",
+            stacklevel=3,
+        )
+        return
     if unused:
         raise ValueError(
             f"{len(unused)} trainable parameters of this vision-language model (e.g. {unused[0]}) lie outside its "

@@ -91,12 +91,18 @@ class ShardInfo:
 
     A plain frozen dataclass, so it passes through the model's ``**kwargs`` to the attention function
     unchanged: ``.to()`` / Accelerate's ``send_to_device`` / the Trainer's ``_prepare_inputs`` leave it alone.
+
+    ``whole_inputs``: a batch with images or video. The model gets the whole (padded) ``input_ids``, merges
+    the vision features into the token embeddings and computes its positions on the whole sequence, and the
+    text model's pre-hook (``hf_ring.patches._family.ShardEmbeddings``) cuts its input embeddings and
+    positions to this rank's shard; the labels are sharded and the document ids given as for text.
     """
 
     layout: str
     world_size: int
     rank: int
     seq_len: int
+    whole_inputs: bool = False
 
 
 class _Dropped(enum.Enum):

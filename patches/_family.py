@@ -29,12 +29,31 @@ from collections.abc import Callable
 
 import torch
 
+from ..comm import group_rank_and_size
 from ..guard import in_backward
-from ..hf_attention import ATTN_IMPLEMENTATION, BATCH_DOCUMENT_KWARGS, CONFIG_ATTR, RingConfig, register
+from ..hf_attention import (
+    ATTN_IMPLEMENTATION,
+    BATCH_DOCUMENT_KWARGS,
+    CONFIG_ATTR,
+    SHARD_INFO_KWARG,
+    RingConfig,
+    ShardInfo,
+    register,
+)
+from ..layout import shard
 from ..ring import PlanCache
 from . import _rope, linear
 
-__all__ = ["EndBatch", "FamilyPatch", "LogitTransform", "ORIGINAL_ATTR", "StartBatch", "TextOnly", "is_applied"]
+__all__ = [
+    "EndBatch",
+    "FamilyPatch",
+    "LogitTransform",
+    "ORIGINAL_ATTR",
+    "ShardEmbeddings",
+    "StartBatch",
+    "TextOnly",
+    "is_applied",
+]
 
 ORIGINAL_ATTR = "hf_ring_original_attn_implementation"
 """Attribute of a patched model holding the attention implementation to restore on revert."""
@@ -118,12 +137,19 @@ def _carries(value) -> bool:
 class TextOnly:
     """Forward pre-hook of a vision-language model whose text model is patched: a call with images, video or audio
     (the family's ``media`` keywords, or ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises, on
-    every rank alike, before anything runs. Image tokens attend to each other both ways, which the ring's causal
-    masks do not express; audio features would need the same sharding as images."""
+    every rank alike, before anything runs. Image tokens attend to each other both ways (Gemma 3, Gemma 4), which
+    the ring's causal masks do not express; audio features would need the same sharding as images.
 
-    def __init__(self, name: str, media: tuple):
+    ``images``: the family takes images and video under the ring (its text model attends causally over image
+    tokens; ``ShardEmbeddings``); a batch carrying them must then come whole from ``shard_batch``
+    (``ShardInfo.whole_inputs``) whenever ``group`` (the ring's) has more than one rank, else it raises: inputs cut
+    some other way would leave each rank's image tokens and features unmatched, and only some ranks would raise."""
+
+    def __init__(self, name: str, media: tuple, images: bool = False, group=None):
         self.name = name
         self.media = media
+        self.images = images
+        self.group = group
 
     def __call__(self, module, args, kwargs) -> None:
         named = dict(kwargs)
@@ -131,6 +157,16 @@ class TextOnly:
             names = list(inspect.signature(type(module).forward).parameters)[1:]
             named.update(zip(names, args))
         given = [k for k in self.media if _carries(named.get(k))]
+        if self.images:
+            info = named.get(SHARD_INFO_KWARG)
+            whole = info.whole_inputs if isinstance(info, ShardInfo) else group_rank_and_size(self.group)[1] == 1
+            if given and not whole:
+                raise ValueError(
+                    f"{self.name}: the batch carries {', '.join(given)} but its input_ids were sharded: pass the whole "
+                    "batch, images included, to hf_ring.shard_batch (or the plugin's DataLoader), which keeps the "
+                    "inputs of a batch with images whole for the model to shard after merging the image features"
+                )
+            return
         for key in ("token_type_ids", "mm_token_type_ids"):  # Gemma 3's; Gemma 4's
             types = named.get(key)
             if isinstance(types, torch.Tensor) and bool((types != 0).any()):
@@ -138,8 +174,50 @@ class TextOnly:
         if given:
             raise ValueError(
                 f"hf_ring patches the text model of this {self.name} model and runs text-only batches; the batch "
-                f"carries {', '.join(given)}: images, video or audio are not supported under ring attention"
+                f"carries {', '.join(given)}: images, video or audio are not supported under ring attention for "
+                "this family"
             )
+
+
+class ShardEmbeddings:
+    """Forward pre-hook (with keywords) of the text model of a vision-language model that takes images under the
+    ring. For a batch ``shard_batch`` left whole (``ShardInfo.whole_inputs``: it has images or video) the model has
+    merged the vision features into the embeddings of the whole sequence and computed its positions (multimodal
+    RoPE) there; this cuts ``inputs_embeds`` and ``position_ids`` (arange when the model passes None) to the
+    rank's shard, drops ``attention_mask`` (the padding reaches the attention as document ids) and, for
+    Qwen3-VL's deepstack, cuts ``visual_pos_masks`` and picks the rank's rows of ``deepstack_visual_embeds``.
+    The cut is an index (``layout.shard``), so gradients flow back to the embeddings and the vision tower."""
+
+    def __call__(self, module, args, kwargs):
+        info = kwargs.get(SHARD_INFO_KWARG)
+        if not isinstance(info, ShardInfo) or not info.whole_inputs:
+            return None
+        embeds = kwargs.get("inputs_embeds")
+        if args or not isinstance(embeds, torch.Tensor) or embeds.shape[1] != info.seq_len:
+            got = "positional arguments" if args else getattr(embeds, "shape", None)
+            raise ValueError(
+                f"{type(module).__name__}: expected the whole sequence's inputs_embeds [batch, {info.seq_len}, hidden] "
+                f"as a keyword from its vision-language model, got {got}"
+            )
+
+        def cut(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+            return shard(x, dim=dim % x.dim(), rank=info.rank, world_size=info.world_size, layout=info.layout)
+
+        kwargs = dict(kwargs)
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = torch.arange(info.seq_len, device=embeds.device).expand(embeds.shape[0], -1)
+        kwargs["position_ids"] = cut(pos)  # [batch, seq] or multimodal [3 or 4, batch, seq]
+        kwargs["inputs_embeds"] = cut(embeds, dim=1)
+        kwargs["attention_mask"] = None
+        visual = kwargs.get("visual_pos_masks")
+        if visual is not None:  # Qwen3-VL: rows of deepstack features, one per image token of the whole batch
+            rows = (visual.flatten().long().cumsum(0) - 1).view(visual.shape)
+            mine = cut(visual)
+            kwargs["visual_pos_masks"] = mine
+            take = cut(rows)[mine]
+            kwargs["deepstack_visual_embeds"] = [e[take.to(e.device)] for e in kwargs["deepstack_visual_embeds"]]
+        return args, kwargs
 
 
 def _switch(model, implementation: str) -> None:
@@ -159,16 +237,18 @@ def _switch(model, implementation: str) -> None:
 
 def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None) -> None:
     """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans`` (and
-    ``text_only`` on the outermost model and the inner ones sharing its config)."""
+    ``text_only`` on the outermost model and the inner ones sharing its config; for a family that takes images,
+    ``ShardEmbeddings`` on its text model)."""
     from transformers import PreTrainedModel
 
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    text = top.config.get_text_config() if text_only is not None and text_only.images else None
     for m in model.modules():
         if not isinstance(m, PreTrainedModel):
             continue
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for hook_id, hook in list(hooks.items()):
-                if isinstance(hook, (StartBatch, EndBatch, TextOnly)):
+                if isinstance(hook, (StartBatch, EndBatch, TextOnly, ShardEmbeddings)):
                     del hooks[hook_id]
                     m._forward_hooks_always_called.pop(hook_id, None)
         if plans is not None:
@@ -176,6 +256,8 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
             m.register_forward_hook(EndBatch(plans), always_call=True)
             if text_only is not None and m.config is top.config:  # every level that takes images (not the tower)
                 m.register_forward_pre_hook(text_only, with_kwargs=True, prepend=True)
+            if text is not None and m.config is text and m is not top:  # the text model inside the wrapper
+                m.register_forward_pre_hook(ShardEmbeddings(), with_kwargs=True, prepend=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +295,11 @@ class FamilyPatch:
     # StableLM); without them no document ids or sharded KV cache arrive, so ring_generate refuses the family
     layer_kwargs: bool = True
     # a vision-language model (its text model of a supported family is patched, nothing else): the keywords that
-    # carry images or video into its forward, refused (``TextOnly``); () for text models
+    # carry images or video into its forward, refused (``TextOnly``) unless ``images``; () for text models
     media: tuple = ()
+    # the vision-language model takes images and video under the ring: its text model attends causally over image
+    # tokens, and its embeddings are cut to the shard after the merge (``ShardEmbeddings``)
+    images: bool = False
     # the family's linear-attention, Mamba2 or short-convolution class (hybrid models: ``generic.LINEAR``), whose
     # modules' forward ``patches.linear`` replaces while the model is patched; None: attention layers only
     linear_class: str | None = None
@@ -282,7 +367,8 @@ class FamilyPatch:
         _rope.install(rotaries, cfg)
         linear.remove(model)
         linear.install(mixers, cfg)
-        _set_hooks(model, cfg.plans, TextOnly(self.name, self.media) if self.media else None)
+        text_only = TextOnly(self.name, self.media, self.images, cfg.group) if self.media else None
+        _set_hooks(model, cfg.plans, text_only)
         setattr(model, ORIGINAL_ATTR, original)
         return model
 

@@ -1,4 +1,5 @@
-"""Vision-language models whose text model is of a supported family, for text-only batches.
+"""Vision-language models whose text model is of a supported family: text-only batches, and for most of them
+batches with images and video.
 
 Transformers loads some of the most fine-tuned checkpoints as vision-language models even for text work:
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
@@ -12,11 +13,26 @@ language model is a plain decoder of a family hf_ring supports (``gemma3_text``;
 
 The patch switches the text model's attention only (``set_attn_implementation`` for the text sub-config; the
 vision tower keeps its own); the text config's family (``VisionLanguagePatch.text``) finds its attention modules
-and checks the text config. A call with images or video
-(``pixel_values``, ``input_features``, ``mm_encoder_outputs``, ``token_type_ids`` / ``mm_token_type_ids`` marking
-image tokens) raises on every rank before anything runs (``_family.TextOnly``): image tokens attend to each other
-both ways, which the ring's causal masks do not express. Gemma 4's head softcaps its logits with the text config's
-``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's and Mistral 3's apply nothing.
+and checks the text config.
+
+Images and video (``IMAGES``: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
+Mistral 3, Idefics3, SmolVLM). Their text model attends causally over image tokens as over text, so the ring needs nothing
+new; what needs care is where the vision features land and how positions are numbered. ``shard_batch`` hands
+such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower on every image of
+the batch, merges the features into the embeddings of the whole sequence and numbers it (Qwen-VL's multimodal
+RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model, cuts the embeddings,
+positions and Qwen3-VL's deepstack features to the rank's shard. Gradients flow back through that cut, so each
+rank's vision tower gets the gradient of its own image tokens and the usual CP gradient sum makes it whole. The
+cost: every rank of a CP group runs the vision tower on all the batch's images and holds the whole sequence's
+input embeddings ([batch, seq, hidden], e.g. 0.9 GiB at 128K tokens and hidden 3584 in bf16) until the cut, and
+their gradient of that size in the backward.
+
+The others refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
+``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
+(``_family.TextOnly``). Gemma 3's and Gemma 4's image tokens attend to each other both ways, which the ring's causal
+masks do not express; LLaVA-NeXT's any-resolution tiles and LFM2-VL's are untested. Gemma 4's head softcaps its
+logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's
+and Mistral 3's apply nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +43,7 @@ import functools
 from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch
 
-__all__ = ["DEDICATED", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
+__all__ = ["DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
 
 MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs")
 """Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward."""
@@ -49,6 +65,24 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "idefics3": ("llama",),  # Idefics3
     "smolvlm": ("llama",),  # SmolVLM
 }
+
+
+IMAGES = (
+    "llava",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "internvl",
+    "mistral3",
+    "idefics3",
+    "smolvlm",
+)
+"""Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
+over text), so only the embeddings need cutting after the vision features are merged (``_family.ShardEmbeddings``;
+``shard_batch`` keeps such a batch whole). Gemma 3 and Gemma 4 let image tokens attend both ways: refused."""
 
 
 LOGIT_TRANSFORMS = {"gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"]}
@@ -116,6 +150,7 @@ PATCHES = {
         check_config=functools.partial(_check, wrapper=model_type),
         logit_transform=LOGIT_TRANSFORMS.get(model_type),
         media=MEDIA,
+        images=model_type in IMAGES,
         text_types=types,
     )
     for model_type, types in WRAPPERS.items()

@@ -143,14 +143,25 @@ def _sub_configs(config) -> list:
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
     """The text model of a vision-language model is patched; images, video or image tokens raise before anything
-    runs, naming what the batch carries; without them the model runs as before."""
+    runs, naming what the batch carries (for the families that take images: images beside input_ids that were
+    sharded); without them the model runs as before."""
     from hf_ring.patches._family import TextOnly
+    from hf_ring.patches.multimodal import IMAGES
 
     model = make_model(family).eval()
     ids = _ids()
     before = _logits(model, input_ids=ids)
     hf_ring.apply_ring_attention(model)
     pixels = torch.zeros(1, 3, 28, 28)
+    if model.config.model_type in IMAGES:
+        sharded = hf_attention.ShardInfo(layout="zigzag", world_size=1, rank=0, seq_len=ids.shape[1])
+        for call in (model, model.model):  # the outer model and the inner one, called on its own
+            with pytest.raises(ValueError, match="carries pixel_values but its input_ids were sharded"):
+                call(input_ids=ids, pixel_values=pixels, **{hf_attention.SHARD_INFO_KWARG: sharded})
+        torch.testing.assert_close(_logits(model, input_ids=ids), before, atol=ATOL, rtol=0)
+        hf_ring.revert_ring_attention(model)
+        assert not any(isinstance(h, TextOnly) for m in model.modules() for h in m._forward_pre_hooks.values())
+        return
     for call in (
         lambda: model(input_ids=ids, pixel_values=pixels),
         lambda: model(
@@ -177,6 +188,55 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
     hf_ring.revert_ring_attention(model)
     model(input_ids=ids, pixel_values=None)  # the hooks are gone with the patch
     assert not any(isinstance(h, TextOnly) for m in model.modules() for h in m._forward_pre_hooks.values())
+
+
+@pytest.mark.parametrize(
+    "family, kind",
+    [
+        ("llava", "images"),
+        ("qwen2_vl", "images-padded"),
+        ("qwen2_5_vl", "video"),
+        ("qwen3_vl", "images"),
+        ("qwen3_vl_moe", "images-padded"),
+        ("qwen3_5", "images"),
+        ("qwen3_5_moe", "images-padded"),
+        ("internvl", "images"),
+        ("mistral3", "images-padded"),
+        ("idefics3", "images"),
+        ("smolvlm", "images-padded"),
+    ],
+)
+def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
+    """A batch with images or video: shard_batch keeps input_ids whole and passes the media keys on, the text
+    model's hook cuts the merged embeddings (at one rank: all of them); the logits of every real token equal the
+    unpatched model's, and revert removes the hook."""
+    from hf_ring.patches._family import ShardEmbeddings
+
+    model = make_model(family, images=True).eval()
+    batch, _ = make_batch(kind, 40, family=family)
+    before = _logits(model, **batch)
+    hf_ring.apply_ring_attention(model)
+    local = hf_ring.shard_batch(batch)
+    assert local[hf_attention.SHARD_INFO_KWARG].whole_inputs and "position_ids" not in local
+    assert torch.equal(local["input_ids"], batch["input_ids"]) and local["pixel_values"] is batch["pixel_values"]
+    real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+    torch.testing.assert_close(_logits(model, **local)[real], before[real], atol=ATOL, rtol=0)
+    assert sum(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values()) == 1
+    hf_ring.revert_ring_attention(model)
+    assert not any(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values())
+
+
+def test_shard_batch_with_images_refuses_packing_and_misshaped_token_types():
+    batch, _ = make_batch("images", 40, family="qwen2_vl")
+    for extra, match in (
+        ({"position_ids": torch.arange(40)[None]}, "takes no \\['position_ids'\\]"),
+        ({"cu_seq_lens_q": torch.tensor([0, 20, 40])}, "packed documents with images are not supported"),
+        ({"mm_token_type_ids": torch.zeros(2, 39, dtype=torch.long)}, "mm_token_type_ids must have the shape"),
+        ({"pixel_values": [torch.zeros(3, 28, 28)]}, "pixel_values must be a tensor"),
+        ({"completion_mask": torch.ones(2, 40, dtype=torch.long)}, "how to shard \\['completion_mask'\\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            hf_ring.shard_batch({**batch, **extra})
 
 
 def test_vision_language_model_with_another_text_family_is_refused():

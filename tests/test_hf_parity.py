@@ -152,6 +152,18 @@ CASES = {
     "llava_next-padded": ("llava_next", "padded", 45, {}),
     "idefics3-plain": ("idefics3", "plain", 40, {}),
     "smolvlm-packed-lora": ("smolvlm", "packed", 45, {"lora": True}),
+    # vision-language models with images and video: the whole sequence's embeddings (vision features merged) and
+    # positions (Qwen-VL's multimodal RoPE) cut to the shard; the vision tower's gradients summed over the ranks
+    "llava-images": ("llava", "images", 45, {}),
+    "qwen2_vl-images-padded": ("qwen2_vl", "images-padded", 40, {}),
+    "qwen2_5_vl-video-checkpointing": ("qwen2_5_vl", "video", 45, {"checkpointing": True}),
+    "qwen3_vl-images-padded": ("qwen3_vl", "images-padded", 45, {}),  # deepstack: features added in layer 0
+    "qwen3_vl_moe-images-ulysses": ("qwen3_vl_moe", "images", 40, {"ulysses": 2}),
+    "qwen3_5-images-padded": ("qwen3_5", "images-padded", 40, {}),  # Gated DeltaNet layers
+    "internvl-images-padded": ("internvl", "images-padded", 45, {}),
+    "mistral3-images-lora": ("mistral3", "images", 40, {"lora": True}),
+    "idefics3-images-padded": ("idefics3", "images-padded", 40, {}),
+    "smolvlm-images": ("smolvlm", "images", 45, {}),
     # hybrids: Gated DeltaNet layers (their states and convolution inputs cross the ranks; no packed documents)
     "qwen3_5_text-plain": ("qwen3_5_text", "plain", 45, {}),
     "qwen3_5_text-padded-lora-checkpointing": ("qwen3_5_text", "padded", 40, {"lora": True, "checkpointing": True}),
@@ -220,11 +232,12 @@ def _parity(rank: int, names: list) -> dict:
     results = {}
     for name in names:
         family, kind, seq_len, opts = CASES[name]
-        ours_batch, ref_batch = make_batch(kind, seq_len)
-        model = _prepare(family, opts)
+        ours_batch, ref_batch = make_batch(kind, seq_len, family=family)
+        images = kind in ("images", "images-padded", "video")
+        model = _prepare(family, opts, images=images)
         bf16 = opts.get("dtype") == torch.bfloat16
         if rank == 0:
-            ref32 = _prepare(family, opts, dtype=torch.float32) if bf16 else model
+            ref32 = _prepare(family, opts, dtype=torch.float32, images=images) if bf16 else model
             ref_loss, ref_grads = _reference(ref32, ref_batch)
             if bf16:
                 loss16, grads16 = _reference(model, ref_batch)
@@ -353,6 +366,13 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
         vlm(**local)
         out["vlm_images"] = _error_of(lambda: vlm(**local, pixel_values=torch.zeros(1, 3, 28, 28)))
         out["vlm_after"] = bool(torch.isfinite(vlm(**local).loss))
+    # a family that takes images, its input_ids cut by hand (not through shard_batch): every rank raises
+    images, _ = make_batch("images", 40, family="qwen2_vl")
+    by_hand = {k: v[:, rank * 20 : rank * 20 + 20] if k in ("input_ids", "mm_token_type_ids") else v
+               for k, v in images.items() if k != "labels"}  # fmt: skip
+    qwen = hf_ring.apply_ring_attention(make_model("qwen2_vl", images=True))
+    with torch.no_grad():
+        out["vlm_images_by_hand"] = _error_of(lambda: qwen(**by_hand))
 
     alive = torch.ones(1)
     dist.all_reduce(alive)
@@ -469,6 +489,7 @@ def test_hf_integration_distributed(world_size):
             assert max(r["errors"][f"rope_own_positions_{family}"] for r in results) > 1e-4, family
         for r in results:
             assert "images, video or audio are not supported" in r["errors"]["vlm_images"] and r["errors"]["vlm_after"]
+            assert "but its input_ids were sharded" in r["errors"]["vlm_images_by_hand"], r["errors"]
         mine = [r["errors"]["by_hand_restart_mine"] for r in results]
         assert any(mine) and not all(mine)  # the case where only some ranks can see the mistake
 

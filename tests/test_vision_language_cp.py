@@ -8,6 +8,9 @@
 - Either way out then trains exactly: with the vision tower and projector frozen, and with
   ``find_unused_parameters=True``, the per-step losses and final weights equal single-process training on the
   full sequences (the chunked loss on, as the plugin's default).
+- Qwen2-VL trained on batches with images (each sample an image; the collator concatenates their patches), its
+  vision tower trainable under plain DDP: the plugin's DataLoader keeps the inputs whole, the model cuts its
+  embeddings, and losses and final weights (vision tower included) equal single-process training.
 """
 
 from __future__ import annotations
@@ -50,11 +53,47 @@ def _weights(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(plugin, accelerator, model, data) -> tuple[list, dict]:
+def _train(plugin, accelerator, model, data, collate_fn=collate) -> tuple[list, dict]:
     from tests.train_utils import plugin_train
 
-    model, _, _, losses = plugin_train(plugin, accelerator, model, data, STEPS)
+    model, _, _, losses = plugin_train(plugin, accelerator, model, data, STEPS, collate_fn=collate_fn)
     return losses, _weights(accelerator.unwrap_model(model))
+
+
+def _image_samples(n: int) -> list:
+    """``n`` Qwen2-VL samples of SEQ_LEN tokens, each with one image (4 x 4 patches, 4 tokens) at its own place."""
+    from tests.hf_models import make_batch
+
+    samples = []
+    for i in range(n):
+        batch, _ = make_batch("video", SEQ_LEN, seed=10 + i, family="qwen2_vl")  # row 0: an image at 5..8
+        samples.append({
+            "input_ids": batch["input_ids"][0], "labels": batch["labels"][0],
+            "mm_token_type_ids": batch["mm_token_type_ids"][0],
+            "pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"],
+        })  # fmt: skip
+    return samples
+
+
+def _collate_images(samples: list) -> dict:
+    """Token tensors stacked, every sample's image patches and grids concatenated (as Qwen2-VL's processor)."""
+    return {k: (torch.cat if k in ("pixel_values", "image_grid_thw") else torch.stack)([s[k] for s in samples])
+            for k in samples[0]}  # fmt: skip
+
+
+def _image_reference(data) -> tuple[list, dict]:
+    from tests.hf_models import make_model
+
+    model = make_model("qwen2_vl", images=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = model(**_collate_images(data[step * BATCH : (step + 1) * BATCH])).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, _weights(model)
 
 
 def _reference(data, frozen: bool) -> tuple[list, dict]:
@@ -75,6 +114,7 @@ def worker(out: Path) -> None:
     from accelerate.utils import DistributedDataParallelKwargs
 
     from hf_ring.accelerate import RingAttentionPlugin
+    from tests.hf_models import make_model
 
     data = token_dataset(BATCH * (STEPS + 1), SEQ_LEN)
     accelerator = Accelerator(cpu=True)
@@ -86,11 +126,22 @@ def worker(out: Path) -> None:
     res["frozen"], frozen_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=True), data)
     accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     res["unused"], unused_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=False), data)
+    images = _image_samples(BATCH * (STEPS + 1))
+    res["images"], images_state = _train(
+        RingAttentionPlugin(cp_size=2), Accelerator(cpu=True), make_model("qwen2_vl", images=True), images,
+        _collate_images,
+    )  # fmt: skip
     if accelerator.process_index == 0:
         for name, state, frozen in (("frozen", frozen_state, True), ("unused", unused_state, False)):
             ref_losses, ref_state = _reference(data, frozen)
             res[f"{name}_ref"] = ref_losses
             res[f"{name}_weights_err"] = max_param_rel_err(state, ref_state)
+        res["images_ref"], ref_state = _image_reference(images)
+        res["images_weights_err"] = max_param_rel_err(images_state, ref_state)
+        start = make_model("qwen2_vl", images=True).state_dict()
+        res["images_vision_trained"] = sum(  # the CP run's vision tower moved (its image features had gradients)
+            "visual" in k and not torch.equal(images_state[k], start[k]) for k in start
+        )
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(res))
     accelerator.wait_for_everyone()
 
@@ -109,12 +160,14 @@ def test_prepare_refuses_parameters_text_batches_never_reach(results):
         assert "requires_grad_(False)" in msg and "find_unused_parameters=True" in msg, msg
 
 
-@pytest.mark.parametrize("way", ["frozen", "unused"])
-def test_text_training_matches_one_process(results, way):
+@pytest.mark.parametrize("way", ["frozen", "unused", "images"])
+def test_training_matches_one_process(results, way):
     got, ref = results[0][way], results[0][f"{way}_ref"]
     assert results[1][way] == got  # every rank logs the same global loss
     assert len(got) == STEPS and max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= RTOL, (got, ref)
     assert results[0][f"{way}_weights_err"] <= RTOL
+    if way == "images":  # the vision tower trained (every rank's image features reached it)
+        assert results[0]["images_vision_trained"] > 0
 
 
 def test_the_check_names_what_text_batches_never_reach():
@@ -141,6 +194,8 @@ def test_the_check_names_what_text_batches_never_reach():
         fsdp_plugin=SimpleNamespace(fsdp_version=2))), model)  # fmt: skip
     check_ddp_reaches_every_parameter(ddp(False), _model(frozen=True))
     check_ddp_reaches_every_parameter(ddp(False), make_model("llama"))  # a text model: nothing outside
+    with pytest.warns(UserWarning, match="every batch must reach them"):  # takes images: its batches may reach all
+        check_ddp_reaches_every_parameter(ddp(False), make_model("qwen2_vl"))
     assert outside_text_model(make_model("llama")) == []
     lora = get_peft_model(_model(frozen=True), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     unused = outside_text_model(lora)

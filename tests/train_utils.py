@@ -274,11 +274,11 @@ def replica_reference(
     return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
-def plugin_train(plugin, accelerator, model, data, steps, out=None):
+def plugin_train(plugin, accelerator, model, data, steps, out=None, collate_fn=collate):
     from torch.utils.data import DataLoader
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    dl = DataLoader(data, batch_size=BATCH, collate_fn=collate)
+    dl = DataLoader(data, batch_size=BATCH, collate_fn=collate_fn)
     model, opt, dl = plugin.prepare(accelerator, model, opt, dl)
     losses, it = [], iter(dl)
     for step in range(steps):
