@@ -40,6 +40,7 @@ from transformers import Trainer
 
 from .accelerate import RingAttentionPlugin, apply_to_model, reshard_prepared_data_loader
 from .engines import check_ddp_reaches_every_parameter
+from .hf_attention import SHARD_INFO_KWARG, ShardInfo
 
 __all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer"]  # noqa: F822 - RingSFTTrainer is lazy
 
@@ -88,6 +89,14 @@ class RingAttentionTrainerMixin:
     def get_total_train_batch_size(self, args) -> int:
         """Samples per optimizer step: CP ranks share their samples, so divide the Trainer's count by cp_size."""
         return super().get_total_train_batch_size(args) // self.ring_setup.cp_size
+
+    def _track_num_input_tokens(self, inputs):
+        """A batch with images reaches every CP rank whole (``ShardInfo.whole_inputs``): only the group's first rank
+        counts its tokens, so ``num_input_tokens_seen`` is the number a text batch's shards add up to."""
+        info = inputs.get(SHARD_INFO_KWARG)
+        if isinstance(info, ShardInfo) and info.whole_inputs and info.rank != 0:
+            inputs = {k: v[:, :0] if k in ("input_ids", "attention_mask") else v for k, v in inputs.items()}
+        return super()._track_num_input_tokens(inputs)
 
     # evaluation: the plain-DP loss of this rank's DP group, gathered over the DP group
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list | None = None):

@@ -10,7 +10,9 @@
   full sequences (the chunked loss on, as the plugin's default).
 - Qwen2-VL trained on batches with images (each sample an image; the collator concatenates their patches), its
   vision tower trainable under plain DDP: the plugin's DataLoader keeps the inputs whole, the model cuts its
-  embeddings, and losses and final weights (vision tower included) equal single-process training.
+  embeddings, and losses and final weights (vision tower included) equal single-process training; the same with
+  ``RingAttentionTrainer`` (gradient accumulation 2, the Trainer's token-weighted loss), which counts the input
+  tokens once per CP group.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from tests.train_utils import (
     BATCH,
+    GA,
     LR,
     SEQ_LEN,
     collate,
@@ -109,6 +112,42 @@ def _reference(data, frozen: bool) -> tuple[list, dict]:
     return losses, _weights(model)
 
 
+def _image_trainer(out: Path, images: list) -> tuple[list, dict, int]:
+    """``RingAttentionTrainer`` on the image samples (gradient accumulation over 2 micro-batches, tokens counted)."""
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.trainer import RingAttentionTrainer
+    from tests.hf_models import make_model
+    from tests.train_utils import logged_losses, trainer_args
+
+    trainer = RingAttentionTrainer(
+        model=make_model("qwen2_vl", images=True),
+        args=trainer_args(out, "images_trainer", include_num_input_tokens_seen="all", ddp_find_unused_parameters=False),
+        train_dataset=images,
+        data_collator=_collate_images,
+        ring_plugin=RingAttentionPlugin(cp_size=2),
+    )
+    trainer.train()
+    return logged_losses(trainer), _weights(trainer.model), trainer.state.num_input_tokens_seen
+
+
+def _image_trainer_reference(data) -> tuple[list, dict]:
+    """One process: the Trainer's token-weighted loss over the GA micro-batches of each step."""
+    from tests.hf_models import make_model
+
+    model = make_model("qwen2_vl", images=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        micro = [_collate_images(data[(step * GA + m) * BATCH :][:BATCH]) for m in range(GA)]
+        counts = [int((b["labels"][:, 1:] != -100).sum()) for b in micro]
+        total = sum(model(**b).loss * n for b, n in zip(micro, counts)) / sum(counts)
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+    return losses, _weights(model)
+
+
 def worker(out: Path) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
@@ -131,7 +170,11 @@ def worker(out: Path) -> None:
         RingAttentionPlugin(cp_size=2), Accelerator(cpu=True), make_model("qwen2_vl", images=True), images,
         _collate_images,
     )  # fmt: skip
+    trainer_images = _image_samples(BATCH * GA * STEPS)
+    res["images_trainer"], trainer_state, res["images_tokens_seen"] = _image_trainer(out, trainer_images)
     if accelerator.process_index == 0:
+        res["images_trainer_ref"], ref_state = _image_trainer_reference(trainer_images)
+        res["images_trainer_weights_err"] = max_param_rel_err(trainer_state, ref_state)
         for name, state, frozen in (("frozen", frozen_state, True), ("unused", unused_state, False)):
             ref_losses, ref_state = _reference(data, frozen)
             res[f"{name}_ref"] = ref_losses
@@ -160,7 +203,7 @@ def test_prepare_refuses_parameters_text_batches_never_reach(results):
         assert "requires_grad_(False)" in msg and "find_unused_parameters=True" in msg, msg
 
 
-@pytest.mark.parametrize("way", ["frozen", "unused", "images"])
+@pytest.mark.parametrize("way", ["frozen", "unused", "images", "images_trainer"])
 def test_training_matches_one_process(results, way):
     got, ref = results[0][way], results[0][f"{way}_ref"]
     assert results[1][way] == got  # every rank logs the same global loss
@@ -168,6 +211,8 @@ def test_training_matches_one_process(results, way):
     assert results[0][f"{way}_weights_err"] <= RTOL
     if way == "images":  # the vision tower trained (every rank's image features reached it)
         assert results[0]["images_vision_trained"] > 0
+    if way == "images_trainer":  # tokens counted once per CP group: the layout pads each row of 30 to 32
+        assert all(r["images_tokens_seen"] == STEPS * GA * BATCH * 32 for r in results), results
 
 
 def test_the_check_names_what_text_batches_never_reach():
