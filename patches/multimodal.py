@@ -15,7 +15,7 @@ The patch switches the text model's attention only (``set_attn_implementation`` 
 vision tower keeps its own); the text config's family (``VisionLanguagePatch.text``) finds its attention modules
 and checks the text config.
 
-Images and video (``IMAGES``: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
+Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
 Mistral 3, Idefics3, SmolVLM). Their text model attends causally over image tokens as over text, so the ring needs nothing
 new; what needs care is where the vision features land and how positions are numbered. ``shard_batch`` hands
 such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower on every image of
@@ -30,7 +30,7 @@ their gradient of that size in the backward.
 The others refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
 (``_family.TextOnly``). Gemma 3's and Gemma 4's image tokens attend to each other both ways, which the ring's causal
-masks do not express; LLaVA-NeXT's any-resolution tiles and LFM2-VL's are untested. Gemma 4's head softcaps its
+masks do not express; LFM2-VL's images are untested. Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's
 and Mistral 3's apply nothing.
 """
@@ -69,6 +69,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
 
 IMAGES = (
     "llava",
+    "llava_next",
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",

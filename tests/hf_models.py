@@ -340,6 +340,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
     model.config.use_cache = False
     if images:
         model.config.image_token_index = MEDIA_TOKENS["image_token_id"]  # LLaVA's name for it
+        if family == "llava_next":
+            model.config.image_grid_pinpoints = NEXT_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
@@ -355,21 +357,25 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
 
 
 _IMAGE_SPOTS = ((0, 5), (0, 25), (1, 17))  # (row, first image token) of each image
+NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 28 x 28 vision tower
 
 
 def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> dict:
     """Two rows with three images (``kind`` "images", "images-padded": row 1 left-padded by 6) or, for Qwen-VL,
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
-    image (4 patch tokens); InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28 image."""
+    image (4 patch tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
+    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
+    image."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
     per_image = 4 if qwen or family == "llava" else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
-    for b, p in spots:
-        ids[b, p : p + per_image] = MEDIA_TOKENS["image_token_id"]
-        types[b, p : p + per_image] = 1
+    tokens = (10, 14, 10) if family == "llava_next" else (per_image,) * len(spots)
+    for (b, p), n in zip(spots, tokens):
+        ids[b, p : p + n] = MEDIA_TOKENS["image_token_id"]
+        types[b, p : p + n] = 1
     extra = {}
     if qwen:
         patch = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
@@ -388,6 +394,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family in ("idefics3", "smolvlm"):  # [batch, images per row, 3, h, w]; an all-zero image is padding
         extra["pixel_values"] = torch.randn(2, 2, 3, 28, 28, generator=g)
         extra["pixel_values"][1, 1] = 0
+    elif family == "llava_next":  # [images, base + up to 2 tiles, 3, h, w] (unused tiles padded), their sizes
+        extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
+        extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]])
     else:
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         if family == "mistral3":

@@ -194,6 +194,7 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
     "family, kind",
     [
         ("llava", "images"),
+        ("llava_next", "images"),
         ("qwen2_vl", "images-padded"),
         ("qwen2_5_vl", "video"),
         ("qwen3_vl", "images"),
