@@ -90,13 +90,21 @@ class RingAttentionTrainerMixin:
         """Samples per optimizer step: CP ranks share their samples, so divide the Trainer's count by cp_size."""
         return super().get_total_train_batch_size(args) // self.ring_setup.cp_size
 
+    # a batch with images reaches every CP rank whole (``ShardInfo.whole_inputs``), where a text batch's shards add
+    # up to the batch: the Trainer's token and FLOP counts take it once per CP group
     def _track_num_input_tokens(self, inputs):
-        """A batch with images reaches every CP rank whole (``ShardInfo.whole_inputs``): only the group's first rank
-        counts its tokens, so ``num_input_tokens_seen`` is the number a text batch's shards add up to."""
+        """Only the CP group's first rank counts the tokens of a whole-input batch (its padded length, or with
+        ``"non_padding"`` its attention mask's tokens)."""
         info = inputs.get(SHARD_INFO_KWARG)
         if isinstance(info, ShardInfo) and info.whole_inputs and info.rank != 0:
             inputs = {k: v[:, :0] if k in ("input_ids", "attention_mask") else v for k, v in inputs.items()}
         return super()._track_num_input_tokens(inputs)
+
+    def floating_point_ops(self, inputs) -> int:
+        """A whole-input batch's FLOPs shared by its CP group's ranks, as a text batch's shards share them."""
+        info = inputs.get(SHARD_INFO_KWARG)
+        flops = super().floating_point_ops(inputs)
+        return flops // info.world_size if isinstance(info, ShardInfo) and info.whole_inputs else flops
 
     # evaluation: the plain-DP loss of this rank's DP group, gathered over the DP group
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list | None = None):

@@ -127,7 +127,8 @@ def _image_trainer(out: Path, images: list) -> tuple[list, dict, int]:
         ring_plugin=RingAttentionPlugin(cp_size=2),
     )
     trainer.train()
-    return logged_losses(trainer), _weights(trainer.model), trainer.state.num_input_tokens_seen
+    flops = trainer.state.total_flos / (6 * trainer.model.num_parameters(exclude_embeddings=True))  # tokens
+    return logged_losses(trainer), _weights(trainer.model), [trainer.state.num_input_tokens_seen, flops]
 
 
 def _image_trainer_reference(data) -> tuple[list, dict]:
@@ -212,7 +213,9 @@ def test_training_matches_one_process(results, way):
     if way == "images":  # the vision tower trained (every rank's image features reached it)
         assert results[0]["images_vision_trained"] > 0
     if way == "images_trainer":  # tokens counted once per CP group: the layout pads each row of 30 to 32
-        assert all(r["images_tokens_seen"] == STEPS * GA * BATCH * 32 for r in results), results
+        assert all(r["images_tokens_seen"][0] == STEPS * GA * BATCH * 32 for r in results), results
+        # FLOPs (6 x parameters x tokens, summed over the ranks): each rank takes half of a whole batch
+        assert all(r["images_tokens_seen"][1] == pytest.approx(STEPS * GA * BATCH * 32) for r in results), results
 
 
 def test_the_check_names_what_text_batches_never_reach():
