@@ -11,11 +11,14 @@ the tests below assert on them:
 - ``reduce_loss`` is the same on every rank; schedulers step like a ``dp``-process run;
 - ``save_state`` / ``load_state`` + ``skip_first_batches`` resume to the identical next loss;
 - ``unwrap_model`` is the original model and ``save_pretrained`` loads without hf_ring;
-- a cp_size that does not divide the world raises on every rank, before any collective.
+- a cp_size that does not divide the world raises on every rank, before any collective;
+- batches with images (Qwen2-VL, trainable vision tower) over DP = 2 x CP = 2: the losses and final weights of
+  single-process training (DP replicas averaged).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -27,10 +30,13 @@ import torch
 from tests.train_utils import (
     REPO,
     collate,
+    collate_images,
     full_loss_sum,
+    image_samples,
     max_param_rel_err,
     read_results,
     rel_err,
+    replica_reference,
     run_worker,
     tiny_llama,
     token_dataset,
@@ -227,6 +233,31 @@ def worker(out: Path) -> None:
             original_lora.save_pretrained(out / "adapter")
             torch.save(lora_state, out / "adapter.pt")
 
+    # -- E: batches with images (Qwen2-VL, trainable vision tower) over DP x CP -------------------------
+    if world == 4:
+        from tests.hf_models import make_model
+
+        images = image_samples(BATCH * dp * (STEPS + 1))
+        vlm = make_model("qwen2_vl", images=True)
+        opt_e = torch.optim.SGD(vlm.parameters(), lr=LR)
+        dl_e = DataLoader(images, batch_size=BATCH, collate_fn=collate_images)
+        vlm, opt_e, dl_e = plugin.prepare(accelerator, vlm, opt_e, dl_e)
+        image_losses = []
+        for _, batch in zip(range(STEPS), dl_e):
+            loss = vlm(**batch).loss
+            accelerator.backward(loss)
+            opt_e.step()
+            opt_e.zero_grad()
+            image_losses.append(plugin.reduce_loss(loss).item())
+        res["image_losses"] = image_losses
+        image_state = {k: v.detach().clone() for k, v in accelerator.unwrap_model(vlm).state_dict().items()}
+        if rank == 0:
+            make = functools.partial(make_model, "qwen2_vl", images=True)
+            res["ref_image_losses"], ref_image_state = replica_reference(
+                images, dp, STEPS, make=make, collate_fn=collate_images
+            )
+            res["image_weights_err"] = max_param_rel_err(image_state, ref_image_state)
+
     # -- the reference, on rank 0 -------------------------------------------------------------------
     if rank == 0:
         ref_losses, ref_state = _reference(data, dp, STEPS, 1)
@@ -260,6 +291,15 @@ def launch(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"accelerate_w{world}")
     torchrun(Path(__file__), world, out, timeout=420)
     return world, out, read_results(out, world)
+
+
+def test_images_over_dp_and_cp_match_single_process_training(launch):
+    world, _, res = launch
+    if world != 4:
+        pytest.skip("the DP x CP launch runs it")
+    for r in res:
+        assert r["image_losses"] == pytest.approx(res[0]["ref_image_losses"], rel=RTOL)
+    assert res[0]["image_weights_err"] <= RTOL, res[0]["image_weights_err"]
 
 
 def test_losses_and_weights_match_single_process_training(launch):

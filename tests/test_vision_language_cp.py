@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -30,9 +31,11 @@ from tests.train_utils import (
     LR,
     SEQ_LEN,
     collate,
-    full_loss_sum,
+    collate_images,
+    image_samples,
     max_param_rel_err,
     read_results,
+    replica_reference,
     run_worker,
     token_dataset,
     torchrun,
@@ -63,55 +66,6 @@ def _train(plugin, accelerator, model, data, collate_fn=collate) -> tuple[list, 
     return losses, _weights(accelerator.unwrap_model(model))
 
 
-def _image_samples(n: int) -> list:
-    """``n`` Qwen2-VL samples of SEQ_LEN tokens, each with one image (4 x 4 patches, 4 tokens) at its own place."""
-    from tests.hf_models import make_batch
-
-    samples = []
-    for i in range(n):
-        batch, _ = make_batch("video", SEQ_LEN, seed=10 + i, family="qwen2_vl")  # row 0: an image at 5..8
-        samples.append({
-            "input_ids": batch["input_ids"][0], "labels": batch["labels"][0],
-            "mm_token_type_ids": batch["mm_token_type_ids"][0],
-            "pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"],
-        })  # fmt: skip
-    return samples
-
-
-def _collate_images(samples: list) -> dict:
-    """Token tensors stacked, every sample's image patches and grids concatenated (as Qwen2-VL's processor)."""
-    return {k: (torch.cat if k in ("pixel_values", "image_grid_thw") else torch.stack)([s[k] for s in samples])
-            for k in samples[0]}  # fmt: skip
-
-
-def _image_reference(data) -> tuple[list, dict]:
-    from tests.hf_models import make_model
-
-    model = make_model("qwen2_vl", images=True)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = model(**_collate_images(data[step * BATCH : (step + 1) * BATCH])).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses, _weights(model)
-
-
-def _reference(data, frozen: bool) -> tuple[list, dict]:
-    model = _model(frozen)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    for step in range(STEPS):
-        s, n = full_loss_sum(model, collate(data[step * BATCH : (step + 1) * BATCH]))
-        (s / n).backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(s / n))
-    return losses, _weights(model)
-
-
 def _image_trainer(out: Path, images: list) -> tuple[list, dict, int]:
     """``RingAttentionTrainer`` on the image samples (gradient accumulation over 2 micro-batches, tokens counted)."""
     from hf_ring.accelerate import RingAttentionPlugin
@@ -123,7 +77,7 @@ def _image_trainer(out: Path, images: list) -> tuple[list, dict, int]:
         model=make_model("qwen2_vl", images=True),
         args=trainer_args(out, "images_trainer", include_num_input_tokens_seen="all", ddp_find_unused_parameters=False),
         train_dataset=images,
-        data_collator=_collate_images,
+        data_collator=collate_images,
         ring_plugin=RingAttentionPlugin(cp_size=2),
     )
     trainer.train()
@@ -139,7 +93,7 @@ def _image_trainer_reference(data) -> tuple[list, dict]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        micro = [_collate_images(data[(step * GA + m) * BATCH :][:BATCH]) for m in range(GA)]
+        micro = [collate_images(data[(step * GA + m) * BATCH :][:BATCH]) for m in range(GA)]
         counts = [int((b["labels"][:, 1:] != -100).sum()) for b in micro]
         total = sum(model(**b).loss * n for b, n in zip(micro, counts)) / sum(counts)
         total.backward()
@@ -166,21 +120,23 @@ def worker(out: Path) -> None:
     res["frozen"], frozen_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=True), data)
     accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     res["unused"], unused_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=False), data)
-    images = _image_samples(BATCH * (STEPS + 1))
+    images = image_samples(BATCH * (STEPS + 1))
     res["images"], images_state = _train(
         RingAttentionPlugin(cp_size=2), Accelerator(cpu=True), make_model("qwen2_vl", images=True), images,
-        _collate_images,
+        collate_images,
     )  # fmt: skip
-    trainer_images = _image_samples(BATCH * GA * STEPS)
+    trainer_images = image_samples(BATCH * GA * STEPS)
     res["images_trainer"], trainer_state, res["images_tokens_seen"] = _image_trainer(out, trainer_images)
     if accelerator.process_index == 0:
         res["images_trainer_ref"], ref_state = _image_trainer_reference(trainer_images)
         res["images_trainer_weights_err"] = max_param_rel_err(trainer_state, ref_state)
         for name, state, frozen in (("frozen", frozen_state, True), ("unused", unused_state, False)):
-            ref_losses, ref_state = _reference(data, frozen)
+            ref_losses, ref_state = replica_reference(data, 1, STEPS, make=functools.partial(_model, frozen))
             res[f"{name}_ref"] = ref_losses
             res[f"{name}_weights_err"] = max_param_rel_err(state, ref_state)
-        res["images_ref"], ref_state = _image_reference(images)
+        res["images_ref"], ref_state = replica_reference(
+            images, 1, STEPS, make=lambda: make_model("qwen2_vl", images=True), collate_fn=collate_images
+        )
         res["images_weights_err"] = max_param_rel_err(images_state, ref_state)
         start = make_model("qwen2_vl", images=True).state_dict()
         res["images_vision_trained"] = sum(  # the CP run's vision tower moved (its image features had gradients)

@@ -62,7 +62,7 @@ def collate(features: list) -> dict:
 
 def full_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
     """(sum of token losses, number of targets) of the unmodified model on a full batch."""
-    out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+    out = model(**batch)
     n = int((batch["labels"][:, 1:] != -100).sum())
     return out.loss * n, n
 
@@ -237,19 +237,41 @@ SFT_KEYS = (
 # ---- plugin runs and their single-process reference, per data-parallel replica -------------------------
 
 
-def raw_batch(data, index):
-    return collate(data[index * BATCH : (index + 1) * BATCH])
+def raw_batch(data, index, collate_fn=collate):
+    return collate_fn(data[index * BATCH : (index + 1) * BATCH])
+
+
+def image_samples(n: int) -> list:
+    """``n`` Qwen2-VL samples of SEQ_LEN tokens, each with one image (4 x 4 patches, 4 tokens) at its own place
+    (for ``tests.hf_models.make_model("qwen2_vl", images=True)``)."""
+    from tests.hf_models import make_batch
+
+    samples = []
+    for i in range(n):
+        batch, _ = make_batch("video", SEQ_LEN, seed=10 + i, family="qwen2_vl")  # row 0: an image at 5..8
+        samples.append({
+            "input_ids": batch["input_ids"][0], "labels": batch["labels"][0],
+            "mm_token_type_ids": batch["mm_token_type_ids"][0],
+            "pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"],
+        })  # fmt: skip
+    return samples
+
+
+def collate_images(samples: list) -> dict:
+    """Token tensors stacked, every sample's image patches and grids concatenated (as Qwen2-VL's processor)."""
+    return {k: (torch.cat if k in ("pixel_values", "image_grid_thw") else torch.stack)([s[k] for s in samples])
+            for k in samples[0]}  # fmt: skip
 
 
 def replica_reference(
-    data, dp: int, steps: int, dtype=torch.float32, clip: float | None = None, make=None
+    data, dp: int, steps: int, dtype=torch.float32, clip: float | None = None, make=None, collate_fn=collate
 ) -> tuple[list, dict]:
     """Single-process SGD on full sequences: per-step token-weighted losses and final weights.
 
     ``dtype=torch.bfloat16`` runs forward and backward on a bf16 copy and applies the fp32 gradients to
     the fp32 weights, as an FSDP2 policy with bf16 parameters and fp32 reduction does. ``clip``: the
     gradient-norm clipping of the update (DeepSpeed's ``gradient_clipping``). ``make``: builds the model
-    (default ``tiny_llama``).
+    (default ``tiny_llama``); ``collate_fn``: builds a batch from the samples.
     """
     master = (make or tiny_llama)()
     opt = torch.optim.SGD(master.parameters(), lr=LR)
@@ -258,7 +280,7 @@ def replica_reference(
         model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
         sums, counts, means = [], [], []
         for d in range(dp):
-            s, n = full_loss_sum(model, raw_batch(data, step * dp + d))
+            s, n = full_loss_sum(model, raw_batch(data, step * dp + d, collate_fn))
             sums.append(s)
             counts.append(n)
             means.append(s / n)
