@@ -231,7 +231,9 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         local["num_items_in_batch"] = (full != IGNORE_INDEX).sum()
     # present even when None: tells the attention function that packing and padding are resolved
     local[DOCUMENT_IDS_KWARG] = torch.where(valid, docs, -1).to(torch.int32) if packed or padded else None
-    local[SHARD_INFO_KWARG] = ShardInfo(layout=layout, world_size=world, rank=rank, seq_len=s + pad, whole_inputs=media)
+    local[SHARD_INFO_KWARG] = ShardInfo(
+        layout=layout, world_size=world, rank=rank, seq_len=s + pad, whole_inputs=media, pad=pad
+    )
     return local
 
 

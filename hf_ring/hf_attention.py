@@ -103,6 +103,7 @@ class ShardInfo:
     rank: int
     seq_len: int
     whole_inputs: bool = False
+    pad: int = 0  # the ignored tokens shard_batch appended to reach the layout's multiple (position 0)
 
 
 class _Dropped(enum.Enum):

@@ -155,6 +155,7 @@ CASES = {
     # vision-language models with images and video: the whole sequence's embeddings (vision features merged) and
     # positions (Qwen-VL's multimodal RoPE) cut to the shard; the vision tower's gradients summed over the ranks
     "llava-images": ("llava", "images", 45, {}),
+    "llava-images-dynamic": ("llava", "images", 45, {"config": DYNAMIC}),  # the layout's padding: position 0
     "llava_next-images-padded": ("llava_next", "images-padded", 45, {}),  # any-resolution tiles, row ends
     "qwen2_vl-images-padded": ("qwen2_vl", "images-padded", 40, {}),
     "qwen2_5_vl-video-checkpointing": ("qwen2_5_vl", "video", 45, {"checkpointing": True}),
