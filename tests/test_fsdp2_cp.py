@@ -14,7 +14,8 @@ per world size; the tests assert on the JSON it writes:
   runs ring attention in place of Accelerate's CP (no SDPA hooks; ``maybe_context_parallel`` a no-op), exactly;
 - the torch-native recipe (device mesh, ``apply_ring_attention(group=...)``, ``fully_shard``,
   ``hf_ring.fsdp.set_cp_gradient_reduction``) matches single-process training too, also for a hybrid model
-  (Qwen3.5's Gated DeltaNet layers, one of them a module FSDP2 shards on its own);
+  (Qwen3.5's Gated DeltaNet layers, one of them a module FSDP2 shards on its own), and for a vision-language
+  model on batches with images (Qwen2-VL, its vision blocks sharded too);
 - ``RingAttentionTrainer`` (and TRL's ``SFTTrainer`` through ``RingSFTTrainer``, CP = 2) with
   ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``: logged losses and final weights equal
   single-process training with the Trainer's token-weighted loss.
@@ -37,7 +38,9 @@ from tests.train_utils import (
     SEQ_LEN,
     STEPS,
     collate,
+    collate_images,
     full_state,
+    image_samples,
     max_param_rel_err,
     plugin_train,
     raw_batch,
@@ -264,6 +267,23 @@ def worker(out: Path) -> None:
             opt_f.zero_grad()
         hybrid_states[family] = full_state(hybrid)
 
+    # -- G: a vision-language model on batches with images (Qwen2-VL; its vision blocks and text layers sharded)
+    from tests.hf_models import make_model
+
+    images = image_samples(BATCH * dp * 2)
+    vlm = hf_ring.apply_ring_attention(make_model("qwen2_vl", images=True), group=cp_group)
+    for block in [*vlm.model.visual.blocks, *vlm.model.language_model.layers]:
+        fully_shard(block)
+    fully_shard(vlm)
+    set_cp_gradient_reduction(vlm, dp_size=dp)
+    opt_g = torch.optim.SGD(vlm.parameters(), lr=LR)
+    for step in range(2):
+        raw = raw_batch(images, step * dp + mesh.get_local_rank("dp"), collate_images)
+        vlm(**hf_ring.shard_batch(raw, group=cp_group)).loss.backward()
+        opt_g.step()
+        opt_g.zero_grad()
+    images_state = full_state(vlm)
+
     # -- D: the Trainer (and TRL) with fsdp_version 2 ----------------------------------------------------
     trained, train = _trainers(out, world)
     res.update({k: v for k, v in trained.items() if not k.endswith("_state")})
@@ -286,6 +306,9 @@ def worker(out: Path) -> None:
         for family, state in hybrid_states.items():
             _, hybrid_ref = replica_reference(data, dp, 2, make=functools.partial(_tiny_hybrid, family))
             res[f"hybrid_weights_err_{family}"] = max_param_rel_err(state, hybrid_ref)
+        make = functools.partial(make_model, "qwen2_vl", images=True)
+        _, images_ref = replica_reference(images, dp, 2, make=make, collate_fn=collate_images)
+        res["images_weights_err"] = max_param_rel_err(images_state, images_ref)
         ref_bf16_losses, ref_bf16_state = replica_reference(data, dp, 2, torch.bfloat16)
         ref32_losses, ref32_state = replica_reference(data, dp, 2)
         res["bf16"] = {
@@ -345,6 +368,14 @@ def test_hybrid_model_with_fsdp2_matches_single_process_training(launch, family)
     world, _, results = launch
     err = results[0][f"hybrid_weights_err_{family}"]
     assert err <= RTOL, f"world {world}, {family}: {err:.2e}"
+
+
+def test_images_with_fsdp2_match_single_process_training(launch):
+    """Qwen2-VL on batches with images, its vision blocks and text layers sharded by FSDP2 (the native recipe): two
+    SGD steps give the weights of single-process training, the vision tower's included."""
+    world, _, results = launch
+    err = results[0]["images_weights_err"]
+    assert err <= RTOL, f"world {world}: {err:.2e}"
 
 
 def test_trainer_and_trl_with_fsdp2_match_single_process(launch):
