@@ -10,6 +10,7 @@ size; the tests assert on the JSON it writes:
   give the per-step losses and final weights of single-process training on the full sequences (CP
   shares summed, DP replicas averaged, the clipping norm that of the full gradient);
 - ZeRO-3 ``save_state`` / ``load_state`` resume to the same next loss and weights;
+- a vision-language model (Qwen2-VL) on batches with images under ZeRO-3: the losses and weights of one process;
 - DeepSpeed's bf16 mode (ZeRO-2, fp32 master weights and reduction) stays within twice the error the same
   mode has without CP;
 - ``RingAttentionTrainer`` with ``deepspeed=`` (ZeRO-2 and ZeRO-3, gradient accumulation 2), and TRL's
@@ -19,6 +20,7 @@ size; the tests assert on the JSON it writes:
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -31,6 +33,8 @@ from tests.train_utils import (
     SEQ_LEN,
     STEPS,
     collate,
+    collate_images,
+    image_samples,
     max_param_rel_err,
     plugin_train,
     read_results,
@@ -136,9 +140,14 @@ def worker(out: Path) -> None:
     import deepspeed
 
     from hf_ring.accelerate import RingAttentionPlugin
+    from tests.hf_models import make_model
 
     res: dict = {}
     states = {}
+    # built before any ZeRO-3 Accelerator: under zero.Init Transformers' weight init cannot zero a partitioned
+    # embedding's padding row
+    vlm = make_model("qwen2_vl", images=True)
+    vlm_reference = copy.deepcopy(vlm)  # for rank 0's reference, built later under no ZeRO-3 context either
     for stage in STAGES:
         accelerator = _deepspeed_accelerator(stage)
         world, rank = accelerator.num_processes, accelerator.process_index
@@ -159,6 +168,14 @@ def worker(out: Path) -> None:
             opt.zero_grad()
             res["resumed_loss"] = plugin.reduce_loss(loss).item()
             res["resumed_weights_err"] = max_param_rel_err(_full_state(model.module), states[3])
+
+    # a vision-language model on batches with images under ZeRO-3 (Qwen2-VL, its vision tower partitioned too)
+    accelerator = _deepspeed_accelerator(3)
+    images = image_samples(BATCH * dp * (STEPS + 1))
+    vlm, _, _, res["images_losses"] = plugin_train(
+        RingAttentionPlugin(cp_size=2), accelerator, vlm, images, STEPS, collate_fn=collate_images
+    )
+    states["images"] = _full_state(vlm.module)
 
     # DeepSpeed's bf16 mode (bf16 model, fp32 master weights, fp32 reduction) under ZeRO-2, two steps, with
     # CP and, as the baseline of DeepSpeed's own bf16 error, as plain data parallelism (cp_size=1)
@@ -191,6 +208,10 @@ def worker(out: Path) -> None:
         from tests.train_utils import trainer_reference
 
         res["ref_losses"], ref_state = replica_reference(data, dp, STEPS, clip=CLIP)
+        res["images_ref_losses"], images_ref = replica_reference(
+            images, dp, STEPS, clip=CLIP, make=lambda: vlm_reference, collate_fn=collate_images
+        )
+        res["images_weights_err"] = max_param_rel_err(states["images"], images_ref)
         for stage in STAGES:
             res[f"z{stage}_weights_err"] = max_param_rel_err(states[stage], ref_state)
         ref32_losses, ref32_state = replica_reference(data, dp, 2, clip=CLIP)
@@ -244,6 +265,16 @@ def test_deepspeed_bf16_within_twice_its_own_bf16_error(launch):
     assert ref["bf16_dtype"] == ref["bf16_base_dtype"] == "torch.bfloat16"
     assert bf16["mine_loss"] <= BF16_FACTOR * bf16["base_loss"] + BF16_EPS, bf16
     assert bf16["mine_weights"] <= BF16_FACTOR * bf16["base_weights"] + BF16_EPS, bf16
+
+
+def test_images_with_deepspeed_zero3_match_single_process_training(launch):
+    """Qwen2-VL on batches with images, its vision tower partitioned by ZeRO-3: losses and final weights (vision tower
+    included) equal single-process training."""
+    world, results = launch
+    for r in results:
+        assert r["images_losses"] == pytest.approx(results[0]["images_ref_losses"], rel=RTOL)
+    err = results[0]["images_weights_err"]
+    assert err <= RTOL, f"world {world}, images under ZeRO-3: final weights differ by {err:.2e}"
 
 
 @pytest.mark.parametrize("stage", TRAINER_STAGES)
