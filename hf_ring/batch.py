@@ -96,11 +96,6 @@ def _validate(batch) -> tuple:
                 "sequence itself (multimodal RoPE), and packed documents with images are not supported; pad "
                 "instead (attention_mask)"
             )
-        for key in _TOKEN_TYPE_KEYS:
-            t = batch.get(key)
-            if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"shard_batch: {key} must have the shape of input_ids {shape}, got {got}")
         per_token = sorted(
             k for k in unknown
             if k not in _TOKEN_TYPE_KEYS and isinstance(batch[k], torch.Tensor) and tuple(batch[k].shape[:2]) == shape
@@ -111,7 +106,8 @@ def _validate(batch) -> tuple:
                 f"with images; it passes per-image keys on and pads {', '.join(_TOKEN_TYPE_KEYS)}; remove the others"
             )
     labels, mask, pos = batch.get("labels"), batch.get("attention_mask"), batch.get("position_ids")
-    for name, t in (("labels", labels), ("attention_mask", mask)):
+    for name in ("labels", "attention_mask", *(_TOKEN_TYPE_KEYS if media else ())):
+        t = batch.get(name)
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"shard_batch: {name} must have the shape of input_ids {shape}, got {got}")

@@ -184,8 +184,7 @@ class ShardEmbeddings:
     ring. For a batch ``shard_batch`` left whole (``ShardInfo.whole_inputs``: it has images or video) the model has
     merged the vision features into the embeddings of the whole sequence and computed its positions (multimodal
     RoPE) there; this cuts ``inputs_embeds`` and ``position_ids`` (arange when the model passes None, 0 for the
-    layout's padding) to the
-    rank's shard, drops ``attention_mask`` (the padding reaches the attention as document ids) and, for
+    layout's padding) to the rank's shard, drops ``attention_mask`` (the padding reaches the attention as document ids) and, for
     Qwen3-VL's deepstack, cuts ``visual_pos_masks`` and picks the rank's rows of ``deepstack_visual_embeds``.
     The cut is an index (``layout.shard``), so gradients flow back to the embeddings and the vision tower."""
 
@@ -206,9 +205,8 @@ class ShardEmbeddings:
 
         kwargs = dict(kwargs)
         pos = kwargs.get("position_ids")
-        if (
-            pos is None
-        ):  # the layout's padding takes position 0, as shard_batch gives it (the largest stays the batch's)
+        # None: arange, the layout's padding at position 0 as shard_batch gives it (the largest stays the batch's)
+        if pos is None:
             pos = torch.arange(info.seq_len, device=embeds.device)
             pos[info.seq_len - info.pad :] = 0
             pos = pos.expand(embeds.shape[0], -1)

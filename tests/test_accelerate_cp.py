@@ -34,6 +34,7 @@ from tests.train_utils import (
     full_loss_sum,
     image_samples,
     max_param_rel_err,
+    plugin_train,
     read_results,
     rel_err,
     replica_reference,
@@ -238,18 +239,9 @@ def worker(out: Path) -> None:
         from tests.hf_models import make_model
 
         images = image_samples(BATCH * dp * (STEPS + 1))
-        vlm = make_model("qwen2_vl", images=True)
-        opt_e = torch.optim.SGD(vlm.parameters(), lr=LR)
-        dl_e = DataLoader(images, batch_size=BATCH, collate_fn=collate_images)
-        vlm, opt_e, dl_e = plugin.prepare(accelerator, vlm, opt_e, dl_e)
-        image_losses = []
-        for _, batch in zip(range(STEPS), dl_e):
-            loss = vlm(**batch).loss
-            accelerator.backward(loss)
-            opt_e.step()
-            opt_e.zero_grad()
-            image_losses.append(plugin.reduce_loss(loss).item())
-        res["image_losses"] = image_losses
+        vlm, _, _, res["image_losses"] = plugin_train(
+            plugin, accelerator, make_model("qwen2_vl", images=True), images, STEPS, collate_fn=collate_images
+        )
         image_state = {k: v.detach().clone() for k, v in accelerator.unwrap_model(vlm).state_dict().items()}
         if rank == 0:
             make = functools.partial(make_model, "qwen2_vl", images=True)

@@ -28,7 +28,6 @@ import torch
 from tests.train_utils import (
     BATCH,
     GA,
-    LR,
     SEQ_LEN,
     collate,
     collate_images,
@@ -39,6 +38,7 @@ from tests.train_utils import (
     run_worker,
     token_dataset,
     torchrun,
+    trainer_reference,
 )
 
 STEPS = 3
@@ -85,24 +85,6 @@ def _image_trainer(out: Path, images: list) -> tuple[list, dict, int]:
     return logged_losses(trainer), _weights(trainer.model), [trainer.state.num_input_tokens_seen, flops]
 
 
-def _image_trainer_reference(data) -> tuple[list, dict]:
-    """One process: the Trainer's token-weighted loss over the GA micro-batches of each step."""
-    from tests.hf_models import make_model
-
-    model = make_model("qwen2_vl", images=True)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        micro = [collate_images(data[(step * GA + m) * BATCH :][:BATCH]) for m in range(GA)]
-        counts = [int((b["labels"][:, 1:] != -100).sum()) for b in micro]
-        total = sum(model(**b).loss * n for b, n in zip(micro, counts)) / sum(counts)
-        total.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(total))
-    return losses, _weights(model)
-
-
 def worker(out: Path) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
@@ -128,15 +110,16 @@ def worker(out: Path) -> None:
     trainer_images = image_samples(BATCH * GA * STEPS)
     res["images_trainer"], trainer_state, res["images_tokens_seen"] = _image_trainer(out, trainer_images)
     if accelerator.process_index == 0:
-        res["images_trainer_ref"], ref_state = _image_trainer_reference(trainer_images)
+        steps = [[[collate_images(trainer_images[(s * GA + m) * BATCH :][:BATCH])] for m in range(GA)]
+                 for s in range(STEPS)]  # fmt: skip
+        make = functools.partial(make_model, "qwen2_vl", images=True)
+        res["images_trainer_ref"], ref_state = trainer_reference(steps, make=make)
         res["images_trainer_weights_err"] = max_param_rel_err(trainer_state, ref_state)
         for name, state, frozen in (("frozen", frozen_state, True), ("unused", unused_state, False)):
             ref_losses, ref_state = replica_reference(data, 1, STEPS, make=functools.partial(_model, frozen))
             res[f"{name}_ref"] = ref_losses
             res[f"{name}_weights_err"] = max_param_rel_err(state, ref_state)
-        res["images_ref"], ref_state = replica_reference(
-            images, 1, STEPS, make=lambda: make_model("qwen2_vl", images=True), collate_fn=collate_images
-        )
+        res["images_ref"], ref_state = replica_reference(images, 1, STEPS, make=make, collate_fn=collate_images)
         res["images_weights_err"] = max_param_rel_err(images_state, ref_state)
         start = make_model("qwen2_vl", images=True).state_dict()
         res["images_vision_trained"] = sum(  # the CP run's vision tower moved (its image features had gradients)

@@ -160,13 +160,14 @@ def logged_losses(trainer) -> list:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def trainer_reference(batches_per_step: list) -> tuple[list, dict]:
+def trainer_reference(batches_per_step: list, make=None) -> tuple[list, dict]:
     """Single process, full sequences, the Trainer's loss: token losses of every micro-batch / their targets.
 
     ``batches_per_step``: per optimizer step, a list of micro-batches, each a list of full batches whose
     documents do not see each other (one entry for unpacked batches, one per document when packed).
+    ``make``: builds the model (default ``tiny_llama``).
     """
-    model = tiny_llama()
+    model = (make or tiny_llama)()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for micro_batches in batches_per_step:
