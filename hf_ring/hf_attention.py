@@ -59,6 +59,7 @@ from .ring import PlanCache, raise_on_every_rank, ring_attention
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CONFIG_ATTR",
+    "BLOCK_IDS_KWARG",
     "DOCUMENT_IDS_KWARG",
     "RingConfig",
     "PACKED_WITH_MIXERS",
@@ -74,6 +75,10 @@ ATTN_IMPLEMENTATION = "hf_ring"
 
 DOCUMENT_IDS_KWARG = "ring_document_ids"
 """Model keyword argument carrying ``[1 or batch, full_seq]`` global document ids (-1 = padding)."""
+
+BLOCK_IDS_KWARG = "ring_block_ids"
+"""Model keyword argument carrying ``[batch, full_seq]`` ids of bidirectional blocks (``ring_attention``'s
+``block_ids``: Gemma 3's image tokens), set by the family's hook on the vision-language model."""
 
 SHARD_INFO_KWARG = "ring_shard_info"
 """Model keyword argument carrying the ``ShardInfo`` of a ``shard_batch`` output."""
@@ -202,7 +207,7 @@ BATCH_DOCUMENT_KWARGS = (DOCUMENT_IDS_KWARG, *_PACKING_KWARGS)
 #: sinks) are implemented.
 _READ_KWARGS = (
     "is_causal", "output_attentions", "position_ids", "softcap", "s_aux", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG,
-    DECODE_KWARG,
+    DECODE_KWARG, BLOCK_IDS_KWARG,
 )  # fmt: skip
 _HARMLESS_KWARGS = (
     "max_length_q", "max_length_k",  # packing metadata; the boundaries come from cu_seq_lens
@@ -431,9 +436,9 @@ def ring_attention_forward(
         sliding_window: Transformers' window W (key visible iff ``q - W < k <= q``), or None.
         kwargs: ``ring_document_ids``, ``ring_shard_info``, ``cu_seq_lens_q`` / ``cu_seq_lens_k``,
             ``seq_idx``, ``position_ids``, ``is_causal``, ``output_attentions``, ``softcap`` (attention logit
-            softcapping), ``s_aux`` (learned sinks, [q_heads]), and keywords that do not change attention
-            (``_HARMLESS_KWARGS``); any other keyword with a value raises ValueError (e.g. ``position_bias``):
-            a feature hf_ring does not implement is never dropped silently.
+            softcapping), ``s_aux`` (learned sinks, [q_heads]), ``ring_block_ids`` (bidirectional blocks), and
+            keywords that do not change attention (``_HARMLESS_KWARGS``); any other keyword with a value raises
+            ValueError (e.g. ``position_bias``): a feature hf_ring does not implement is never dropped silently.
 
     Returns:
         ``(out, None)``, out: [batch, local_seq, q_heads, v_head_dim] in query's dtype.
@@ -510,6 +515,7 @@ def ring_attention_forward(
         sinks=kwargs.get("s_aux"),
         cu_seqlens=cu_seqlens,
         document_ids=document_ids,
+        block_ids=kwargs.get(BLOCK_IDS_KWARG),
         backend=cfg.backend,
         plans=cfg.plans,
         ulysses=cfg.ulysses,

@@ -21,7 +21,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def local_error(
-    q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, world_size, ulysses_size=1
+    q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, world_size, ulysses_size=1,
+    block_ids=None,
 ):  # fmt: skip
     """The first problem with this rank's arguments, as a message that says what to do; or None.
     ``world_size``: ranks holding a shard (the CP group); ``ulysses_size``: U of the hybrid."""
@@ -105,6 +106,18 @@ def local_error(
             )
         if document_ids.dtype.is_floating_point:
             return "document_ids must be an integer tensor"
+    if block_ids is not None:
+        if (
+            not isinstance(block_ids, torch.Tensor)
+            or block_ids.dim() != 2
+            or block_ids.shape[0] not in (1, b)
+            or block_ids.shape[1] != full
+            or block_ids.dtype.is_floating_point
+        ):
+            got = tuple(block_ids.shape) if isinstance(block_ids, torch.Tensor) else type(block_ids).__name__
+            return f"block_ids must be an integer tensor [1 or batch={b}, full_seq={full}], got {got}"
+        if not causal:
+            return "block_ids need causal=True (without the causal mask every token already sees its block)"
     return None
 
 

@@ -72,8 +72,8 @@ class PlanCache:
     """Plans of ``ring_attention`` calls, built once per batch and shared by every layer, forward and backward.
 
     Keyed on what a plan depends on: the group's rank and size, layout, shapes, dtypes and devices of
-    q/k/v, causal, scale, window, backend, and the document tensor (by identity and version; the cache
-    holds it, so its identity cannot be reused by another tensor). At most ``MAX_PLANS`` are kept.
+    q/k/v, causal, scale, window, backend, and the document and block tensors (by identity and version; the cache
+    holds them, so their identity cannot be reused by another tensor). At most ``MAX_PLANS`` are kept.
 
     ``new_batch()`` must be called on every rank at the same point, at the start of every forward
     (``apply_ring_attention`` installs a forward pre-hook on the model that does). After it, the first
@@ -88,7 +88,7 @@ class PlanCache:
     MAX_PLANS = 8
 
     def __init__(self):
-        self._plans: collections.OrderedDict = collections.OrderedDict()  # key -> (documents, plan)
+        self._plans: collections.OrderedDict = collections.OrderedDict()  # key -> ((documents, blocks), plan)
         self._checked: set = set()
         self._derived: dict = {}  # identities of sources -> (sources, value), until new_batch()
         self.progress = guard.Progress()  # where this model's forward and backward stand in their ring calls
@@ -116,20 +116,20 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
-    def get(self, key, docs) -> _Plan | None:
-        """The plan stored under ``key`` for this very document tensor, or None."""
+    def get(self, key, held: tuple) -> _Plan | None:
+        """The plan stored under ``key`` for these very tensors (``(documents, blocks)``, by identity), or None."""
         entry = self._plans.get(key)
-        if entry is None or entry[0] is not docs:
+        if entry is None or any(a is not b for a, b in zip(entry[0], held, strict=True)):
             return None
         self._plans.move_to_end(key)
         return entry[1]
 
-    def checked(self, key, docs) -> _Plan | None:
+    def checked(self, key, held: tuple) -> _Plan | None:
         """The plan of ``key`` if it was checked across ranks since ``new_batch()``, else None."""
-        return self.get(key, docs) if key in self._checked else None
+        return self.get(key, held) if key in self._checked else None
 
-    def store(self, key, docs, plan: _Plan) -> None:
-        self._plans[key] = (docs, plan)
+    def store(self, key, held: tuple, plan: _Plan) -> None:
+        self._plans[key] = (held, plan)
         self._plans.move_to_end(key)
         self._checked.add(key)
         while len(self._plans) > self.MAX_PLANS:
@@ -160,6 +160,7 @@ def ring_attention(
     sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
     backend: str = "auto",
     comm: RingComm | None = None,
     plans: PlanCache | None = None,
@@ -189,6 +190,12 @@ def ring_attention(
         document_ids: alternative to cu_seqlens: [1 or batch, full_seq] integer document id of every
             token of the unsharded sequence (the same on every rank); -1 marks padding, which sees
             nothing and is seen by nothing.
+        block_ids: [1 or batch, full_seq] integer ids of bidirectional blocks of the unsharded sequence (the same
+            on every rank; causal only): tokens of one row with the same id >= 0 see each other both ways, besides
+            what the causal mask shows; negative ids mark tokens in no block. The image tokens of Gemma 3
+            (Transformers' ``block_sequence_ids``). With a sliding window, a block's tokens see each other within
+            the window (the window applies after the blocks, as in Transformers). One document per row: padding
+            (document id -1) is allowed, packed documents are not.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
@@ -220,6 +227,7 @@ def ring_attention(
         comm = RingComm(group, timeout=timeout)
     guard.raise_if_stopped(getattr(comm, "group", None))
     docs = cu_seqlens if cu_seqlens is not None else document_ids
+    held = (docs, block_ids)
     watch = None  # (groups, name, progress): what stops when this call fails on this rank
     if isinstance(comm, RingComm) and (comm.world_size > 1 or hybrid):
         groups = [comm.group] + ([ulysses.ulysses_group, ulysses.cp_group] if hybrid else [])
@@ -228,17 +236,19 @@ def ring_attention(
         watch = (groups, name, None if plans is None else plans.progress)
     key = plan = None
     if plans is not None:
-        key = _cache_key(q, k, v, comm, layout, causal, scale, sliding_window, softcap, cu_seqlens, docs, backend)
+        key = _cache_key(
+            q, k, v, comm, layout, causal, scale, sliding_window, softcap, cu_seqlens, docs, block_ids, backend
+        )
         key = key if key is None or not hybrid else (*key, id(ulysses))
-        plan = plans.checked(key, docs) if key is not None else None
+        plan = plans.checked(key, held) if key is not None else None
     if plan is None:
-        reuse = plans.get(key, docs) if key is not None else None
+        reuse = plans.get(key, held) if key is not None else None
         plan = _plan(
-            q, k, v, comm, layout, causal, scale, sliding_window, softcap, sinks, cu_seqlens, document_ids, backend,
-            reuse, ulysses=ulysses if hybrid else None,
+            q, k, v, comm, layout, causal, scale, sliding_window, softcap, sinks, cu_seqlens, document_ids, block_ids,
+            backend, reuse, ulysses=ulysses if hybrid else None,
         )  # fmt: skip
         if key is not None:
-            plans.store(key, docs, plan)
+            plans.store(key, held, plan)
     if not hybrid:
         return _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
     return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch)
@@ -286,22 +296,73 @@ def _document_ids(cu_seqlens, document_ids, full: int) -> torch.Tensor | None:
     return ids.to(torch.int32)
 
 
-def _cache_key(q, k, v, comm, layout, causal, scale, window, softcap, cu_seqlens, docs, backend):
+def _block_codes(block_ids: torch.Tensor, docs: torch.Tensor | None) -> tuple[torch.Tensor | None, str | None]:
+    """``([1 or batch, full] int32 block codes, None)`` (``BlockMask.blocks``: -1 padding, 0 no block, c > 0 block
+    c), or ``(None, why)`` when the documents are more than padding around one document per row."""
+    blk = block_ids.detach().cpu().long()
+    if docs is not None:
+        real = docs.long()
+        hi = torch.where(real >= 0, real, -1).amax(1)
+        lo = torch.where(real >= 0, real, hi[:, None]).amin(1)
+        if bool((lo != hi).any()):
+            return None, (
+                "block_ids cannot be combined with packed documents (several document ids in a row); padding "
+                "(document id -1) is fine"
+            )
+    inside = blk >= 0
+    if inside.any():  # relabel to 1.. (equal ids stay equal; any integer range fits the kernels' int32)
+        _, dense = torch.unique(torch.where(inside, blk, blk.max()), return_inverse=True)
+        codes = torch.where(inside, dense + 1, 0)
+    else:
+        codes = torch.zeros_like(blk)
+    if docs is not None:
+        codes = torch.where(docs.long() < 0, -1, codes)
+    return codes.to(torch.int32), None
+
+
+def _blocks_reach(q_pos, k_pos, q_doc, k_doc) -> bool:
+    """Whether some query and key of one block (codes > 0) have the key after the query: the pairs the blocks
+    show beyond the causal mask in this step."""
+    for qd, kd in zip(q_doc, k_doc, strict=True):  # rows of the batch (slices of one code tensor)
+        q_in, k_in = qd > 0, kd > 0
+        if not (q_in.any() and k_in.any()):
+            continue
+        size = int(max(qd.max(), kd.max())) + 1
+        first_q = torch.full((size,), torch.iinfo(torch.int64).max).scatter_reduce(
+            0, qd[q_in].long(), q_pos[q_in], "amin"
+        )
+        last_k = torch.full((size,), -1, dtype=torch.int64).scatter_reduce(0, kd[k_in].long(), k_pos[k_in], "amax")
+        if bool((last_k > first_q).any()):
+            return True
+    return False
+
+
+def _without_blocks(q_codes: torch.Tensor, k_codes: torch.Tensor) -> tuple:
+    """Block codes as document ids (one document, -1 padding), or ``(None, None)`` where neither side pads."""
+    if not bool((q_codes < 0).any() or (k_codes < 0).any()):
+        return None, None
+    return torch.where(q_codes > 0, 0, q_codes), torch.where(k_codes > 0, 0, k_codes)
+
+
+def _cache_key(q, k, v, comm, layout, causal, scale, window, softcap, cu_seqlens, docs, blocks, backend):
     """What a plan depends on, without a device sync; None when the arguments are not even tensors."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None
-    if docs is not None and not isinstance(docs, torch.Tensor):
+    if any(t is not None and not isinstance(t, torch.Tensor) for t in (docs, blocks)):
         return None
     tensors = tuple((tuple(t.shape), t.dtype, t.device) for t in (q, k, v))
     doc_key = None if docs is None else ("cu" if cu_seqlens is not None else "ids", id(docs), docs._version)
+    block_key = None if blocks is None else (id(blocks), blocks._version)
     return (
         comm.rank, comm.world_size, id(comm.group), layout, tensors, causal, scale, window, softcap, backend, doc_key,
+        block_key,
     )  # fmt: skip
 
 
 def _plan(
-    q, k, v, comm, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, reuse, ulysses=None
-):
+    q, k, v, comm, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, block_ids, backend, reuse,
+    ulysses=None,
+):  # fmt: skip
     """Check this call on every rank of the CP group (one small all-gather) and return its plan (``reuse`` if
     given, which was built for the same key: only the check runs again). ``comm``: the ring; ``ulysses``:
     the hybrid's groups (the check then runs over the whole CP group, and ring rank g holds the tokens of
@@ -315,11 +376,14 @@ def _plan(
         return reuse
     n = world_size * u  # ranks holding a shard
     error = preflight.local_error(
-        q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, n, u
+        q, k, v, layout, causal, scale, window, softcap, sinks, cu_seqlens, document_ids, backend, n, u, block_ids
     )
     docs = module = None
     if error is None:
         docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * n)
+        if block_ids is not None:
+            docs, error = _block_codes(block_ids, docs)
+    if error is None:
         module, error = choose_backend(backend, q, k, v, softcap)
     summary = preflight.summary(q, k, v, layout, causal, scale, window, softcap, sinks, docs, error, u)
     preflight.check_everywhere(error, summary, check, device)
@@ -337,14 +401,20 @@ def _plan(
     q_pos = pos[rank]
     masks = []
     for src in range(world_size):
+        q_doc = None if docs is None else docs[:, q_pos]
+        k_doc = None if docs is None else docs[:, pos[src]]
+        blocks = block_ids is not None and _blocks_reach(q_pos, pos[src], q_doc, k_doc)
+        if block_ids is not None and not blocks:  # the causal mask already shows this step's block pairs
+            q_doc, k_doc = _without_blocks(q_doc, k_doc)
         masks.append(
             BlockMask(
                 q_pos=q_pos,
                 k_pos=pos[src],
                 causal=bool(causal),
                 window=None if window is None else int(window),
-                q_doc=None if docs is None else docs[:, q_pos],
-                k_doc=None if docs is None else docs[:, pos[src]],
+                q_doc=q_doc,
+                k_doc=k_doc,
+                blocks=blocks,
             )
         )
     empty = [m.is_empty() for m in masks]

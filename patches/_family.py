@@ -34,6 +34,7 @@ from ..guard import in_backward
 from ..hf_attention import (
     ATTN_IMPLEMENTATION,
     BATCH_DOCUMENT_KWARGS,
+    BLOCK_IDS_KWARG,
     CONFIG_ATTR,
     SHARD_INFO_KWARG,
     RingConfig,
@@ -45,6 +46,7 @@ from ..ring import PlanCache
 from . import _rope, linear
 
 __all__ = [
+    "BlockIds",
     "EndBatch",
     "FamilyPatch",
     "LogitTransform",
@@ -134,14 +136,43 @@ def _carries(value) -> bool:
     return value is not None and not (isinstance(value, (dict, list, tuple)) and len(value) == 0)
 
 
+def _named(module, args, kwargs) -> dict:
+    """The call's arguments by name, positional ones too (``model(input_ids, pixel_values)``)."""
+    named = dict(kwargs)
+    if args:
+        names = list(inspect.signature(type(module).forward).parameters)[1:]
+        named.update(zip(names, args))
+    return named
+
+
+class BlockIds:
+    """Forward pre-hook (with keywords) of a vision-language model whose image tokens attend to each other both ways
+    (Gemma 3): ``derive(config, arguments)`` gives the batch's ``[batch, seq]`` block ids (Transformers'
+    ``block_sequence_ids``: one id per image, -1 for other tokens) or None, and the hook passes them on as
+    ``ring_block_ids``, which reach every attention layer with the model's keywords (``ring_attention``'s
+    ``block_ids``). They number the whole sequence: ``shard_batch`` keeps an image batch whole. Derived once per
+    forward, at the outermost level (the inner model receives them with the keywords)."""
+
+    def __init__(self, derive: Callable):
+        self.derive = derive
+
+    def __call__(self, module, args, kwargs):
+        if kwargs.get(BLOCK_IDS_KWARG) is not None or in_backward():
+            return None
+        ids = self.derive(module.config, _named(module, args, kwargs))
+        if ids is None:
+            return None
+        return args, {**kwargs, BLOCK_IDS_KWARG: ids}
+
+
 class TextOnly:
     """Forward pre-hook of a vision-language model whose text model is patched: a call with images, video or audio
     (the family's ``media`` keywords, or ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises, on
-    every rank alike, before anything runs. Image tokens attend to each other both ways (Gemma 3, Gemma 4), which
-    the ring's causal masks do not express; audio features would need the same sharding as images.
+    every rank alike, before anything runs (Gemma 4: its per-layer token embeddings and audio features are not cut
+    to the shard).
 
     ``images``: the family takes images and video under the ring (its text model attends causally over image
-    tokens; ``ShardEmbeddings``); a batch carrying them must then come whole from ``shard_batch``
+    tokens, or both ways within an image: ``BlockIds``; ``ShardEmbeddings``); a batch carrying them must then come whole from ``shard_batch``
     (``ShardInfo.whole_inputs``) whenever ``group`` (the ring's) has more than one rank, else it raises: inputs cut
     some other way would leave each rank's image tokens and features unmatched, and only some ranks would raise."""
 
@@ -152,10 +183,7 @@ class TextOnly:
         self.group = group
 
     def __call__(self, module, args, kwargs) -> None:
-        named = dict(kwargs)
-        if args:  # positional arguments too (``model(input_ids, pixel_values)``)
-            names = list(inspect.signature(type(module).forward).parameters)[1:]
-            named.update(zip(names, args))
+        named = _named(module, args, kwargs)
         given = [k for k in self.media if _carries(named.get(k))]
         if self.images:
             info = named.get(SHARD_INFO_KWARG)
@@ -238,10 +266,10 @@ def _switch(model, implementation: str) -> None:
     model.set_attn_implementation({key: implementation})
 
 
-def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None) -> None:
+def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None, blocks: BlockIds | None = None):
     """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans`` (and
-    ``text_only`` on the outermost model and the inner ones sharing its config; for a family that takes images,
-    ``ShardEmbeddings`` on its text model)."""
+    ``text_only`` and ``blocks`` on the outermost model and the inner ones sharing its config; for a family that
+    takes images, ``ShardEmbeddings`` on its text model)."""
     from transformers import PreTrainedModel
 
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
@@ -251,12 +279,14 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
             continue
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for hook_id, hook in list(hooks.items()):
-                if isinstance(hook, (StartBatch, EndBatch, TextOnly, ShardEmbeddings)):
+                if isinstance(hook, (StartBatch, EndBatch, TextOnly, ShardEmbeddings, BlockIds)):
                     del hooks[hook_id]
                     m._forward_hooks_always_called.pop(hook_id, None)
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
             m.register_forward_hook(EndBatch(plans), always_call=True)
+            if blocks is not None and m.config is top.config:  # (after TextOnly, prepended below: it runs first)
+                m.register_forward_pre_hook(blocks, with_kwargs=True, prepend=True)
             if text_only is not None and m.config is top.config:  # every level that takes images (not the tower)
                 m.register_forward_pre_hook(text_only, with_kwargs=True, prepend=True)
             if text is not None and m.config is text and m is not top:  # the text model inside the wrapper
@@ -301,8 +331,12 @@ class FamilyPatch:
     # carry images or video into its forward, refused (``TextOnly``) unless ``images``; () for text models
     media: tuple = ()
     # the vision-language model takes images and video under the ring: its text model attends causally over image
-    # tokens, and its embeddings are cut to the shard after the merge (``ShardEmbeddings``)
+    # tokens (or both ways within an image: ``block_ids``), and its embeddings are cut to the shard after the merge
+    # (``ShardEmbeddings``)
     images: bool = False
+    # ``(config, arguments) -> [batch, seq] ids or None``: the bidirectional blocks of a batch (Gemma 3's images;
+    # ``BlockIds``); None: the family's attention is causal over every token
+    block_ids: Callable | None = None
     # the family's linear-attention, Mamba2 or short-convolution class (hybrid models: ``generic.LINEAR``), whose
     # modules' forward ``patches.linear`` replaces while the model is patched; None: attention layers only
     linear_class: str | None = None
@@ -371,7 +405,7 @@ class FamilyPatch:
         linear.remove(model)
         linear.install(mixers, cfg)
         text_only = TextOnly(self.name, self.media, self.images, cfg.group) if self.media else None
-        _set_hooks(model, cfg.plans, text_only)
+        _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
         setattr(model, ORIGINAL_ATTR, original)
         return model
 

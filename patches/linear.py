@@ -108,7 +108,7 @@ class ShardedMixer:
         m, cfg = self.module, self.cfg
         plans = cfg.plans
         key = ("mixer", rank, world_size, cfg.layout, tuple(hidden_states.shape), hidden_states.dtype)
-        if error is None and plans is not None and plans.checked(key, docs) is not None:
+        if error is None and plans is not None and plans.checked(key, (docs,)) is not None:
             return
         b, n, _ = hidden_states.shape
         summary = [
@@ -120,7 +120,7 @@ class ShardedMixer:
         comm = RingComm(cfg.group, timeout=cfg.timeout)
         preflight.check_everywhere(error, summary, comm, hidden_states.device, fields=FIELDS, op=type(m).__name__)
         if plans is not None:
-            plans.store(key, docs, True)
+            plans.store(key, (docs,), True)
 
 
 def _memory(cache, layer_idx: int) -> dict | None:

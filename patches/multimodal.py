@@ -16,8 +16,12 @@ vision tower keeps its own); the text config's family (``VisionLanguagePatch.tex
 and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics3, SmolVLM). Their text model attends causally over image tokens as over text, so the ring needs nothing
-new; what needs care is where the vision features land and how positions are numbered. ``shard_batch`` hands
+Mistral 3, Idefics3, SmolVLM, Gemma 3). Their text model attends causally over image tokens as over text, so the ring needs
+nothing new, but for Gemma 3, whose image tokens also see each other both ways: its hook (``BLOCKS``,
+``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` as Transformers does and passes the ids to
+every attention layer, where the ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the
+window still applying on sliding layers). What needs care is where the vision features land and how positions are
+numbered. ``shard_batch`` hands
 such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower on every image of
 the batch, merges the features into the embeddings of the whole sequence and numbers it (Qwen-VL's multimodal
 RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model, cuts the embeddings,
@@ -29,8 +33,8 @@ their gradient of that size in the backward.
 
 The others refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
-(``_family.TextOnly``). Gemma 3's and Gemma 4's image tokens attend to each other both ways, which the ring's causal
-masks do not express; LFM2-VL's images are untested. Gemma 4's head softcaps its
+(``_family.TextOnly``): Gemma 4 (its per-layer token embeddings and audio are not cut to the shard yet) and LFM2-VL
+(untested). Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's
 and Mistral 3's apply nothing.
 """
@@ -40,10 +44,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import torch
+
 from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch
 
-__all__ = ["DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
+__all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
 
 MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs")
 """Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward."""
@@ -80,10 +86,28 @@ IMAGES = (
     "mistral3",
     "idefics3",
     "smolvlm",
+    "gemma3",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
-over text), so only the embeddings need cutting after the vision features are merged (``_family.ShardEmbeddings``;
-``shard_batch`` keeps such a batch whole). Gemma 3 and Gemma 4 let image tokens attend both ways: refused."""
+over text; Gemma 3's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting after the
+vision features are merged (``_family.ShardEmbeddings``; ``shard_batch`` keeps such a batch whole)."""
+
+
+def _gemma3_blocks(config, arguments: dict) -> torch.Tensor | None:
+    """Gemma 3's image blocks: ``token_type_ids == 1`` marks image tokens, each run of them one block numbered from 0,
+    -1 elsewhere (Transformers' ``get_block_sequence_ids_for_mask``); None without image tokens."""
+    types = arguments.get("token_type_ids")
+    if not isinstance(types, torch.Tensor) or types.dim() != 2:
+        return None
+    image = types == 1
+    if not bool(image.any()):
+        return None
+    starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
+    return torch.where(image, starts.long().cumsum(1) - 1, -1)
+
+
+BLOCKS = {"gemma3": _gemma3_blocks}
+"""Wrappers whose image tokens see each other both ways: how to number their blocks from the forward's arguments."""
 
 
 LOGIT_TRANSFORMS = {"gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"]}
@@ -152,6 +176,7 @@ PATCHES = {
         logit_transform=LOGIT_TRANSFORMS.get(model_type),
         media=MEDIA,
         images=model_type in IMAGES,
+        block_ids=BLOCKS.get(model_type),
         text_types=types,
     )
     for model_type, types in WRAPPERS.items()

@@ -179,7 +179,7 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
                {"head_dim": 16, "query_pre_attn_scalar": 20, **_SLIDE_FULL},
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
-                "image_size": 28, "patch_size": 14}),
+                "image_size": 56, "patch_size": 14, "vision_use_head": False}),  # 16 tokens per image, as checkpoints
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
                    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}},
                    {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
@@ -305,8 +305,9 @@ def make_config(family: str, **overrides):
         cfg = getattr(tf, config_class)(**{**common, **extra})
     elif family in VISION_LANGUAGE:  # the image token lies outside the vocabulary the test batches draw from
         config_class, _, extra, vision = VISION_LANGUAGE[family]
+        top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
-                                        image_token_index=VOCAB + 3)  # fmt: skip
+                                        image_token_index=VOCAB + 3, **top)  # fmt: skip
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -357,6 +358,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
 
 
 _IMAGE_SPOTS = ((0, 5), (0, 25), (1, 17))  # (row, first image token) of each image
+GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 28 x 28 vision tower
 
 
@@ -366,12 +368,14 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
     image (4 patch tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
     tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
-    image."""
+    image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    per_image = 4 if qwen or family == "llava" else 1
+    per_image = 4 if qwen or family == "llava" else GEMMA3_IMAGE_TOKENS if family == "gemma3" else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
+    if family == "gemma3":  # longer images: two in row 0 still inside 40 tokens
+        spots = ((0, 3), (0, 21), (1, 17))
     tokens = (10, 14, 10) if family == "llava_next" else (per_image,) * len(spots)
     for (b, p), n in zip(spots, tokens):
         ids[b, p : p + n] = MEDIA_TOKENS["image_token_id"]
@@ -397,6 +401,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "llava_next":  # [images, base + up to 2 tiles, 3, h, w] (unused tiles padded), their sizes
         extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
         extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]])
+    elif family == "gemma3":
+        extra["pixel_values"] = torch.randn(len(spots), 3, 56, 56, generator=g)
+        extra["token_type_ids"] = types
     else:
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         if family == "mistral3":

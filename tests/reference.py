@@ -15,16 +15,22 @@ def doc_ids_from_cu(cu: torch.Tensor, seq_len: int) -> torch.Tensor:
     return torch.bucketize(torch.arange(seq_len), cu.long()[1:], right=True)[None]
 
 
-def dense_mask(seq_len: int, causal=True, window: int | None = None, docs: torch.Tensor | None = None):
-    """[1 or batch, 1, S, S] bool visibility, written independently of hf_ring's BlockMask."""
+def dense_mask(seq_len: int, causal=True, window: int | None = None, docs: torch.Tensor | None = None, blocks=None):
+    """[1 or batch, 1, S, S] bool visibility, written independently of hf_ring's BlockMask.
+
+    ``blocks``: [1 or batch, S] ids of bidirectional blocks (Transformers' ``block_sequence_ids``: equal ids >= 0
+    see each other both ways, OR-ed with the causal mask before the window applies)."""
     i = torch.arange(seq_len)[:, None]
     j = torch.arange(seq_len)[None, :]
     vis = torch.ones(seq_len, seq_len, dtype=torch.bool)
     if causal:
         vis &= j <= i
-    if window is not None:
-        vis &= ((i - j) if causal else (i - j).abs()) < window
     vis = vis[None, None]
+    if blocks is not None:
+        g = blocks[:, None]
+        vis = vis | ((g[..., :, None] == g[..., None, :]) & (g[..., :, None] >= 0))
+    if window is not None:
+        vis = vis & (((i - j) if causal else (i - j).abs()) < window)
     if docs is not None:
         d = docs[:, None]
         vis = vis & (d[..., :, None] == d[..., None, :]) & (d[..., :, None] >= 0)
@@ -32,8 +38,9 @@ def dense_mask(seq_len: int, causal=True, window: int | None = None, docs: torch
 
 
 def reference_attention(
-    q, k, v, *, causal=True, window=None, docs=None, scale=None, softcap=None, sinks=None, dtype=torch.float64
-):
+    q, k, v, *, causal=True, window=None, docs=None, scale=None, softcap=None, sinks=None, dtype=torch.float64,
+    blocks=None,
+):  # fmt: skip
     """Softmax attention in ``dtype`` with K/V repeated to the query heads; empty rows give 0.
 
     ``softcap``: scores become ``softcap * tanh(s / softcap)`` before masking (Gemma2). ``sinks``: [heads]
@@ -46,7 +53,7 @@ def reference_attention(
     s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~dense_mask(q.shape[2], causal, window, docs), -math.inf)
+    s = s.masked_fill(~dense_mask(q.shape[2], causal, window, docs, blocks), -math.inf)
     if sinks is not None:
         col = sinks.to(dtype)[None, :, None, None].expand(*s.shape[:-1], 1)
         return torch.softmax(torch.cat([s, col], -1), -1)[..., :-1] @ v
@@ -73,7 +80,9 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-def virtual_ring(q, k, v, do, n: int, layout: str, *, backend="torch", causal=True, window=None, docs=None):
+def virtual_ring(
+    q, k, v, do, n: int, layout: str, *, backend="torch", causal=True, window=None, docs=None, blocks=None
+):
     """``ring_attention`` over ``n`` virtual ranks in one process, on full-sequence tensors: every rank's output
     and gradients put back in sequence order, ``(out, dq, dk, dv)`` (dk/dv fp32: the accumulators that leave
     each rank, summed where they would arrive). ``LoopbackComm`` hands each rank the blocks the others send."""
@@ -81,7 +90,7 @@ def virtual_ring(q, k, v, do, n: int, layout: str, *, backend="torch", causal=Tr
     from hf_ring.layout import positions
     from hf_ring.ring import _halves, _message
 
-    kw = dict(layout=layout, backend=backend, causal=causal, sliding_window=window, document_ids=docs)
+    kw = dict(layout=layout, backend=backend, causal=causal, sliding_window=window, document_ids=docs, block_ids=blocks)
     if n == 1:
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         out = hf_ring.ring_attention(*leaves, **kw)

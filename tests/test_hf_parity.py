@@ -166,6 +166,10 @@ CASES = {
     "mistral3-images-lora": ("mistral3", "images", 40, {"lora": True}),
     "idefics3-images-padded": ("idefics3", "images-padded", 40, {}),
     "smolvlm-images": ("smolvlm", "images", 45, {}),
+    # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
+    # window of 6 cuts them), on sliding and full layers
+    "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),
+    "gemma3-images-lora-ulysses": ("gemma3", "images", 45, {"lora": True, "checkpointing": True, "ulysses": 2}),
     # hybrids: Gated DeltaNet layers (their states and convolution inputs cross the ranks; no packed documents)
     "qwen3_5_text-plain": ("qwen3_5_text", "plain", 45, {}),
     "qwen3_5_text-padded-lora-checkpointing": ("qwen3_5_text", "padded", 40, {"lora": True, "checkpointing": True}),
@@ -363,7 +367,7 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
 
     # a forward refused before it begins (a vision-language model given images), right after a forward that
     # exchanged: every rank raises, and the group stays usable (the refusal must not read the last forward's counts)
-    vlm = hf_ring.apply_ring_attention(make_model("gemma3"))
+    vlm = hf_ring.apply_ring_attention(make_model("gemma4"))
     with torch.no_grad():
         vlm(**local)
         out["vlm_images"] = _error_of(lambda: vlm(**local, pixel_values=torch.zeros(1, 3, 28, 28)))

@@ -1,8 +1,9 @@
 """A vision-language model (Gemma 3, as ``AutoModelForCausalLM`` loads its checkpoints) fine-tuned on text with
 ``RingAttentionPlugin`` under DDP: one ``torchrun`` launch of 2 CPU ranks (gloo, CP = 2, fp32).
 
-- Its vision tower gets no gradient from text-only batches, which DDP refuses at the second step: ``prepare``
-  raises on every rank first, naming both ways out.
+- A vision tower that gets no gradient from text-only batches, which DDP refuses at the second step: ``prepare``
+  raises on every rank first, naming both ways out (Gemma 4, text-only under the ring; for a family that takes
+  images under the ring, such as Gemma 3, it warns).
 - The check in process: DDP only (not one process, not FSDP2), not with ``find_unused_parameters``, not for text
   models or a frozen vision tower; LoRA on every ``q_proj`` reaches into the vision tower too.
 - Either way out then trains exactly: with the vision tower and projector frozen, and with
@@ -13,6 +14,8 @@
   embeddings, and losses and final weights (vision tower included) equal single-process training; the same with
   ``RingAttentionTrainer`` (gradient accumulation 2, the Trainer's token-weighted loss), which counts the input
   tokens once per CP group.
+- Gemma 3 trained on batches with images through the plugin, its vision tower trainable: each image's tokens see
+  each other both ways across the two ranks' chunks; losses and final weights equal single-process training.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tests.train_utils import (
     SEQ_LEN,
     collate,
     collate_images,
+    gemma3_image_samples,
     image_samples,
     max_param_rel_err,
     read_results,
@@ -96,7 +100,7 @@ def worker(out: Path) -> None:
     accelerator = Accelerator(cpu=True)
     res: dict = {}
     try:
-        RingAttentionPlugin(cp_size=2).prepare(accelerator, _model(frozen=False))
+        RingAttentionPlugin(cp_size=2).prepare(accelerator, make_model("gemma4"))
     except ValueError as e:
         res["unused_error"] = str(e)
     res["frozen"], frozen_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=True), data)
@@ -107,6 +111,11 @@ def worker(out: Path) -> None:
         RingAttentionPlugin(cp_size=2), Accelerator(cpu=True), make_model("qwen2_vl", images=True), images,
         collate_images,
     )  # fmt: skip
+    gemma_images = gemma3_image_samples(BATCH * (STEPS + 1))
+    gemma = functools.partial(make_model, "gemma3", images=True)
+    res["gemma3_images"], gemma_state = _train(
+        RingAttentionPlugin(cp_size=2), Accelerator(cpu=True), gemma(), gemma_images, collate_images
+    )
     trainer_images = image_samples(BATCH * GA * STEPS)
     res["images_trainer"], trainer_state, res["images_tokens_seen"] = _image_trainer(out, trainer_images)
     if accelerator.process_index == 0:
@@ -121,6 +130,20 @@ def worker(out: Path) -> None:
             res[f"{name}_weights_err"] = max_param_rel_err(state, ref_state)
         res["images_ref"], ref_state = replica_reference(images, 1, STEPS, make=make, collate_fn=collate_images)
         res["images_weights_err"] = max_param_rel_err(images_state, ref_state)
+        res["gemma3_images_ref"], ref_state = replica_reference(
+            gemma_images, 1, STEPS, make=gemma, collate_fn=collate_images
+        )
+        # a key bias gets no gradient but rounding (the softmax ignores a shift shared by a row's scores): the
+        # vision tower's stay at 0 within 1e-6, compared on that absolute scale rather than relative to their norm
+        bias = [k for k in ref_state if k.endswith("k_proj.bias")]
+        res["gemma3_images_weights_err"] = max_param_rel_err(
+            {k: v for k, v in gemma_state.items() if k not in bias},
+            {k: v for k, v in ref_state.items() if k not in bias},
+        )
+        res["gemma3_key_bias"] = max(float((gemma_state[k] - ref_state[k]).abs().max()) for k in bias)
+        res["gemma3_vision_trained"] = sum(
+            "vision_tower" in k and not torch.equal(gemma_state[k], v) for k, v in gemma().state_dict().items()
+        )
         start = make_model("qwen2_vl", images=True).state_dict()
         res["images_vision_trained"] = sum(  # the CP run's vision tower moved (its image features had gradients)
             "visual" in k and not torch.equal(images_state[k], start[k]) for k in start
@@ -143,7 +166,7 @@ def test_prepare_refuses_parameters_text_batches_never_reach(results):
         assert "requires_grad_(False)" in msg and "find_unused_parameters=True" in msg, msg
 
 
-@pytest.mark.parametrize("way", ["frozen", "unused", "images", "images_trainer"])
+@pytest.mark.parametrize("way", ["frozen", "unused", "images", "images_trainer", "gemma3_images"])
 def test_training_matches_one_process(results, way):
     got, ref = results[0][way], results[0][f"{way}_ref"]
     assert results[1][way] == got  # every rank logs the same global loss
@@ -151,6 +174,8 @@ def test_training_matches_one_process(results, way):
     assert results[0][f"{way}_weights_err"] <= RTOL
     if way == "images":  # the vision tower trained (every rank's image features reached it)
         assert results[0]["images_vision_trained"] > 0
+    if way == "gemma3_images":
+        assert results[0]["gemma3_vision_trained"] > 0 and results[0]["gemma3_key_bias"] <= 1e-6
     if way == "images_trainer":  # tokens counted once per CP group: the layout pads each row of 30 to 32
         assert all(r["images_tokens_seen"][0] == STEPS * GA * BATCH * 32 for r in results), results
         # FLOPs (6 x parameters x tokens, summed over the ranks): each rank takes half of a whole batch
@@ -159,7 +184,9 @@ def test_training_matches_one_process(results, way):
 
 def test_the_check_names_what_text_batches_never_reach():
     """In process: which models, engines and DDP settings the check refuses (the Trainer's advice names its own
-    argument); LoRA on every ``q_proj`` reaches into the vision tower too."""
+    argument) or warns about (families that take images); LoRA on every ``q_proj`` reaches into the vision tower
+    too."""
+    import warnings
     from types import SimpleNamespace
 
     from peft import LoraConfig, get_peft_model
@@ -172,7 +199,7 @@ def test_the_check_names_what_text_batches_never_reach():
             distributed_type="MULTI_CPU", ddp_handler=SimpleNamespace(find_unused_parameters=find_unused)
         )
 
-    model = _model(frozen=False)
+    model = make_model("gemma4")  # text-only under the ring: a trainable vision tower is never reached
     with pytest.raises(ValueError, match=r"TrainingArguments\(ddp_find_unused_parameters=True\)"):
         check_ddp_reaches_every_parameter(ddp(False), model, "set TrainingArguments(ddp_find_unused_parameters=True)")
     check_ddp_reaches_every_parameter(ddp(True), model)
@@ -180,17 +207,24 @@ def test_the_check_names_what_text_batches_never_reach():
     check_ddp_reaches_every_parameter(SimpleNamespace(distributed_type="FSDP", state=SimpleNamespace(
         fsdp_plugin=SimpleNamespace(fsdp_version=2))), model)  # fmt: skip
     check_ddp_reaches_every_parameter(ddp(False), _model(frozen=True))
+    frozen_gemma4 = make_model("gemma4")
+    frozen_gemma4.model.vision_tower.requires_grad_(False)
+    frozen_gemma4.model.embed_vision.requires_grad_(False)
+    check_ddp_reaches_every_parameter(ddp(False), frozen_gemma4)
     check_ddp_reaches_every_parameter(ddp(False), make_model("llama"))  # a text model: nothing outside
-    with pytest.warns(UserWarning, match="every batch must reach them"):  # takes images: its batches may reach all
-        check_ddp_reaches_every_parameter(ddp(False), make_model("qwen2_vl"))
+    for family in ("qwen2_vl", "gemma3"):  # they take images: their batches may reach every parameter
+        with pytest.warns(UserWarning, match="every batch must reach them"):
+            check_ddp_reaches_every_parameter(ddp(False), make_model(family))
     assert outside_text_model(make_model("llama")) == []
     lora = get_peft_model(_model(frozen=True), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     unused = outside_text_model(lora)
     assert unused and all("vision_tower" in n and "lora_" in n for n in unused), unused
-    with pytest.raises(ValueError, match="lie outside its text model"):
+    with pytest.warns(UserWarning, match="every batch must reach them"):  # Gemma 3 takes images
         check_ddp_reaches_every_parameter(ddp(False), lora)
     text_only = LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj)")
-    check_ddp_reaches_every_parameter(ddp(False), get_peft_model(_model(frozen=True), text_only))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        check_ddp_reaches_every_parameter(ddp(False), get_peft_model(_model(frozen=True), text_only))
 
 
 if __name__ == "__main__":

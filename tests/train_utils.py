@@ -258,6 +258,25 @@ def image_samples(n: int) -> list:
     return samples
 
 
+def gemma3_image_samples(n: int) -> list:
+    """``n`` Gemma 3 samples of SEQ_LEN tokens, each with one 16-token image (``token_type_ids`` 1) at its own place,
+    its tokens seeing each other both ways (for ``tests.hf_models.make_model("gemma3", images=True)``)."""
+    from tests.hf_models import GEMMA3_IMAGE_TOKENS, MEDIA_TOKENS, VOCAB
+
+    g = torch.Generator().manual_seed(20)
+    samples = []
+    for i in range(n):
+        ids = torch.randint(3, VOCAB, (SEQ_LEN,), generator=g)
+        start = 2 + 3 * (i % 4)
+        types = torch.zeros_like(ids)
+        types[start : start + GEMMA3_IMAGE_TOKENS] = 1
+        ids[types == 1] = MEDIA_TOKENS["image_token_id"]
+        labels = ids.masked_fill(types == 1, -100)
+        pixels = torch.randn(1, 3, 56, 56, generator=g)
+        samples.append({"input_ids": ids, "labels": labels, "token_type_ids": types, "pixel_values": pixels})
+    return samples
+
+
 def collate_images(samples: list) -> dict:
     """Token tensors stacked, every sample's image patches and grids concatenated (as Qwen2-VL's processor)."""
     return {k: (torch.cat if k in ("pixel_values", "image_grid_thw") else torch.stack)([s[k] for s in samples])

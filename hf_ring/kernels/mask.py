@@ -7,6 +7,11 @@ Visibility of query ``i`` and key ``j`` (all positions are global, in the unshar
 - sliding window ``W``: causal ``q_pos[i] - k_pos[j] < W``; non-causal ``|q_pos[i] - k_pos[j]| < W``;
 - documents: ``q_doc[b, i] == k_doc[b, j]`` and ``q_doc[b, i] >= 0`` (document id ``-1`` marks a
   padding token, which sees nothing and is seen by nothing).
+- bidirectional blocks (``blocks=True``, causal only: the image tokens of Gemma 3): ``q_doc`` / ``k_doc`` then
+  hold block codes instead of document ids: ``-1`` padding, ``0`` an ordinary token, ``c > 0`` a token of block
+  ``c``. A query sees a key when both are not padding, the window allows it, and the key is not after the query
+  *or* both are in the same block: ``(causal or q_doc == k_doc > 0) and window`` (Transformers' blockwise mask:
+  the OR, then the window's AND). One document per row (besides padding); ``ring_attention`` builds the codes.
 
 Positions and document ids live on the host (CPU) so that tiles can be classified without a device
 sync; ``device_tensors`` gives cached copies for kernels that read them on the device (uploaded from
@@ -72,6 +77,7 @@ class BlockMask:
     window: sliding-window size, or None.
     q_doc: [1 or batch, local_q] int32 document ids (-1 = padding), or None (one document).
     k_doc: [1 or batch, local_k] int32 document ids, or None.
+    blocks: ``q_doc`` / ``k_doc`` are block codes (see the module docstring), not document ids.
     """
 
     q_pos: torch.Tensor
@@ -80,6 +86,7 @@ class BlockMask:
     window: int | None = None
     q_doc: torch.Tensor | None = None
     k_doc: torch.Tensor | None = None
+    blocks: bool = False
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -93,14 +100,17 @@ class BlockMask:
         vis = torch.ones(qp.shape[0], kp.shape[1], dtype=torch.bool)
         if self.causal:
             vis &= kp <= qp
-        if self.window is not None:
-            dist = qp - kp if self.causal else (qp - kp).abs()
-            vis &= dist < self.window
         vis = vis[None]
         if self.q_doc is not None:
             qd = self.q_doc[:, qs][:, :, None]
             kd = self.k_doc[:, ks][:, None, :]
-            vis = vis & (qd == kd) & (qd >= 0)
+            if self.blocks:  # the key is not after the query, or both are in one block; neither is padding
+                vis = (vis | ((qd == kd) & (qd > 0))) & (qd >= 0) & (kd >= 0)
+            else:
+                vis = vis & (qd == kd) & (qd >= 0)
+        if self.window is not None:
+            dist = qp - kp if self.causal else (qp - kp).abs()
+            vis = vis & (dist < self.window)[None]
         return vis
 
     def classify(self, qs: slice = slice(None), ks: slice = slice(None)) -> int:
@@ -112,7 +122,7 @@ class BlockMask:
         k_lo, k_hi = int(kp.min()), int(kp.max())
         full = True
         if self.causal:
-            if k_lo > q_hi:
+            if k_lo > q_hi and not self._may_share_block(qs, ks):
                 return EMPTY
             full &= k_hi <= q_lo
         if self.window is not None:
@@ -129,10 +139,22 @@ class BlockMask:
             qd, kd = self.q_doc[:, qs], self.k_doc[:, ks]
             qd_lo, qd_hi = int(qd.min()), int(qd.max())
             kd_lo, kd_hi = int(kd.min()), int(kd.max())
-            if qd_hi < 0 or kd_hi < 0 or qd_hi < kd_lo or kd_hi < qd_lo:
-                return EMPTY
-            full &= qd_lo == qd_hi == kd_lo == kd_hi
+            if self.blocks:  # codes: only padding (-1) hides; one document
+                if qd_hi < 0 or kd_hi < 0:
+                    return EMPTY
+                full &= qd_lo >= 0 and kd_lo >= 0
+            else:
+                if qd_hi < 0 or kd_hi < 0 or qd_hi < kd_lo or kd_hi < qd_lo:
+                    return EMPTY
+                full &= qd_lo == qd_hi == kd_lo == kd_hi
         return FULL if full else PARTIAL
+
+    def _may_share_block(self, qs: slice, ks: slice) -> bool:
+        """Whether the bounds allow a query and a key of one block in the tile (their code ranges meet above 0)."""
+        if not self.blocks:
+            return False
+        qd, kd = self.q_doc[:, qs], self.k_doc[:, ks]
+        return max(int(qd.min()), int(kd.min()), 1) <= min(int(qd.max()), int(kd.max()))
 
     def is_empty(self) -> bool:
         """True when the bounds show that no query of the block sees any key (skip the ring step).

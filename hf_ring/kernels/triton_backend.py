@@ -151,13 +151,16 @@ def _fwd_op(
     lse: torch.Tensor,
     config: list[int],
     softcap: float | None = None,
+    blocks: bool = False,
 ) -> None:
     cfg = KernelConfig.from_list(config)
-    fwd_launch(q, k, v, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, out, lse, cfg, softcap)
+    fwd_launch(q, k, v, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, out, lse, cfg, softcap, blocks)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, scale, causal, window, out, lse, config, softcap=None) -> None:
+def _fwd_fake(
+    q, k, v, q_pos, k_pos, q_doc, k_doc, scale, causal, window, out, lse, config, softcap=None, blocks=False
+) -> None:
     return None
 
 
@@ -181,15 +184,18 @@ def _bwd_op(
     dv: torch.Tensor,
     config: list[int],
     softcap: float | None = None,
+    blocks: bool = False,
 ) -> None:
     cfg = KernelConfig.from_list(config)
-    bwd_launch(do, q, k, v, lse, delta, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, dq, dk, dv, cfg, softcap)
+    pos = (q_pos, k_pos, q_doc, k_doc)
+    bwd_launch(do, q, k, v, lse, delta, pos, scale, causal, window, dq, dk, dv, cfg, softcap, blocks)
 
 
 @_bwd_op.register_fake
 def _bwd_fake(
-    do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, scale, causal, window, dq, dk, dv, config, softcap=None
-) -> None:
+    do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, scale, causal, window, dq, dk, dv, config, softcap=None,
+    blocks=False,
+) -> None:  # fmt: skip
     return None
 
 
@@ -307,7 +313,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     _int32_safe(out, copy=False)
     _fwd_op(
         q, k, v, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window, out, lse, cfg.to_list(),
-        None if softcap is None else float(softcap),
+        None if softcap is None else float(softcap), bool(mask.blocks and q_doc is not None),
     )  # fmt: skip
     return out, lse
 
@@ -342,6 +348,6 @@ def backward(
     _int32_safe(dq, dk, dv, copy=False)
     _bwd_op(
         do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window,
-        dq, dk, dv, cfg.to_list(), None if softcap is None else float(softcap),
+        dq, dk, dv, cfg.to_list(), None if softcap is None else float(softcap), bool(mask.blocks and q_doc is not None),
     )  # fmt: skip
     return dq, dk, dv

@@ -22,27 +22,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import _LOG2E, LOG2E, _bounds, _scan, _tanh, _tile_class, head_dims, softcap_constexpr
+from .triton_fwd import (
+    _LOG2E,
+    LOG2E,
+    _bounds,
+    _scan,
+    _tanh,
+    _tile_class,
+    _visible,
+    doc_mode,
+    head_dims,
+    softcap_constexpr,
+)  # fmt: skip
 
 __all__ = ["bwd_launch"]
-
-
-@triton.jit
-def _visible(qp, kp, qd, kd, row_ok, col_ok, window,
-             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):  # fmt: skip
-    """Element-wise visibility of queries ``qp`` (rows) and keys ``kp`` (columns) of a tile."""
-    vis = row_ok[:, None] & col_ok[None, :]
-    if CAUSAL:
-        vis = vis & (kp[None, :] <= qp[:, None])
-    if HAS_WINDOW:
-        dist = qp[:, None] - kp[None, :]
-        if CAUSAL:
-            vis = vis & (dist < window)
-        else:
-            vis = vis & (dist < window) & (-dist < window)
-    if HAS_DOCS:
-        vis = vis & (qd[:, None] == kd[None, :]) & (qd[:, None] >= 0)
-    return vis
 
 
 @triton.jit
@@ -373,11 +366,13 @@ def _dkdv_kernel(
         tl.store(dv_ptrs, tl.load(dv_ptrs, mask=v_mask, other=0.0) + dv, mask=v_mask)
 
 
-def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window, dq, dk, dv, cfg, softcap=None):
+def bwd_launch(
+    do, q, k, v, lse, delta, pos, scale: float, causal: bool, window, dq, dk, dv, cfg, softcap=None, blocks=False
+):
     """Launch the dQ and dK/dV kernels; ``dq``, ``dk``, ``dv`` (fp32) are accumulated in place.
 
     pos: ``(q_pos, k_pos, q_doc, k_doc)`` int32 device tensors (docs ``[1 or B, L]`` or None).
-    cfg: a ``triton_backend.KernelConfig`` (its ``dq_*`` and ``dkv_*`` fields). softcap: as in ``fwd_launch``.
+    cfg: a ``triton_backend.KernelConfig`` (its ``dq_*`` and ``dkv_*`` fields). softcap, blocks: as in ``fwd_launch``.
     """
     batch, hq, lq, head_dim = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -389,7 +384,7 @@ def bwd_launch(do, q, k, v, lse, delta, pos, scale: float, causal: bool, window,
         q_doc, k_doc, doc_strides = q_pos, k_pos, (0, 0)
     common = dict(
         **head_dims(head_dim, v.shape[-1]), SCAN=cfg.scan,
-        CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=has_docs,
+        CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=doc_mode(has_docs, blocks),
         UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
     )  # fmt: skip
     win = 0 if window is None else int(window)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "fwd_launch", "head_dims", "softcap_constexpr"]
+__all__ = ["LOG2E", "doc_mode", "fwd_launch", "head_dims", "softcap_constexpr"]
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -44,12 +44,18 @@ def _classify(
 ):  # fmt: skip
     """``(empty, full)`` of tiles with these position / document bounds (scalars or vectors).
 
-    A tile without valid rows carries the sentinel bounds ``lo = BIG > hi = -BIG``: empty.
+    ``HAS_DOCS``: 0 none, 1 document ids, 2 block codes (``mask.BlockMask.blocks``: -1 padding, 0 ordinary, c > 0
+    block c, which sees itself both ways). A tile without valid rows carries the sentinel bounds
+    ``lo = BIG > hi = -BIG``: empty.
     """
     empty = (q_lo > q_hi) | (k_lo > k_hi)
     full = empty == 0
     if CAUSAL:
-        empty = empty | (k_lo > q_hi)
+        if HAS_DOCS == 2:  # block codes: keys after the queries are hidden unless a block may span both sides
+            share = tl.maximum(tl.maximum(qd_lo, kd_lo), 1) <= tl.minimum(qd_hi, kd_hi)
+            empty = empty | ((k_lo > q_hi) & (share == 0))
+        else:
+            empty = empty | (k_lo > q_hi)
         full = full & (k_hi <= q_lo)
     if HAS_WINDOW:
         if CAUSAL:
@@ -58,7 +64,10 @@ def _classify(
         else:
             empty = empty | (q_lo - k_hi >= window) | (k_lo - q_hi >= window)
             full = full & (q_hi - k_lo < window) & (k_hi - q_lo < window)
-    if HAS_DOCS:
+    if HAS_DOCS == 2:  # block codes: only padding (-1) hides
+        empty = empty | (qd_hi < 0) | (kd_hi < 0)
+        full = full & (qd_lo >= 0) & (kd_lo >= 0)
+    elif HAS_DOCS:
         empty = empty | (qd_hi < 0) | (kd_hi < 0) | (qd_hi < kd_lo) | (kd_hi < qd_lo)
         full = full & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)
     full = full & (empty == 0)
@@ -140,6 +149,11 @@ def _scan(
     return first, f_first, f_end, end
 
 
+def doc_mode(has_docs: bool, blocks: bool) -> int:
+    """The kernels' ``HAS_DOCS`` value: 0 no documents, 1 document ids, 2 block codes."""
+    return 0 if not has_docs else 2 if blocks else 1
+
+
 def head_dims(head_dim: int, v_head_dim: int) -> dict:
     """The kernels' head-size constants: q/k's and v's head_dim and their tiles (powers of two, at least 16)."""
     return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HEAD_DIM_V=v_head_dim,
@@ -162,6 +176,30 @@ def _tanh(x):
     e = tl.math.exp2(tl.where(neg, x, -x) * 2.8853900817779268)  # exp(-2|x|): 2 * log2(e)
     t = (1.0 - e) / (1.0 + e)
     return tl.where(neg, -t, t)
+
+
+@triton.jit
+def _visible(qp, kp, qd, kd, row_ok, col_ok, window,
+             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):  # fmt: skip
+    """Element-wise visibility of queries ``qp`` (rows) and keys ``kp`` (columns) of a tile (``HAS_DOCS`` as in
+    ``_classify``; with block codes: not padding, and the key not after the query or in the query's block)."""
+    vis = row_ok[:, None] & col_ok[None, :]
+    if CAUSAL:
+        after = kp[None, :] <= qp[:, None]
+        if HAS_DOCS == 2:
+            after = after | ((qd[:, None] == kd[None, :]) & (qd[:, None] > 0))
+        vis = vis & after
+    if HAS_WINDOW:
+        dist = qp[:, None] - kp[None, :]
+        if CAUSAL:
+            vis = vis & (dist < window)
+        else:
+            vis = vis & (dist < window) & (-dist < window)
+    if HAS_DOCS == 2:
+        vis = vis & (qd[:, None] >= 0) & (kd[None, :] >= 0)
+    elif HAS_DOCS:
+        vis = vis & (qd[:, None] == kd[None, :]) & (qd[:, None] >= 0)
+    return vis
 
 
 @triton.jit
@@ -202,18 +240,11 @@ def _fwd_tile(
         s = SOFTCAP * _tanh(s / SOFTCAP)
     if MASKED:
         kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
-        vis = n_ok[None, :]
-        if CAUSAL:
-            vis = vis & (kp[None, :] <= qp[:, None])
-        if HAS_WINDOW:
-            dist = qp[:, None] - kp[None, :]
-            if CAUSAL:
-                vis = vis & (dist < window)
-            else:
-                vis = vis & (dist < window) & (-dist < window)
         if HAS_DOCS:
             kd = tl.load(KDOC + offs_n, mask=n_ok, other=-1)
-            vis = vis & (qd[:, None] == kd[None, :]) & (qd[:, None] >= 0)
+        else:
+            kd = kp
+        vis = _visible(qp, kp, qd, kd, qp == qp, n_ok, window, CAUSAL, HAS_WINDOW, HAS_DOCS)
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: p = 0
@@ -346,12 +377,13 @@ def _fwd_kernel(
         tl.store(l_ptrs, lse_new * _LN2, mask=m_ok)
 
 
-def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, softcap=None) -> None:
+def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, softcap=None, blocks=False) -> None:
     """Launch the forward kernel; ``out`` [B, Hq, Lq, Dv] and ``lse`` [B, Hq, Lq] fp32 are updated in place
     (``Dv``: v's head_dim, which may differ from q's and k's).
 
     pos: ``(q_pos, k_pos, q_doc, k_doc)`` int32 device tensors (docs ``[1 or B, L]`` or None).
-    cfg: a ``triton_backend.KernelConfig``. softcap: attention logit softcapping (None: off).
+    cfg: a ``triton_backend.KernelConfig``. softcap: attention logit softcapping (None: off). blocks: the docs are
+    block codes (``mask.BlockMask.blocks``).
     """
     batch, hq, lq, head_dim = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -367,7 +399,7 @@ def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, 
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *doc_strides,
         lq, lk, hq, hq // hkv, scale * LOG2E, 0 if window is None else int(window),
         **head_dims(head_dim, v.shape[-1]), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SCAN=cfg.scan,
-        CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=has_docs,
+        CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=doc_mode(has_docs, blocks),
         UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
