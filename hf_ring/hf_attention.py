@@ -61,6 +61,7 @@ __all__ = [
     "CONFIG_ATTR",
     "BLOCK_IDS_KWARG",
     "DOCUMENT_IDS_KWARG",
+    "RingBlocks",
     "RingConfig",
     "PACKED_WITH_MIXERS",
     "SHARD_INFO_KWARG",
@@ -77,8 +78,8 @@ DOCUMENT_IDS_KWARG = "ring_document_ids"
 """Model keyword argument carrying ``[1 or batch, full_seq]`` global document ids (-1 = padding)."""
 
 BLOCK_IDS_KWARG = "ring_block_ids"
-"""Model keyword argument carrying ``[batch, full_seq]`` ids of bidirectional blocks (``ring_attention``'s
-``block_ids``: Gemma 3's image tokens), set by the family's hook on the vision-language model."""
+"""Model keyword argument carrying a ``RingBlocks``: the bidirectional blocks of the batch (Gemma 3's and Gemma 4's
+image tokens), set by the family's hook on the vision-language model."""
 
 SHARD_INFO_KWARG = "ring_shard_info"
 """Model keyword argument carrying the ``ShardInfo`` of a ``shard_batch`` output."""
@@ -88,6 +89,21 @@ DECODE_KWARG = "ring_cache"
 
 CONFIG_ATTR = "hf_ring_config"
 """Attribute of each patched attention module holding its ``RingConfig``."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RingBlocks:
+    """The batch's bidirectional blocks for ``ring_attention(block_ids=...)``: ``ids`` [batch, full_seq] (one id per
+    block, -1 elsewhere); ``sliding_only``: only the sliding-window layers see them (Gemma 4: its full-attention
+    layers stay causal), else every layer (Gemma 3). One object per forward, shared by its layers (the ring's plan
+    cache keys on the tensor's identity)."""
+
+    ids: torch.Tensor
+    sliding_only: bool = False
+
+    def for_layer(self, sliding_window) -> torch.Tensor | None:
+        """The ids a layer with this ``sliding_window`` (None: a full-attention layer) takes, or None."""
+        return None if self.sliding_only and sliding_window is None else self.ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +401,15 @@ def _positions_error(pos, cfg: RingConfig, rank: int, world_size: int, local_len
     )
 
 
+def _block_ids(blocks, sliding_window) -> torch.Tensor | None:
+    """The ``block_ids`` of this layer's ring call from the batch's ``ring_block_ids`` (a ``RingBlocks``, or None)."""
+    if blocks is None:
+        return None
+    if not isinstance(blocks, RingBlocks):
+        raise ValueError(f"{BLOCK_IDS_KWARG} must be a hf_ring.hf_attention.RingBlocks, got {type(blocks).__name__}")
+    return blocks.for_layer(sliding_window)
+
+
 def _dropped_documents_error(module, kwargs: dict, cfg: RingConfig) -> str | None:
     """The model's forward was given document ids (padding or packing) but this layer was called without them
     (a family whose decoder layers do not pass the batch's keywords on), or None."""
@@ -515,7 +540,7 @@ def ring_attention_forward(
         sinks=kwargs.get("s_aux"),
         cu_seqlens=cu_seqlens,
         document_ids=document_ids,
-        block_ids=kwargs.get(BLOCK_IDS_KWARG),
+        block_ids=_block_ids(kwargs.get(BLOCK_IDS_KWARG), sliding_window),
         backend=cfg.backend,
         plans=cfg.plans,
         ulysses=cfg.ulysses,

@@ -113,6 +113,7 @@ def local_error(
             or block_ids.shape[0] not in (1, b)
             or block_ids.shape[1] != full
             or block_ids.dtype.is_floating_point
+            or block_ids.dtype == torch.bool
         ):
             got = tuple(block_ids.shape) if isinstance(block_ids, torch.Tensor) else type(block_ids).__name__
             return f"block_ids must be an integer tensor [1 or batch={b}, full_seq={full}], got {got}"

@@ -131,6 +131,10 @@ class EndBatch:
             self.plans.progress.end_forward(output)
 
 
+AUDIO = ("input_features",)
+"""Media keywords that carry audio (Gemma 4): refused under the ring, also by the families that take images."""
+
+
 def _carries(value) -> bool:
     """A media keyword's value carries something (Transformers' ``generate`` passes an empty dict)."""
     return value is not None and not (isinstance(value, (dict, list, tuple)) and len(value) == 0)
@@ -147,17 +151,17 @@ def _named(module, args, kwargs) -> dict:
 
 class BlockIds:
     """Forward pre-hook (with keywords) of a vision-language model whose image tokens attend to each other both ways
-    (Gemma 3): ``derive(config, arguments)`` gives the batch's ``[batch, seq]`` block ids (Transformers'
-    ``block_sequence_ids``: one id per image, -1 for other tokens) or None, and the hook passes them on as
-    ``ring_block_ids``, which reach every attention layer with the model's keywords (``ring_attention``'s
-    ``block_ids``). They number the whole sequence: ``shard_batch`` keeps an image batch whole. Derived once per
+    (Gemma 3, Gemma 4): ``derive(config, arguments)`` gives the batch's ``RingBlocks`` (Transformers'
+    ``block_sequence_ids``: one id per image, -1 for other tokens; the layers that take them) or None, and the hook
+    passes them on as ``ring_block_ids``, which reach every attention layer with the model's keywords
+    (``ring_attention``'s ``block_ids``). They number the whole sequence: ``shard_batch`` keeps an image batch whole. Derived once per
     forward, at the outermost level (the inner model receives them with the keywords)."""
 
     def __init__(self, derive: Callable):
         self.derive = derive
 
     def __call__(self, module, args, kwargs):
-        if kwargs.get(BLOCK_IDS_KWARG) is not None or in_backward():
+        if kwargs.get(BLOCK_IDS_KWARG) is not None:  # (also when recomputed in the backward: the ids are pure)
             return None
         ids = self.derive(module.config, _named(module, args, kwargs))
         if ids is None:
@@ -168,13 +172,13 @@ class BlockIds:
 class TextOnly:
     """Forward pre-hook of a vision-language model whose text model is patched: a call with images, video or audio
     (the family's ``media`` keywords, or ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises, on
-    every rank alike, before anything runs (Gemma 4: its per-layer token embeddings and audio features are not cut
-    to the shard).
+    every rank alike, before anything runs.
 
     ``images``: the family takes images and video under the ring (its text model attends causally over image
-    tokens, or both ways within an image: ``BlockIds``; ``ShardEmbeddings``); a batch carrying them must then come whole from ``shard_batch``
-    (``ShardInfo.whole_inputs``) whenever ``group`` (the ring's) has more than one rank, else it raises: inputs cut
-    some other way would leave each rank's image tokens and features unmatched, and only some ranks would raise."""
+    tokens, or both ways within an image: ``BlockIds``; ``ShardEmbeddings``); a batch carrying them must then come
+    whole from ``shard_batch`` (``ShardInfo.whole_inputs``) whenever ``group`` (the ring's) has more than one rank,
+    else it raises: inputs cut some other way would leave each rank's image tokens and features unmatched, and only
+    some ranks would raise. Audio (Gemma 4's ``input_features``) is refused for every family."""
 
     def __init__(self, name: str, media: tuple, images: bool = False, group=None):
         self.name = name
@@ -186,6 +190,12 @@ class TextOnly:
         named = _named(module, args, kwargs)
         given = [k for k in self.media if _carries(named.get(k))]
         if self.images:
+            audio = [k for k in given if k in AUDIO]
+            if audio:
+                raise ValueError(
+                    f"hf_ring patches the text model of this {self.name} model and runs text, image and video "
+                    f"batches; the batch carries {', '.join(audio)}: audio is not supported under ring attention"
+                )
             info = named.get(SHARD_INFO_KWARG)
             whole = info.whole_inputs if isinstance(info, ShardInfo) else group_rank_and_size(self.group)[1] == 1
             if given and not whole:
@@ -212,8 +222,9 @@ class ShardEmbeddings:
     ring. For a batch ``shard_batch`` left whole (``ShardInfo.whole_inputs``: it has images or video) the model has
     merged the vision features into the embeddings of the whole sequence and computed its positions (multimodal
     RoPE) there; this cuts ``inputs_embeds`` and ``position_ids`` (arange when the model passes None, 0 for the
-    layout's padding) to the rank's shard, drops ``attention_mask`` (the padding reaches the attention as document ids) and, for
-    Qwen3-VL's deepstack, cuts ``visual_pos_masks`` and picks the rank's rows of ``deepstack_visual_embeds``.
+    layout's padding) to the rank's shard, drops ``attention_mask`` (the padding reaches the attention as document
+    ids), cuts Gemma 4's ``per_layer_inputs`` and, for Qwen3-VL's deepstack, cuts ``visual_pos_masks`` and picks the
+    rank's rows of ``deepstack_visual_embeds``.
     The cut is an index (``layout.shard``), so gradients flow back to the embeddings and the vision tower."""
 
     def __call__(self, module, args, kwargs):
@@ -241,6 +252,9 @@ class ShardEmbeddings:
         kwargs["position_ids"] = cut(pos)  # [batch, seq] or multimodal [3 or 4, batch, seq]
         kwargs["inputs_embeds"] = cut(embeds, dim=1)
         kwargs["attention_mask"] = None
+        per_layer = kwargs.get("per_layer_inputs")
+        if isinstance(per_layer, torch.Tensor):  # Gemma 4: [batch, seq, layers, dim], from the whole input_ids
+            kwargs["per_layer_inputs"] = cut(per_layer, dim=1)
         visual = kwargs.get("visual_pos_masks")
         if visual is not None:  # Qwen3-VL: rows of deepstack features, one per image token of the whole batch
             rows = (visual.flatten().long().cumsum(0) - 1).view(visual.shape)

@@ -16,16 +16,17 @@ vision tower keeps its own); the text config's family (``VisionLanguagePatch.tex
 and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics3, SmolVLM, Gemma 3). Their text model attends causally over image tokens as over text, so the ring needs
-nothing new, but for Gemma 3, whose image tokens also see each other both ways: its hook (``BLOCKS``,
-``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` as Transformers does and passes the ids to
-every attention layer, where the ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the
-window still applying on sliding layers). What needs care is where the vision features land and how positions are
-numbered. ``shard_batch`` hands
+Mistral 3, Idefics3, SmolVLM, Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
+ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
+(``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
+``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
+the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the
+ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still applying on sliding
+layers). What needs care is where the vision features land and how positions are numbered. ``shard_batch`` hands
 such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower on every image of
 the batch, merges the features into the embeddings of the whole sequence and numbers it (Qwen-VL's multimodal
 RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model, cuts the embeddings,
-positions and Qwen3-VL's deepstack features to the rank's shard. Gradients flow back through that cut, so each
+positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard. Gradients flow back through that cut, so each
 rank's vision tower gets the gradient of its own image tokens and the usual CP gradient sum makes it whole. The
 cost: every rank of a CP group runs the vision tower on all the batch's images and holds the whole sequence's
 input embeddings ([batch, seq, hidden], e.g. 0.9 GiB at 128K tokens and hidden 3584 in bf16) until the cut, and
@@ -33,8 +34,8 @@ their gradient of that size in the backward.
 
 The others refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
-(``_family.TextOnly``): Gemma 4 (its per-layer token embeddings and audio are not cut to the shard yet) and LFM2-VL
-(untested). Gemma 4's head softcaps its
+(``_family.TextOnly``): LFM2-VL (untested); audio (Gemma 4's ``input_features``) is refused for every family.
+Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's
 and Mistral 3's apply nothing.
 """
@@ -46,6 +47,7 @@ import functools
 
 import torch
 
+from ..hf_attention import RingBlocks
 from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch
 
@@ -87,26 +89,42 @@ IMAGES = (
     "idefics3",
     "smolvlm",
     "gemma3",
+    "gemma4",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
-over text; Gemma 3's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting after the
-vision features are merged (``_family.ShardEmbeddings``; ``shard_batch`` keeps such a batch whole)."""
+over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
+after the vision features are merged (``_family.ShardEmbeddings``; ``shard_batch`` keeps such a batch whole)."""
 
 
-def _gemma3_blocks(config, arguments: dict) -> torch.Tensor | None:
-    """Gemma 3's image blocks: ``token_type_ids == 1`` marks image tokens, each run of them one block numbered from 0,
-    -1 elsewhere (Transformers' ``get_block_sequence_ids_for_mask``); None without image tokens."""
-    types = arguments.get("token_type_ids")
+def _runs(types, kinds: tuple) -> torch.Tensor | None:
+    """Each run of tokens whose type is in ``kinds`` one block, numbered from 0 per row, -1 elsewhere (Transformers'
+    ``get_block_sequence_ids_for_mask``); None without such tokens."""
     if not isinstance(types, torch.Tensor) or types.dim() != 2:
         return None
-    image = types == 1
-    if not bool(image.any()):
+    inside = torch.isin(types, torch.tensor(kinds, device=types.device))
+    if not bool(inside.any()):
         return None
-    starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
-    return torch.where(image, starts.long().cumsum(1) - 1, -1)
+    starts = inside & ~torch.nn.functional.pad(inside, (1, 0))[:, :-1]
+    return torch.where(inside, starts.long().cumsum(1) - 1, -1)
 
 
-BLOCKS = {"gemma3": _gemma3_blocks}
+def _gemma3_blocks(config, arguments: dict) -> RingBlocks | None:
+    """Gemma 3's image blocks (``token_type_ids == 1`` marks image tokens), on every layer."""
+    ids = _runs(arguments.get("token_type_ids"), (1,))
+    return None if ids is None else RingBlocks(ids)
+
+
+def _gemma4_blocks(config, arguments: dict) -> RingBlocks | None:
+    """Gemma 4's image and video blocks (``mm_token_type_ids`` 1 or 2), on its sliding-window layers only (its
+    full-attention layers stay causal, as Transformers masks them), for text configs with
+    ``use_bidirectional_attention="vision"`` (the larger checkpoints); the others attend causally over them."""
+    if getattr(config.get_text_config(), "use_bidirectional_attention", None) != "vision":
+        return None
+    ids = _runs(arguments.get("mm_token_type_ids"), (1, 2))
+    return None if ids is None else RingBlocks(ids, sliding_only=True)
+
+
+BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks}
 """Wrappers whose image tokens see each other both ways: how to number their blocks from the forward's arguments."""
 
 

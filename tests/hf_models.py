@@ -175,7 +175,7 @@ _QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
-                "num_key_value_heads": 2, "head_dim": 16, "patch_size": 14}),
+                "num_key_value_heads": 2, "head_dim": 16, "patch_size": 14, "pooling_kernel_size": 2}),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
                {"head_dim": 16, "query_pre_attn_scalar": 20, **_SLIDE_FULL},
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -368,13 +368,14 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
     image (4 patch tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
     tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
-    image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks)."""
+    image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
+    16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    per_image = 4 if qwen or family == "llava" else GEMMA3_IMAGE_TOKENS if family == "gemma3" else 1
+    per_image = 4 if qwen or family == "llava" else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
-    if family == "gemma3":  # longer images: two in row 0 still inside 40 tokens
+    if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
     tokens = (10, 14, 10) if family == "llava_next" else (per_image,) * len(spots)
     for (b, p), n in zip(spots, tokens):
@@ -404,6 +405,11 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "gemma3":
         extra["pixel_values"] = torch.randn(len(spots), 3, 56, 56, generator=g)
         extra["token_type_ids"] = types
+    elif family == "gemma4":  # patches of 14 x 14 x 3 on an 8 x 8 grid with their (x, y), pooled 2 x 2: 16 tokens
+        extra["pixel_values"] = torch.rand(len(spots), 64, 3 * 14 * 14, generator=g)
+        grid = torch.stack(torch.meshgrid(torch.arange(8), torch.arange(8), indexing="xy"), -1).view(64, 2)
+        extra["image_position_ids"] = grid.expand(len(spots), -1, -1).clone()
+        extra["mm_token_type_ids"] = types
     else:
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         if family == "mistral3":

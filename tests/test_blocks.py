@@ -150,6 +150,7 @@ def test_bad_block_ids_raise_with_the_cause():
     cases = [
         (dict(block_ids=torch.zeros(1, S - 2, dtype=torch.long)), "block_ids must be an integer tensor"),
         (dict(block_ids=torch.zeros(1, S)), "block_ids must be an integer tensor"),
+        (dict(block_ids=torch.zeros(1, S, dtype=torch.bool)), "block_ids must be an integer tensor"),
         (dict(block_ids=torch.zeros(1, S, dtype=torch.long), causal=False), "block_ids need causal=True"),
         (
             dict(block_ids=torch.zeros(1, S, dtype=torch.long), cu_seqlens=torch.tensor([0, 20, S])),

@@ -158,6 +158,9 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
         for call in (model, model.model):  # the outer model and the inner one, called on its own
             with pytest.raises(ValueError, match="carries pixel_values but its input_ids were sharded"):
                 call(input_ids=ids, pixel_values=pixels, **{hf_attention.SHARD_INFO_KWARG: sharded})
+        if family == "gemma4":  # audio stays refused, whole or not
+            with pytest.raises(ValueError, match="carries input_features: audio is not supported"):
+                model(input_ids=ids, input_features=torch.zeros(1, 20, 128))
         torch.testing.assert_close(_logits(model, input_ids=ids), before, atol=ATOL, rtol=0)
         hf_ring.revert_ring_attention(model)
         assert not any(isinstance(h, TextOnly) for m in model.modules() for h in m._forward_pre_hooks.values())
@@ -206,6 +209,7 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
         ("idefics3", "images"),
         ("smolvlm", "images-padded"),
         ("gemma3", "images-padded"),  # image tokens see each other both ways (ring_block_ids)
+        ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -2,7 +2,7 @@
 ``RingAttentionPlugin`` under DDP: one ``torchrun`` launch of 2 CPU ranks (gloo, CP = 2, fp32).
 
 - A vision tower that gets no gradient from text-only batches, which DDP refuses at the second step: ``prepare``
-  raises on every rank first, naming both ways out (Gemma 4, text-only under the ring; for a family that takes
+  raises on every rank first, naming both ways out (LFM2-VL, text-only under the ring; for a family that takes
   images under the ring, such as Gemma 3, it warns).
 - The check in process: DDP only (not one process, not FSDP2), not with ``find_unused_parameters``, not for text
   models or a frozen vision tower; LoRA on every ``q_proj`` reaches into the vision tower too.
@@ -100,7 +100,7 @@ def worker(out: Path) -> None:
     accelerator = Accelerator(cpu=True)
     res: dict = {}
     try:
-        RingAttentionPlugin(cp_size=2).prepare(accelerator, make_model("gemma4"))
+        RingAttentionPlugin(cp_size=2).prepare(accelerator, make_model("lfm2_vl"))
     except ValueError as e:
         res["unused_error"] = str(e)
     res["frozen"], frozen_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=True), data)
@@ -199,7 +199,7 @@ def test_the_check_names_what_text_batches_never_reach():
             distributed_type="MULTI_CPU", ddp_handler=SimpleNamespace(find_unused_parameters=find_unused)
         )
 
-    model = make_model("gemma4")  # text-only under the ring: a trainable vision tower is never reached
+    model = make_model("lfm2_vl")  # text-only under the ring: a trainable vision tower is never reached
     with pytest.raises(ValueError, match=r"TrainingArguments\(ddp_find_unused_parameters=True\)"):
         check_ddp_reaches_every_parameter(ddp(False), model, "set TrainingArguments(ddp_find_unused_parameters=True)")
     check_ddp_reaches_every_parameter(ddp(True), model)
@@ -207,12 +207,12 @@ def test_the_check_names_what_text_batches_never_reach():
     check_ddp_reaches_every_parameter(SimpleNamespace(distributed_type="FSDP", state=SimpleNamespace(
         fsdp_plugin=SimpleNamespace(fsdp_version=2))), model)  # fmt: skip
     check_ddp_reaches_every_parameter(ddp(False), _model(frozen=True))
-    frozen_gemma4 = make_model("gemma4")
-    frozen_gemma4.model.vision_tower.requires_grad_(False)
-    frozen_gemma4.model.embed_vision.requires_grad_(False)
-    check_ddp_reaches_every_parameter(ddp(False), frozen_gemma4)
+    frozen_lfm2 = make_model("lfm2_vl")
+    frozen_lfm2.model.vision_tower.requires_grad_(False)
+    frozen_lfm2.model.multi_modal_projector.requires_grad_(False)
+    check_ddp_reaches_every_parameter(ddp(False), frozen_lfm2)
     check_ddp_reaches_every_parameter(ddp(False), make_model("llama"))  # a text model: nothing outside
-    for family in ("qwen2_vl", "gemma3"):  # they take images: their batches may reach every parameter
+    for family in ("qwen2_vl", "gemma3", "gemma4"):  # they take images: their batches may reach every parameter
         with pytest.warns(UserWarning, match="every batch must reach them"):
             check_ddp_reaches_every_parameter(ddp(False), make_model(family))
     assert outside_text_model(make_model("llama")) == []
