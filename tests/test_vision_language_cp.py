@@ -16,6 +16,9 @@
   tokens once per CP group.
 - Gemma 3 trained on batches with images through the plugin, its vision tower trainable: each image's tokens see
   each other both ways across the two ranks' chunks; losses and final weights equal single-process training.
+- TRL's ``SFTTrainer`` through ``RingSFTTrainer`` on Qwen2-VL image batches of 32 tokens (no padding, so no
+  ``attention_mask``, which TRL's token count needs): losses equal single-process training, ``num_tokens`` counts
+  each token once, not once per CP rank.
 """
 
 from __future__ import annotations
@@ -89,6 +92,21 @@ def _image_trainer(out: Path, images: list) -> tuple[list, dict, int]:
     return logged_losses(trainer), _weights(trainer.model), [trainer.state.num_input_tokens_seen, flops]
 
 
+def _image_sft(out: Path, images: list) -> tuple[list, list, list]:
+    """``RingSFTTrainer`` on the image samples: its logged losses, ``num_tokens`` and token accuracies."""
+    from hf_ring.trainer import RingSFTTrainer
+    from tests.hf_models import make_model
+    from tests.train_utils import logged_losses, sft_trainer
+
+    trainer = sft_trainer(
+        RingSFTTrainer, out, images, model=make_model("qwen2_vl", images=True), collate_fn=collate_images,
+        name="images_sft",
+    )  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return logged_losses(trainer), [h["num_tokens"] for h in logs], [h["mean_token_accuracy"] for h in logs]
+
+
 def worker(out: Path) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
@@ -118,12 +136,17 @@ def worker(out: Path) -> None:
     )
     trainer_images = image_samples(BATCH * GA * STEPS)
     res["images_trainer"], trainer_state, res["images_tokens_seen"] = _image_trainer(out, trainer_images)
+    sft_images = image_samples(BATCH * GA * STEPS, seq_len=32)
+    res["images_sft"], res["images_sft_tokens"], res["images_sft_accuracy"] = _image_sft(out, sft_images)
     if accelerator.process_index == 0:
         steps = [[[collate_images(trainer_images[(s * GA + m) * BATCH :][:BATCH])] for m in range(GA)]
                  for s in range(STEPS)]  # fmt: skip
         make = functools.partial(make_model, "qwen2_vl", images=True)
         res["images_trainer_ref"], ref_state = trainer_reference(steps, make=make)
         res["images_trainer_weights_err"] = max_param_rel_err(trainer_state, ref_state)
+        steps = [[[collate_images(sft_images[(s * GA + m) * BATCH :][:BATCH])] for m in range(GA)]
+                 for s in range(STEPS)]  # fmt: skip
+        res["images_sft_ref"], _ = trainer_reference(steps, make=make)
         for name, state, frozen in (("frozen", frozen_state, True), ("unused", unused_state, False)):
             ref_losses, ref_state = replica_reference(data, 1, STEPS, make=functools.partial(_model, frozen))
             res[f"{name}_ref"] = ref_losses
@@ -180,6 +203,17 @@ def test_training_matches_one_process(results, way):
         assert all(r["images_tokens_seen"][0] == STEPS * GA * BATCH * 32 for r in results), results
         # FLOPs (6 x parameters x tokens, summed over the ranks): each rank takes half of a whole batch
         assert all(r["images_tokens_seen"][1] == pytest.approx(STEPS * GA * BATCH * 32) for r in results), results
+
+
+def test_trl_sft_trainer_with_images(results):
+    pytest.importorskip("trl")
+    got, ref = results[0]["images_sft"], results[0]["images_sft_ref"]
+    assert len(got) == STEPS and max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= RTOL, (got, ref)
+    # TRL's running token count: every token of a step's micro-batches once (32 per row, no padding)
+    want = [(s + 1) * GA * BATCH * 32 for s in range(STEPS)]
+    for r in results:
+        assert r["images_sft"] == got and r["images_sft_tokens"] == want, r["images_sft_tokens"]
+        assert r["images_sft_accuracy"] == results[0]["images_sft_accuracy"]  # gathered over every process
 
 
 def test_the_check_names_what_text_batches_never_reach():

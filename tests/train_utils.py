@@ -189,27 +189,29 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
 
 
-def sft_trainer(cls, out: Path, train: list, **overrides):
-    """``cls`` (RingSFTTrainer or a subclass) on a tiny Llama with the run's settings, fp32, CP = 2.
+def sft_trainer(cls, out: Path, train: list, model=None, collate_fn=None, name: str = "sft", **overrides):
+    """``cls`` (RingSFTTrainer or a subclass) on a tiny Llama (or ``model``) with the run's settings, fp32, CP = 2.
 
-    ``overrides``: SFTConfig arguments on top (gradient accumulation, fsdp, ...)."""
+    ``collate_fn``: builds a batch from samples of tensors (default: stacks them); ``overrides``: SFTConfig arguments
+    on top (gradient accumulation, fsdp, ...)."""
     from datasets import Dataset
     from trl import SFTConfig
 
     from hf_ring.accelerate import RingAttentionPlugin
 
-    sft_args = {k: v for k, v in trainer_args(out, "sft").to_dict().items() if k in SFT_KEYS}
+    sft_args = {k: v for k, v in trainer_args(out, name).to_dict().items() if k in SFT_KEYS}
     cfg = SFTConfig(
         **{**sft_args, **overrides},
         bf16=False,  # fp32 parity; TRL turns bf16 on by default
         dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,
     )
+    collate_fn = collate_fn or (lambda samples: {k: torch.stack([s[k] for s in samples]) for k in samples[0]})
     return cls(
-        model=tiny_llama(),
+        model=model if model is not None else tiny_llama(),
         args=cfg,
         train_dataset=Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train]),
-        data_collator=lambda rows: {k: torch.tensor([r[k] for r in rows]) for k in rows[0]},
+        data_collator=lambda rows: collate_fn([{k: torch.tensor(v) for k, v in r.items()} for r in rows]),
         processing_class=tiny_tokenizer(),
         ring_plugin=RingAttentionPlugin(cp_size=2),
     )
@@ -242,14 +244,14 @@ def raw_batch(data, index, collate_fn=collate):
     return collate_fn(data[index * BATCH : (index + 1) * BATCH])
 
 
-def image_samples(n: int) -> list:
-    """``n`` Qwen2-VL samples of SEQ_LEN tokens, each with one image (4 x 4 patches, 4 tokens) at its own place
+def image_samples(n: int, seq_len: int = SEQ_LEN) -> list:
+    """``n`` Qwen2-VL samples of ``seq_len`` tokens, each with one image (4 x 4 patches, 4 tokens) at its own place
     (for ``tests.hf_models.make_model("qwen2_vl", images=True)``)."""
     from tests.hf_models import make_batch
 
     samples = []
     for i in range(n):
-        batch, _ = make_batch("video", SEQ_LEN, seed=10 + i, family="qwen2_vl")  # row 0: an image at 5..8
+        batch, _ = make_batch("video", seq_len, seed=10 + i, family="qwen2_vl")  # row 0: an image at 5..8
         samples.append({
             "input_ids": batch["input_ids"][0], "labels": batch["labels"][0],
             "mm_token_type_ids": batch["mm_token_type_ids"][0],
