@@ -44,12 +44,25 @@ from .layout import (
     valid_cu_seqlens,
 )
 
-__all__ = ["shard_batch", "reduce_loss", "IGNORE_INDEX", "MEDIA_KEYS"]
+__all__ = ["shard_batch", "reduce_loss", "multimodal", "IGNORE_INDEX", "MEDIA_KEYS"]
 
 IGNORE_INDEX = -100
 
 MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
 """Keys whose presence makes a batch multimodal (its inputs go to the model whole, see the module docstring)."""
+
+ENCODED_KEY = "mm_encoder_outputs"
+"""Transformers' vision features computed ahead of the forward (``generate()`` passes them in place of the pixels
+since 5.24): a batch carrying them is multimodal too."""
+
+
+def multimodal(batch: Mapping) -> bool:
+    """Whether ``batch`` (keyword arguments of a forward) carries images or video: ``MEDIA_KEYS``, or non-empty
+    ``mm_encoder_outputs``."""
+    encoded = batch.get(ENCODED_KEY)
+    encoded = encoded is not None and not (isinstance(encoded, (dict, list, tuple)) and len(encoded) == 0)
+    return encoded or any(batch.get(k) is not None for k in MEDIA_KEYS)
+
 
 _SEQUENCE_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -68,7 +81,7 @@ def _group(group) -> tuple[int, int]:
 def _validate(batch) -> tuple:
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_batch expects a dict of tensors from a collator, got {type(batch).__name__}")
-    media = any(batch.get(k) is not None for k in MEDIA_KEYS)
+    media = multimodal(batch)
     unknown = sorted(set(batch) - set(_SEQUENCE_KEYS) - set(_PACKING_KEYS))
     if unknown and not media:
         raise ValueError(

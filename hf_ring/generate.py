@@ -21,6 +21,12 @@ processors, stopping criteria, streamers, sampling) with two differences:
   reaches no convolution (its inputs are zeroed there: a projection's bias would otherwise reach the first
   tokens' convolution).
 
+- **Prompts with images** (the vision-language families that take images under the ring, but the Qwen-VL ones,
+  whose positions follow the images): the prefill hands the whole left-padded prompt to the model with its images
+  (or the vision features ``generate()`` computed ahead), as a training batch with images goes
+  (``ShardInfo.whole_inputs``): the model merges the features on the whole sequence and its text model cuts the
+  embeddings to the rank's shard; Gemma's image tokens see each other both ways there. The decode steps are text.
+
 A model called without a cache during ``generate()`` (Phi-3 drops it when its longrope factors switch, to compute
 every key anew) gets a new prefill of the whole sequence into the emptied sharded cache, as Transformers computes it.
 
@@ -41,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .apply import unwrap_transformers_model
-from .batch import shard_batch
+from .batch import MEDIA_KEYS, multimodal, shard_batch
 from .comm import RingComm, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
 from .layout import positions, required_multiple
@@ -58,6 +64,13 @@ _REFUSED = {
     "use_cache": (lambda v: v is False, "use_cache=False (decoding needs the sharded cache)"),
 }
 _PREFILL_FIELDS = ("error", "batch", "length", "fingerprint")
+_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")  # per token in a prompt with images: padded as input_ids
+# what the prefill sets itself (the rest of an image prompt's keywords go to the model with it)
+_PREFILL_OWN = ("position_ids", "cache", "past_key_values", "use_cache", "cache_position", "logits_to_keep",
+                "return_dict", "output_attentions", "output_hidden_states")  # fmt: skip
+MULTIMODAL_ROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+"""Vision-language families whose positions follow the images (multimodal RoPE): their decode steps would need the
+prompt's position offsets carried past the prefill's padding, so ``ring_generate`` takes text-only prompts there."""
 _STEP_FIELDS = ("error", "batch", "new_tokens", "position", "token_fingerprint")
 
 
@@ -163,7 +176,9 @@ def ring_generate(model, inputs, **generate_kwargs):
         model: a model patched by ``hf_ring.apply_ring_attention`` (a Transformers causal LM or a PEFT model
             wrapping one), on every rank of its CP group.
         inputs: the full prompt as users hold it, the same on every rank: a dict (or ``BatchEncoding``) with
-            ``input_ids`` [batch, prompt] and optionally ``attention_mask`` (left padding for batch > 1).
+            ``input_ids`` [batch, prompt] and optionally ``attention_mask`` (left padding for batch > 1); for a
+            vision-language model that takes images (not Qwen-VL's), also the processor's images and their keys
+            (``pixel_values``, ``image_sizes``, ``token_type_ids`` / ``mm_token_type_ids``, ...).
         generate_kwargs: passed to ``generate()`` (``max_new_tokens``, ``do_sample``, ``streamer``, ...).
 
     Returns:
@@ -183,17 +198,37 @@ def ring_generate(model, inputs, **generate_kwargs):
             f"ring_generate does not support {patch.name} models: their decoder layers do not pass the sharded KV "
             "cache on to the attention; generate with hf_ring.revert_ring_attention(model) and model.generate()"
         )
-    if patch.media:  # a vision-language model: images given to generate() would never reach the sharded prefill
+    images = patch.images and patch.name not in MULTIMODAL_ROPE
+    if patch.media:  # a vision-language model: media must come in inputs, and only where the prefill takes them
         from .patches._family import TextOnly
 
+        given = [k for k in patch.media if generate_kwargs.get(k) is not None]
+        if images and given:
+            raise ValueError(
+                f"ring_generate takes the prompt's images in inputs (beside input_ids, as the processor returns them), "
+                f"not as generate() keywords: got {given}"
+            )
         TextOnly(patch.name, patch.media)(target, (), generate_kwargs)
     for name, (refused, what) in _REFUSED.items():
         if refused(generate_kwargs.get(name)):
             raise ValueError(f"ring_generate does not support {what}; use greedy or sampled decoding")
     inputs = dict(inputs)
     unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
+    if unknown and images:  # the prompt's images and their keys (the prefill takes them as a training batch's)
+        ids = inputs.get("input_ids")
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
+        unknown = sorted(  # per-token keys other than the token types: nothing would pad them
+            k for k in unknown
+            if k not in _TOKEN_TYPES and isinstance(inputs[k], torch.Tensor) and tuple(inputs[k].shape[:2]) == shape
+        )  # fmt: skip
     if unknown:
-        raise ValueError(f"ring_generate takes input_ids and attention_mask in inputs, not {unknown}")
+        if patch.images and not images and set(unknown) & set(MEDIA_KEYS):
+            raise ValueError(
+                f"ring_generate takes text-only prompts for {patch.name} models (their positions follow the images: "
+                "multimodal RoPE, which the decode steps would have to carry past the prefill's padding)"
+            )
+        what = "input_ids and attention_mask" if not images else "input_ids, attention_mask, token types, media"
+        raise ValueError(f"ring_generate takes {what} in inputs, not {unknown}")
     rank, world = group_rank_and_size(cfg.group)
     state = _State(group=cfg.group, rank=rank, world=world, layout=cfg.layout, kv_source=_kv_sources(target))
     state.halo = max((m.conv_kernel_size - 1 for m in patch.linear_modules(target)), default=0)
@@ -292,14 +327,24 @@ class _Before:
             "attention_mask": torch.nn.functional.pad(mask, (pad, 0), value=0),
             "position_ids": torch.nn.functional.pad(pos.expand(b, -1), (pad, 0), value=0),
         }
-        local = shard_batch(full, group=st.group, layout=st.layout, pad_to_multiple=False)
+        if multimodal(kwargs):  # images (or their features): the model takes the whole prompt
+            positions_ = full.pop("position_ids")
+            for key, value in kwargs.items():
+                if key in _TOKEN_TYPES and isinstance(value, torch.Tensor):
+                    full[key] = torch.nn.functional.pad(value, (pad, 0), value=0)
+                elif key not in full and key not in _PREFILL_OWN and value is not None:
+                    full[key] = value  # the images and their per-image keys
+            local = shard_batch(full, group=st.group, layout=st.layout, pad_to_multiple=False)
+            local["position_ids"] = positions_  # whole: the text model cuts them with the embeddings
+        else:
+            local = shard_batch(full, group=st.group, layout=st.layout, pad_to_multiple=False)
         st.offset, st.prompt = pad, s + pad
         st.local = positions(s + pad, rank=st.rank, world_size=st.world, layout=st.layout)
         # one document per row for the decode steps (the new tokens see every prompt token that is not padding)
         st.docs = torch.where(full["attention_mask"].cpu().bool(), 0, -1).to(torch.int32)
         # the logits of this rank's last token (the owner's is the prompt's last), as an index: an integer would
         # let Gemma 4 run its KV-shared layers on that token alone, and those layers see every rank's tokens here
-        last = torch.tensor([local["input_ids"].shape[1] - 1])  # on the CPU: any device's hidden states take it
+        last = torch.tensor([st.local.numel() - 1])  # on the CPU: any device's hidden states take it
         local.update({"use_cache": True, cache_key: kwargs[cache_key], "logits_to_keep": last})
         local["cache_position"] = st.local.to(ids.device)
         local[DECODE_KWARG] = self.cache

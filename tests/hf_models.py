@@ -326,7 +326,10 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
     import transformers as tf
 
     if images:
-        overrides = {"vocab_size": VOCAB + len(MEDIA_TOKENS) + 4, **overrides}
+        vocab = {"vocab_size": VOCAB + len(MEDIA_TOKENS) + 4}
+        if family == "gemma4":  # its per-layer embeddings of every token (one it generates too)
+            vocab["vocab_size_per_layer_input"] = vocab["vocab_size"]
+        overrides = {**vocab, **overrides}
 
     classes = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
                "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,

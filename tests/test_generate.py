@@ -157,6 +157,22 @@ def _prompt(b: int, s: int, pad: int, seed: int = 3) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+IMAGE_PROMPTS = {  # name: (family, text config): prompts with images (two rows, left padding, 40 tokens)
+    "llava-images": ("llava", {}),
+    "mistral3-images": ("mistral3", {}),
+    "gemma3-images": ("gemma3", {}),  # its image tokens see each other both ways in the prefill
+    "gemma4-images": ("gemma4", {"use_bidirectional_attention": "vision"}),  # both ways on sliding layers only
+}
+
+
+def _image_prompt(family: str) -> dict:
+    from .hf_models import make_batch
+
+    batch, _ = make_batch("images-padded", 40, family=family)
+    batch.pop("labels")
+    return batch
+
+
 def _model(family: str, opts: dict):
     model = make_model(family, **opts.get("config", {}))
     if opts.get("lora"):
@@ -189,6 +205,18 @@ def _worker(rank, world):
         try:
             with torch.no_grad():
                 out = hf_ring.ring_generate(model, inputs, **_kwargs(opts))
+        except ValueError as e:
+            out = str(e)
+        results[name] = (ref, out)
+    for name, (family, config) in IMAGE_PROMPTS.items():
+        inputs = _image_prompt(family)
+        model = make_model(family, images=True, **config).eval()
+        with torch.no_grad():
+            ref = model.generate(**inputs, **_kwargs({}))
+        hf_ring.apply_ring_attention(model)
+        try:
+            with torch.no_grad():
+                out = hf_ring.ring_generate(model, inputs, **_kwargs({}))
         except ValueError as e:
             out = str(e)
         results[name] = (ref, out)
@@ -233,6 +261,7 @@ def _errors(rank, world) -> dict:
 
     model = hf_ring.apply_ring_attention(_model("llama", {}))
     vlm = hf_ring.apply_ring_attention(_model("gemma3", {}))
+    qwen = hf_ring.apply_ring_attention(make_model("qwen2_vl", images=True).eval())
     calls = {
         "different prompts": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0, seed=rank), max_new_tokens=2),
         "beam search": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2, num_beams=2),
@@ -241,10 +270,12 @@ def _errors(rank, world) -> dict:
         ),
         "assisted": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2, assistant_model=model),
         "plain generate": lambda: model.generate(**_prompt(1, 12, 0), max_new_tokens=2),
-        # a vision-language model's images, handed to generate(): refused, never dropped
+        # a vision-language model's images handed to generate() rather than in inputs: refused, never dropped
         "images": lambda: hf_ring.ring_generate(
             vlm, _prompt(1, 12, 0), max_new_tokens=2, pixel_values=torch.zeros(1, 3, 28, 28)
         ),
+        # a Qwen-VL prompt with images (multimodal RoPE): text-only prompts there
+        "qwen images": lambda: hf_ring.ring_generate(qwen, _image_prompt("qwen2_vl"), max_new_tokens=2),
     }
     errors = {}
     for name, call in calls.items():
@@ -277,7 +308,7 @@ def two_ranks():
     return run_distributed(_worker, 2, timeout=300)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *IMAGE_PROMPTS])
 def test_ring_generate_gives_the_unmodified_models_tokens(two_ranks, name):
     import transformers
     from packaging.version import Version
@@ -347,7 +378,8 @@ def test_bad_generation_calls_raise_on_every_rank(two_ranks):
         assert "cache_implementation" in (e["static cache"] or ""), (rank, e)
         assert "assisted decoding (assistant_model)" in (e["assisted"] or ""), (rank, e)
         assert "hf_ring.ring_generate(model, inputs" in (e["plain generate"] or ""), (rank, e)
-        assert "carries pixel_values: images, video or audio are not supported" in (e["images"] or ""), (rank, e)
+        assert "images in inputs" in (e["images"] or "") and "['pixel_values']" in e["images"], (rank, e)
+        assert "text-only prompts for qwen2_vl" in (e["qwen images"] or ""), (rank, e)
 
 
 def test_the_model_trains_as_before_after_generating(two_ranks):
