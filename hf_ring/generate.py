@@ -21,11 +21,12 @@ processors, stopping criteria, streamers, sampling) with two differences:
   reaches no convolution (its inputs are zeroed there: a projection's bias would otherwise reach the first
   tokens' convolution).
 
-- **Prompts with images** (the vision-language families that take images under the ring, but the Qwen-VL ones,
-  whose positions follow the images): the prefill hands the whole left-padded prompt to the model with its images
-  (or the vision features ``generate()`` computed ahead), as a training batch with images goes
-  (``ShardInfo.whole_inputs``): the model merges the features on the whole sequence and its text model cuts the
-  embeddings to the rank's shard; Gemma's image tokens see each other both ways there. The decode steps are text.
+- **Prompts with images** (the vision-language families that take images under the ring): the prefill hands the
+  whole left-padded prompt to the model with its images (or the vision features ``generate()`` computed ahead) and
+  its position ids (Qwen-VL's multimodal rows as ``generate()`` computed them on the prompt, so the offsets it
+  keeps for the decode steps stay its own), as a training batch with images goes (``ShardInfo.whole_inputs``): the
+  model merges the features on the whole sequence and its text model cuts the embeddings and positions to the
+  rank's shard; Gemma's image tokens see each other both ways there. The decode steps are text.
 
 A model called without a cache during ``generate()`` (Phi-3 drops it when its longrope factors switch, to compute
 every key anew) gets a new prefill of the whole sequence into the emptied sharded cache, as Transformers computes it.
@@ -47,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .apply import unwrap_transformers_model
-from .batch import MEDIA_KEYS, multimodal, shard_batch
+from .batch import multimodal, shard_batch
 from .comm import RingComm, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
 from .layout import positions, required_multiple
@@ -68,9 +69,6 @@ _TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")  # per token in a prompt 
 # what the prefill sets itself (the rest of an image prompt's keywords go to the model with it)
 _PREFILL_OWN = ("position_ids", "cache", "past_key_values", "use_cache", "cache_position", "logits_to_keep",
                 "return_dict", "output_attentions", "output_hidden_states")  # fmt: skip
-MULTIMODAL_ROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
-"""Vision-language families whose positions follow the images (multimodal RoPE): their decode steps would need the
-prompt's position offsets carried past the prefill's padding, so ``ring_generate`` takes text-only prompts there."""
 _STEP_FIELDS = ("error", "batch", "new_tokens", "position", "token_fingerprint")
 
 
@@ -177,8 +175,8 @@ def ring_generate(model, inputs, **generate_kwargs):
             wrapping one), on every rank of its CP group.
         inputs: the full prompt as users hold it, the same on every rank: a dict (or ``BatchEncoding``) with
             ``input_ids`` [batch, prompt] and optionally ``attention_mask`` (left padding for batch > 1); for a
-            vision-language model that takes images (not Qwen-VL's), also the processor's images and their keys
-            (``pixel_values``, ``image_sizes``, ``token_type_ids`` / ``mm_token_type_ids``, ...).
+            vision-language model that takes images, also the processor's images and their keys (``pixel_values``,
+            ``image_grid_thw``, ``image_sizes``, ``token_type_ids`` / ``mm_token_type_ids``, ...).
         generate_kwargs: passed to ``generate()`` (``max_new_tokens``, ``do_sample``, ``streamer``, ...).
 
     Returns:
@@ -198,7 +196,7 @@ def ring_generate(model, inputs, **generate_kwargs):
             f"ring_generate does not support {patch.name} models: their decoder layers do not pass the sharded KV "
             "cache on to the attention; generate with hf_ring.revert_ring_attention(model) and model.generate()"
         )
-    images = patch.images and patch.name not in MULTIMODAL_ROPE
+    images = patch.images  # the family takes images under the ring: a prompt's images too
     if patch.media:  # a vision-language model: media must come in inputs, and only where the prefill takes them
         from .patches._family import TextOnly
 
@@ -222,11 +220,6 @@ def ring_generate(model, inputs, **generate_kwargs):
             if k not in _TOKEN_TYPES and isinstance(inputs[k], torch.Tensor) and tuple(inputs[k].shape[:2]) == shape
         )  # fmt: skip
     if unknown:
-        if patch.images and not images and set(unknown) & set(MEDIA_KEYS):
-            raise ValueError(
-                f"ring_generate takes text-only prompts for {patch.name} models (their positions follow the images: "
-                "multimodal RoPE, which the decode steps would have to carry past the prefill's padding)"
-            )
         what = "input_ids and attention_mask" if not images else "input_ids, attention_mask, token types, media"
         raise ValueError(f"ring_generate takes {what} in inputs, not {unknown}")
     rank, world = group_rank_and_size(cfg.group)
@@ -315,20 +308,18 @@ class _Before:
             pad += max(0, -(-short // multiple) * multiple)
         mask = torch.ones_like(ids) if mask is None else mask
         pos = kwargs.get("position_ids")
+        media = multimodal(kwargs)
         if pos is None:
             pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        elif pos.dim() == 3:  # multimodal RoPE (Qwen-VL: [3 or 4, batch, prompt]): one row for text-only prompts
-            if not bool((pos == pos[:1]).all()):
-                raise ValueError("ring_generate: the prompt's multimodal position ids differ between their rows "
-                                 "(image or video positions); ring_generate takes text-only prompts")  # fmt: skip
+        elif pos.dim() == 3 and not media:  # multimodal RoPE ([3 or 4, batch, prompt]): one row for text prompts
             pos = pos[0]
         full = {
             "input_ids": torch.nn.functional.pad(ids, (pad, 0), value=0),
             "attention_mask": torch.nn.functional.pad(mask, (pad, 0), value=0),
-            "position_ids": torch.nn.functional.pad(pos.expand(b, -1), (pad, 0), value=0),
+            "position_ids": torch.nn.functional.pad(pos.expand(*pos.shape[:-2], b, -1), (pad, 0), value=0),
         }
-        if multimodal(kwargs):  # images (or their features): the model takes the whole prompt
-            positions_ = full.pop("position_ids")
+        if media:  # images (or their features): the model takes the whole prompt
+            positions_ = full.pop("position_ids")  # multimodal RoPE's too: the text model cuts them
             for key, value in kwargs.items():
                 if key in _TOKEN_TYPES and isinstance(value, torch.Tensor):
                     full[key] = torch.nn.functional.pad(value, (pad, 0), value=0)
