@@ -21,6 +21,7 @@ media keys go to the model whole, and the model's text model cuts its input embe
 rank's shard (``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the sequence keys
 is per image (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
 (``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys.
+A text batch's token types (a vision-language processor's, all zeros) are sharded as ``input_ids``.
 
 No communication happens here: every rank shards the same full batch (it must be identical on every
 rank of the group), so every error is raised on every rank before any collective.
@@ -48,8 +49,9 @@ __all__ = ["shard_batch", "reduce_loss", "multimodal", "IGNORE_INDEX", "MEDIA_KE
 
 IGNORE_INDEX = -100
 
-MEDIA_KEYS = ("pixel_values", "pixel_values_videos")
-"""Keys whose presence makes a batch multimodal (its inputs go to the model whole, see the module docstring)."""
+MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")
+"""Keys whose presence makes a batch multimodal (its inputs go to the model whole, see the module docstring):
+images, video, and audio features (Gemma 4's ``input_features``)."""
 
 ENCODED_KEY = "mm_encoder_outputs"
 """Transformers' vision features computed ahead of the forward (``generate()`` passes them in place of the pixels
@@ -83,11 +85,13 @@ def _validate(batch) -> tuple:
         raise TypeError(f"shard_batch expects a dict of tensors from a collator, got {type(batch).__name__}")
     media = multimodal(batch)
     unknown = sorted(set(batch) - set(_SEQUENCE_KEYS) - set(_PACKING_KEYS))
+    if not media:  # a vision-language processor's text batch carries its (all-zero) token types: sharded as input_ids
+        unknown = [k for k in unknown if k not in _TOKEN_TYPE_KEYS]
     if unknown and not media:
         raise ValueError(
-            f"shard_batch does not know how to shard {unknown}; it takes {', '.join(_SEQUENCE_KEYS)} "
-            f"(and the packing keys {', '.join(_PACKING_KEYS)}; with images or video {', '.join(MEDIA_KEYS)} and "
-            "their per-image keys); remove the others from the batch"
+            f"shard_batch does not know how to shard {unknown}; it takes {', '.join(_SEQUENCE_KEYS)}, "
+            f"{', '.join(_TOKEN_TYPE_KEYS)} (and the packing keys {', '.join(_PACKING_KEYS)}; with images or video "
+            f"{', '.join(MEDIA_KEYS)} and their per-image keys); remove the others from the batch"
         )
     input_ids = batch.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
@@ -119,7 +123,7 @@ def _validate(batch) -> tuple:
                 f"with images; it passes per-image keys on and pads {', '.join(_TOKEN_TYPE_KEYS)}; remove the others"
             )
     labels, mask, pos = batch.get("labels"), batch.get("attention_mask"), batch.get("position_ids")
-    for name in ("labels", "attention_mask", *(_TOKEN_TYPE_KEYS if media else ())):
+    for name in ("labels", "attention_mask", *_TOKEN_TYPE_KEYS):
         t = batch.get(name)
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -229,6 +233,9 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
     else:
         put("input_ids", ids)
         put("position_ids", pos)
+        for key in _TOKEN_TYPE_KEYS:
+            if batch.get(key) is not None:
+                put(key, torch.nn.functional.pad(batch[key], (0, pad), value=0))
     if labels is not None:
         full = torch.full((b, s + pad), IGNORE_INDEX, dtype=torch.long, device=labels.device)
         full[:, : s - 1] = labels[:, 1:]

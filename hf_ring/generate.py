@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .apply import unwrap_transformers_model
-from .batch import multimodal, shard_batch
+from .batch import ENCODED_KEY, MEDIA_KEYS, multimodal, shard_batch
 from .comm import RingComm, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
 from .layout import positions, required_multiple
@@ -90,6 +90,7 @@ class _State:
     kv_source: dict = dataclasses.field(default_factory=dict)  # layer that reuses another's keys/values -> that layer
     updated: object = None  # the cache layer updated last (an attention block shared by several layers: its call's)
     halo: int = 0  # hybrids: the most inputs before a token any convolution reads (each chunk needs at least that)
+    hooks: list = dataclasses.field(default_factory=list)  # handles of hooks set for one forward (removed at the end)
 
 
 @functools.cache
@@ -198,13 +199,13 @@ def ring_generate(model, inputs, **generate_kwargs):
         )
     images = patch.images  # the family takes images under the ring: a prompt's images too
     if patch.media:  # a vision-language model: media must come in inputs, and only where the prefill takes them
-        from .patches._family import TextOnly
+        from .patches._family import TextOnly, _carries
 
-        given = [k for k in patch.media if generate_kwargs.get(k) is not None]
+        given = [k for k in (*patch.media, *_TOKEN_TYPES) if _carries(generate_kwargs.get(k))]
         if images and given:
             raise ValueError(
-                f"ring_generate takes the prompt's images in inputs (beside input_ids, as the processor returns them), "
-                f"not as generate() keywords: got {given}"
+                f"ring_generate takes the prompt's images, video or audio and their keys in inputs (beside input_ids, "
+                f"as the processor returns them), not as generate() keywords: got {given}"
             )
         TextOnly(patch.name, patch.media)(target, (), generate_kwargs)
     for name, (refused, what) in _REFUSED.items():
@@ -234,8 +235,22 @@ def ring_generate(model, inputs, **generate_kwargs):
     try:
         return model.generate(**inputs, **generate_kwargs, past_key_values=cache)
     finally:
-        for h in hooks:
+        for h in hooks + state.hooks:
             h.remove()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as integers for ``fingerprint`` (a floating one's fp32 bits)."""
+    return t.detach().float().contiguous().view(torch.int32) if t.dtype.is_floating_point else t
+
+
+def _media_tensors(kwargs: dict) -> list:
+    """The tensors of a forward's images, video or audio, or of the features ``generate()`` computed from them."""
+    found = [kwargs[k] for k in MEDIA_KEYS if isinstance(kwargs.get(k), torch.Tensor)]
+    for output in (kwargs.get(ENCODED_KEY) or {}).values():
+        pooled = getattr(output, "pooler_output", None)
+        found += [pooled] if isinstance(pooled, torch.Tensor) else [t for t in pooled or () if torch.is_tensor(t)]
+    return found
 
 
 def _kv_sources(model) -> dict[int, int]:
@@ -277,9 +292,10 @@ class _Before:
         comm = RingComm(st.group)
         if st.phase == "prefill":
             mask = kwargs.get("attention_mask")
-            summary = [0, ids.shape[0], ids.shape[1], fingerprint(ids, mask)]
+            media = [_bits(t) for t in _media_tensors(kwargs)]  # ranks given other images would mix their features
+            summary = [0, ids.shape[0], ids.shape[1], fingerprint(ids, mask, *media)]
             check_everywhere(None, summary, comm, ids.device, fields=_PREFILL_FIELDS, op="ring_generate (prompt)")
-            return (), self._prefill(kwargs, ids, mask, key)
+            return (), self._prefill(module, kwargs, ids, mask, key)
         start = self.cache.get_seq_length()  # every rank's tokens so far, in generate()'s coordinates
         summary = [0, ids.shape[0], ids.shape[1], start, fingerprint(ids)]
         check_everywhere(None, summary, comm, ids.device, fields=_STEP_FIELDS, op="ring_generate (decode step)")
@@ -297,7 +313,7 @@ class _Before:
                 "original_max_position_embeddings"
             )
 
-    def _prefill(self, kwargs: dict, ids: torch.Tensor, mask, cache_key: str) -> dict:
+    def _prefill(self, module, kwargs: dict, ids: torch.Tensor, mask, cache_key: str) -> dict:
         st = self.state
         b, s = ids.shape
         multiple = required_multiple(st.layout, st.world)
@@ -336,6 +352,13 @@ class _Before:
         # the logits of this rank's last token (the owner's is the prompt's last), as an index: an integer would
         # let Gemma 4 run its KV-shared layers on that token alone, and those layers see every rank's tokens here
         last = torch.tensor([st.local.numel() - 1])  # on the CPU: any device's hidden states take it
+        if media:  # the model's input_ids are whole, its hidden states a shard: the text model keeps the last row
+            from .patches._family import ShardEmbeddings
+
+            last = 0  # (Gemma 4 slices by index only when the two lengths agree: all the shard's logits otherwise)
+            text = next(m for m in module.modules() if any(isinstance(h, ShardEmbeddings) for h in
+                                                           m._forward_pre_hooks.values()))  # fmt: skip
+            st.hooks.append(text.register_forward_hook(_KeepLast(st)))
         local.update({"use_cache": True, cache_key: kwargs[cache_key], "logits_to_keep": last})
         local["cache_position"] = st.local.to(ids.device)
         local[DECODE_KWARG] = self.cache
@@ -343,6 +366,20 @@ class _Before:
             if key in kwargs:
                 local[key] = kwargs[key]
         return local
+
+
+class _KeepLast:
+    """One-shot forward hook of the text model in a prefill with images: only the shard's last row of its hidden
+    states goes on to the head (the rank owning the prompt's last token broadcasts its logits)."""
+
+    def __init__(self, state: _State):
+        self.state = state
+
+    def __call__(self, module, args, output):
+        while self.state.hooks:
+            self.state.hooks.pop().remove()
+        output.last_hidden_state = output.last_hidden_state[:, -1:]
+        return output
 
 
 class _After:

@@ -165,20 +165,22 @@ def _ring_sft_trainer() -> type:
 
         A batch with images reaches every CP rank whole (``ShardInfo.whole_inputs``), where TRL counts the tokens of
         its ``attention_mask`` on every process for its ``num_tokens`` metric: such a batch gets an all-ones
-        ``attention_mask`` when it has none (nothing is padding; TRL requires one), and the count of each step is
-        taken once per CP group."""
+        ``attention_mask`` when it has none (nothing is padding; TRL requires one), and in training every process
+        joins one small all-gather that takes back what the CP group's other ranks counted again (DP groups may
+        mix image and text batches)."""
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             info = inputs.get(SHARD_INFO_KWARG)
-            if not (isinstance(info, ShardInfo) and info.whole_inputs):
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if inputs.get("attention_mask") is None:
+            whole = isinstance(info, ShardInfo) and info.whole_inputs
+            if whole and inputs.get("attention_mask") is None:
                 ids = inputs["input_ids"]
                 inputs = {**inputs, "attention_mask": torch.ones(ids.shape, dtype=torch.long, device=ids.device)}
-            before = self._total_train_tokens
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if self._total_train_tokens != before:  # training: every CP rank of a group counted the same tokens
-                self._total_train_tokens = before + (self._total_train_tokens - before) // info.world_size
+            if self.model.training and self.ring_setup.world_size > 1:  # TRL counted the tokens (every process)
+                again = (
+                    inputs["attention_mask"].sum() if whole and info.rank != 0 else inputs["input_ids"].new_zeros(())
+                )
+                self._total_train_tokens -= self.accelerator.gather(again.reshape(1)).sum().item()
                 self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
             return out
 

@@ -131,10 +131,6 @@ class EndBatch:
             self.plans.progress.end_forward(output)
 
 
-AUDIO = ("input_features",)
-"""Media keywords that carry audio (Gemma 4): refused under the ring, also by the families that take images."""
-
-
 def _carries(value) -> bool:
     """A media keyword's value carries something (Transformers' ``generate`` passes an empty dict)."""
     return value is not None and not (isinstance(value, (dict, list, tuple)) and len(value) == 0)
@@ -178,7 +174,7 @@ class TextOnly:
     tokens, or both ways within an image: ``BlockIds``; ``ShardEmbeddings``); a batch carrying them must then come
     whole from ``shard_batch`` (``ShardInfo.whole_inputs``) whenever ``group`` (the ring's) has more than one rank,
     else it raises: inputs cut some other way would leave each rank's image tokens and features unmatched, and only
-    some ranks would raise. Audio (Gemma 4's ``input_features``) is refused for every family."""
+    some ranks would raise. Gemma 4's audio (``input_features``) goes the same way as its images."""
 
     def __init__(self, name: str, media: tuple, images: bool = False, group=None):
         self.name = name
@@ -190,12 +186,6 @@ class TextOnly:
         named = _named(module, args, kwargs)
         given = [k for k in self.media if _carries(named.get(k))]
         if self.images:
-            audio = [k for k in given if k in AUDIO]
-            if audio:
-                raise ValueError(
-                    f"hf_ring patches the text model of this {self.name} model and runs text, image and video "
-                    f"batches; the batch carries {', '.join(audio)}: audio is not supported under ring attention"
-                )
             info = named.get(SHARD_INFO_KWARG)
             whole = info.whole_inputs if isinstance(info, ShardInfo) else group_rank_and_size(self.group)[1] == 1
             if given and not whole:

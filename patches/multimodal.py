@@ -34,7 +34,8 @@ their gradient of that size in the backward.
 
 The others refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
-(``_family.TextOnly``): LFM2-VL (untested); audio (Gemma 4's ``input_features``) is refused for every family.
+(``_family.TextOnly``): LFM2-VL (untested). Gemma 4's audio (``input_features``) goes as its images go: the batch
+whole, the audio features merged on the whole sequence, its audio tokens attending causally.
 Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's
 and Mistral 3's apply nothing.

@@ -176,6 +176,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "num_key_value_heads": 2, "head_dim": 16, "patch_size": 14, "pooling_kernel_size": 2}),
+    "gemma4-audio": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
+                     {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "num_key_value_heads": 2, "head_dim": 16, "patch_size": 14, "pooling_kernel_size": 2}),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
                {"head_dim": 16, "query_pre_attn_scalar": 20, **_SLIDE_FULL},
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -306,6 +309,8 @@ def make_config(family: str, **overrides):
     elif family in VISION_LANGUAGE:  # the image token lies outside the vocabulary the test batches draw from
         config_class, _, extra, vision = VISION_LANGUAGE[family]
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
+        if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
+            top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
                                         image_token_index=VOCAB + 3, **top)  # fmt: skip
     else:
@@ -327,7 +332,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
 
     if images:
         vocab = {"vocab_size": VOCAB + len(MEDIA_TOKENS) + 4}
-        if family == "gemma4":  # its per-layer embeddings of every token (one it generates too)
+        if family.startswith("gemma4"):  # its per-layer embeddings of every token (one it generates too)
             vocab["vocab_size_per_layer_input"] = vocab["vocab_size"]
         overrides = {**vocab, **overrides}
 
@@ -361,6 +366,9 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
 
 
 _IMAGE_SPOTS = ((0, 5), (0, 25), (1, 17))  # (row, first image token) of each image
+GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "subsampling_conv_channels": [128, 4], "output_proj_dims": 32}  # fmt: skip
+AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 28 x 28 vision tower
 
@@ -434,6 +442,21 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
     """``(batch for shard_batch, batch for the unmodified model)``; they differ only for padded batches. Kinds
     "images", "images-padded" and "video" are a vision-language ``family``'s (its model made with ``images=True``)."""
     g = torch.Generator().manual_seed(seed)
+    if kind == "audio":  # Gemma 4: three clips of 32 frames (8 tokens each), row 1 left-padded by 3
+        ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
+        for b, p in _IMAGE_SPOTS:
+            ids[b, p : p + 8] = AUDIO_TOKEN
+        labels = ids.masked_fill(ids >= VOCAB, -100)
+        labels[:, :3] = -100
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        ids[mask == 0] = PAD_ID
+        labels[1, :4] = -100
+        clips = len(_IMAGE_SPOTS)
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask,
+                 "input_features": torch.randn(clips, 32, 128, generator=g),
+                 "input_features_mask": torch.ones(clips, 32, dtype=torch.bool)}  # fmt: skip
+        return batch, batch
     if kind in ("images", "images-padded", "video"):
         batch = _media_batch(kind, seq_len, family, g)
         return batch, batch

@@ -249,6 +249,7 @@ def worker(out: Path) -> None:
                 images, dp, STEPS, make=make, collate_fn=collate_images
             )
             res["image_weights_err"] = max_param_rel_err(image_state, ref_image_state)
+        res.update(_mixed_sft(out, dp))
 
     # -- the reference, on rank 0 -------------------------------------------------------------------
     if rank == 0:
@@ -274,6 +275,40 @@ def worker(out: Path) -> None:
     accelerator.wait_for_everyone()
 
 
+def _mixed_sft(out: Path, dp: int) -> dict:
+    """``RingSFTTrainer`` over DP x CP where one DP group's batch has images (whole on its CP ranks) and the other's
+    is text (sharded): losses equal one process, and TRL's running ``num_tokens`` is the same on every rank, each
+    image batch counted once."""
+    from hf_ring.trainer import RingSFTTrainer
+    from tests.hf_models import make_model
+    from tests.train_utils import GA as TRAINER_GA
+    from tests.train_utils import STEPS as TRAINER_STEPS
+    from tests.train_utils import logged_losses, sft_trainer, trainer_reference
+
+    images = image_samples(BATCH * TRAINER_GA * TRAINER_STEPS * dp, seq_len=32)  # no padding: no attention_mask
+    text = [{k: v for k, v in s.items() if k in ("input_ids", "labels", "mm_token_type_ids")} for s in images]
+    for s in text:
+        s["mm_token_type_ids"] = torch.zeros_like(s["mm_token_type_ids"])
+        s["input_ids"] = s["input_ids"].clamp(max=50)
+    # batch j of the sequential order goes to DP group j % dp: group 0 always images, group 1 always text
+    data = [x for j in range(len(images) // BATCH) for x in (images if j % dp == 0 else text)[j * BATCH :][:BATCH]]
+    make = functools.partial(make_model, "qwen2_vl", images=True)
+    trainer = sft_trainer(  # text batches leave the vision tower without gradients: DDP must be told
+        RingSFTTrainer, out, data, model=make(), collate_fn=collate_images, name="mixed_sft",
+        ddp_find_unused_parameters=True,
+    )  # fmt: skip
+    trainer.train()
+    res = {
+        "mixed_sft": logged_losses(trainer),
+        "mixed_sft_tokens": [h["num_tokens"] for h in trainer.state.log_history if "loss" in h],
+    }
+    if trainer.accelerator.is_main_process:
+        steps = [[[collate_images(data[((s * TRAINER_GA + m) * dp + d) * BATCH :][:BATCH]) for d in range(dp)]
+                  for m in range(TRAINER_GA)] for s in range(TRAINER_STEPS)]  # fmt: skip
+        res["mixed_sft_ref"], _ = trainer_reference(steps, make=make)
+    return res
+
+
 # ---- the tests -----------------------------------------------------------------------------------
 
 
@@ -292,6 +327,19 @@ def test_images_over_dp_and_cp_match_single_process_training(launch):
     for r in res:
         assert r["image_losses"] == pytest.approx(res[0]["ref_image_losses"], rel=RTOL)
     assert res[0]["image_weights_err"] <= RTOL, res[0]["image_weights_err"]
+
+
+def test_trl_sft_over_dp_and_cp_with_image_and_text_batches(launch):
+    world, _, res = launch
+    if world != 4:
+        pytest.skip("the DP x CP launch runs it")
+    pytest.importorskip("trl")
+    assert res[0]["mixed_sft"] == pytest.approx(res[0]["mixed_sft_ref"], rel=RTOL)
+    # per step, GA micro-batches: the image group's 2 rows x 32 tokens once; the text group as TRL counts a sharded
+    # batch (its position ids' length, 16 per rank)
+    want = [(s + 1) * GA * (2 * 32 + 2 * 16) for s in range(STEPS)]
+    for r in res:
+        assert r["mixed_sft"] == res[0]["mixed_sft"] and r["mixed_sft_tokens"] == want, r["mixed_sft_tokens"]
 
 
 def test_losses_and_weights_match_single_process_training(launch):

@@ -164,6 +164,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "gemma4-images": ("gemma4", "images", {"use_bidirectional_attention": "vision"}),  # both ways on sliding layers
     "qwen2_vl-images": ("qwen2_vl", "images-padded", {}),  # multimodal RoPE: positions and offsets follow the images
     "qwen2_5_vl-video": ("qwen2_5_vl", "video", {}),
+    "gemma4-audio": ("gemma4-audio", "audio", {}),  # audio features merged on the whole prompt
 }
 
 
@@ -216,12 +217,17 @@ def _worker(rank, world):
         with torch.no_grad():
             ref = model.generate(**inputs, **_kwargs({}))
         hf_ring.apply_ring_attention(model)
+        logits = []  # the prefill's: the last row of each rank's shard only
+        hook = model.register_forward_hook(lambda m, a, o, seen=logits: seen.append(tuple(o.logits.shape)))
         try:
             with torch.no_grad():
                 out = hf_ring.ring_generate(model, inputs, **_kwargs({}))
         except ValueError as e:
             out = str(e)
+        hook.remove()
+        left = [h for m in model.modules() for h in m._forward_hooks.values() if type(h).__name__ == "_KeepLast"]
         results[name] = (ref, out)
+        results[f"{name}-prefill"] = (logits[:1], len(left))
     results["hybrids"] = _hybrids(rank, world, HYBRIDS)
     results["forgetting"] = _hybrids(rank, world, FORGETTING, forget=True)
     results["cache"] = _cache_shares(rank, world)
@@ -307,6 +313,15 @@ def two_ranks():
     return run_distributed(_worker, 2, timeout=300)
 
 
+def test_prompts_with_images_keep_one_row_of_logits(two_ranks):
+    """The prefill of a prompt with images computes the head on one row per rank (the model sees the whole input_ids
+    but a shard of hidden states), and leaves no hook behind."""
+    for r in two_ranks:
+        for name in IMAGE_PROMPTS:
+            (shape,), left = r[f"{name}-prefill"]
+            assert shape[1] == 1 and left == 0, (name, shape, left)
+
+
 @pytest.mark.parametrize("name", [*CASES, *IMAGE_PROMPTS])
 def test_ring_generate_gives_the_unmodified_models_tokens(two_ranks, name):
     import transformers
@@ -377,7 +392,7 @@ def test_bad_generation_calls_raise_on_every_rank(two_ranks):
         assert "cache_implementation" in (e["static cache"] or ""), (rank, e)
         assert "assisted decoding (assistant_model)" in (e["assisted"] or ""), (rank, e)
         assert "hf_ring.ring_generate(model, inputs" in (e["plain generate"] or ""), (rank, e)
-        assert "images in inputs" in (e["images"] or "") and "['pixel_values']" in e["images"], (rank, e)
+        assert "and their keys in inputs" in (e["images"] or "") and "['pixel_values']" in e["images"], (rank, e)
 
 
 def test_the_model_trains_as_before_after_generating(two_ranks):

@@ -158,9 +158,9 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
         for call in (model, model.model):  # the outer model and the inner one, called on its own
             with pytest.raises(ValueError, match="carries pixel_values but its input_ids were sharded"):
                 call(input_ids=ids, pixel_values=pixels, **{hf_attention.SHARD_INFO_KWARG: sharded})
-        if family == "gemma4":  # audio stays refused, whole or not
-            with pytest.raises(ValueError, match="carries input_features: audio is not supported"):
-                model(input_ids=ids, input_features=torch.zeros(1, 20, 128))
+        if family == "gemma4":  # audio too: beside input_ids that were sharded, refused
+            with pytest.raises(ValueError, match="carries input_features but its input_ids were sharded"):
+                model(input_ids=ids, input_features=torch.zeros(1, 20, 128), **{hf_attention.SHARD_INFO_KWARG: sharded})
         torch.testing.assert_close(_logits(model, input_ids=ids), before, atol=ATOL, rtol=0)
         hf_ring.revert_ring_attention(model)
         assert not any(isinstance(h, TextOnly) for m in model.modules() for h in m._forward_pre_hooks.values())
@@ -210,6 +210,7 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
         ("smolvlm", "images-padded"),
         ("gemma3", "images-padded"),  # image tokens see each other both ways (ring_block_ids)
         ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
+        ("gemma4-audio", "audio"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
@@ -224,7 +225,8 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
     hf_ring.apply_ring_attention(model)
     local = hf_ring.shard_batch(batch)
     assert local[hf_attention.SHARD_INFO_KWARG].whole_inputs and "position_ids" not in local
-    assert torch.equal(local["input_ids"], batch["input_ids"]) and local["pixel_values"] is batch["pixel_values"]
+    media = next(k for k in ("pixel_values", "input_features") if k in batch)
+    assert torch.equal(local["input_ids"], batch["input_ids"]) and local[media] is batch[media]
     real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
     torch.testing.assert_close(_logits(model, **local)[real], before[real], atol=ATOL, rtol=0)
     assert sum(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values()) == 1
@@ -718,3 +720,18 @@ def test_ulysses_size_is_checked_before_any_collective_and_auto_follows_its_rule
     assert auto_ulysses_size(4, 28, local_world_size=8) == 4
     assert auto_ulysses_size(6, 9, local_world_size=6) == 3
     assert auto_ulysses_size(4, 5, local_world_size=4) == 1  # no common divisor: the pure ring
+
+
+def test_shard_batch_shards_a_text_batchs_token_types_as_input_ids():
+    """A vision-language processor's text-only batch carries its token types (all zeros): sharded (and padded) as
+    input_ids, so the model gets them with its shard; the logits of Qwen2-VL on such a batch are the unpatched ones."""
+    model = make_model("qwen2_vl", images=True).eval()
+    batch, _ = make_batch("plain", 45)
+    batch["mm_token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    before = _logits(model, **batch)
+    hf_ring.apply_ring_attention(model)
+    local = hf_ring.shard_batch(batch)
+    assert local["mm_token_type_ids"].shape == local["input_ids"].shape
+    torch.testing.assert_close(_logits(model, **local)[:, :45], before, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="mm_token_type_ids must have the shape of input_ids"):
+        hf_ring.shard_batch({**batch, "mm_token_type_ids": batch["mm_token_type_ids"][:, 1:]})

@@ -42,6 +42,10 @@ BF16_EPS = {  # measured (world sizes 1, 2, 4): ring loss 6e-6..8e-6 vs torch bf
     # 2.2e-2 at 1, 2, 4 ranks vs torch bf16's 2.6e-2; the 2x factor covers it, the epsilon as for grad
     "decay": 1e-3,
 }
+# fp32 on a model that amplifies rounding (option "rtol"): Gemma 4 with its tiny random audio tower, where
+# Transformers' own eager and SDPA text attention give gradients up to 3.8e-5 apart (measured over 2 seeds and 3
+# feature scales; 2e-6 for the same model with images); a wrong cut of the audio features moves them by > 1e-2
+RTOL_AUDIO = 5e-5
 
 
 # name: (family, batch kind, seq_len, options). seq_len 45 is padded by shard_batch (to 48 for 2 and 4 ranks).
@@ -173,6 +177,8 @@ CASES = {
     # Gemma 4: both ways on its sliding layers only (its full layers stay causal), KV-shared layers, per-layer inputs
     "gemma4-images-padded": ("gemma4", "images-padded", 45, {"config": {"use_bidirectional_attention": "vision"}}),
     "gemma4-images-causal-checkpointing": ("gemma4", "images", 40, {"checkpointing": True}),
+    # audio features merged whole, then cut (the bound: RTOL_AUDIO)
+    "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     # hybrids: Gated DeltaNet layers (their states and convolution inputs cross the ranks; no packed documents)
     "qwen3_5_text-plain": ("qwen3_5_text", "plain", 45, {}),
     "qwen3_5_text-padded-lora-checkpointing": ("qwen3_5_text", "padded", 40, {"lora": True, "checkpointing": True}),
@@ -242,7 +248,7 @@ def _parity(rank: int, names: list) -> dict:
     for name in names:
         family, kind, seq_len, opts = CASES[name]
         ours_batch, ref_batch = make_batch(kind, seq_len, family=family)
-        images = kind in ("images", "images-padded", "video")
+        images = kind in ("images", "images-padded", "video", "audio")
         model = _prepare(family, opts, images=images)
         bf16 = opts.get("dtype") == torch.bfloat16
         if rank == 0:
@@ -257,6 +263,7 @@ def _parity(rank: int, names: list) -> dict:
             out["ring"] = _errors(loss, grads, ref_loss, ref_grads)
             if bf16:
                 out["torch"] = _errors(loss16, grads16, ref_loss, ref_grads)
+            out["rtol"] = opts.get("rtol", RTOL_FP32)
         results[name] = out
     return results
 
@@ -368,8 +375,9 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
             exact, own = exact_model(**rope_local).logits, own_model(**rope_local).logits
         out[f"rope_own_positions_{family}"] = (own - exact).abs().max().item()
 
-    # a forward refused before it begins (a vision-language model given audio), right after a forward that
-    # exchanged: every rank raises, and the group stays usable (the refusal must not read the last forward's counts)
+    # a forward refused before it begins (a vision-language model given audio beside input_ids that were sharded),
+    # right after a forward that exchanged: every rank raises, and the group stays usable (the refusal must not read
+    # the last forward's counts)
     vlm = hf_ring.apply_ring_attention(make_model("gemma4"))
     with torch.no_grad():
         vlm(**local)
@@ -416,9 +424,9 @@ def _check(results: dict, world_size: int) -> None:
                 if not ring[key] <= bound:
                     failures.append(f"{name}: bf16 {key} error {ring[key]:.2e} > {bound:.2e} ({ring['worst']})")
             continue
-        if not ring["loss"] <= RTOL_FP32:
+        if not ring["loss"] <= r["rtol"]:
             failures.append(f"{name}: loss relative error {ring['loss']:.2e}")
-        if not ring["grad"] <= RTOL_FP32:
+        if not ring["grad"] <= r["rtol"]:
             failures.append(f"{name}: gradient of {ring['worst']} relative error {ring['grad']:.2e}")
         if not ring["decay"] <= RTOL_DECAY:
             failures.append(f"{name}: gradient of a linear-attention decay relative error {ring['decay']:.2e}")
@@ -497,7 +505,8 @@ def test_hf_integration_distributed(world_size):
         for family in ("phi3", "llama"):
             assert max(r["errors"][f"rope_own_positions_{family}"] for r in results) > 1e-4, family
         for r in results:
-            assert "audio is not supported" in r["errors"]["vlm_images"] and r["errors"]["vlm_after"]
+            assert "carries input_features but its input_ids were sharded" in r["errors"]["vlm_images"]
+            assert r["errors"]["vlm_after"]
             assert "but its input_ids were sharded" in r["errors"]["vlm_images_by_hand"], r["errors"]
         mine = [r["errors"]["by_hand_restart_mine"] for r in results]
         assert any(mine) and not all(mine)  # the case where only some ranks can see the mistake

@@ -211,7 +211,10 @@ def sft_trainer(cls, out: Path, train: list, model=None, collate_fn=None, name: 
         model=model if model is not None else tiny_llama(),
         args=cfg,
         train_dataset=Dataset.from_list([{k: v.tolist() for k, v in f.items()} for f in train]),
-        data_collator=lambda rows: collate_fn([{k: torch.tensor(v) for k, v in r.items()} for r in rows]),
+        # (a dataset of mixed rows gives None for the keys a row lacks)
+        data_collator=lambda rows: collate_fn(
+            [{k: torch.tensor(v) for k, v in r.items() if v is not None} for r in rows]
+        ),
         processing_class=tiny_tokenizer(),
         ring_plugin=RingAttentionPlugin(cp_size=2),
     )
