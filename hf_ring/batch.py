@@ -45,7 +45,7 @@ from .layout import (
     valid_cu_seqlens,
 )
 
-__all__ = ["shard_batch", "reduce_loss", "multimodal", "IGNORE_INDEX", "MEDIA_KEYS"]
+__all__ = ["shard_batch", "reduce_loss", "carries", "multimodal", "IGNORE_INDEX", "MEDIA_KEYS"]
 
 IGNORE_INDEX = -100
 
@@ -58,12 +58,15 @@ ENCODED_KEY = "mm_encoder_outputs"
 since 5.24): a batch carrying them is multimodal too."""
 
 
+def carries(value) -> bool:
+    """A media keyword's value carries something (Transformers' ``generate`` passes an empty dict)."""
+    return value is not None and not (isinstance(value, (dict, list, tuple)) and len(value) == 0)
+
+
 def multimodal(batch: Mapping) -> bool:
-    """Whether ``batch`` (keyword arguments of a forward) carries images or video: ``MEDIA_KEYS``, or non-empty
-    ``mm_encoder_outputs``."""
-    encoded = batch.get(ENCODED_KEY)
-    encoded = encoded is not None and not (isinstance(encoded, (dict, list, tuple)) and len(encoded) == 0)
-    return encoded or any(batch.get(k) is not None for k in MEDIA_KEYS)
+    """Whether ``batch`` (keyword arguments of a forward) carries images, video or audio: ``MEDIA_KEYS``, or
+    non-empty ``mm_encoder_outputs``."""
+    return carries(batch.get(ENCODED_KEY)) or any(batch.get(k) is not None for k in MEDIA_KEYS)
 
 
 _SEQUENCE_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .apply import unwrap_transformers_model
-from .batch import ENCODED_KEY, MEDIA_KEYS, multimodal, shard_batch
+from .batch import ENCODED_KEY, MEDIA_KEYS, carries, multimodal, shard_batch
 from .comm import RingComm, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
 from .layout import positions, required_multiple
@@ -199,9 +199,9 @@ def ring_generate(model, inputs, **generate_kwargs):
         )
     images = patch.images  # the family takes images under the ring: a prompt's images too
     if patch.media:  # a vision-language model: media must come in inputs, and only where the prefill takes them
-        from .patches._family import TextOnly, _carries
+        from .patches._family import TextOnly
 
-        given = [k for k in (*patch.media, *_TOKEN_TYPES) if _carries(generate_kwargs.get(k))]
+        given = [k for k in (*patch.media, *_TOKEN_TYPES) if carries(generate_kwargs.get(k))]
         if images and given:
             raise ValueError(
                 f"ring_generate takes the prompt's images, video or audio and their keys in inputs (beside input_ids, "

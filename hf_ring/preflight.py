@@ -94,12 +94,7 @@ def local_error(
                 f"{cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}"
             )
     if document_ids is not None:
-        if (
-            not isinstance(document_ids, torch.Tensor)
-            or document_ids.dim() != 2
-            or document_ids.shape[0] not in (1, b)
-            or document_ids.shape[1] != full
-        ):
+        if not _ids_shaped(document_ids, b, full):
             return (
                 f"document_ids must be [1 or batch={b}, full_seq={full}] (ids of the unsharded sequence), "
                 f"got {tuple(document_ids.shape)}"
@@ -107,19 +102,17 @@ def local_error(
         if document_ids.dtype.is_floating_point:
             return "document_ids must be an integer tensor"
     if block_ids is not None:
-        if (
-            not isinstance(block_ids, torch.Tensor)
-            or block_ids.dim() != 2
-            or block_ids.shape[0] not in (1, b)
-            or block_ids.shape[1] != full
-            or block_ids.dtype.is_floating_point
-            or block_ids.dtype == torch.bool
-        ):
+        if not _ids_shaped(block_ids, b, full) or block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
             got = tuple(block_ids.shape) if isinstance(block_ids, torch.Tensor) else type(block_ids).__name__
             return f"block_ids must be an integer tensor [1 or batch={b}, full_seq={full}], got {got}"
         if not causal:
             return "block_ids need causal=True (without the causal mask every token already sees its block)"
     return None
+
+
+def _ids_shaped(t, batch: int, full: int) -> bool:
+    """``t`` is a tensor of per-token ids of the unsharded sequence: ``[1 or batch, full]``."""
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] in (1, batch) and t.shape[1] == full
 
 
 def dtype_index(dtype: torch.dtype) -> int:

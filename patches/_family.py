@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..batch import carries
 from ..comm import group_rank_and_size
 from ..guard import in_backward
 from ..hf_attention import (
@@ -131,11 +132,6 @@ class EndBatch:
             self.plans.progress.end_forward(output)
 
 
-def _carries(value) -> bool:
-    """A media keyword's value carries something (Transformers' ``generate`` passes an empty dict)."""
-    return value is not None and not (isinstance(value, (dict, list, tuple)) and len(value) == 0)
-
-
 def _named(module, args, kwargs) -> dict:
     """The call's arguments by name, positional ones too (``model(input_ids, pixel_values)``)."""
     named = dict(kwargs)
@@ -184,7 +180,7 @@ class TextOnly:
 
     def __call__(self, module, args, kwargs) -> None:
         named = _named(module, args, kwargs)
-        given = [k for k in self.media if _carries(named.get(k))]
+        given = [k for k in self.media if carries(named.get(k))]
         if self.images:
             info = named.get(SHARD_INFO_KWARG)
             whole = info.whole_inputs if isinstance(info, ShardInfo) else group_rank_and_size(self.group)[1] == 1
