@@ -48,6 +48,7 @@ from .comm import UlyssesGroups, group_rank_and_size
 from .kernels import BACKENDS
 from .layout import (
     LAYOUTS,
+    chunk_documents,
     documents_from_cu_seqlens,
     documents_from_positions,
     positions,
@@ -64,7 +65,9 @@ __all__ = [
     "RingBlocks",
     "RingConfig",
     "PACKED_WITH_MIXERS",
+    "QueryTemperature",
     "SHARD_INFO_KWARG",
+    "TEMPERATURE_ATTR",
     "ShardInfo",
     "register",
     "ring_attention_forward",
@@ -89,6 +92,27 @@ DECODE_KWARG = "ring_cache"
 
 CONFIG_ATTR = "hf_ring_config"
 """Attribute of each patched attention module holding its ``RingConfig``."""
+
+TEMPERATURE_ATTR = "hf_ring_temperature"
+"""Attribute of a patched attention module whose queries this function scales by their global index
+(a ``QueryTemperature``: Llama 4's layers without RoPE, ``hf_ring.patches._temperature``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryTemperature:
+    """Llama 4's attention temperature tuning on its layers without RoPE: the query of the token at index ``i`` of
+    its row (padding included) is multiplied by ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1``. The
+    model computes ``i`` from the length of the hidden states it sees, a shard's under the ring; the patch turns
+    that off and this function scales by the token's index in the whole row, with the same operations in the
+    same order (so the same numbers)."""
+
+    floor_scale: float
+    attn_scale: float
+
+    def apply(self, query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``query`` [batch, heads, seq, dim] scaled for the row indices ``rows`` [seq] of its tokens."""
+        scales = torch.log1p(torch.floor((rows.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        return (query * scales.view(1, 1, -1, 1)).to(query.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -401,6 +425,34 @@ def _positions_error(pos, cfg: RingConfig, rank: int, world_size: int, local_len
     )
 
 
+def _chunk_size(module) -> int | None:
+    """The attention chunk of a ``"chunked_attention"`` layer (Llama 4: its RoPE layers attend within chunks of
+    ``config.attention_chunk_size`` tokens), else None."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if not types or index is None or not 0 <= index < len(types) or types[index] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
+
+
+def _chunked(document_ids, cu_seqlens, full: int, chunk: int) -> tuple[torch.Tensor, None]:
+    """The documents of a chunked layer: every document (or row) cut into chunks (``layout.chunk_documents``)."""
+    if cu_seqlens is not None:
+        document_ids = documents_from_cu_seqlens(cu_seqlens, full)[None]
+    return chunk_documents(document_ids, chunk, seq_len=full), None
+
+
+def _temperature_rows(cache, cfg: RingConfig, rank: int, world_size: int, full: int, device) -> torch.Tensor:
+    """The index in the whole row (what the unmodified model counts) of this rank's tokens: the layout's positions,
+    or in ``ring_generate`` the prompt's / new tokens' positions less the padding it added."""
+    if cache is None:
+        return positions(full, rank=rank, world_size=world_size, layout=cfg.layout, device=device)
+    st = cache.state
+    rows = st.local if st.phase == "prefill" else st.q_pos
+    return (rows - st.offset).clamp_min(0).to(device)  # (the padding ring_generate added: any index will do)
+
+
 def _block_ids(blocks, sliding_window) -> torch.Tensor | None:
     """The ``block_ids`` of this layer's ring call from the batch's ``ring_block_ids`` (a ``RingBlocks``, or None)."""
     if blocks is None:
@@ -511,8 +563,11 @@ def ring_attention_forward(
         )
     if error or sharding:
         raise_on_every_rank(error or sharding, group=cfg.group, device=query.device)
-    query, key, value = _autocast(query, key, value)
     full = local_len * world_size
+    temperature = getattr(module, TEMPERATURE_ATTR, None)
+    if temperature is not None:
+        query = temperature.apply(query, _temperature_rows(cache, cfg, rank, world_size, full, query.device))
+    query, key, value = _autocast(query, key, value)
     if cfg.plans is None:
         document_ids, cu_seqlens = _documents(attention_mask, kwargs, full, world_size)
     else:  # the same batch tensors in every layer: derive the documents (a host copy) once per forward
@@ -524,6 +579,11 @@ def ring_attention_forward(
     by_positions = by_positions and attention_mask is None
     if cfg.mixers and by_positions and several_documents(document_ids, cu_seqlens):
         raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)
+    chunk = _chunk_size(module)
+    if chunk is not None:  # (once per forward with a plan cache: the chunked layers share one plan)
+        make = lambda: _chunked(document_ids, cu_seqlens, full, chunk)  # noqa: E731
+        documents = (document_ids, cu_seqlens, module.config)
+        document_ids, cu_seqlens = make() if cfg.plans is None else cfg.plans.derived((_chunked, *documents), make)
     if cfg.plans is not None:  # names the call in errors ("ring-attention call 3 (layer 2)")
         layer = getattr(module, "layer_idx", None)
         cfg.plans.progress.label = "" if layer is None else f"layer {layer}"
@@ -563,9 +623,17 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
     else:
         layer = cache.layers[index]
     causal = _is_causal(module, kwargs)
+    temperature = getattr(module, TEMPERATURE_ATTR, None)
+    if temperature is not None:
+        query = temperature.apply(query, _temperature_rows(cache, cfg, 0, 1, 0, query.device))
     query, key, value = _autocast(query, key, value)
     docs = {}  # one document per row: only padding needs the document mask (costly tiles on the CPU)
-    if layer.padded:
+    chunk = _chunk_size(module)
+    if chunk is not None:  # chunks counted from each row's first token that is not padding, as Transformers does
+        lead = ((st.docs >= 0).long().cumsum(-1) == 0).sum(-1, keepdim=True)
+        k_doc = torch.where(layer.docs < 0, -1, (layer.positions[None] - lead) // chunk)
+        docs = {"q_doc": (st.q_pos[None] - lead) // chunk, "k_doc": k_doc}
+    elif layer.padded:
         docs = {"q_doc": torch.zeros(1, query.shape[2], dtype=torch.int32), "k_doc": layer.docs}
     out = decode_attention(
         query,

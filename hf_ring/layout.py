@@ -26,6 +26,7 @@ __all__ = [
     "valid_cu_seqlens",
     "documents_from_cu_seqlens",
     "documents_from_positions",
+    "chunk_documents",
     "several_documents",
 ]
 
@@ -56,19 +57,21 @@ def _check(seq_len: int, rank: int, world_size: int, layout: str) -> None:
         )
 
 
-def positions(seq_len: int, *, rank: int, world_size: int, layout: str = "zigzag") -> torch.Tensor:
-    """Global token positions (int64, CPU, ascending within each run) that ``rank`` holds."""
+def positions(seq_len: int, *, rank: int, world_size: int, layout: str = "zigzag", device=None) -> torch.Tensor:
+    """Global token positions (int64, ascending within each run) that ``rank`` holds; built on ``device`` (default
+    the CPU: no host-device copy)."""
     _check(seq_len, rank, world_size, layout)
     if world_size == 1:
-        return torch.arange(seq_len)
+        return torch.arange(seq_len, device=device)
     if layout == "striped":
-        return torch.arange(rank, seq_len, world_size)
+        return torch.arange(rank, seq_len, world_size, device=device)
     if layout == "contiguous":
         n = seq_len // world_size
-        return torch.arange(rank * n, (rank + 1) * n)
+        return torch.arange(rank * n, (rank + 1) * n, device=device)
     c = seq_len // (2 * world_size)
     hi = 2 * world_size - 1 - rank
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(hi * c, (hi + 1) * c)])
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange(hi * c, (hi + 1) * c, device=device)])  # fmt: skip
 
 
 def shard(x: torch.Tensor, *, dim: int, rank: int, world_size: int, layout: str = "zigzag") -> torch.Tensor:
@@ -119,6 +122,22 @@ def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     return starts.cumsum(-1) - 1
+
+
+def chunk_documents(document_ids: torch.Tensor | None, chunk: int, *, seq_len: int) -> torch.Tensor:
+    """[rows, seq_len] int32 ids of chunked attention (Llama 4): every run of equal ``document_ids`` (``[rows,
+    seq_len]``, -1 = padding; None: one document) is cut into chunks of ``chunk`` tokens counted from the run's first
+    token, each chunk its own document; padding stays -1. Transformers counts a chunk from a row's first token that
+    is not left padding, and within a packed document from its first token (its position 0): the same chunks."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"the attention chunk size must be a positive integer, got {chunk!r}")
+    docs = torch.zeros(1, seq_len, dtype=torch.long) if document_ids is None else document_ids.detach().cpu().long()
+    index = torch.arange(docs.shape[-1])
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    first = torch.where(starts, index, 0).cummax(-1).values  # each token's run start
+    ids = (starts | ((index - first) % chunk == 0)).long().cumsum(-1) - 1  # a new id where a run or chunk begins
+    return torch.where(docs < 0, -1, ids).to(torch.int32)
 
 
 def several_documents(document_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> bool:

@@ -210,12 +210,19 @@ def _check(target) -> None:
             f"{type(target).__name__} uses loss_type={loss_type!r}; hf_ring's chunked loss computes the causal-LM "
             "cross-entropy (ForCausalLM) only"
         )
-    for name in ("lm_head", target.base_model_prefix):
-        if not isinstance(getattr(target, name, None), torch.nn.Module):
+    for name, module in (("lm_head", getattr(target, "lm_head", None)), ("base model", _base(target))):
+        if not isinstance(module, torch.nn.Module):
             raise ValueError(
-                f"{type(target).__name__} has no {name!r} module: hf_ring's chunked loss applies to causal-LM "
+                f"{type(target).__name__} has no {name} module: hf_ring's chunked loss applies to causal-LM "
                 "models (XForCausalLM) with a base model and an lm_head"
             )
+
+
+def _base(target):
+    """The causal-LM's base model: its ``base_model_prefix`` module, else ``model`` (Llama 4's causal LM keeps its
+    text model there under the prefix ``language_model``)."""
+    module = getattr(target, target.base_model_prefix, None)
+    return module if isinstance(module, torch.nn.Module) else getattr(target, "model", None)
 
 
 def _chunked_forward(
@@ -247,7 +254,7 @@ def _chunked_forward(
     return_dict = kwargs.pop("return_dict", None)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
-    outputs = getattr(self, self.base_model_prefix)(
+    outputs = _base(self)(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
     )  # fmt: skip

@@ -44,7 +44,7 @@ from ..hf_attention import (
 )
 from ..layout import shard
 from ..ring import PlanCache
-from . import _rope, linear
+from . import _rope, _temperature, linear
 
 __all__ = [
     "BlockIds",
@@ -402,6 +402,8 @@ class FamilyPatch:
             setattr(m, CONFIG_ATTR, cfg)
         _rope.remove(model)
         _rope.install(rotaries, cfg)
+        _temperature.remove(model)
+        _temperature.install(modules)
         linear.remove(model)
         linear.install(mixers, cfg)
         text_only = TextOnly(self.name, self.media, self.images, cfg.group) if self.media else None
@@ -422,6 +424,7 @@ class FamilyPatch:
             if hasattr(m, CONFIG_ATTR):
                 delattr(m, CONFIG_ATTR)
         _rope.remove(model)
+        _temperature.remove(model)
         linear.remove(model)
         _set_hooks(model, None)
         delattr(model, ORIGINAL_ATTR)

@@ -20,9 +20,12 @@ GLM-4.7-Flash, LongCat-Flash, Mistral 4, A.X K1, MiMo-V2-Flash, Laguna, HunYuan 
 latents expanded per token before the attention function; the values' own head_dim is taken by the ring as
 it is, and ``ring_generate``'s cache keeps the latents). RoPE types whose
 frequencies follow the largest position of the input (``dynamic``, ``longrope``) are given the whole sequence's
-largest position (``_rope``), for every family.
+largest position (``_rope``), for every family. Llama 4's chunked-attention layers take their chunks as documents
+of the ring (``hf_attention``), and its layers without RoPE have their queries scaled by the tokens' index in the
+whole row (``_temperature``).
 
-What the generic patch refuses (``check``): layer types other than full / sliding attention, and the
+What the generic patch refuses (``check``): layer types other than full / sliding attention (and Llama 4's
+chunked attention), and the
 MoE router's load-balancing loss (``config.output_router_logits=True``): computed per rank on its
 local tokens it would not be the loss of the whole sequence. Qwen2-MoE also refuses sliding layers
 (``CHECKS``).
@@ -37,7 +40,8 @@ from ._family import FamilyPatch, LogitTransform, check_layer_types
 
 __all__ = [
     "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LINEAR", "LOGIT_TRANSFORMS", "PATCHES", "check",
-    "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_without_windows",
+    "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_llama4",
+    "check_without_windows",
 ]  # fmt: skip
 
 FAMILIES = {
@@ -89,6 +93,7 @@ FAMILIES = {
     "laguna": "transformers.models.laguna.modeling_laguna.LagunaAttention",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeAttention",
+    "llama4_text": "transformers.models.llama4.modeling_llama4.Llama4TextAttention",
     "longcat_flash": "transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
     "mimo_v2_flash": "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashAttention",
@@ -208,6 +213,18 @@ def check_gemma4(config) -> None:
         )
 
 
+def check_llama4(config) -> None:
+    """``check`` for Llama 4: chunked-attention layers (its RoPE layers: ``hf_ring.hf_attention`` cuts their
+    documents into chunks of ``config.attention_chunk_size``) beside full-attention layers; no windows."""
+    what = getattr(config, "model_type", "model")
+    check_layer_types(config, what, allowed=("full_attention", "chunked_attention"), window=False)
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked = "chunked_attention" in list(getattr(config, "layer_types", None) or [])
+    if chunked and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"{what}: chunked-attention layers need a positive config.attention_chunk_size, got {chunk!r}")
+    _check_router(config, what)
+
+
 LINEAR = {
     "bamba": "transformers.models.bamba.modeling_bamba.BambaMixer",
     "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer",
@@ -227,6 +244,7 @@ whose modules' forward ``hf_ring.patches.linear`` replaces while the model is pa
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
+    "llama4_text": check_llama4,
     "gpt2": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""

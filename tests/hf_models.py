@@ -117,6 +117,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "laguna": ("LagunaConfig", "LagunaForCausalLM", {"head_dim": 16, **_SLIDE_FULL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
     "hy_v3": ("HYV3Config", "HYV3ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "moe_intermediate_size": 32}),
     "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {"final_logit_softcapping": 2.0}),
+    # Llama 4: chunked attention on its RoPE layers (chunks of 8 tokens), a layer without RoPE whose queries scale
+    # with their index in the row (temperature tuning, floor_scale 4 so that the scale grows within 40 tokens), L2
+    # QK norm, experts with a shared expert on every other layer
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "intermediate_size": 32, "intermediate_size_mlp": 96, "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "attention_chunk_size": 8, "no_rope_layers": [1, 1, 0, 1], "floor_scale": 4, "attn_scale": 0.5, "use_qk_norm": True}),
     "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {"head_dim": 16, "embedding_multiplier": 3.0, "logits_scaling": 0.5, "residual_multiplier": 0.5, "attention_multiplier": 0.2}),
     # more attention families: absolute learned positions (GPT-2),
     # mixtures of attention heads (JetMoE), differential attention (DiffLlama), shared experts, and sinks with
@@ -527,12 +531,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def reference_step(model, batch):
+def reference_step(model, batch, whole: bool = False):
     """Loss and gradients of the unmodified model; a packed batch as every document on its own (gpt-oss's
-    eager attention, for one, does not see packing in position_ids)."""
+    eager attention, for one, does not see packing in position_ids), or with ``whole`` as one packed row (Llama 4
+    scales a query by its token's index in the row, so each document alone is not what the model computes)."""
     model.zero_grad(set_to_none=True)
     pos = batch.get("position_ids")
-    if pos is None:
+    if pos is None or whole:
         loss = model(**batch, use_cache=False).loss
     else:  # the collator's labels start every document with -100: no target crosses a boundary
         starts = (pos[0] == 0).nonzero().flatten().tolist() + [pos.shape[1]]

@@ -257,6 +257,21 @@ def test_vision_language_model_with_another_text_family_is_refused():
     assert model.config.text_config._attn_implementation != "hf_ring"
 
 
+def test_llama4_temperature_tuning_moves_into_the_ring_and_back():
+    """Llama 4's layer without RoPE scales its queries by their index: the ring does it (by the whole row's index)
+    while the model is patched, applying twice changes nothing, and revert gives the module its own scaling back."""
+    model = make_model("llama4_text").eval()
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert [m.attn_temperature_tuning and not m.use_rope for m in attn] == [False, False, True, False]
+    for _ in range(2):
+        hf_ring.apply_ring_attention(model)
+        held = [getattr(m, hf_attention.TEMPERATURE_ATTR, None) for m in attn]
+        assert held[2] == hf_attention.QueryTemperature(4.0, 0.5) and held.count(None) == 3
+        assert not attn[2].attn_temperature_tuning
+    hf_ring.revert_ring_attention(model)
+    assert attn[2].attn_temperature_tuning and not any(hasattr(m, hf_attention.TEMPERATURE_ATTR) for m in attn)
+
+
 def test_apply_twice_keeps_the_original_for_revert():
     model = make_model("llama").eval()
     model.set_attn_implementation("eager")
@@ -496,6 +511,8 @@ def test_family_patch_errors(monkeypatch):
         ("bamba", "z_loss_coefficient", 1e-4, "z-loss"),
         ("gpt2", "add_cross_attention", True, "add_cross_attention=True"),
         ("nemotron_h", "layer_types", ["linear_attention", "sliding_attention", "moe"], "sliding_attention"),
+        ("llama4_text", "attention_chunk_size", 0, "positive config.attention_chunk_size"),
+        ("llama4_text", "layer_types", ["sliding_attention"] * 4, r"\['sliding_attention'\] are not supported"),
     ],
 )
 def test_unsupported_config_errors(family, attr, value, match):

@@ -179,6 +179,14 @@ CASES = {
     "gemma4-images-causal-checkpointing": ("gemma4", "images", 40, {"checkpointing": True}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
+    # Llama 4: chunked attention (chunks counted from each row's / document's first token), temperature tuning by
+    # the index in the whole row
+    "llama4_text-plain": ("llama4_text", "plain", 45, {}),
+    "llama4_text-padded": ("llama4_text", "padded", 40, {}),
+    # (the reference: the packed row, whose index Transformers' temperature tuning counts; 5.17 also counts chunks
+    # by the row index in a packed row, 5.24 from each document's first token as the ring does)
+    "llama4_text-packed": ("llama4_text", "packed", 45, {"whole": True, "since": "5.24"}),
+    "llama4_text-lora-ckpt-ulysses": ("llama4_text", "plain", 40, {"lora": True, "checkpointing": True, "ulysses": 2}),
     # hybrids: Gated DeltaNet layers (their states and convolution inputs cross the ranks; no packed documents)
     "qwen3_5_text-plain": ("qwen3_5_text", "plain", 45, {}),
     "qwen3_5_text-padded-lora-checkpointing": ("qwen3_5_text", "padded", 40, {"lora": True, "checkpointing": True}),
@@ -253,7 +261,7 @@ def _parity(rank: int, names: list) -> dict:
         bf16 = opts.get("dtype") == torch.bfloat16
         if rank == 0:
             ref32 = _prepare(family, opts, dtype=torch.float32, images=images) if bf16 else model
-            ref_loss, ref_grads = _reference(ref32, ref_batch)
+            ref_loss, ref_grads = _reference(ref32, ref_batch, whole=opts.get("whole", False))
             if bf16:
                 loss16, grads16 = _reference(model, ref_batch)
         loss, grads = _ring(model, ours_batch, opts.get("layout", "zigzag"), opts.get("ulysses"))

@@ -57,3 +57,54 @@ def test_errors_say_what_to_do():
 
 def test_one_rank_is_identity_for_any_length():
     assert torch.equal(hf_ring.positions(7, rank=0, world_size=1), torch.arange(7))
+
+
+@pytest.mark.parametrize("layout", hf_ring.LAYOUTS)
+def test_positions_built_on_a_device_equal_the_cpu_ones(layout):
+    for rank in range(3):
+        cpu = hf_ring.positions(24, rank=rank, world_size=3, layout=layout)
+        assert torch.equal(hf_ring.positions(24, rank=rank, world_size=3, layout=layout, device="cpu"), cpu)
+
+
+def _visible(ids: torch.Tensor) -> torch.Tensor:
+    """[rows, q, k]: k <= q, same id, neither padding (how the ring reads document ids)."""
+    n = ids.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    same = ids[:, :, None] == ids[:, None, :]
+    return causal & same & (ids[:, :, None] >= 0) & (ids[:, None, :] >= 0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7, 30])
+def test_chunked_documents_see_what_transformers_chunked_mask_lets_through(chunk):
+    """Padded rows (left, right, none): Transformers' chunked overlay (chunks counted from the first token that is
+    not left padding) and causality over the tokens that are not padding. Packed rows: chunks of each document's
+    positions (Transformers 5.24 maps the indices through the restarting position ids)."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    from hf_ring.layout import chunk_documents
+
+    n = 20
+    mask = torch.ones(3, n, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    mask[2, 14:] = 0  # right padding
+    lead = (mask.cumsum(-1) == 0).sum(-1)
+    fn = chunked_causal_mask_function(chunk, lead)
+    idx = torch.arange(n)
+    want = torch.stack([fn(b, 0, idx[:, None], idx[None, :]) for b in range(3)])
+    want &= mask.bool()[:, :, None] & mask.bool()[:, None, :]
+    ids = chunk_documents(torch.where(mask.bool(), 0, -1), chunk, seq_len=n)
+    assert ids.dtype == torch.int32 and torch.equal(_visible(ids), want)
+    assert torch.equal(chunk_documents(None, chunk, seq_len=n), chunk_documents(torch.zeros(1, n), chunk, seq_len=n))
+
+    pos = torch.cat([torch.arange(6), torch.arange(9), torch.arange(5)])  # three packed documents
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor([6, 9, 5]))[None]
+    packed = (pos[:, None] // chunk == pos[None, :] // chunk) & (docs[0, :, None] == docs[0, None, :])
+    assert torch.equal(_visible(chunk_documents(docs, chunk, seq_len=n))[0], packed & torch.ones(n, n).tril().bool())
+
+
+@pytest.mark.parametrize("chunk", [0, -2, 2.0, True])
+def test_a_chunk_that_is_not_a_positive_integer_is_refused(chunk):
+    from hf_ring.layout import chunk_documents
+
+    with pytest.raises(ValueError, match="positive integer"):
+        chunk_documents(None, chunk, seq_len=8)
