@@ -192,6 +192,11 @@ def ring_generate(model, inputs, **generate_kwargs):
     from .patches import get_patch
 
     patch = get_patch(getattr(target.config, "model_type", None))
+    if patch.no_generate:
+        raise ValueError(
+            f"ring_generate does not support {patch.name} models: {patch.no_generate}; generate with "
+            "hf_ring.revert_ring_attention(model) and model.generate()"
+        )
     if not patch.layer_kwargs:
         raise ValueError(
             f"ring_generate does not support {patch.name} models: their decoder layers do not pass the sharded KV "

@@ -71,6 +71,7 @@ __all__ = [
     "ShardInfo",
     "register",
     "ring_attention_forward",
+    "scales_queries_itself",
     "ring_mask_function",
 ]
 
@@ -392,16 +393,27 @@ def _shard_info_error(info, cfg: RingConfig, rank: int, world_size: int, local_l
     return None
 
 
-def _hand_sharded_error(module, kwargs: dict, cfg: RingConfig, rank: int, world_size: int, local_len: int):
+def _hand_sharded_error(
+    module, kwargs: dict, cfg: RingConfig, rank: int, world_size: int, local_len: int, positioned: bool = False
+):
     """Why this rank's ``position_ids`` are not the global positions of its tokens in the layout, or None.
 
     Only for batches sharded without ``shard_batch`` over several ranks: restarting positions (packing)
     or local positions would otherwise pass silently. Checked once per forward with a plan cache (the first
     attention layer: a hybrid's layer 0 may be a linear-attention layer, which gets no positions), else per call.
+    ``positioned``: the caller is an attention layer, whose RoPE needs positions: none at all (not even given to
+    the model: Llama 4's layers get none of their own) is an error too, unless the model was given shard_batch's
+    output (whose keywords some families' layers drop).
     """
     pos = kwargs.get("position_ids")
-    if pos is None:
-        return None
+    if pos is None:  # neither the layer nor the model was given positions: the model numbered its shard 0..n-1
+        if not positioned or cfg.plans is None or cfg.plans.batch_sharded:  # (shard_batch's: keywords dropped)
+            return None
+        return (
+            f"rank {rank} got a shard of {local_len} tokens without position_ids, so the model numbers them from 0 as "
+            "if its shard were the whole sequence; pass the batch through hf_ring.shard_batch (or the global "
+            "position_ids of its tokens)"
+        )
     if cfg.plans is None:
         return _positions_error(pos, cfg, rank, world_size, local_len)
     return cfg.plans.derived(
@@ -425,6 +437,16 @@ def _positions_error(pos, cfg: RingConfig, rank: int, world_size: int, local_len
     )
 
 
+def _with_batch_positions(kwargs: dict, cfg: RingConfig, local_len: int) -> dict:
+    """``kwargs`` with the ``position_ids`` the model's forward was given (``PlanCache.batch_positions``) when its
+    decoder layers did not pass them on (Llama 4): packing marked by restarting positions, and positions of
+    a batch sharded by hand, are then seen as for the other families."""
+    pos = None if cfg.plans is None else cfg.plans.batch_positions
+    if kwargs.get("position_ids") is not None or pos is None or pos.dim() != 2 or pos.shape[-1] != local_len:
+        return kwargs
+    return {**kwargs, "position_ids": pos}
+
+
 def _chunk_size(module) -> int | None:
     """The attention chunk of a ``"chunked_attention"`` layer (Llama 4: its RoPE layers attend within chunks of
     ``config.attention_chunk_size`` tokens), else None."""
@@ -439,8 +461,13 @@ def _chunk_size(module) -> int | None:
 def _chunked(document_ids, cu_seqlens, full: int, chunk: int) -> tuple[torch.Tensor, None]:
     """The documents of a chunked layer: every document (or row) cut into chunks (``layout.chunk_documents``)."""
     if cu_seqlens is not None:
-        document_ids = documents_from_cu_seqlens(cu_seqlens, full)[None]
+        document_ids = _ids_from_cu_seqlens(cu_seqlens, full)  # (validated: the global boundaries)
     return chunk_documents(document_ids, chunk, seq_len=full), None
+
+
+def scales_queries_itself(module) -> bool:
+    """Llama 4's attention on a layer without RoPE, scaling its queries by the index it counts itself."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
 
 
 def _temperature_rows(cache, cfg: RingConfig, rank: int, world_size: int, full: int, device) -> torch.Tensor:
@@ -479,14 +506,16 @@ def _dropped_documents_error(module, kwargs: dict, cfg: RingConfig) -> str | Non
     )
 
 
-def _sharding_error(module, kwargs: dict, cfg: RingConfig, rank: int, world_size: int, local_len: int):
+def _sharding_error(
+    module, kwargs: dict, cfg: RingConfig, rank: int, world_size: int, local_len: int, positioned: bool = False
+):
     """Why the batch does not fit this module's ring (shard_batch's ShardInfo, or hand-sharded positions), or None."""
     info = kwargs.get(SHARD_INFO_KWARG)
     if info is not None:
         return _shard_info_error(info, cfg, rank, world_size, local_len)
     by_hand = DOCUMENT_IDS_KWARG not in kwargs and all(kwargs.get(k) is None for k in _PACKING_KWARGS)
     if world_size > 1 and by_hand:
-        return _hand_sharded_error(module, kwargs, cfg, rank, world_size, local_len)
+        return _hand_sharded_error(module, kwargs, cfg, rank, world_size, local_len, positioned)
     return None
 
 
@@ -541,6 +570,7 @@ def ring_attention_forward(
             "config.attention_dropout=0.0 (or set attention_dropout = 0.0 on its attention modules), or call "
             "model.eval()"
         )
+    kwargs = _with_batch_positions(kwargs, cfg, query.shape[2])
     cache = kwargs.get(DECODE_KWARG)
     if cache is not None and cache.state.phase == "decode":
         return _decode(module, query, key, value, cfg, cache, scaling, sliding_window, kwargs), None
@@ -554,7 +584,7 @@ def ring_attention_forward(
     rank, world_size = group_rank_and_size(cfg.group)
     local_len = query.shape[2]
     error = _dropped_documents_error(module, kwargs, cfg)
-    sharding = None if error else _sharding_error(module, kwargs, cfg, rank, world_size, local_len)
+    sharding = None if error else _sharding_error(module, kwargs, cfg, rank, world_size, local_len, positioned=True)
     if sharding and kwargs.get("use_cache") and cache is None:  # model.generate() on the full prompt, most likely
         sharding = (
             f"a ring-attention model over {world_size} ranks cannot run generate() on its own (the prompt must be "
@@ -565,6 +595,12 @@ def ring_attention_forward(
         raise_on_every_rank(error or sharding, group=cfg.group, device=query.device)
     full = local_len * world_size
     temperature = getattr(module, TEMPERATURE_ATTR, None)
+    if temperature is None and world_size > 1 and scales_queries_itself(module):  # (the same on every rank)
+        raise ValueError(
+            f"{type(module).__name__} scales its queries by their index in the shard (Llama 4's temperature "
+            "tuning) but hf_ring did not take that over: switch the model with hf_ring.apply_ring_attention(model) "
+            "(not only attn_implementation='hf_ring')"
+        )
     if temperature is not None:
         query = temperature.apply(query, _temperature_rows(cache, cfg, rank, world_size, full, query.device))
     query, key, value = _autocast(query, key, value)

@@ -125,18 +125,20 @@ def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_documents(document_ids: torch.Tensor | None, chunk: int, *, seq_len: int) -> torch.Tensor:
-    """[rows, seq_len] int32 ids of chunked attention (Llama 4): every run of equal ``document_ids`` (``[rows,
-    seq_len]``, -1 = padding; None: one document) is cut into chunks of ``chunk`` tokens counted from the run's first
-    token, each chunk its own document; padding stays -1. Transformers counts a chunk from a row's first token that
-    is not left padding, and within a packed document from its first token (its position 0): the same chunks."""
+    """[rows, seq_len] int32 ids of chunked attention (Llama 4): every document of ``document_ids`` (``[1 or rows,
+    seq_len]``, -1 = padding; None: one document, one row) is cut into chunks of ``chunk`` tokens counted from the
+    document's first token in the row, each chunk its own document; padding stays -1. Transformers counts a chunk
+    from a row's first token that is not left padding, and within a packed document from its first token (its
+    position 0): the same chunks."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"the attention chunk size must be a positive integer, got {chunk!r}")
     docs = torch.zeros(1, seq_len, dtype=torch.long) if document_ids is None else document_ids.detach().cpu().long()
-    index = torch.arange(docs.shape[-1])
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    first = torch.where(starts, index, 0).cummax(-1).values  # each token's run start
-    ids = (starts | ((index - first) % chunk == 0)).long().cumsum(-1) - 1  # a new id where a run or chunk begins
+    rows, n = docs.shape
+    index = torch.arange(n).expand(rows, n)
+    _, labels = torch.unique(docs, return_inverse=True)  # 0 .. k-1 over the batch
+    first = torch.full((rows, int(labels.max()) + 1), n).scatter_reduce(1, labels, index, "amin")
+    pieces = labels * (n // chunk + 1) + (index - first.gather(1, labels)) // chunk  # (document, chunk) apart
+    ids = torch.unique(pieces, return_inverse=True)[1]
     return torch.where(docs < 0, -1, ids).to(torch.int32)
 
 

@@ -101,7 +101,8 @@ def is_applied(model) -> bool:
 
 class StartBatch:
     """Forward pre-hook: a new forward begins, so its plans are checked across ranks again; notes whether the
-    batch carries document ids or packing keywords (``PlanCache.batch_documents``). ``top``: the hook of the
+    batch carries document ids or packing keywords (``PlanCache.batch_documents``) and its ``position_ids``
+    (``PlanCache.batch_positions``). ``top``: the hook of the
     outermost model, which sets the note anew (an interrupted forward leaves nothing behind); the inner
     models' hooks only add to it."""
 
@@ -118,6 +119,12 @@ class StartBatch:
             progress.depth = 1 if self.top else progress.depth + 1
             carried = any(kwargs.get(k) is not None for k in BATCH_DOCUMENT_KWARGS)
             self.plans.batch_documents = carried or (not self.top and self.plans.batch_documents)
+            pos = kwargs.get("position_ids")
+            pos = pos if isinstance(pos, torch.Tensor) else None
+            if self.top or pos is not None:  # (an inner model's, cut to the shard, over the outer one's)
+                self.plans.batch_positions = pos
+            sharded = kwargs.get(SHARD_INFO_KWARG) is not None
+            self.plans.batch_sharded = sharded or (not self.top and self.plans.batch_sharded)
 
 
 class EndBatch:
@@ -340,6 +347,9 @@ class FamilyPatch:
     # the family's linear-attention, Mamba2 or short-convolution class (hybrid models: ``generic.LINEAR``), whose
     # modules' forward ``patches.linear`` replaces while the model is patched; None: attention layers only
     linear_class: str | None = None
+    # why ``ring_generate`` refuses the family (its model manages its KV cache in a way the sharded cache does not
+    # follow), or None
+    no_generate: str | None = None
 
     def attention_type(self) -> type:
         return _class(self.attention_class)

@@ -13,21 +13,16 @@ from __future__ import annotations
 
 import torch
 
-from ..hf_attention import TEMPERATURE_ATTR, QueryTemperature
+from ..hf_attention import TEMPERATURE_ATTR, QueryTemperature, scales_queries_itself
 
 __all__ = ["install", "remove"]
-
-
-def _tuned(module) -> bool:
-    """A module that scales its queries itself: Llama 4's attention on a layer without RoPE, tuning on."""
-    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
 
 
 def install(modules: list) -> None:
     """Move the temperature tuning of ``modules`` (patched attention modules) into the ring's attention function.
     Idempotent: a module that has it already keeps it."""
     for m in modules:
-        if hasattr(m, TEMPERATURE_ATTR) or not _tuned(m):
+        if hasattr(m, TEMPERATURE_ATTR) or not scales_queries_itself(m):
             continue
         setattr(m, TEMPERATURE_ATTR, QueryTemperature(float(m.floor_scale), float(m.attn_scale)))
         m.attn_temperature_tuning = False

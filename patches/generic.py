@@ -4,12 +4,13 @@ Each listed family calls Transformers' attention interface with query/key/value 
 projections, norms and rotary embedding, with its ``scaling``, per layer its ``sliding_window`` (from
 ``config.layer_types`` or ``config.sliding_window``), and the attention features the attention
 function implements: logit softcapping (``softcap``: Gemma2, VaultGemma, optionally Gemma3) and learned
-sinks (``s_aux``: gpt-oss, Granite-SWA). What else is special about these families happens outside the attention
+sinks (``s_aux``: gpt-oss, Granite-SWA, Flint). What else is special about these families happens outside the attention
 function, on local tokens, and so is exact under context parallelism as it is: QK norm (OLMo2,
 Gemma3, Cohere, StableLM, Phi, Exaone4/Exaone-MoE, HunYuan, Apertus, FlexOlmo, MiniMax-M2, AFMoE),
 clipped projections (OLMo), partial or
 interleaved rotary embeddings (GLM, Phi, StableLM, Nemotron, GPT-NeoX), layers without RoPE
-(SmolLM3), learned absolute positions (GPT-2: from the global ``position_ids``), a mixture of attention heads
+(SmolLM3), learned absolute positions (GPT-2, StarCoder 1: from the global ``position_ids``), layers looped over
+recurrently (Dory: each loop's attention call is a ring call of its own), a mixture of attention heads
 (JetMoE), differential attention (DiffLlama: two maps through
 the ring, combined after it), an attention multiplier (Granite, passed as ``scaling``), logit scales and final logit
 softcapping (Granite, Cohere, Gemma2), parallel attention + MLP blocks (Cohere, GPT-NeoX, StableLM),
@@ -39,7 +40,7 @@ from __future__ import annotations
 from ._family import FamilyPatch, LogitTransform, check_layer_types
 
 __all__ = [
-    "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LINEAR", "LOGIT_TRANSFORMS", "PATCHES", "check",
+    "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE", "PATCHES", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_llama4",
     "check_without_windows",
 ]  # fmt: skip
@@ -47,10 +48,12 @@ __all__ = [
 FAMILIES = {
     "afmoe": "transformers.models.afmoe.modeling_afmoe.AfmoeAttention",
     "apertus": "transformers.models.apertus.modeling_apertus.ApertusAttention",
+    "apertus1p5_text": "transformers.models.apertus1p5.modeling_apertus1p5.Apertus1p5TextAttention",
     "arcee": "transformers.models.arcee.modeling_arcee.ArceeAttention",
     "axk1": "transformers.models.axk1.modeling_axk1.AXK1Attention",
     "bamba": "transformers.models.bamba.modeling_bamba.BambaAttention",
     "bitnet": "transformers.models.bitnet.modeling_bitnet.BitNetAttention",
+    "codegen": "transformers.models.codegen.modeling_codegen.CodeGenAttention",
     "cohere": "transformers.models.cohere.modeling_cohere.CohereAttention",
     "cohere2": "transformers.models.cohere2.modeling_cohere2.Cohere2Attention",
     "cohere2_moe": "transformers.models.cohere2_moe.modeling_cohere2_moe.Cohere2MoeAttention",
@@ -58,6 +61,7 @@ FAMILIES = {
     "deepseek_v2": "transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention",
     "deepseek_v3": "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
     "diffllama": "transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention",
+    "dory": "transformers.models.dory.modeling_dory.DoryAttention",
     "dots1": "transformers.models.dots1.modeling_dots1.Dots1Attention",
     "ernie4_5": "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention",
     "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeAttention",
@@ -65,6 +69,7 @@ FAMILIES = {
     "exaone_moe": "transformers.models.exaone_moe.modeling_exaone_moe.ExaoneMoeAttention",
     "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Attention",
     "flex_olmo": "transformers.models.flex_olmo.modeling_flex_olmo.FlexOlmoAttention",
+    "flint": "transformers.models.flint.modeling_flint.FlintAttention",
     "gemma": "transformers.models.gemma.modeling_gemma.GemmaAttention",
     "gemma2": "transformers.models.gemma2.modeling_gemma2.Gemma2Attention",
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3.Gemma3Attention",
@@ -74,8 +79,10 @@ FAMILIES = {
     "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention",
     "glm4_moe_lite": "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
     "gpt2": "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
+    "gpt_bigcode": "transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention",
     "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention",
+    "gptj": "transformers.models.gptj.modeling_gptj.GPTJAttention",
     "granite": "transformers.models.granite.modeling_granite.GraniteAttention",
     "granite_swa": "transformers.models.granite_swa.modeling_granite_swa.GraniteSWAAttention",
     "granitemoe": "transformers.models.granitemoe.modeling_granitemoe.GraniteMoeAttention",
@@ -90,6 +97,7 @@ FAMILIES = {
     "jais2": "transformers.models.jais2.modeling_jais2.Jais2Attention",
     "jetmoe": "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearAttention",
+    "kolibri1": "transformers.models.kolibri1.modeling_kolibri1.Kolibri1Attention",
     "laguna": "transformers.models.laguna.modeling_laguna.LagunaAttention",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeAttention",
@@ -245,13 +253,18 @@ whose modules' forward ``hf_ring.patches.linear`` replaces while the model is pa
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
     "llama4_text": check_llama4,
-    "gpt2": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
+    "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
 DROPS_LAYER_KWARGS = {"nemotron", "stablelm"}
 """Families whose decoder layers do not pass the model's keyword arguments on to the attention: padded or packed
 batches raise at the first layer (their document ids never arrive), and ``hf_ring.ring_generate`` refuses them."""
+
+NO_GENERATE = {
+    "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
+}
+"""Families ``hf_ring.ring_generate`` refuses, and why."""
 
 LOGIT_TRANSFORMS = {
     "cohere": LogitTransform(multiply="logit_scale"),
@@ -283,6 +296,7 @@ PATCHES = {
         logit_transform=LOGIT_TRANSFORMS.get(model_type),
         layer_kwargs=model_type not in DROPS_LAYER_KWARGS,
         linear_class=LINEAR.get(model_type),
+        no_generate=NO_GENERATE.get(model_type),
     )
     for model_type, path in FAMILIES.items()
 }

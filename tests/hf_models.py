@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MORE_FAMILIES", "PAD_ID", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
+__all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
            "prepare", "reference_step", "rel", "ring_step"]  # fmt: skip
 
 VOCAB = 96
@@ -117,6 +117,18 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "laguna": ("LagunaConfig", "LagunaForCausalLM", {"head_dim": 16, **_SLIDE_FULL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
     "hy_v3": ("HYV3Config", "HYV3ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "moe_intermediate_size": 32}),
     "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {"final_logit_softcapping": 2.0}),
+    # families new in Transformers 5.24 (tested from that release on): QK norm and xIELU (Apertus 1.5), sinks with
+    # sliding / full layers and shared experts (Flint), sliding / full layers with shared experts (Kolibri 1), layers
+    # looped over recurrently with L2 QK norm (Dory)
+    "apertus1p5_text": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {"head_dim": 16}),
+    "flint": ("FlintConfig", "FlintForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **_SLIDE_FULL}),
+    "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **_SLIDE_FULL}),
+    "dory": ("DoryConfig", "DoryForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "n_input_layers": 1, "n_output_layers": 1, "n_recurrent_loops": 2, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    # older code models: multi-query attention with learned positions (StarCoder 1 / SantaCoder), rotary on part of
+    # the head, interleaved (GPT-J, CodeGen)
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"rotary_dim": 8, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", {"rotary_dim": 8, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
     # Llama 4: chunked attention on its RoPE layers (chunks of 8 tokens), a layer without RoPE whose queries scale
     # with their index in the row (temperature tuning, floor_scale 4 so that the scale grows within 40 tokens), L2
     # QK norm, experts with a shared expert on every other layer
@@ -239,6 +251,18 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
 apply to their text config."""
 
 
+SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
+         "gptj": "5.24"}  # fmt: skip
+"""Families tested from a later Transformers release than the oldest one supported: new models, or models whose
+attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
+a release where they do not)."""
+
+
+def in_transformers(model_type: str) -> bool:
+    """The installed Transformers runs ``model_type``'s model as hf_ring patches it (``SINCE``)."""
+    return transformers_at_least(SINCE.get(model_type))
+
+
 def transformers_at_least(release: str | None) -> bool:
     """The installed Transformers is ``release`` or later (None: any)."""
     import transformers
@@ -346,10 +370,12 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
                "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
                "cohere2": tf.Cohere2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
                "gemma2": tf.Gemma2ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
-               **{f: getattr(tf, m) for f, (_, m, _) in MORE_FAMILIES.items()},
-               **{f: getattr(tf, m) for f, (_, m, _, _) in VISION_LANGUAGE.items()}}  # fmt: skip
+               **{f: m for f, (_, m, _) in MORE_FAMILIES.items()},
+               **{f: m for f, (_, m, _, _) in VISION_LANGUAGE.items()}}  # fmt: skip
+    cls = classes[family]
+    cls = getattr(tf, cls) if isinstance(cls, str) else cls  # (by name: families of later releases too)
     torch.manual_seed(seed)
-    model = classes[family](make_config(family, **overrides)).to(dtype)
+    model = cls(make_config(family, **overrides)).to(dtype)
     model.config.use_cache = False
     if images:
         model.config.image_token_index = MEDIA_TOKENS["image_token_id"]  # LLaVA's name for it

@@ -18,10 +18,14 @@ import hf_ring
 from hf_ring.loss import default_chunk_size, is_chunked, liger_unavailable
 
 from .dist_utils import run_distributed
-from .hf_models import DECAY_PARAMS, RTOL_DECAY, make_batch, make_model
+from .hf_models import DECAY_PARAMS, RTOL_DECAY, in_transformers, make_batch, make_model
 
 RTOL = 1e-5  # fp32: the chunked sum reorders the additions of the loss, nothing else
 CHUNK = 7  # tokens per chunk: many chunks, a ragged last one
+
+
+# Dory's own forward gives NaN at left padding (rows that see no key), so its padded case scores real tokens only
+NAN_AT_PADDING = ("dory",)
 
 
 def _rel(a, b) -> float:
@@ -40,14 +44,16 @@ def _loss_and_grads(model, batch) -> tuple[torch.Tensor, dict]:
 def _families() -> list:
     from hf_ring.patches import supported_model_types
 
-    return supported_model_types()
+    return [t for t in supported_model_types() if in_transformers(t)]
 
 
 @pytest.mark.parametrize("family", _families())
 def test_every_family_matches_the_unmodified_loss_and_gradients(family):
     model = make_model(family)
     for kind in ("plain", "padded"):
-        batch, _ = make_batch(kind, 40)
+        batch, masked = make_batch(kind, 40)
+        if family in NAN_AT_PADDING:
+            batch = masked
         ref, ref_grads = _loss_and_grads(model, batch)
         assert hf_ring.apply_chunked_loss(model, chunk_size=CHUNK) is model and is_chunked(model)
         out, grads = _loss_and_grads(model, batch)

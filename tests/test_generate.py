@@ -343,7 +343,7 @@ def test_ring_generate_gives_the_unmodified_models_tokens(two_ranks, name):
     for rank, r in enumerate(two_ranks):
         ref, out, *scores = r[name]
         # fp32 logits of every step (with scores): the merge's order of summation against SDPA's, ~1e-7 measured;
-        # a query scaled for its shard's index instead of its row's moves them by ~1e-3 on the Llama 4 case
+        # a query scaled for its shard's index instead of its row's moves them by 7e-4 on the Llama 4 case
         assert all(d <= 1e-5 for d in scores), (rank, name, scores)
         if name == "phi3-longrope-crossing" and Version(transformers.__version__) < Version("5.23"):
             # Transformers 5.17 drops the cache at the switch but passes only the step's tokens: refused, not guessed
@@ -456,10 +456,14 @@ def test_hybrid_decode_steps_run_the_models_one_token_kernels(monkeypatch, famil
     assert len(calls) == layers * (NEW - 1), (len(calls), layers)  # the first new token comes from the prefill
 
 
-@pytest.mark.parametrize("family", ["nemotron", "stablelm"])
+@pytest.mark.parametrize("family", ["nemotron", "stablelm", "dory"])
 def test_families_whose_layers_drop_the_cache_are_refused(family):
+    """Nemotron's and StableLM's layers drop the cache; Dory's loops copy it (a second rank crashed in a trial)."""
     import hf_ring
-    from tests.hf_models import make_model
+    from tests.hf_models import in_transformers, make_model
+
+    if not in_transformers(family):
+        pytest.skip(f"{family} is not in this Transformers release")
 
     model = hf_ring.apply_ring_attention(make_model(family))
     with pytest.raises(ValueError, match=f"ring_generate does not support {family} models"):

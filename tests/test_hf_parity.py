@@ -179,6 +179,15 @@ CASES = {
     "gemma4-images-causal-checkpointing": ("gemma4", "images", 40, {"checkpointing": True}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
+    "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {"since": "5.24"}),
+    "flint-padded": ("flint", "padded", 40, {"since": "5.24"}),
+    "flint-packed-lora": ("flint", "packed", 45, {"since": "5.24", "lora": True}),
+    "kolibri1-plain": ("kolibri1", "plain", 45, {"since": "5.24"}),
+    "dory-packed": ("dory", "packed", 40, {"since": "5.24"}),
+    "dory-padded-checkpointing": ("dory", "padded", 45, {"since": "5.24", "checkpointing": True}),
+    "gpt_bigcode-padded": ("gpt_bigcode", "padded", 45, {}),
+    "gptj-packed": ("gptj", "packed", 40, {"since": "5.24"}),
+    "codegen-padded": ("codegen", "padded", 40, {"since": "5.24"}),
     # Llama 4: chunked attention (chunks counted from each row's / document's first token), temperature tuning by
     # the index in the whole row
     "llama4_text-plain": ("llama4_text", "plain", 45, {}),
@@ -341,6 +350,18 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     out["by_hand_restart_mine"] = bool((restart != pos[:1]).any())  # this rank's own positions are wrong
     out["by_hand_local"] = _error_of(lambda: model(input_ids=ids))  # Transformers' default: local 0..n-1
     hf_ring.revert_ring_attention(model)
+    # Llama 4's layers are not given position_ids: the attention reads the model's (or sees there are none)
+    llama4 = hf_ring.apply_ring_attention(make_model("llama4_text"))
+    with torch.no_grad():
+        out["llama4_by_hand_global"] = (
+            (llama4(input_ids=ids, position_ids=pos).logits - llama4(**plain).logits).abs().max().item()
+        )
+    out["llama4_by_hand_restart"] = _error_of(lambda: llama4(input_ids=ids, position_ids=restart))
+    out["llama4_by_hand_local"] = _error_of(lambda: llama4(input_ids=ids))
+    # switched by attn_implementation alone: its layer without RoPE would scale queries by the shard's index
+    unpatched = make_model("llama4_text")
+    unpatched.set_attn_implementation("hf_ring")
+    out["llama4_not_applied"] = _error_of(lambda: unpatched(**plain))
 
     # families whose decoder layers drop the batch's keywords (the document ids): padding or packing raises,
     # plain batches run (their positions reach the attention as position_ids)
@@ -500,6 +521,10 @@ def test_hf_integration_distributed(world_size):
             # a rank whose own positions look fine learns of the others' error through the ring's check
             want = "hf_ring.shard_batch" if e["by_hand_restart_mine"] else "rejected their input"
             assert want in e["by_hand_restart"], e["by_hand_restart"]
+            assert e["llama4_by_hand_global"] == 0.0
+            assert want in e["llama4_by_hand_restart"], e["llama4_by_hand_restart"]
+            assert "without position_ids" in e["llama4_by_hand_local"], e["llama4_by_hand_local"]
+            assert "apply_ring_attention(model)" in e["llama4_not_applied"], e["llama4_not_applied"]
             assert e["deepcopy_shares_config"] and e["deepcopy_loss"] == 0.0
             assert e["pickle_warned"] and "apply_ring_attention(model, group=...) again" in e["pickled_forward"]
             assert e["pickled_reapplied"] == 0.0

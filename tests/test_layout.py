@@ -5,6 +5,7 @@ import torch
 
 import hf_ring
 from hf_ring.layout import required_multiple
+from tests.hf_models import transformers_at_least
 
 
 @pytest.mark.parametrize("layout", hf_ring.LAYOUTS)
@@ -84,13 +85,14 @@ def test_chunked_documents_see_what_transformers_chunked_mask_lets_through(chunk
     from hf_ring.layout import chunk_documents
 
     n = 20
-    mask = torch.ones(3, n, dtype=torch.long)
+    mask = torch.ones(4, n, dtype=torch.long)
     mask[1, :5] = 0  # left padding
     mask[2, 14:] = 0  # right padding
+    mask[3, :2] = mask[3, 9:11] = 0  # left padding and a gap (Transformers counts chunks from the first token)
     lead = (mask.cumsum(-1) == 0).sum(-1)
     fn = chunked_causal_mask_function(chunk, lead)
     idx = torch.arange(n)
-    want = torch.stack([fn(b, 0, idx[:, None], idx[None, :]) for b in range(3)])
+    want = torch.stack([fn(b, 0, idx[:, None], idx[None, :]) for b in range(4)])
     want &= mask.bool()[:, :, None] & mask.bool()[:, None, :]
     ids = chunk_documents(torch.where(mask.bool(), 0, -1), chunk, seq_len=n)
     assert ids.dtype == torch.int32 and torch.equal(_visible(ids), want)
@@ -99,6 +101,12 @@ def test_chunked_documents_see_what_transformers_chunked_mask_lets_through(chunk
     pos = torch.cat([torch.arange(6), torch.arange(9), torch.arange(5)])  # three packed documents
     docs = torch.repeat_interleave(torch.arange(3), torch.tensor([6, 9, 5]))[None]
     packed = (pos[:, None] // chunk == pos[None, :] // chunk) & (docs[0, :, None] == docs[0, None, :])
+    if transformers_at_least("5.24"):  # Transformers' own: its chunked mask read through the packed positions
+        from transformers.masking_utils import remap_positions_for_packed_sequence
+
+        fn = remap_positions_for_packed_sequence(chunked_causal_mask_function(chunk, lead[:1] * 0), pos[None])
+        packed = torch.tensor([[bool(fn(0, 0, q, k)) for k in range(n)] for q in range(n)])
+        packed &= docs[0, :, None] == docs[0, None, :]
     assert torch.equal(_visible(chunk_documents(docs, chunk, seq_len=n))[0], packed & torch.ones(n, n).tril().bool())
 
 
