@@ -129,7 +129,12 @@ def _break(group) -> None:
 def failed(groups, error: BaseException, what: str) -> None:
     """This rank failed out of step with its peers (``what``: where, after "failed", e.g. " in layer 3"): stop
     ``groups``, naming this rank, the place and the error. An exchange that failed because a group was stopped
-    elsewhere spreads that record instead."""
+    elsewhere spreads that record instead. Not a failure: a checkpointed layer's recomputation stopped early by
+    PyTorch once it has what the backward needs (non-reentrant checkpointing), at the same point on every rank."""
+    from torch.utils.checkpoint import _StopRecomputationError
+
+    if isinstance(error, _StopRecomputationError):
+        return
     if isinstance(error, StoppedError):
         stop(groups, record_of(groups[0]) or str(error))
         return

@@ -65,6 +65,7 @@ __all__ = [
     "RingBlocks",
     "RingConfig",
     "PACKED_WITH_MIXERS",
+    "POSITIONS_KWARG",
     "QueryTemperature",
     "SHARD_INFO_KWARG",
     "TEMPERATURE_ATTR",
@@ -84,6 +85,11 @@ DOCUMENT_IDS_KWARG = "ring_document_ids"
 BLOCK_IDS_KWARG = "ring_block_ids"
 """Model keyword argument carrying a ``RingBlocks``: the bidirectional blocks of the batch (Gemma 3's and Gemma 4's
 image tokens), set by the family's hook on the vision-language model."""
+
+POSITIONS_KWARG = "ring_position_ids"
+"""Model keyword argument carrying the ``position_ids`` the model was called with (``[batch, local_seq]``), added by
+the patched model's hook: the attention of a family whose decoder layers do not pass ``position_ids`` on reads them
+there."""
 
 SHARD_INFO_KWARG = "ring_shard_info"
 """Model keyword argument carrying the ``ShardInfo`` of a ``shard_batch`` output."""
@@ -248,7 +254,7 @@ BATCH_DOCUMENT_KWARGS = (DOCUMENT_IDS_KWARG, *_PACKING_KWARGS)
 #: sinks) are implemented.
 _READ_KWARGS = (
     "is_causal", "output_attentions", "position_ids", "softcap", "s_aux", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG,
-    DECODE_KWARG, BLOCK_IDS_KWARG,
+    DECODE_KWARG, BLOCK_IDS_KWARG, POSITIONS_KWARG,
 )  # fmt: skip
 _HARMLESS_KWARGS = (
     "max_length_q", "max_length_k",  # packing metadata; the boundaries come from cu_seq_lens
@@ -402,12 +408,11 @@ def _hand_sharded_error(
     or local positions would otherwise pass silently. Checked once per forward with a plan cache (the first
     attention layer: a hybrid's layer 0 may be a linear-attention layer, which gets no positions), else per call.
     ``positioned``: the caller is an attention layer, whose RoPE needs positions: none at all (not even given to
-    the model: Llama 4's layers get none of their own) is an error too, unless the model was given shard_batch's
-    output (whose keywords some families' layers drop).
+    the model: Llama 4's layers get none of their own) is an error too.
     """
     pos = kwargs.get("position_ids")
     if pos is None:  # neither the layer nor the model was given positions: the model numbered its shard 0..n-1
-        if not positioned or cfg.plans is None or cfg.plans.batch_sharded:  # (shard_batch's: keywords dropped)
+        if not positioned:
             return None
         return (
             f"rank {rank} got a shard of {local_len} tokens without position_ids, so the model numbers them from 0 as "
@@ -437,12 +442,12 @@ def _positions_error(pos, cfg: RingConfig, rank: int, world_size: int, local_len
     )
 
 
-def _with_batch_positions(kwargs: dict, cfg: RingConfig, local_len: int) -> dict:
-    """``kwargs`` with the ``position_ids`` the model's forward was given (``PlanCache.batch_positions``) when its
-    decoder layers did not pass them on (Llama 4): packing marked by restarting positions, and positions of
-    a batch sharded by hand, are then seen as for the other families."""
-    pos = None if cfg.plans is None else cfg.plans.batch_positions
-    if kwargs.get("position_ids") is not None or pos is None or pos.dim() != 2 or pos.shape[-1] != local_len:
+def _with_model_positions(kwargs: dict, local_len: int) -> dict:
+    """``kwargs`` with the ``position_ids`` the model was called with (``ring_position_ids``) when its decoder layers
+    did not pass them on (Llama 4, StarCoder 1, Dory): packing marked by restarting positions, and positions of a
+    batch sharded by hand, are then seen as for the other families."""
+    pos = kwargs.get(POSITIONS_KWARG)
+    if kwargs.get("position_ids") is not None or not isinstance(pos, torch.Tensor) or pos.shape[-1] != local_len:
         return kwargs
     return {**kwargs, "position_ids": pos}
 
@@ -570,7 +575,7 @@ def ring_attention_forward(
             "config.attention_dropout=0.0 (or set attention_dropout = 0.0 on its attention modules), or call "
             "model.eval()"
         )
-    kwargs = _with_batch_positions(kwargs, cfg, query.shape[2])
+    kwargs = _with_model_positions(kwargs, query.shape[2])
     cache = kwargs.get(DECODE_KWARG)
     if cache is not None and cache.state.phase == "decode":
         return _decode(module, query, key, value, cfg, cache, scaling, sliding_window, kwargs), None

@@ -167,10 +167,10 @@ def liger_unavailable(device: torch.device) -> str | None:
 def _liger_sum(flat, head, targets, scale: float, cap: float | None):
     """Summed cross-entropy of ``head(flat) * scale`` (softcapped by ``cap``) by Liger's fused linear cross-entropy."""
     reason = liger_unavailable(flat.device)
-    if reason is None and not isinstance(head, torch.nn.Linear):
+    if reason is None and type(head) is not torch.nn.Linear:  # (a subclass may scale its output: Dory's head)
         reason = (
-            f"the lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA on the lm_head?): Liger's kernel "
-            "takes its weight directly"
+            f"the lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA on the lm_head, or a head with a "
+            "forward of its own?): Liger's kernel takes its weight directly"
         )
     from torch.distributed.tensor import DTensor
 
@@ -298,9 +298,9 @@ class _ChunkedForward:
 def _output(loss, outputs):
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    common = dict(
-        loss=loss, logits=None, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
+    common = dict(  # (a model without attention, Mamba2, has neither attentions nor past_key_values)
+        loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
+        hidden_states=outputs.hidden_states, attentions=getattr(outputs, "attentions", None),
     )  # fmt: skip
     if hasattr(outputs, "router_logits"):
         return MoeCausalLMOutputWithPast(aux_loss=None, router_logits=outputs.router_logits, **common)

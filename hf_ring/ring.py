@@ -95,10 +95,6 @@ class PlanCache:
         # the model's forward was given document ids (padding or packing): set and cleared by hf_ring.patches'
         # model hooks, so that a layer called without them is caught (a family that drops the batch's keywords)
         self.batch_documents = False
-        # the position_ids the model's forward was given (set by the same hooks, kept for a checkpointed backward):
-        # what a family whose decoder layers do not pass them on (Llama 4) shows the attention function
-        self.batch_positions = None
-        self.batch_sharded = False  # the model's forward was given shard_batch's ShardInfo
 
     def new_batch(self) -> None:
         """Make the next call of every key check its plan across ranks again (start of a forward). Raises

@@ -23,6 +23,7 @@ whole CP group (``_rope``): their rotary modules' ``forward`` is replaced while 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from ..hf_attention import (
     BATCH_DOCUMENT_KWARGS,
     BLOCK_IDS_KWARG,
     CONFIG_ATTR,
+    POSITIONS_KWARG,
     SHARD_INFO_KWARG,
     RingConfig,
     ShardInfo,
@@ -102,7 +104,7 @@ def is_applied(model) -> bool:
 class StartBatch:
     """Forward pre-hook: a new forward begins, so its plans are checked across ranks again; notes whether the
     batch carries document ids or packing keywords (``PlanCache.batch_documents``) and its ``position_ids``
-    (``PlanCache.batch_positions``). ``top``: the hook of the
+    (``ring_position_ids``, beside the model's keywords). ``top``: the hook of the
     outermost model, which sets the note anew (an interrupted forward leaves nothing behind); the inner
     models' hooks only add to it."""
 
@@ -119,12 +121,21 @@ class StartBatch:
             progress.depth = 1 if self.top else progress.depth + 1
             carried = any(kwargs.get(k) is not None for k in BATCH_DOCUMENT_KWARGS)
             self.plans.batch_documents = carried or (not self.top and self.plans.batch_documents)
-            pos = kwargs.get("position_ids")
-            pos = pos if isinstance(pos, torch.Tensor) else None
-            if self.top or pos is not None:  # (an inner model's, cut to the shard, over the outer one's)
-                self.plans.batch_positions = pos
-            sharded = kwargs.get(SHARD_INFO_KWARG) is not None
-            self.plans.batch_sharded = sharded or (not self.top and self.plans.batch_sharded)
+        # the call's position_ids, also as a keyword of hf_ring's own that travels with the model's keywords to every
+        # attention layer (recomputed ones too): a family whose layers do not pass position_ids on (Llama 4,
+        # StarCoder 1, Dory) still shows the attention its positions. An inner model's (cut to the shard) replace
+        # the outer one's.
+        pos = _named(module, args, kwargs).get("position_ids")
+        if isinstance(pos, torch.Tensor) and pos.dim() == 2 and _takes_keywords(type(module)):
+            return args, {**kwargs, POSITIONS_KWARG: pos}
+        return None
+
+
+@functools.cache
+def _takes_keywords(cls) -> bool:
+    """``cls.forward`` takes ``**kwargs`` (a model that passes its keywords on to its layers)."""
+    params = inspect.signature(cls.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class EndBatch:
@@ -326,7 +337,9 @@ class FamilyPatch:
 
     name: str
     model_types: tuple
-    attention_class: str  # "transformers.models.llama.modeling_llama.LlamaAttention"
+    # "transformers.models.llama.modeling_llama.LlamaAttention"; None: a model without attention layers (Mamba2:
+    # its ``linear_class`` modules only, and no attention implementation to switch)
+    attention_class: str | None
     check_config: Callable = _no_check
     # what the family's causal-LM head does to the lm_head output before the loss (final logit softcapping,
     # logit scales); None: nothing (``hf_ring.apply_chunked_loss`` uses it)
@@ -355,6 +368,8 @@ class FamilyPatch:
         return _class(self.attention_class)
 
     def attention_modules(self, model: torch.nn.Module) -> list:
+        if self.attention_class is None:
+            return []
         cls = self.attention_type()
         return [m for m in model.modules() if isinstance(m, cls)]
 
@@ -393,22 +408,24 @@ class FamilyPatch:
         rotaries = _rope.check(model, self.name)
         self.check_config(text)
         modules = self.attention_modules(model)
-        if not modules:
-            raise ValueError(f"found no {self.attention_class.rpartition('.')[2]} module in {type(model).__name__}")
         mixers = self.linear_modules(model)
+        if not (modules if self.attention_class else mixers):
+            what = (self.attention_class or self.linear_class).rpartition(".")[2]
+            raise ValueError(f"found no {what} module in {type(model).__name__}")
         linear.check(mixers)
         original = getattr(model, ORIGINAL_ATTR, text._attn_implementation)
         if original == ATTN_IMPLEMENTATION:  # loaded with attn_implementation="hf_ring"
             original = FALLBACK_ATTN_IMPLEMENTATION
-        _switch(model, ATTN_IMPLEMENTATION)
-        if text._attn_implementation != ATTN_IMPLEMENTATION:
+        if self.attention_class is not None:  # (a model without attention keeps its implementation)
+            _switch(model, ATTN_IMPLEMENTATION)
+        if self.attention_class is not None and text._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(
                 f"{type(model).__name__} did not accept attn_implementation={ATTN_IMPLEMENTATION!r} "
                 "(it does not dispatch attention through transformers.AttentionInterface)"
             )
         if cfg.plans is None or cfg.mixers != bool(mixers):
             cfg = dataclasses.replace(cfg, plans=cfg.plans or PlanCache(), mixers=bool(mixers))
-        for m in modules:
+        for m in (*modules, *mixers):  # (ring_generate finds the config on any of them)
             setattr(m, CONFIG_ATTR, cfg)
         _rope.remove(model)
         _rope.install(rotaries, cfg)
@@ -429,8 +446,9 @@ class FamilyPatch:
                 f"{type(model).__name__} has no ring attention to revert (apply_ring_attention was not called "
                 "on it, or it was reverted already)"
             )
-        _switch(model, getattr(model, ORIGINAL_ATTR))
-        for m in self.attention_modules(model):
+        if self.attention_class is not None:
+            _switch(model, getattr(model, ORIGINAL_ATTR))
+        for m in (*self.attention_modules(model), *self.linear_modules(model)):
             if hasattr(m, CONFIG_ATTR):
                 delattr(m, CONFIG_ATTR)
         _rope.remove(model)

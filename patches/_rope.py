@@ -23,6 +23,7 @@ other way (no Transformers decorator in its ``forward``'s ``__wrapped__`` chain)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -119,7 +120,7 @@ class UnshardedPositions:
         else:
             largest = plans.derived((position_ids,), lambda: self._largest(position_ids))
         decorated(self.module, x, largest.to(position_ids.device), **extra)  # updates the frequencies
-        with torch.no_grad():
+        with torch.no_grad(), _mscale_of(self.module, largest):
             return self._compute(self.module, x, position_ids, **extra, **kwargs)
 
     @torch.compiler.disable
@@ -134,6 +135,25 @@ class UnshardedPositions:
             cfg.plans.progress.label = "the rotary embedding's largest position"
             cfg.plans.progress.call([cfg.group], needs_grad=False)
         return comm.all_reduce_max(position_ids.detach().max().reshape(1, 1))
+
+
+@contextlib.contextmanager
+def _mscale_of(module, largest: torch.Tensor):
+    """Phi-3.5-MoE's longrope also multiplies cos / sin by ``long_mscale`` or ``short_mscale``, chosen inside the
+    rotary computation by the largest of the positions it is given: for the call on the rank's own positions, both
+    are set to the one the whole sequence's largest position chooses (one host read per forward; the model's own
+    choice reads one too), then restored."""
+    params = getattr(getattr(module, "config", None), "rope_parameters", None)
+    if not isinstance(params, dict) or not {"long_mscale", "short_mscale"} <= params.keys():
+        yield
+        return
+    saved = params["long_mscale"], params["short_mscale"]
+    long = int(largest.max()) + 1 > params["original_max_position_embeddings"]
+    params["long_mscale"] = params["short_mscale"] = saved[0] if long else saved[1]
+    try:
+        yield
+    finally:
+        params["long_mscale"], params["short_mscale"] = saved
 
 
 def install(modules: list, cfg) -> None:

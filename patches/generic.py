@@ -101,6 +101,7 @@ FAMILIES = {
     "laguna": "transformers.models.laguna.modeling_laguna.LagunaAttention",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeAttention",
+    "mamba2": None,  # no attention: its Mamba2 mixers only (``LINEAR``)
     "llama4_text": "transformers.models.llama4.modeling_llama4.Llama4TextAttention",
     "longcat_flash": "transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
@@ -122,6 +123,7 @@ FAMILIES = {
     "persimmon": "transformers.models.persimmon.modeling_persimmon.PersimmonAttention",
     "phi": "transformers.models.phi.modeling_phi.PhiAttention",
     "phi3": "transformers.models.phi3.modeling_phi3.Phi3Attention",
+    "phimoe": "transformers.models.phimoe.modeling_phimoe.PhimoeAttention",
     "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention",
     "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeAttention",
     "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Attention",
@@ -136,7 +138,7 @@ FAMILIES = {
     "youtu": "transformers.models.youtu.modeling_youtu.YoutuAttention",
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2Attention",
 }
-"""``config.model_type`` -> the attention class the generic patch switches."""
+"""``config.model_type`` -> the attention class the generic patch switches (None: a model without attention)."""
 
 
 def check(config, *, windows: bool = True) -> None:
@@ -240,6 +242,7 @@ LINEAR = {
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv",
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
+    "mamba2": "transformers.models.mamba2.modeling_mamba2.Mamba2Mixer",
     "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
     "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet",
     "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
@@ -257,7 +260,7 @@ CHECKS = {
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
-DROPS_LAYER_KWARGS = {"nemotron", "stablelm"}
+DROPS_LAYER_KWARGS = {"nemotron", "stablelm", "mamba2"}  # (Mamba2's causal LM does not pass them to its backbone)
 """Families whose decoder layers do not pass the model's keyword arguments on to the attention: padded or packed
 batches raise at the first layer (their document ids never arrive), and ``hf_ring.ring_generate`` refuses them."""
 

@@ -1,6 +1,6 @@
 """Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
 Qwen3.5-MoE, OLMo Hybrid), Kimi Delta Attention (Kimi Linear), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H,
-Falcon-H1) and short convolutions (LFM2, LFM2-MoE).
+Falcon-H1, Zamba2, and the pure Mamba2 model, which has no attention layer) and short convolutions (LFM2, LFM2-MoE).
 
 These hybrid models interleave full-attention layers (switched to ring attention like every family) with layers
 that look back along the sequence another way: a short causal convolution, followed in the Gated DeltaNet by the

@@ -124,6 +124,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "flint": ("FlintConfig", "FlintForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **_SLIDE_FULL}),
     "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **_SLIDE_FULL}),
     "dory": ("DoryConfig", "DoryForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "n_input_layers": 1, "n_output_layers": 1, "n_recurrent_loops": 2, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    # Mamba2 alone (no attention layer): its convolution and scan over the ranks
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", {"num_heads": 8, "head_dim": 16, "expand": 2, "state_size": 8, "n_groups": 2, "chunk_size": 8, "conv_kernel": 4}),
+    # Phi-3.5-MoE: its router samples experts in training mode (tested in eval mode: top-2 routing)
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # older code models: multi-query attention with learned positions (StarCoder 1 / SantaCoder), rotary on part of
     # the head, interleaved (GPT-J, CodeGen)
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
@@ -258,6 +262,11 @@ attention went through Transformers' attention interface only later (GPT-J, Code
 a release where they do not)."""
 
 
+SAMPLES_IN_TRAINING = ("phimoe",)
+"""Families whose training-mode forward draws random numbers (Phi-3.5-MoE's router samples its experts):
+``make_model`` returns them in eval mode, where they are deterministic."""
+
+
 def in_transformers(model_type: str) -> bool:
     """The installed Transformers runs ``model_type``'s model as hf_ring patches it (``SINCE``)."""
     return transformers_at_least(SINCE.get(model_type))
@@ -377,6 +386,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
     torch.manual_seed(seed)
     model = cls(make_config(family, **overrides)).to(dtype)
     model.config.use_cache = False
+    if family in SAMPLES_IN_TRAINING:  # compared in eval mode (deterministic routing) unless a test says otherwise
+        model.eval()
     if images:
         model.config.image_token_index = MEDIA_TOKENS["image_token_id"]  # LLaVA's name for it
         if family == "llava_next":
@@ -535,7 +546,7 @@ def prepare(family, opts, dtype=None, images: bool = False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if opts.get("lora"):
             model.enable_input_require_grads()
-    model.train()
+    model.train(not opts.get("eval"))  # eval: a family whose training-mode routing samples (Phi-3.5-MoE)
     return model
 
 

@@ -245,6 +245,10 @@ def test_liger_backend_refuses_what_it_cannot_compute(monkeypatch):
     peft = hf_ring.apply_chunked_loss(get_peft_model(make_model("llama"), lora), backend="liger")
     with pytest.raises(ValueError, match="lm_head is a Linear, not a plain nn.Linear .LoRA on the lm_head"):
         peft(**batch)
+    if in_transformers("dory"):  # its head is an nn.Linear that scales its output: Liger would drop the scale
+        dory = hf_ring.apply_chunked_loss(make_model("dory"), backend="liger")
+        with pytest.raises(ValueError, match="lm_head is a DoryLMHead, not a plain nn.Linear"):
+            dory(**batch)
     with pytest.raises(ValueError, match="unknown loss backend 'fused'"):
         hf_ring.apply_chunked_loss(make_model("llama"), backend="fused")
     model = hf_ring.apply_chunked_loss(make_model("llama"), backend="liger")

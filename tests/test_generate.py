@@ -456,9 +456,10 @@ def test_hybrid_decode_steps_run_the_models_one_token_kernels(monkeypatch, famil
     assert len(calls) == layers * (NEW - 1), (len(calls), layers)  # the first new token comes from the prefill
 
 
-@pytest.mark.parametrize("family", ["nemotron", "stablelm", "dory"])
+@pytest.mark.parametrize("family", ["nemotron", "stablelm", "mamba2", "dory"])
 def test_families_whose_layers_drop_the_cache_are_refused(family):
-    """Nemotron's and StableLM's layers drop the cache; Dory's loops copy it (a second rank crashed in a trial)."""
+    """Nemotron's and StableLM's layers drop the cache (Mamba2's causal LM all the batch's keywords); Dory's loops copy
+    it (a second rank crashed in a trial)."""
     import hf_ring
     from tests.hf_models import in_transformers, make_model
 

@@ -54,7 +54,9 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
     assert FAMILIES == sorted(DEDICATED + list(generic.FAMILIES) + list(multimodal.WRAPPERS))
     for model_type, patch in REGISTRY.items():
         assert model_type in patch.model_types
-        if in_transformers(model_type):  # (families new in a later Transformers: their classes are not there)
+        if patch.attention_class is None:  # a model without attention (Mamba2): its mixers only
+            assert patch.linear_class is not None
+        elif in_transformers(model_type):  # (families new in a later Transformers: their classes are not there)
             assert patch.attention_type().__name__.endswith(("Attention", "MLA"))  # LongCat's: LongcatFlashMLA
         if patch.name in generic.FAMILIES:  # one line each in the generic table, one shared check
             assert generic.PATCHES[model_type] is patch and patch.model_types == (model_type,)
@@ -98,7 +100,8 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
 
     assert hf_ring.apply_ring_attention(model) is model
     text = model.config.get_text_config()  # a vision-language model: its vision tower keeps its own attention
-    assert text._attn_implementation == "hf_ring"
+    attention = get_patch(family).attention_class is not None  # (Mamba2 has none: its implementation stays)
+    assert text._attn_implementation == ("hf_ring" if attention else original)
     assert all(c._attn_implementation == original for c in _sub_configs(model.config) if c is not text)
     assert AttentionInterface._global_mapping["hf_ring"] is hf_attention.ring_attention_forward
     assert AttentionMaskInterface._global_mapping["hf_ring"] is hf_attention.ring_mask_function
@@ -346,14 +349,28 @@ def _compare_with_unmodified(family, **kw):
         hf_ring.revert_ring_attention(model)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama4_text"])
-def test_packed_position_ids_without_shard_batch_match_unmodified_model(family):
-    """Qwen3's layers pass position_ids to the attention; Llama 4's do not, and the attention reads
-    the model's (``PlanCache.batch_positions``). Llama 4: 5.17 counts the chunks of a packed row by the row index."""
-    if family == "llama4_text" and not transformers_at_least("5.24"):
-        pytest.skip("Transformers 5.17 chunks a packed row by its index, not by each document's positions")
+@pytest.mark.parametrize("family", ["qwen3", "llama4_text", "gpt_bigcode", "dory"])
+@pytest.mark.parametrize("positional", [False, True])
+def test_packed_position_ids_without_shard_batch_match_unmodified_model(family, positional):
+    """Qwen3's layers pass position_ids to the attention; Llama 4's, StarCoder 1's and Dory's do not, and the
+    attention reads the model's (``ring_position_ids``), also when given positionally. Llama 4: 5.17 counts the
+    chunks of a packed row by the row index."""
+    if not in_transformers(family) or (family == "llama4_text" and not transformers_at_least("5.24")):
+        pytest.skip("not in this Transformers release, or (Llama 4 on 5.17) chunks a packed row by its index")
     batch, _ = make_batch("packed", 40)
-    ring, ref = _compare_with_unmodified(family, input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    if positional:  # input_ids, ..., position_ids given by position (None between them)
+        import inspect
+
+        model = make_model(family).eval()
+        ref = _logits(model, input_ids=ids, position_ids=pos)
+        names = list(inspect.signature(type(model).forward).parameters)[1:]
+        args = [ids, *[None] * (names.index("position_ids") - 1), pos]
+        hf_ring.apply_ring_attention(model)
+        with torch.no_grad():
+            ring = model(*args).logits
+    else:
+        ring, ref = _compare_with_unmodified(family, input_ids=ids, position_ids=pos)
     torch.testing.assert_close(ring, ref, atol=ATOL, rtol=0)
 
 
@@ -724,7 +741,8 @@ def test_plugin_prepares_every_supported_family(model_type):
         model, dl = RingAttentionPlugin(cp_size=1).prepare(
             accelerator, make_model(model_type), torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate)
         )
-        assert model.config.get_text_config()._attn_implementation == "hf_ring"
+        switched = model.config.get_text_config()._attn_implementation == "hf_ring"
+        assert switched or get_patch(model_type).attention_class is None  # (Mamba2: its mixers only)
         with torch.no_grad():
             got = model(**next(iter(dl))).loss
     finally:

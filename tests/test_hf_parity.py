@@ -48,6 +48,10 @@ BF16_EPS = {  # measured (world sizes 1, 2, 4): ring loss 6e-6..8e-6 vs torch bf
 RTOL_AUDIO = 5e-5
 
 
+# Phi-3.5-MoE's longrope also scales its cos / sin by a factor per regime
+PHIMOE_LONGROPE = {**LONGROPE, "rope_parameters": {**LONGROPE["rope_parameters"], "short_mscale": 1.1,
+                                                   "long_mscale": 1.3}}  # fmt: skip
+
 # name: (family, batch kind, seq_len, options). seq_len 45 is padded by shard_batch (to 48 for 2 and 4 ranks).
 CASES = {
     "llama-plain": ("llama", "plain", 45, {}),
@@ -185,6 +189,14 @@ CASES = {
     "kolibri1-plain": ("kolibri1", "plain", 45, {"since": "5.24"}),
     "dory-packed": ("dory", "packed", 40, {"since": "5.24"}),
     "dory-padded-checkpointing": ("dory", "padded", 45, {"since": "5.24", "checkpointing": True}),
+    # Mamba2 alone: no attention layer, its convolution and scan over the ranks (its causal LM drops the batch's
+    # keywords: no padding, packing)
+    "mamba2-plain": ("mamba2", "plain", 40, {}),
+    # (non-reentrant checkpointing, Transformers' default: its recomputation stops early inside a mixer's exchanges)
+    "mamba2-plain-checkpointing-contiguous": ("mamba2", "plain", 40, {"checkpointing": True, "layout": "contiguous"}),
+    # Phi-3.5-MoE in eval mode (its training-mode router samples experts), longrope as its checkpoints have it
+    "phimoe-packed": ("phimoe", "packed", 40, {"eval": True}),
+    "phimoe-longrope-padded-lora": ("phimoe", "padded", 45, {"eval": True, "config": PHIMOE_LONGROPE, "lora": True}),
     "gpt_bigcode-padded": ("gpt_bigcode", "padded", 45, {}),
     "gptj-packed": ("gptj", "packed", 40, {"since": "5.24"}),
     "codegen-padded": ("codegen", "padded", 40, {"since": "5.24"}),
@@ -365,7 +377,7 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
 
     # families whose decoder layers drop the batch's keywords (the document ids): padding or packing raises,
     # plain batches run (their positions reach the attention as position_ids)
-    for family in ("nemotron", "stablelm"):
+    for family in ("nemotron", "stablelm", "mamba2"):
         dropping = hf_ring.apply_ring_attention(make_model(family))
         for kind in ("padded", "packed"):
             shards = hf_ring.shard_batch(make_batch(kind, 40)[0])
@@ -528,10 +540,11 @@ def test_hf_integration_distributed(world_size):
             assert e["deepcopy_shares_config"] and e["deepcopy_loss"] == 0.0
             assert e["pickle_warned"] and "apply_ring_attention(model, group=...) again" in e["pickled_forward"]
             assert e["pickled_reapplied"] == 0.0
-            for family in ("nemotron", "stablelm"):
+            for family in ("nemotron", "stablelm", "mamba2"):
                 for kind in ("padded", "packed"):
                     msg = e[f"dropped_{family}_{kind}"]
-                    assert "do not pass the batch's keyword arguments" in msg and "Attention" in msg, msg
+                    assert "do not pass the batch's keyword arguments" in msg, msg
+                    assert "Attention" in msg or "Mixer" in msg, msg  # (Mamba2: its mixers)
                 assert e[f"dropped_{family}_plain"]
         # the RoPE cases can fail: some rank's own positions rotate differently (logits apart by far more than
         # fp32 rounding, ~1e-6; measured 1e-3 for dynamic at 2 ranks, where 36 and 45 positions scale alike)
