@@ -40,6 +40,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 __all__ = ["InStepError", "Progress", "StoppedError", "failed", "in_backward", "raise_if_stopped", "record_of", "stop"]
 
@@ -126,14 +127,16 @@ def _break(group) -> None:
                 return
 
 
+# what non-reentrant checkpointing raises to stop a recomputation early (a private name: () if it ever goes)
+_RECOMPUTATION_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+
 def failed(groups, error: BaseException, what: str) -> None:
     """This rank failed out of step with its peers (``what``: where, after "failed", e.g. " in layer 3"): stop
     ``groups``, naming this rank, the place and the error. An exchange that failed because a group was stopped
     elsewhere spreads that record instead. Not a failure: a checkpointed layer's recomputation stopped early by
     PyTorch once it has what the backward needs (non-reentrant checkpointing), at the same point on every rank."""
-    from torch.utils.checkpoint import _StopRecomputationError
-
-    if isinstance(error, _StopRecomputationError):
+    if isinstance(error, _RECOMPUTATION_STOP):
         return
     if isinstance(error, StoppedError):
         stop(groups, record_of(groups[0]) or str(error))

@@ -166,17 +166,17 @@ def liger_unavailable(device: torch.device) -> str | None:
 
 def _liger_sum(flat, head, targets, scale: float, cap: float | None):
     """Summed cross-entropy of ``head(flat) * scale`` (softcapped by ``cap``) by Liger's fused linear cross-entropy."""
+    from torch.distributed.tensor import DTensor
+
     reason = liger_unavailable(flat.device)
+    weight = getattr(head, "weight", None)
+    if reason is None and (hasattr(weight, "ds_id") or isinstance(weight, DTensor)):
+        reason = "the lm_head weight is sharded (DeepSpeed ZeRO-3 or FSDP2 around the lm_head alone)"
     if reason is None and type(head) is not torch.nn.Linear:  # (a subclass may scale its output: Dory's head)
         reason = (
             f"the lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA on the lm_head, or a head with a "
             "forward of its own?): Liger's kernel takes its weight directly"
         )
-    from torch.distributed.tensor import DTensor
-
-    weight = getattr(head, "weight", None)
-    if reason is None and (hasattr(weight, "ds_id") or isinstance(weight, DTensor)):
-        reason = "the lm_head weight is sharded (DeepSpeed ZeRO-3 or FSDP2 around the lm_head alone)"
     if reason is not None:
         raise ValueError(f"loss backend 'liger' cannot run: {reason}; use the default backend ('torch')")
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy

@@ -24,6 +24,7 @@ other way (no Transformers decorator in its ``forward``'s ``__wrapped__`` chain)
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
 import torch
@@ -140,20 +141,23 @@ class UnshardedPositions:
 @contextlib.contextmanager
 def _mscale_of(module, largest: torch.Tensor):
     """Phi-3.5-MoE's longrope also multiplies cos / sin by ``long_mscale`` or ``short_mscale``, chosen inside the
-    rotary computation by the largest of the positions it is given: for the call on the rank's own positions, both
-    are set to the one the whole sequence's largest position chooses (one host read per forward; the model's own
-    choice reads one too), then restored."""
-    params = getattr(getattr(module, "config", None), "rope_parameters", None)
+    rotary computation by the largest of the positions it is given: for the call on the rank's own positions the
+    module sees a copy of its config whose two values are both the one the whole sequence's largest position
+    chooses (one host read per forward; the model's own choice reads one too). The shared config is not touched."""
+    config = getattr(module, "config", None)
+    params = getattr(config, "rope_parameters", None)
     if not isinstance(params, dict) or not {"long_mscale", "short_mscale"} <= params.keys():
         yield
         return
-    saved = params["long_mscale"], params["short_mscale"]
     long = int(largest.max()) + 1 > params["original_max_position_embeddings"]
-    params["long_mscale"] = params["short_mscale"] = saved[0] if long else saved[1]
+    chosen = params["long_mscale"] if long else params["short_mscale"]
+    pinned = copy.copy(config)
+    pinned.rope_parameters = {**params, "long_mscale": chosen, "short_mscale": chosen}
+    module.config = pinned
     try:
         yield
     finally:
-        params["long_mscale"], params["short_mscale"] = saved
+        module.config = config
 
 
 def install(modules: list, cfg) -> None:
