@@ -475,11 +475,9 @@ def scales_queries_itself(module) -> bool:
     return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
 
 
-def _temperature_rows(cache, cfg: RingConfig, rank: int, world_size: int, full: int, device) -> torch.Tensor:
-    """The index in the whole row (what the unmodified model counts) of this rank's tokens: the layout's positions,
-    or in ``ring_generate`` the prompt's / new tokens' positions less the padding it added."""
-    if cache is None:
-        return positions(full, rank=rank, world_size=world_size, layout=cfg.layout, device=device)
+def _generated_rows(cache, device) -> torch.Tensor:
+    """In ``ring_generate``: the index in the whole row (what the unmodified model counts) of this rank's prompt
+    tokens (prefill) or of the new tokens (decode): their positions less the padding it added."""
     st = cache.state
     rows = st.local if st.phase == "prefill" else st.q_pos
     return (rows - st.offset).clamp_min(0).to(device)  # (the padding ring_generate added: any index will do)
@@ -606,8 +604,12 @@ def ring_attention_forward(
             "tuning) but hf_ring did not take that over: switch the model with hf_ring.apply_ring_attention(model) "
             "(not only attn_implementation='hf_ring')"
         )
-    if temperature is not None:
-        query = temperature.apply(query, _temperature_rows(cache, cfg, rank, world_size, full, query.device))
+    if temperature is not None:  # by the index in the whole row: the layout's positions, or ring_generate's
+        if cache is None:
+            rows = positions(full, rank=rank, world_size=world_size, layout=cfg.layout, device=query.device)
+        else:
+            rows = _generated_rows(cache, query.device)
+        query = temperature.apply(query, rows)
     query, key, value = _autocast(query, key, value)
     if cfg.plans is None:
         document_ids, cu_seqlens = _documents(attention_mask, kwargs, full, world_size)
@@ -666,7 +668,7 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
     causal = _is_causal(module, kwargs)
     temperature = getattr(module, TEMPERATURE_ATTR, None)
     if temperature is not None:
-        query = temperature.apply(query, _temperature_rows(cache, cfg, 0, 1, 0, query.device))
+        query = temperature.apply(query, _generated_rows(cache, query.device))
     query, key, value = _autocast(query, key, value)
     docs = {}  # one document per row: only padding needs the document mask (costly tiles on the CPU)
     chunk = _chunk_size(module)

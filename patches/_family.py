@@ -418,11 +418,11 @@ class FamilyPatch:
             original = FALLBACK_ATTN_IMPLEMENTATION
         if self.attention_class is not None:  # (a model without attention keeps its implementation)
             _switch(model, ATTN_IMPLEMENTATION)
-        if self.attention_class is not None and text._attn_implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(
-                f"{type(model).__name__} did not accept attn_implementation={ATTN_IMPLEMENTATION!r} "
-                "(it does not dispatch attention through transformers.AttentionInterface)"
-            )
+            if text._attn_implementation != ATTN_IMPLEMENTATION:
+                raise ValueError(
+                    f"{type(model).__name__} did not accept attn_implementation={ATTN_IMPLEMENTATION!r} "
+                    "(it does not dispatch attention through transformers.AttentionInterface)"
+                )
         if cfg.plans is None or cfg.mixers != bool(mixers):
             cfg = dataclasses.replace(cfg, plans=cfg.plans or PlanCache(), mixers=bool(mixers))
         for m in (*modules, *mixers):  # (ring_generate finds the config on any of them)

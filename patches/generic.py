@@ -101,9 +101,9 @@ FAMILIES = {
     "laguna": "transformers.models.laguna.modeling_laguna.LagunaAttention",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeAttention",
-    "mamba2": None,  # no attention: its Mamba2 mixers only (``LINEAR``)
     "llama4_text": "transformers.models.llama4.modeling_llama4.Llama4TextAttention",
     "longcat_flash": "transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
+    "mamba2": None,  # no attention: its Mamba2 mixers only (``LINEAR``)
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
     "mimo_v2_flash": "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashAttention",
     "minicpm3": "transformers.models.minicpm3.modeling_minicpm3.MiniCPM3Attention",

@@ -20,6 +20,7 @@ from tests.hf_models import (
     DYNAMIC_FULL_LAYERS,
     LONGROPE,
     RTOL_DECAY,
+    in_transformers,
     make_batch,
     make_model,
     transformers_at_least,
@@ -183,12 +184,12 @@ CASES = {
     "gemma4-images-causal-checkpointing": ("gemma4", "images", 40, {"checkpointing": True}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
-    "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {"since": "5.24"}),
-    "flint-padded": ("flint", "padded", 40, {"since": "5.24"}),
-    "flint-packed-lora": ("flint", "packed", 45, {"since": "5.24", "lora": True}),
-    "kolibri1-plain": ("kolibri1", "plain", 45, {"since": "5.24"}),
-    "dory-packed": ("dory", "packed", 40, {"since": "5.24"}),
-    "dory-padded-checkpointing": ("dory", "padded", 45, {"since": "5.24", "checkpointing": True}),
+    "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
+    "flint-padded": ("flint", "padded", 40, {}),
+    "flint-packed-lora": ("flint", "packed", 45, {"lora": True}),
+    "kolibri1-plain": ("kolibri1", "plain", 45, {}),
+    "dory-packed": ("dory", "packed", 40, {}),
+    "dory-padded-checkpointing": ("dory", "padded", 45, {"checkpointing": True}),
     # Mamba2 alone: no attention layer, its convolution and scan over the ranks (its causal LM drops the batch's
     # keywords: no padding, packing)
     "mamba2-plain": ("mamba2", "plain", 40, {}),
@@ -198,8 +199,8 @@ CASES = {
     "phimoe-packed": ("phimoe", "packed", 40, {"eval": True}),
     "phimoe-longrope-padded-lora": ("phimoe", "padded", 45, {"eval": True, "config": PHIMOE_LONGROPE, "lora": True}),
     "gpt_bigcode-padded": ("gpt_bigcode", "padded", 45, {}),
-    "gptj-packed": ("gptj", "packed", 40, {"since": "5.24"}),
-    "codegen-padded": ("codegen", "padded", 40, {"since": "5.24"}),
+    "gptj-packed": ("gptj", "packed", 40, {}),
+    "codegen-padded": ("codegen", "padded", 40, {}),
     # Llama 4: chunked attention (chunks counted from each row's / document's first token), temperature tuning by
     # the index in the whole row
     "llama4_text-plain": ("llama4_text", "plain", 45, {}),
@@ -498,7 +499,7 @@ def test_hf_integration_distributed(world_size):
     import hf_ring
 
     names = [n for n in CASES if world_size > 1 or not {"layout", "ulysses"} & CASES[n][3].keys()]
-    names = [n for n in names if transformers_at_least(CASES[n][3].get("since"))]
+    names = [n for n in names if transformers_at_least(CASES[n][3].get("since")) and in_transformers(CASES[n][0])]
     results = run_distributed(worker, world_size, names, timeout=300)
 
     # shard_batch: the ranks' shards reassemble into the full shifted labels / positions; global counts agree
