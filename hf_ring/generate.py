@@ -35,7 +35,7 @@ Once per forward a pre-flight check (one small all-gather) makes every rank rais
 different prompts or different new tokens (e.g. sampling with different seeds), instead of hanging or diverging.
 
 Refused with an error naming the option: beam search (``num_beams > 1``), assisted / speculative decoding
-(``assistant_model``, ``prompt_lookup_num_tokens``), another cache (``past_key_values``, ``cache_implementation``),
+(``assistant_model``, ``prompt_lookup_num_tokens``), another cache (``past_key_values`` or ``cache``, ``cache_implementation``),
 ``use_cache=False``. Sampling works when every rank seeds its generator alike (the same as for training).
 """
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,8 @@ _REFUSED = {
     "assistant_model": (lambda v: v is not None, "assisted decoding (assistant_model)"),
     "prompt_lookup_num_tokens": (lambda v: v is not None, "prompt-lookup decoding (prompt_lookup_num_tokens)"),
     "past_key_values": (lambda v: v is not None, "a cache of your own (past_key_values)"),
+    "cache": (lambda v: v is not None, "a cache of your own (cache)"),
+    "cache_params": (lambda v: v is not None, "a cache of your own (cache_params)"),
     "cache_implementation": (lambda v: v is not None, "cache_implementation (static and other caches)"),
     "use_cache": (lambda v: v is False, "use_cache=False (decoding needs the sharded cache)"),
 }
@@ -238,7 +241,9 @@ def ring_generate(model, inputs, **generate_kwargs):
         target.register_forward_hook(_After(state), with_kwargs=True),
     ]
     try:
-        return model.generate(**inputs, **generate_kwargs, past_key_values=cache)
+        # Transformers 5.24 names the cache ``cache`` (its models' forward takes it; ``past_key_values`` warns)
+        name = "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
+        return model.generate(**inputs, **generate_kwargs, **{name: cache})
     finally:
         for h in hooks + state.hooks:
             h.remove()

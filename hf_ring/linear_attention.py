@@ -1,5 +1,5 @@
 """Recurrent sequence mixers (Gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba2: Granite 4.0-H, Bamba, Nemotron-H,
-Falcon-H1) over a sequence sharded across a CP group, exactly.
+Falcon-H1; Mamba: Mamba, Falcon-Mamba, Jamba) over a sequence sharded across a CP group, exactly.
 
 A Gated DeltaNet layer runs a short causal convolution over its projected inputs, then the gated delta rule, a
 recurrence over the sequence with a ``[d_k, d_v]`` state per value head::
@@ -29,8 +29,10 @@ differentiable (``hf_ring.comm.StateGather``): the backward sums what every rank
 
 Mamba2 (``mamba2_scan``) is the same with a scalar decay per head: a chunk's transition is one number per head,
 so the kernel runs as it is (from a zero state, returning its final state) and the correction needs only the
-cumulative decays and ``C_t``. Both recurrences run through one driver (``_scan``), each described by a small
-class (``_DeltaRule``, ``_Mamba2``): its kernel call, its carry ``[F | P]``, how a carry composes and how a
+cumulative decays and ``C_t``. Mamba (``mamba_scan``) decays each state entry on its own (``exp(dt A)`` with ``A``
+per channel and state entry): its carry is the zero-state final state and the chunk's summed step sizes per
+channel. The recurrences run through one driver (``_scan``), each described by a small class (``_DeltaRule``,
+``_Mamba2``, ``_Mamba``): its kernel call, its carry ``[F | P]``, how a carry composes and how a
 starting state corrects the outputs.
 
 Packed documents (``documents=``): each rank cuts its chunks where the document changes; the state and the
@@ -50,7 +52,7 @@ import torch
 from . import layout as _layout
 from .comm import StateGather
 
-__all__ = ["Chunks", "chunks", "causal_conv1d", "gated_delta_rule", "mamba2_scan"]
+__all__ = ["Chunks", "chunks", "causal_conv1d", "gated_delta_rule", "mamba2_scan", "mamba_scan"]
 
 
 class Chunks:
@@ -389,6 +391,60 @@ def mamba2_scan(
                  documents, torch.float32, memory)  # fmt: skip
 
 
+def mamba_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    kernel: Callable,
+    D: torch.Tensor | None,
+    plan: Chunks,
+    gather: StateGather | None,
+    documents: torch.Tensor | None = None,
+    memory: dict | None = None,
+    step_kernel: Callable | None = None,
+) -> torch.Tensor:
+    """Mamba's (Mamba1's) selective state-space scan over the whole sequence, on this rank's tokens::
+
+        h_t = exp(dt_t A) * h_{t-1} + dt_t x_t B_t^T,        y_t = h_t C_t + D x_t
+
+    with a ``[channels, d_state]`` state, decayed element by element (``A``: ``[channels, d_state]``). A chunk that
+    starts from ``X`` ends in ``exp(A S) * X + F`` (``S``: its step sizes summed per channel) and outputs
+    ``y_t(0) + (exp(A s_t) * X) C_t`` (``s_t``: the sum up to ``t``): every rank runs its chunks once from a zero
+    state, all-gathers ``(F, S)`` and corrects (over blocks of tokens, ``_DecayedReadout``).
+
+    Args:
+        x: [batch, local_seq, channels] (the convolution's output); dt: [batch, local_seq, channels], the step sizes
+            after the model's bias and softplus; A: [channels, d_state], negative; B, C: [batch, local_seq, d_state];
+            D: [channels] or None. Token-major (Transformers' kernels take channels first; this transposes).
+        kernel: the model's scan, ``kernel(x, dt, A, B, C, D=None, z=None) -> y`` with ``x``, ``dt``, ``y``: [batch,
+            channels, seq], ``B``, ``C``: [batch, d_state, seq] (Transformers' ``mamba_selective_scan`` or
+            mamba-ssm's ``selective_scan_fn`` it dispatches to), given the processed ``dt`` (no bias, no softplus).
+        plan, gather, documents, memory: as for ``mamba2_scan`` (states ``[batch, channels, d_state]``).
+        step_kernel: the model's one-token update (``mamba_selective_state_update``: the state updated in place),
+            for decode steps, token by token as the model's own decoding runs them.
+
+    Returns:
+        [batch, local_seq, channels] fp32 (the model gates it and rounds).
+    """
+    skip = 0.0 if D is None else x.float() * D.float()
+    if memory is not None and "state" in memory:  # decode steps: token by token from the state (updated in place)
+        ys = [step_kernel(memory["state"], x[:, t].float(), dt[:, t].float(), A.float(), B[:, t].float(),
+                          C[:, t].float(), D=None, dt_softplus=False) for t in range(x.shape[1])]  # fmt: skip
+        return torch.stack(ys, dim=1).float() + skip
+    scan = _Mamba(kernel, A.float())
+    inputs = [t.float() for t in (x, dt, B, C)]
+    if documents is None and plan.world_size == 1:  # the kernel as the model calls it (fp32, also under autocast)
+        with torch.autocast(x.device.type, enabled=False):
+            y, carry = scan.run(inputs)
+        if memory is not None:
+            memory["state"] = scan.kernel_state(carry[..., : A.numel()]).detach()
+        return y + skip
+    return _scan(scan, inputs, plan, gather, documents, torch.float32, memory) + skip
+
+
 class _DeltaRule:
     """The gated delta rule as ``_scan`` drives it: inputs ``(q, k, v widened, g, beta)``; the carry of a piece is
     ``[F | P]`` (``[heads, d_k, d_v + d_k]``: the zero-state final state beside the product of the transitions,
@@ -467,6 +523,106 @@ class _Mamba2:
         return out + decay[..., None] * torch.einsum("blhs,bhps->blhp", C, state)
 
 
+class _Mamba:
+    """Mamba's (Mamba1's) scan as ``_scan`` drives it: inputs ``(x, dt, B, C)``; the carry of a piece is ``[F | S |
+    k]`` (``[channels * d_state + channels + 1]``: the zero-state final state, flattened; the step sizes summed per
+    channel, whose ``exp(A S)`` is the piece's transition; 1, or 0 once ``cut``: no transition).
+
+    The final state is read from the kernel's outputs, not its returned state (mamba-ssm's backward drops the
+    returned state's gradient): ``d_state`` tokens appended with ``dt = 0`` (no decay, no input) and ``C`` the unit
+    vectors output ``F`` itself, through the kernel's own backward."""
+
+    def __init__(self, kernel: Callable, A: torch.Tensor):
+        self.kernel, self.A = kernel, A
+
+    def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        x, dt, B, C = inputs
+        n, length, d_state = x.shape[0], x.shape[1], self.A.shape[1]
+        eye = torch.eye(d_state, dtype=C.dtype, device=C.device).expand(n, d_state, d_state)
+        x, dt, B = (torch.cat([t, t.new_zeros(n, d_state, t.shape[-1])], dim=1) for t in (x, dt, B))
+        C = torch.cat([C, eye], dim=1)
+        y = self.kernel(x.transpose(1, 2), dt.transpose(1, 2), self.A, B.transpose(1, 2), C.transpose(1, 2), D=None,
+                        z=None)  # fmt: skip
+        y = y.transpose(1, 2).float()  # [n, length + d_state, channels]
+        total = dt.sum(dim=1)  # [n, channels]; zero-padded ends (dt = 0) leave it as it is
+        final = y[:, length:].transpose(1, 2)  # [n, channels, d_state]
+        carry = torch.cat([final.flatten(-2), total, torch.ones_like(total[..., :1])], dim=-1)
+        return y[:, :length], carry
+
+    def _parts(self, carry: torch.Tensor) -> tuple:
+        n = self.A.numel()
+        return carry[..., :n], carry[..., n:-1], carry[..., -1:]
+
+    def cut(self, carry: torch.Tensor) -> torch.Tensor:
+        state, total, through = self._parts(carry)
+        return torch.cat([state, torch.zeros_like(total), torch.zeros_like(through)], dim=-1)
+
+    def empty(self, carry: torch.Tensor) -> torch.Tensor:
+        return carry.new_zeros(*carry.shape[:-1], self.A.numel())
+
+    def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        final, total, through = self._parts(carry)
+        return (total[..., None] * self.A).exp().flatten(-2) * through * state + final
+
+    def kernel_state(self, state: torch.Tensor) -> torch.Tensor:
+        """A composed state as the kernel takes it: ``[batch, channels, d_state]``."""
+        return state.unflatten(-1, tuple(self.A.shape))
+
+    def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
+        if state is None:
+            return out
+        _, dt, _, C = inputs
+        return out + _DecayedReadout.apply(C, torch.cumsum(dt, dim=1), self.A, self.kernel_state(state))
+
+
+READOUT_BLOCK = 1 << 24
+"""How many ``[tokens, channels, d_state]`` fp32 values ``_DecayedReadout`` makes at a time (64 MiB: 128 tokens of
+a row at 8192 channels x 16 states)."""
+
+
+class _DecayedReadout(torch.autograd.Function):
+    """``out[n, t, c] = sum_s C[n, t, s] exp(A[c, s] T[n, t, c]) X[n, c, s]``: what a starting state ``X`` adds to a
+    Mamba piece's outputs (``T``: the step sizes summed up to ``t``). Computed over blocks of tokens, forward and
+    backward (recomputed there), so no ``[tokens, channels, d_state]`` tensor is held, as an einsum would for its
+    backward (512 KiB per token at 8192 channels x 16 states)."""
+
+    @staticmethod
+    def forward(ctx, C, T, A, X):
+        ctx.save_for_backward(C, T, A, X)
+        out = T.new_empty(T.shape)
+        for lo, hi in _blocks(T, A.shape[1]):
+            out[:, lo:hi] = (_decays(T[:, lo:hi], A) * X[:, None] * C[:, lo:hi, None, :]).sum(-1)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        C, T, A, X = ctx.saved_tensors
+        dC, dT = torch.empty_like(C), torch.empty_like(T)
+        dA, dX = torch.zeros_like(A), torch.zeros_like(X)
+        for lo, hi in _blocks(T, A.shape[1]):
+            g = grad[:, lo:hi, :, None]  # [n, blk, c, 1]
+            gE = g * _decays(T[:, lo:hi], A)  # [n, blk, c, s]
+            dC[:, lo:hi] = (gE * X[:, None]).sum(2)
+            gEC = gE * C[:, lo:hi, None, :]
+            dX += gEC.sum(1)
+            part = gEC * X[:, None]  # d out / d exponent
+            dT[:, lo:hi] = (part * A).sum(-1)
+            dA += (part * T[:, lo:hi, :, None]).sum((0, 1))
+        return dC, dT, dA, dX
+
+
+def _decays(T: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """``exp(A[c, s] T[n, t, c])``: [n, t, c, s]."""
+    return (T[..., None] * A).exp()
+
+
+def _blocks(T: torch.Tensor, d_state: int) -> list:
+    """Token ranges of ``T`` ([n, tokens, channels]) of about ``READOUT_BLOCK`` values with their states."""
+    n, length, c = T.shape
+    step = max(1, READOUT_BLOCK // max(1, n * c * d_state))
+    return [(lo, min(lo + step, length)) for lo in range(0, length, step)]
+
+
 def _widened(value: torch.Tensor, dk: int) -> torch.Tensor:
     """The values in fp32 with ``dk`` zero columns after their own: the identity's columns of the starting state
     (``_identity_start``) then carry P_t."""
@@ -503,7 +659,7 @@ def _last(scan, every: torch.Tensor, plan: Chunks) -> torch.Tensor:
 
 
 def _scan(scan, inputs: list, plan: Chunks, gather, documents, dtype, memory: dict | None = None) -> torch.Tensor:
-    """A recurrence affine in its starting state (``scan``: ``_DeltaRule``, ``_Mamba2``) over the CP group, on this
+    """A recurrence affine in its starting state (``scan``: ``_DeltaRule``, ``_Mamba2``, ``_Mamba``) over the CP group, on this
     rank's tokens (``inputs``: fp32 [batch, local_seq, ...]), in ``dtype``.
 
     Without documents: this rank's runs in one kernel call (stacked on the batch) from a zero state; every chunk's

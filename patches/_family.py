@@ -360,6 +360,9 @@ class FamilyPatch:
     # the family's linear-attention, Mamba2 or short-convolution class (hybrid models: ``generic.LINEAR``), whose
     # modules' forward ``patches.linear`` replaces while the model is patched; None: attention layers only
     linear_class: str | None = None
+    # the family's decoder layers call their linear-attention modules without the batch's keywords: each layer lends
+    # them its own (``patches.linear.Lent``; Jamba)
+    lend_mixer_kwargs: bool = False
     # why ``ring_generate`` refuses the family (its model manages its KV cache in a way the sharded cache does not
     # follow), or None
     no_generate: str | None = None
@@ -432,7 +435,7 @@ class FamilyPatch:
         _temperature.remove(model)
         _temperature.install(modules)
         linear.remove(model)
-        linear.install(mixers, cfg)
+        linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)
         text_only = TextOnly(self.name, self.media, self.images, cfg.group) if self.media else None
         _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
         setattr(model, ORIGINAL_ATTR, original)

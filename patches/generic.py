@@ -40,7 +40,8 @@ from __future__ import annotations
 from ._family import FamilyPatch, LogitTransform, check_layer_types
 
 __all__ = [
-    "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE", "PATCHES", "check",
+    "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
+    "PATCHES", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_llama4",
     "check_without_windows",
 ]  # fmt: skip
@@ -68,6 +69,7 @@ FAMILIES = {
     "exaone4": "transformers.models.exaone4.modeling_exaone4.Exaone4Attention",
     "exaone_moe": "transformers.models.exaone_moe.modeling_exaone_moe.ExaoneMoeAttention",
     "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Attention",
+    "falcon_mamba": None,  # no attention: its Mamba mixers only (``LINEAR``)
     "flex_olmo": "transformers.models.flex_olmo.modeling_flex_olmo.FlexOlmoAttention",
     "flint": "transformers.models.flint.modeling_flint.FlintAttention",
     "gemma": "transformers.models.gemma.modeling_gemma.GemmaAttention",
@@ -95,6 +97,7 @@ FAMILIES = {
     "hy_v3": "transformers.models.hy_v3.modeling_hy_v3.HYV3Attention",
     "hyperclovax": "transformers.models.hyperclovax.modeling_hyperclovax.HyperCLOVAXAttention",
     "jais2": "transformers.models.jais2.modeling_jais2.Jais2Attention",
+    "jamba": "transformers.models.jamba.modeling_jamba.JambaAttention",
     "jetmoe": "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearAttention",
     "kolibri1": "transformers.models.kolibri1.modeling_kolibri1.Kolibri1Attention",
@@ -103,6 +106,7 @@ FAMILIES = {
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeAttention",
     "llama4_text": "transformers.models.llama4.modeling_llama4.Llama4TextAttention",
     "longcat_flash": "transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
+    "mamba": None,  # no attention: its Mamba mixers only (``LINEAR``)
     "mamba2": None,  # no attention: its Mamba2 mixers only (``LINEAR``)
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
     "mimo_v2_flash": "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashAttention",
@@ -238,10 +242,13 @@ def check_llama4(config) -> None:
 LINEAR = {
     "bamba": "transformers.models.bamba.modeling_bamba.BambaMixer",
     "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer",
+    "falcon_mamba": "transformers.models.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer",
     "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+    "jamba": "transformers.models.jamba.modeling_jamba.JambaMambaMixer",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv",
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
+    "mamba": "transformers.models.mamba.modeling_mamba.MambaMixer",
     "mamba2": "transformers.models.mamba2.modeling_mamba2.Mamba2Mixer",
     "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
     "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet",
@@ -250,8 +257,8 @@ LINEAR = {
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer",
 }
-"""Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention), Mamba2 or short-convolution class,
-whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
+"""Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention), Mamba, Mamba2 or short-convolution
+class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
@@ -260,9 +267,14 @@ CHECKS = {
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
-DROPS_LAYER_KWARGS = {"nemotron", "stablelm", "mamba2"}  # (Mamba2's causal LM does not pass them to its backbone)
+DROPS_LAYER_KWARGS = {"nemotron", "stablelm", "mamba", "mamba2", "falcon_mamba"}  # (the Mamba models' backbones
+# call their blocks without them)
 """Families whose decoder layers do not pass the model's keyword arguments on to the attention: padded or packed
 batches raise at the first layer (their document ids never arrive), and ``hf_ring.ring_generate`` refuses them."""
+
+LENDS_MIXER_KWARGS = {"jamba"}
+"""Hybrid families whose decoder layers call their mixer with the mask but without the batch's keywords: each layer
+lends the mixer those of its own call (``hf_ring.patches.linear.Lent``)."""
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
@@ -300,6 +312,7 @@ PATCHES = {
         layer_kwargs=model_type not in DROPS_LAYER_KWARGS,
         linear_class=LINEAR.get(model_type),
         no_generate=NO_GENERATE.get(model_type),
+        lend_mixer_kwargs=model_type in LENDS_MIXER_KWARGS,
     )
     for model_type, path in FAMILIES.items()
 }

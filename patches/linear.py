@@ -30,18 +30,44 @@ import torch.nn.functional as F
 
 from .. import guard, preflight
 from ..comm import RingComm, StateGather, group_rank_and_size
-from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_group
+from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, POSITIONS_KWARG, SHARD_INFO_KWARG, RingConfig, lost_group
 from ..hf_attention import _documents as documents
 from ..hf_attention import _dropped_documents_error as dropped_documents_error
 from ..hf_attention import _sharding_error as sharding_error
 from ..layout import LAYOUTS, documents_from_cu_seqlens, positions, several_documents
-from ..linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan
+from ..linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan, mamba_scan
 
 __all__ = ["FIELDS", "ShardedMixer", "check", "install", "remove"]
 
 FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kernel", "documents",
           *(f"unused_{i}" for i in range(8)))  # fmt: skip
 """What ranks must agree on (as many fields as the ring's pre-flight, whose exchange this joins)."""
+
+
+class Lent:
+    """A decoder layer's ``attention_mask`` argument with the batch's keywords of the layer's call beside it, for a
+    layer that calls its mixer with the mask but without those keywords (Jamba's): a forward pre-hook of the layer
+    (``LendKeywords``) replaces the argument, the mixer unpacks it. It travels in the layer's own arguments, so a
+    checkpointed layer's recomputation (whether Transformers runs module hooks inside the checkpoint or outside)
+    passes the mixer the same again."""
+
+    def __init__(self, mask, kwargs: dict):
+        self.mask, self.kwargs = mask, kwargs
+
+
+LENT = (DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, POSITIONS_KWARG, "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+        "seq_idx")  # fmt: skip
+"""The keywords a mixer reads (documents, padding, packing, the shard, positions for a batch sharded by hand)."""
+
+
+class LendKeywords:
+    """Forward pre-hook (with keywords) of a decoder layer that calls its mixer without the batch's keywords."""
+
+    def __call__(self, layer, args, kwargs):
+        if "attention_mask" not in kwargs or isinstance(kwargs["attention_mask"], Lent):
+            return None  # (a mask given by position: nothing lent, and the mixer refuses a batch it cannot see)
+        lent = {k: kwargs[k] for k in LENT if k in kwargs}  # (shard_batch's document ids, None too)
+        return args, {**kwargs, "attention_mask": Lent(kwargs["attention_mask"], lent)}
 
 
 class ShardedMixer:
@@ -54,6 +80,7 @@ class ShardedMixer:
         self.cfg = cfg
         self.compute = _computation(module)
         self.kernels = _kernels(module)
+        self.handles: tuple = ()  # the hook of the decoder layer that lends the module its keywords (``Lent``)
 
     def __call__(
         self, hidden_states, cache_params=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
@@ -63,6 +90,8 @@ class ShardedMixer:
             raise ValueError(LOST_GROUP)
         rank, world_size = group_rank_and_size(cfg.group)
         batch, local_len, _ = hidden_states.shape
+        if isinstance(attention_mask, Lent):  # the batch's keywords its decoder layer was given (``Lent``)
+            attention_mask, kwargs = attention_mask.mask, {**attention_mask.kwargs, **kwargs}
         cache = next((c for c in (cache_params, past_key_values, cache) if c is not None), None)
         memory = _memory(cache, m.layer_idx)
         if memory:  # a decode step of ring_generate: the same new tokens on every rank, after the prefill's state
@@ -250,8 +279,10 @@ def _masked(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 
 def _computation(module):
-    """What ``module`` computes, sharded: a Mamba2 mixer, Kimi Delta Attention, an LFM2 short convolution or a Gated
+    """What ``module`` computes, sharded: a Mamba or Mamba2 mixer, Kimi Delta Attention, an LFM2 short convolution or a Gated
     DeltaNet."""
+    if hasattr(module, "x_proj") and hasattr(module, "dt_proj"):
+        return _mamba
     if hasattr(module, "D") and hasattr(module, "A_log"):
         return _mamba2
     if hasattr(module, "forget_gate"):
@@ -362,6 +393,32 @@ def _mamba2(m, kernels, hidden_states, plan, gather, documents, keep, memory):
     return m.out_proj(y.to(dtype))
 
 
+def _mamba(m, kernels, hidden_states, plan, gather, documents, keep, memory):
+    """Transformers' Mamba mixer without a cache (Mamba, Falcon-Mamba, Jamba): its convolution and scan over the CP
+    group (the unfused path; Falcon-Mamba's and Jamba's norms of the step sizes, B and C)."""
+    dtype = hidden_states.dtype
+    x, gate = m.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)
+    weight = m.conv1d.weight.squeeze(1)
+
+    def conv(t):
+        return kernels.causal_conv1d_fn(t, weight, m.conv1d.bias, activation=m.activation)
+
+    x = _masked(causal_conv1d(x, conv, m.conv_kernel_size, plan, gather, documents, memory).transpose(1, 2), keep)
+    step, B, C = torch.split(m.x_proj(x), [m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
+    if hasattr(m, "b_layernorm"):
+        step, B, C = m.dt_layernorm(step), m.b_layernorm(B), m.c_layernorm(C)
+    if hasattr(m, "dt_layernorm") and hasattr(m.config, "_is_quantized"):  # (as their mixers do for a quantized one)
+        dt = m.dt_proj(step) - m.dt_proj.bias
+    else:
+        dt = (m.dt_proj.weight @ step.transpose(1, 2)).transpose(1, 2)  # (its weight alone, as the mixer takes it)
+    dt = F.softplus(dt.float() + (0.0 if m.dt_proj.bias is None else m.dt_proj.bias.float()))
+    y = mamba_scan(
+        x, dt, -m.A_log.float().exp(), B, C, kernel=kernels.mamba_selective_scan, D=m.D, plan=plan, gather=gather,
+        documents=documents, memory=memory, step_kernel=getattr(kernels, "mamba_selective_state_update", None),
+    )  # fmt: skip
+    return m.out_proj((y * F.silu(gate.transpose(1, 2))).to(dtype))
+
+
 def check(modules: list) -> None:
     """ValueError for modules whose ``forward`` cannot be replaced (before anything is patched)."""
     hooked = [type(m).__name__ for m in modules if any(hasattr(c, "_hf_hook") for c in m.modules())]
@@ -372,12 +429,22 @@ def check(modules: list) -> None:
         )
 
 
-def install(modules: list, cfg: RingConfig) -> None:
+def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: bool = False) -> None:
+    """Replace each module's forward; ``lend``: the decoder layer holding each lends it the batch's keywords of its
+    call (``Lent``; Jamba's layers call their mixer without them)."""
+    parents = {id(c): p for p in model.modules() for c in p.children()}
     for m in modules:
-        m.forward = ShardedMixer(m, cfg)
+        sharded = ShardedMixer(m, cfg)
+        m.forward = sharded
+        layer = parents.get(id(m))
+        if lend and layer is not None:
+            sharded.handles = (layer.register_forward_pre_hook(LendKeywords(), with_kwargs=True),)
 
 
 def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
-        if isinstance(m.__dict__.get("forward"), ShardedMixer):
+        sharded = m.__dict__.get("forward")
+        if isinstance(sharded, ShardedMixer):
+            for handle in sharded.handles:
+                handle.remove()
             del m.forward

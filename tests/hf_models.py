@@ -126,6 +126,13 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "dory": ("DoryConfig", "DoryForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "n_input_layers": 1, "n_output_layers": 1, "n_recurrent_loops": 2, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2}),
     # Mamba2 alone (no attention layer): its convolution and scan over the ranks
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", {"num_heads": 8, "head_dim": 16, "expand": 2, "state_size": 8, "n_groups": 2, "chunk_size": 8, "conv_kernel": 4}),
+    # Mamba (Mamba1: a decay per channel and state entry) alone, and Falcon-Mamba's (weightless) norms of its step
+    # sizes, B and C; Jamba: Mamba layers with norms beside attention without RoPE, experts
+    "mamba": ("MambaConfig", "MambaForCausalLM", {"state_size": 8, "expand": 2, "conv_kernel": 4, "time_step_rank": 8}),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", {"state_size": 8, "expand": 2, "conv_kernel": 4, "time_step_rank": 8}),
+    "jamba": ("JambaConfig", "JambaForCausalLM", {"mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
+              "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0,
+              "num_experts": 4, "num_experts_per_tok": 2}),
     # Phi-3.5-MoE: its router samples experts in training mode (tested in eval mode: top-2 routing)
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # older code models: multi-query attention with learned positions (StarCoder 1 / SantaCoder), rotary on part of
@@ -534,12 +541,19 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
 def prepare(family, opts, dtype=None, images: bool = False):
     dtype = dtype or opts.get("dtype", torch.float32)
     model = make_model(family, dtype=dtype, images=images, **opts.get("config", {}))
+    if opts.get("random_biases"):  # (zero at initialisation: padding would change nothing a mixer computes)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias") and p.dim() == 1 and "norm" not in name:
+                    p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
     if opts.get("lora"):
         from peft import LoraConfig, get_peft_model
 
-        # init_lora_weights=False: random B as well as A, so that every LoRA gradient is non-zero
-        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
+        # init_lora_weights=False: random B as well as A, so that every LoRA gradient is non-zero; the attention's
+        # projections, or the modules a case names
+        targets = opts["lora"] if isinstance(opts["lora"], list) else ["q_proj", "k_proj", "v_proj", "o_proj"]
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=targets)
         model = get_peft_model(model, lora)
     if opts.get("checkpointing"):  # reentrant with LoRA (the usual PEFT setup), Transformers' default otherwise
         kwargs = {"use_reentrant": True} if opts.get("lora") else None

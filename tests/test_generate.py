@@ -69,6 +69,7 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     "nemotron_h": ("nemotron_h", 1, 13, 0, "zigzag"),
     "falcon_h1": ("falcon_h1", 2, 15, 1, "zigzag"),  # attention and Mamba2 in every layer
     "zamba2": ("zamba2", 2, 13, 2, "zigzag"),  # an attention block shared by several layers
+    "jamba": ("jamba", 2, 14, 3, "zigzag"),  # Mamba (a decay per channel and state entry), attention without RoPE
     "lfm2": ("lfm2", 2, 13, 4, "zigzag"),  # short convolutions only
     "qwen3_5-vision-language": ("qwen3_5", 1, 13, 0, "zigzag"),
 }
@@ -363,12 +364,12 @@ def test_hybrids_generate_from_the_prompts_recurrent_states(two_ranks):
     _check_hybrids([r["hybrids"] for r in two_ranks], HYBRIDS)
 
 
-FORGETTING = {"qwen3_5_text": HYBRIDS["qwen3_5_text"], "bamba": HYBRIDS["bamba"]}
+FORGETTING = {name: HYBRIDS[name] for name in ("qwen3_5_text", "bamba", "jamba")}
 
 
 def test_a_lost_state_shows(two_ranks):
     """The negative control: the states zeroed after the prefill move the logits far beyond the tolerance (measured
-    9e-2 for the Gated DeltaNet, 5.5e-2 for Mamba2, with the slow decays and random biases)."""
+    9e-2 for the Gated DeltaNet, 5.5e-2 for Mamba2, 0.29 for Mamba in Jamba, with the slow decays and random biases)."""
     for r in two_ranks:
         for name, got in r["forgetting"].items():
             assert not isinstance(got, str), (name, got)
@@ -382,6 +383,7 @@ def _four_ranks(rank, world):
 FOUR_RANKS = {  # 8 zig-zag chunks of 4 tokens (at least the convolution's 3 inputs before each)
     "qwen3_5_text": ("qwen3_5_text", 2, 29, 3, "zigzag"),
     "bamba-contiguous": ("bamba", 1, 30, 0, "contiguous"),
+    "jamba": ("jamba", 2, 28, 1, "zigzag"),
     "falcon_h1": ("falcon_h1", 2, 27, 2, "zigzag"),
     # prompts shorter than 8 chunks of 3: left-padded further (LFM2: its projection bias zeroed there)
     "lfm2-short": ("lfm2", 2, 7, 2, "zigzag"),
@@ -430,6 +432,7 @@ def test_one_process_without_a_group():
     "family, module, kernel",
     [
         ("bamba", "transformers.models.bamba.modeling_bamba", "mamba2_selective_state_update"),
+        ("jamba", "transformers.models.jamba.modeling_jamba", "mamba_selective_state_update"),
         ("qwen3_5_text", "transformers.models.qwen3_5.modeling_qwen3_5", "torch_recurrent_gated_delta_rule"),
     ],
 )
@@ -456,7 +459,7 @@ def test_hybrid_decode_steps_run_the_models_one_token_kernels(monkeypatch, famil
     assert len(calls) == layers * (NEW - 1), (len(calls), layers)  # the first new token comes from the prefill
 
 
-@pytest.mark.parametrize("family", ["nemotron", "stablelm", "mamba2", "dory"])
+@pytest.mark.parametrize("family", ["nemotron", "stablelm", "mamba2", "mamba", "falcon_mamba", "dory"])
 def test_families_whose_layers_drop_the_cache_are_refused(family):
     """Nemotron's and StableLM's layers drop the cache (Mamba2's causal LM all the batch's keywords); Dory's loops copy
     it (a second rank crashed in a trial)."""

@@ -11,7 +11,7 @@ import inspect
 import pytest
 import torch
 from hf_ring.patches import REGISTRY, get_patch
-from hf_ring.patches.linear import ShardedMixer
+from hf_ring.patches.linear import LendKeywords, ShardedMixer
 
 import hf_ring
 from hf_ring import hf_attention
@@ -73,8 +73,8 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
         assert mod.PATCH is patch
         assert callable(getattr(mod, f"apply_ring_attention_to_{patch.name}"))
         assert callable(getattr(mod, f"revert_ring_attention_from_{patch.name}"))
-    classes = [p.attention_class for p in REGISTRY.values() if not p.media]
-    assert len(set(classes)) == len(classes)  # no attention class claimed by two text families
+    classes = [p.attention_class or p.linear_class for p in REGISTRY.values() if not p.media]
+    assert len(set(classes)) == len(classes)  # no attention (or, without attention, mixer) class claimed twice
 
 
 def test_generic_patch_refuses_what_it_does_not_implement():
@@ -112,6 +112,8 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert len(modules) + len(linear) == len(mixing) + types.count("hybrid")  # (Falcon-H1: attention and Mamba2)
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
     assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
+    if family == "jamba":  # its layers call their mixer without the batch's keywords: they lend theirs
+        assert linear and all(_lends(model, m) for m in linear)
     ring = _logits(model, input_ids=ids)
     torch.testing.assert_close(ring, before, atol=ATOL, rtol=0)
 
@@ -119,6 +121,7 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert all(c._attn_implementation == original for c in _sub_configs(model.config))
     assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in modules)
     assert not any("forward" in m.__dict__ for m in linear)
+    assert not any(_lends(model, m) for m in linear)
     assert torch.equal(_logits(model, input_ids=ids), before)  # bit-identical
 
     if family not in DEDICATED:
@@ -129,6 +132,12 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert model.config._attn_implementation == "hf_ring"
     getattr(mod, f"revert_ring_attention_from_{family}")(model)
     assert torch.equal(_logits(model, input_ids=ids), before)
+
+
+def _lends(model, mixer) -> bool:
+    """The decoder layer holding ``mixer`` has the hook that lends it the layer's keywords (``patches.linear``)."""
+    layer = next(p for p in model.modules() if any(c is mixer for c in p.children()))
+    return any(isinstance(h, LendKeywords) for h in layer._forward_pre_hooks.values())
 
 
 def _sub_configs(config) -> list:

@@ -195,6 +195,27 @@ CASES = {
     "mamba2-plain": ("mamba2", "plain", 40, {}),
     # (non-reentrant checkpointing, Transformers' default: its recomputation stops early inside a mixer's exchanges)
     "mamba2-plain-checkpointing-contiguous": ("mamba2", "plain", 40, {"checkpointing": True, "layout": "contiguous"}),
+    # Mamba (Mamba1) alone: a decay per channel and state entry (no padding, packing: its backbone drops the
+    # batch's keywords), Falcon-Mamba's norms of its step sizes, B and C
+    "mamba-plain": ("mamba", "plain", 40, {}),
+    "falcon_mamba-plain-lora-checkpointing": (
+        "falcon_mamba",
+        "plain",
+        40,
+        {"lora": ["in_proj", "x_proj"], "checkpointing": True},
+    ),
+    # Jamba: Mamba layers called without the batch's keywords (their decoder layer lends them, also to a checkpointed
+    # layer's recomputation), attention without RoPE, experts; random biases, so that the padding a mixer did not
+    # see would reach the real tokens (zero at initialisation: it would not); x_proj's LoRA B gradient is the worst
+    # there, 3.6e-6 at one rank already (no exchange), 4.9e-6 at 2 ranks (3.8e-7 for every parameter without LoRA)
+    "jamba-padded-lora-checkpointing": (
+        "jamba",
+        "padded",
+        45,
+        {"lora": ["q_proj", "v_proj", "in_proj", "x_proj"], "checkpointing": True, "random_biases": True},
+    ),
+    "jamba-packed-contiguous": ("jamba", "packed", 40, {"layout": "contiguous"}),
+    "jamba-packed-checkpointing": ("jamba", "packed", 45, {"checkpointing": True}),  # (non-reentrant)
     # Phi-3.5-MoE in eval mode (its training-mode router samples experts), longrope as its checkpoints have it
     "phimoe-packed": ("phimoe", "packed", 40, {"eval": True}),
     "phimoe-longrope-padded-lora": ("phimoe", "padded", 45, {"eval": True, "config": PHIMOE_LONGROPE, "lora": True}),
@@ -378,7 +399,7 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
 
     # families whose decoder layers drop the batch's keywords (the document ids): padding or packing raises,
     # plain batches run (their positions reach the attention as position_ids)
-    for family in ("nemotron", "stablelm", "mamba2"):
+    for family in ("nemotron", "stablelm", "mamba2", "mamba", "falcon_mamba"):
         dropping = hf_ring.apply_ring_attention(make_model(family))
         for kind in ("padded", "packed"):
             shards = hf_ring.shard_batch(make_batch(kind, 40)[0])
@@ -541,11 +562,11 @@ def test_hf_integration_distributed(world_size):
             assert e["deepcopy_shares_config"] and e["deepcopy_loss"] == 0.0
             assert e["pickle_warned"] and "apply_ring_attention(model, group=...) again" in e["pickled_forward"]
             assert e["pickled_reapplied"] == 0.0
-            for family in ("nemotron", "stablelm", "mamba2"):
+            for family in ("nemotron", "stablelm", "mamba2", "mamba", "falcon_mamba"):
                 for kind in ("padded", "packed"):
                     msg = e[f"dropped_{family}_{kind}"]
                     assert "do not pass the batch's keyword arguments" in msg, msg
-                    assert "Attention" in msg or "Mixer" in msg, msg  # (Mamba2: its mixers)
+                    assert "Attention" in msg or "Mixer" in msg, msg  # (Mamba, Mamba2: their mixers)
                 assert e[f"dropped_{family}_plain"]
         # the RoPE cases can fail: some rank's own positions rotate differently (logits apart by far more than
         # fp32 rounding, ~1e-6; measured 1e-3 for dynamic at 2 ranks, where 36 and 45 positions scale alike)

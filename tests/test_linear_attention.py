@@ -1,7 +1,9 @@
-"""Linear-attention layers (Gated DeltaNet, Mamba2) under context parallelism: ``hf_ring.linear_attention`` against
-the unsharded computation (real gloo ranks), and the Transformers integration's refusals, raised on every rank.
+"""Linear-attention layers (Gated DeltaNet, Kimi Delta Attention, Mamba2, Mamba) under context parallelism:
+``hf_ring.linear_attention`` against the unsharded computation (real gloo ranks), and the Transformers
+integration's refusals, raised on every rank.
 
-The kernels are Transformers' own ``torch_chunk_gated_delta_rule`` and ``mamba2_chunk_scan`` (fp32 inside), the
+The kernels are Transformers' own ``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``,
+``mamba2_chunk_scan`` and ``mamba_selective_scan`` (fp32 inside), the
 convolution Transformers' ``causal_conv1d_fn``; the reference runs them on the whole sequence.
 """
 
@@ -13,7 +15,7 @@ import torch
 import hf_ring
 from hf_ring import layout as L
 from hf_ring.comm import StateGather
-from hf_ring.linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan
+from hf_ring.linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan, mamba_scan
 from tests.dist_utils import run_distributed
 from tests.hf_models import (
     RTOL_DECAY,
@@ -135,6 +137,40 @@ def _mamba_layer(x, weight, dt, A, D, shape, plan, gather, documents=None):
     )  # fmt: skip
 
 
+# Mamba (batch, seq, channels, d_state, conv kernel): a decay per channel and state entry
+MAMBA1_SHAPES = [(2, 36, 6, 5, 4), (1, 60, 4, 3, 3)]
+
+
+def _mamba1_inputs(shape):
+    b, n, d, s, kernel = shape
+    g = torch.Generator().manual_seed(sum(shape) + 2)
+    x = torch.randn(b, d, n, generator=g)
+    weight = torch.randn(d, kernel, generator=g) / kernel
+    dt = torch.randn(b, n, d, generator=g)  # before the softplus
+    B, C = torch.randn(b, n, s, generator=g), torch.randn(b, n, s, generator=g)
+    A = -0.5 - torch.rand(d, s, generator=g)
+    D = torch.randn(d, generator=g)
+    upstream = torch.randn(b, n, d, generator=g)
+    return x, weight, dt, B, C, A, D, upstream
+
+
+def _mamba1_layer(x, weight, dt, B, C, A, D, shape, plan, gather, documents=None):
+    """Convolution then Mamba's scan, as Mamba's mixer runs them (``[batch, seq, channels]``), with Transformers'
+    PyTorch scan made to return its last state without a gradient, as mamba-ssm's does on a GPU (a guard: the
+    sharded scan reads the final state from the outputs, and asks for none)."""
+    from transformers.models.mamba.modeling_mamba import causal_conv1d_fn, mamba_selective_scan
+
+    def kernel(*args, **kwargs):
+        out = mamba_selective_scan(*args, **kwargs)
+        return (out[0], out[1].detach()) if kwargs.get("return_last_state") else out
+
+    k_size = shape[-1]
+    y = causal_conv1d(x, lambda t: causal_conv1d_fn(t, weight, None, activation="silu"), k_size, plan, gather,
+                      documents).transpose(1, 2)  # fmt: skip
+    return mamba_scan(y, torch.nn.functional.softplus(dt), A, B, C, kernel=kernel, D=D, plan=plan, gather=gather,
+                      documents=documents)  # fmt: skip
+
+
 # Kimi Delta Attention (same shape tuple as SHAPES, as many key as value heads): a decay per key channel
 KDA_SHAPES = [(2, 36, 2, 2, 8, 12, 4)]
 
@@ -165,6 +201,8 @@ KINDS = {
                    lambda b, n, hk, hv, dk, dv, k: hv * dk * (dv + dk) + (2 * hk * dk + hv * dv) * (k - 1)),
     "mamba2": (_mamba_layer, _mamba_inputs, (1, 3, 4), MAMBA_SHAPES,
                lambda b, n, h, p, g, s, k: h * (p * s + 1) + (h * p + 2 * g * s) * (k - 1)),
+    "mamba": (_mamba1_layer, _mamba1_inputs, (1, 5, 6), MAMBA1_SHAPES,
+              lambda b, n, d, s, k: d * s + d + 1 + d * (k - 1)),
 }  # fmt: skip
 
 
@@ -207,7 +245,7 @@ def _sharded_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_recurrences_match_the_unsharded_sequence(world):
-    """Gated DeltaNet and Mamba2: outputs and the gradients of the inputs, the decays or step sizes, the
+    """Gated DeltaNet, Kimi Delta Attention, Mamba2 and Mamba: outputs and the gradients of the inputs, the decays or step sizes, the
     convolution weight and the parameters, every rank, both layouts with chunks (contiguous: rank 0 needs nothing
     from the others yet joins the backward's collectives); packed documents against each document alone."""
     for rank, results in enumerate(run_distributed(_sharded_worker, world, timeout=300)):
@@ -256,7 +294,7 @@ def test_one_rank_packing_by_cu_seq_lens_keeps_documents_apart():
     assert e["loss"] <= RTOL and e["grad"] <= RTOL and e["decay"] <= RTOL_DECAY, e
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba", "jamba"])
 def test_one_rank_refuses_packing_by_positions_and_a_cache_with_state(family):
     """One rank: packing signalled only by restarting positions (the attention would keep documents apart, the
     linear layers, given no positions, could not) and a decode step on a cache that holds the layers' states raise;
@@ -373,18 +411,33 @@ def _scan_with(kernel=None):
 _scan = _scan_with()
 
 
+def _against_fp32(run, make_inputs, n: int, worlds: tuple, device: str = "cpu", autocast: bool = False):
+    """A scan on bf16 inputs through virtual ranks (under autocast if asked): ``({(world, layout): its error
+    against the fp32 unsharded scan}, the unsharded bf16 scan's error)``, the outputs checked to stay fp32."""
+    whole = chunks(n, rank=0, world_size=1, layout="zigzag")
+    exact = run(make_inputs(torch.float32, device), whole, None)
+    low = make_inputs(torch.bfloat16, device)
+    yardstick = rel(run(low, whole, None), exact)
+    errors = {}
+    for world, layout in worlds:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            ring = _virtual_ranks(run, low, world, layout)
+        assert ring.dtype == torch.float32
+        errors[(world, layout)] = rel(ring, exact)
+    return errors, yardstick
+
+
+CPU_WORLDS = ((2, "zigzag"), (4, "zigzag"), (3, "contiguous"))
+GPU_WORLDS = ((2, "zigzag"), (8, "zigzag"), (4, "contiguous"))
+
+
 def test_mamba2_in_low_precision_under_autocast():
     """bf16 x, B and C, under autocast: the sharded scan's error against the fp32 computation is at most the unsharded
     bf16 scan's (its inputs are taken in fp32 and its output corrected before the model's norm rounds it; measured
     1.000x at 2, 3 and 4 ranks: the inputs' rounding, the same for both, is all of it)."""
-    exact = _scan(_scan_inputs(torch.float32), chunks(144, rank=0, world_size=1, layout="zigzag"), None)
-    low = _scan_inputs(torch.bfloat16)
-    yardstick = rel(_scan(low, chunks(144, rank=0, world_size=1, layout="zigzag"), None), exact)
-    for world, layout in ((2, "zigzag"), (4, "zigzag"), (3, "contiguous")):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ring = _virtual_ranks(_scan, low, world, layout)
-        assert ring.dtype == torch.float32
-        assert rel(ring, exact) <= 1.01 * yardstick, (world, layout, rel(ring, exact), yardstick)
+    errors, yardstick = _against_fp32(_scan, _scan_inputs, 144, CPU_WORLDS, autocast=True)
+    for where, error in errors.items():
+        assert error <= 1.01 * yardstick, (where, error, yardstick)
 
 
 @pytest.mark.gpu
@@ -394,14 +447,98 @@ def test_gpu_mamba_ssm_kernel_through_the_sharded_scan():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     ssd = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined", reason="needs mamba-ssm")
-    run = _scan_with(ssd.mamba_chunk_scan_combined)
-    whole = chunks(144, rank=0, world_size=1, layout="zigzag")
-    exact = run(_scan_inputs(torch.float32, "cuda"), whole, None)
-    low = _scan_inputs(torch.bfloat16, "cuda")
-    yardstick = rel(run(low, whole, None), exact)
-    for world, layout in ((2, "zigzag"), (8, "zigzag"), (4, "contiguous")):
-        ring = _virtual_ranks(run, low, world, layout)
-        assert rel(ring, exact) <= 2 * yardstick + 1e-3, (world, layout, rel(ring, exact), yardstick)
+    errors, yardstick = _against_fp32(_scan_with(ssd.mamba_chunk_scan_combined), _scan_inputs, 144, GPU_WORLDS, "cuda")
+    for where, error in errors.items():
+        assert error <= 2 * yardstick + 1e-3, (where, error, yardstick)
+
+
+def _selective_inputs(dtype, device="cpu", b=2, n=96, d=8, d_state=4):
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(b, n, d, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(b, n, d, generator=g) - 1)
+    B, C = (torch.randn(b, n, d_state, generator=g) for _ in range(2))
+    return [x.to(device, dtype), dt.to(device), B.to(device, dtype), C.to(device, dtype)]
+
+
+def _selective_with(kernel=None):
+    """A Mamba scan (Transformers' PyTorch kernel, or ``kernel``) as ``_virtual_ranks`` runs it."""
+    if kernel is None:
+        from transformers.models.mamba.modeling_mamba import mamba_selective_scan as kernel
+
+    def run(ts, plan, gather):
+        d, d_state, device = ts[0].shape[2], ts[2].shape[2], ts[0].device
+        A = -torch.linspace(0.05, 1.0, d * d_state, device=device).reshape(d, d_state)
+        D = torch.ones(d, device=device)
+        return mamba_scan(*ts[:2], A, *ts[2:], kernel=kernel, D=D, plan=plan, gather=gather)
+
+    return run
+
+
+def test_mamba_in_low_precision_under_autocast():
+    """bf16 x, B and C, under autocast: the sharded Mamba scan's error against the fp32 computation is at most the
+    unsharded bf16 scan's (inputs taken in fp32, states composed and outputs corrected in fp32)."""
+    errors, yardstick = _against_fp32(_selective_with(), _selective_inputs, 96, CPU_WORLDS, autocast=True)
+    for where, error in errors.items():
+        assert error <= 1.01 * yardstick, (where, error, yardstick)
+
+
+def test_mamba_readout_of_a_starting_state_in_blocks(monkeypatch):
+    """What a starting state adds to a Mamba piece's outputs, computed over blocks of tokens forward and backward:
+    against the einsum, and its gradients by finite differences (fp64), in one block and in blocks of 2 tokens."""
+    from hf_ring import linear_attention as la
+
+    g = torch.Generator().manual_seed(3)
+    n, t, c, s = 2, 7, 3, 4
+    C = torch.randn(n, t, s, generator=g, dtype=torch.float64).requires_grad_()
+    T = torch.rand(n, t, c, generator=g, dtype=torch.float64).cumsum(1).requires_grad_()
+    A = (-0.5 - torch.rand(c, s, generator=g, dtype=torch.float64)).requires_grad_()
+    X = torch.randn(n, c, s, generator=g, dtype=torch.float64).requires_grad_()
+    want = torch.einsum("ntcs,nts,ncs->ntc", (T[..., None] * A).exp(), C, X)
+    for block, count in ((la.READOUT_BLOCK, 1), (2 * n * c * s, 4)):
+        monkeypatch.setattr(la, "READOUT_BLOCK", block)
+        assert len(la._blocks(T, s)) == count
+        torch.testing.assert_close(la._DecayedReadout.apply(C, T, A, X), want, rtol=1e-12, atol=1e-12)
+        assert torch.autograd.gradcheck(la._DecayedReadout.apply, (C, T, A, X))
+
+
+def _selective_gradient_errors(run, device: str) -> dict:
+    """fp32 gradients of the inputs through virtual ranks (their chunk states gathered with their graphs, so a
+    chunk's gradient from the chunks after it flows back) against the unsharded scan's: ``(world, layout) -> rel``."""
+    leaves = [t.clone().requires_grad_() for t in _selective_inputs(torch.float32, device)]
+    upstream = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(17)).to(device)
+    (run(leaves, chunks(96, rank=0, world_size=1, layout="zigzag"), None) * upstream).sum().backward()
+    want = [t.grad.clone() for t in leaves]
+    errors = {}
+    for world, layout in ((2, "zigzag"), (4, "zigzag"), (3, "contiguous")):
+        for t in leaves:
+            t.grad = None
+        (_virtual_ranks(run, leaves, world, layout) * upstream).sum().backward()
+        errors[(world, layout)] = max(rel(t.grad, w) for t, w in zip(leaves, want))
+    return errors
+
+
+def test_mamba_gradients_cross_the_virtual_ranks():
+    """Every input's gradient (x, step sizes, B, C) through 2 to 4 virtual ranks equals the unsharded scan's (fp32:
+    rounding only, 1e-5)."""
+    for where, error in _selective_gradient_errors(_selective_with(), "cpu").items():
+        assert error <= 1e-5, (where, error)
+
+
+@pytest.mark.gpu
+def test_gpu_mamba_ssm_selective_scan_through_the_sharded_scan():
+    """mamba-ssm's ``selective_scan_fn`` (what Transformers' Mamba, Falcon-Mamba and Jamba mixers dispatch to on a
+    GPU; its backward drops the gradient of the last state it returns, which the sharded scan does not use):
+    virtual ranks against the same kernel unsharded, bf16 outputs (2x its own error against fp32 plus an epsilon)
+    and fp32 gradients (1e-4: the kernel's own reductions regrouped)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    interface = pytest.importorskip("mamba_ssm.ops.selective_scan_interface", reason="needs mamba-ssm")
+    run = _selective_with(interface.selective_scan_fn)
+    errors, yardstick = _against_fp32(run, _selective_inputs, 96, GPU_WORLDS, "cuda")
+    for where, error in errors.items():
+        assert error <= 2 * yardstick + 1e-3, (where, error, yardstick)
+    for where, error in _selective_gradient_errors(run, "cuda").items():
+        assert error <= 1e-4, (where, error)
 
 
 @pytest.mark.gpu
