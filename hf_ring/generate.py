@@ -70,8 +70,8 @@ _REFUSED = {
 _PREFILL_FIELDS = ("error", "batch", "length", "fingerprint")
 _TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")  # per token in a prompt with images: padded as input_ids
 # what the prefill sets itself (the rest of an image prompt's keywords go to the model with it)
-_PREFILL_OWN = ("position_ids", "cache", "past_key_values", "use_cache", "cache_position", "logits_to_keep",
-                "return_dict", "output_attentions", "output_hidden_states")  # fmt: skip
+_PREFILL_OWN = ("position_ids", "cache", "cache_params", "past_key_values", "use_cache", "cache_position",
+                "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states")  # fmt: skip
 _STEP_FIELDS = ("error", "batch", "new_tokens", "position", "token_fingerprint")
 
 
@@ -237,13 +237,11 @@ def ring_generate(model, inputs, **generate_kwargs):
     _, cache_cls = _cache_classes()
     cache = cache_cls(state, target.config.get_text_config().num_hidden_layers)
     hooks = [
-        target.register_forward_pre_hook(_Before(state, cache), with_kwargs=True, prepend=True),
+        target.register_forward_pre_hook(_Before(state, cache, _cache_name(target)), with_kwargs=True, prepend=True),
         target.register_forward_hook(_After(state), with_kwargs=True),
     ]
     try:
-        # Transformers 5.24 names the cache ``cache`` (its models' forward takes it; ``past_key_values`` warns)
-        name = "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
-        return model.generate(**inputs, **generate_kwargs, **{name: cache})
+        return model.generate(**inputs, **generate_kwargs, **{_cache_name(target): cache})
     finally:
         for h in hooks + state.hooks:
             h.remove()
@@ -278,18 +276,28 @@ def _kv_sources(model) -> dict[int, int]:
     return {m.layer_idx: producers[m.layer_type] for m in shared}
 
 
+_CACHE_NAMES = ("cache", "cache_params", "past_key_values")
+
+
+def _cache_name(target) -> str:
+    """The keyword the model's forward takes its cache by: ``cache`` (Transformers 5.24; ``past_key_values`` warns
+    there), ``cache_params`` (5.17's Mamba models) or ``past_key_values``."""
+    params = inspect.signature(type(target).forward).parameters
+    return next((name for name in _CACHE_NAMES if name in params), "past_key_values")
+
+
 class _Before:
     """Forward pre-hook during ``ring_generate``: checks the call across ranks; shards the prompt (prefill) or
     records the positions of the new tokens (decode)."""
 
-    def __init__(self, state: _State, cache):
-        self.state, self.cache = state, cache
+    def __init__(self, state: _State, cache, name: str):
+        self.state, self.cache, self.name = state, cache, name
 
     def __call__(self, module, args, kwargs):
         st = self.state
         ids = kwargs.get("input_ids", args[0] if args else None)
-        # Transformers 5.24's generate() passes the cache as ``cache``, earlier releases as ``past_key_values``
-        key = "cache" if "cache" in kwargs else "past_key_values"
+        present = [k for k in _CACHE_NAMES if k in kwargs]  # (generate() passes it by the model's name)
+        key = next((k for k in present if kwargs[k] is not None), present[0] if present else self.name)
         given = kwargs.get(key)
         if given is None:  # the family's generate drops the cache to compute it anew (Phi-3's longrope switch)
             self._check_whole(ids, kwargs.get("attention_mask"))

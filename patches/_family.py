@@ -360,9 +360,11 @@ class FamilyPatch:
     # the family's linear-attention, Mamba2 or short-convolution class (hybrid models: ``generic.LINEAR``), whose
     # modules' forward ``patches.linear`` replaces while the model is patched; None: attention layers only
     linear_class: str | None = None
-    # the family's decoder layers call their linear-attention modules without the batch's keywords: each layer lends
-    # them its own (``patches.linear.Lent``; Jamba)
-    lend_mixer_kwargs: bool = False
+    # where the family's linear-attention modules, called with the mask but without the batch's keywords, get them
+    # (``patches.linear``): "layer", from the decoder layer holding each (Jamba); "model", from the model (the pure
+    # Mamba models, whose backbone passes the mask on only); "base", from the model to its base model, which unpacks
+    # them into its own call (Mamba2); None: their own call has them
+    lend_mixer_kwargs: str | None = None
     # why ``ring_generate`` refuses the family (its model manages its KV cache in a way the sharded cache does not
     # follow), or None
     no_generate: str | None = None

@@ -267,14 +267,15 @@ CHECKS = {
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
-DROPS_LAYER_KWARGS = {"nemotron", "stablelm", "mamba", "mamba2", "falcon_mamba"}  # (the Mamba models' backbones
-# call their blocks without them)
+DROPS_LAYER_KWARGS = {"nemotron", "stablelm"}
 """Families whose decoder layers do not pass the model's keyword arguments on to the attention: padded or packed
 batches raise at the first layer (their document ids never arrive), and ``hf_ring.ring_generate`` refuses them."""
 
-LENDS_MIXER_KWARGS = {"jamba"}
-"""Hybrid families whose decoder layers call their mixer with the mask but without the batch's keywords: each layer
-lends the mixer those of its own call (``hf_ring.patches.linear.Lent``)."""
+LENDS_MIXER_KWARGS = {"jamba": "layer", "mamba": "model", "falcon_mamba": "model", "mamba2": "base"}
+"""Families whose mixers are not given the batch's keywords, and who lends them those of its own call
+(``hf_ring.patches.linear``): Jamba's decoder layers and the pure Mamba models (whose backbone calls its blocks
+with the mask alone) beside the mask (``Lent``); Mamba2's causal LM to its backbone, which unpacks them and passes
+them on (``UnpackLent``)."""
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
@@ -312,7 +313,7 @@ PATCHES = {
         layer_kwargs=model_type not in DROPS_LAYER_KWARGS,
         linear_class=LINEAR.get(model_type),
         no_generate=NO_GENERATE.get(model_type),
-        lend_mixer_kwargs=model_type in LENDS_MIXER_KWARGS,
+        lend_mixer_kwargs=LENDS_MIXER_KWARGS.get(model_type),
     )
     for model_type, path in FAMILIES.items()
 }

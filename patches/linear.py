@@ -23,6 +23,7 @@ a layer its decoder layer calls without the batch's keywords (LFM2 on Transforme
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -45,11 +46,11 @@ FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kern
 
 
 class Lent:
-    """A decoder layer's ``attention_mask`` argument with the batch's keywords of the layer's call beside it, for a
-    layer that calls its mixer with the mask but without those keywords (Jamba's): a forward pre-hook of the layer
-    (``LendKeywords``) replaces the argument, the mixer unpacks it. It travels in the layer's own arguments, so a
-    checkpointed layer's recomputation (whether Transformers runs module hooks inside the checkpoint or outside)
-    passes the mixer the same again."""
+    """The ``attention_mask`` argument of a module whose mixers get the mask but not the batch's keywords (Jamba's
+    decoder layers; the pure Mamba and Falcon-Mamba models, whose backbone passes only the mask on; Mamba2's causal
+    LM, whose backbone unpacks it, ``UnpackLent``), with those keywords beside it: a forward pre-hook of the module (``LendKeywords``) replaces the argument, the mixer unpacks
+    it. It travels in the arguments of the calls below the module, so a checkpointed layer's recomputation
+    (whether Transformers runs module hooks inside the checkpoint or outside) passes the mixer the same again."""
 
     def __init__(self, mask, kwargs: dict):
         self.mask, self.kwargs = mask, kwargs
@@ -61,13 +62,30 @@ LENT = (DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, POSITIONS_KWARG, "position_ids", "
 
 
 class LendKeywords:
-    """Forward pre-hook (with keywords) of a decoder layer that calls its mixer without the batch's keywords."""
+    """Forward pre-hook (with keywords) of a module that passes its mixers the mask but not the batch's keywords."""
 
-    def __call__(self, layer, args, kwargs):
-        if "attention_mask" not in kwargs or isinstance(kwargs["attention_mask"], Lent):
+    def __init__(self, module: torch.nn.Module):
+        names = [p.name for p in inspect.signature(type(module).forward).parameters.values()][1:]
+        self.position = names.index("attention_mask") if "attention_mask" in names else -1
+
+    def __call__(self, module, args, kwargs):
+        if isinstance(kwargs.get("attention_mask"), Lent) or self.position < 0 or len(args) > self.position:
             return None  # (a mask given by position: nothing lent, and the mixer refuses a batch it cannot see)
         lent = {k: kwargs[k] for k in LENT if k in kwargs}  # (shard_batch's document ids, None too)
-        return args, {**kwargs, "attention_mask": Lent(kwargs["attention_mask"], lent)}
+        return args, {**kwargs, "attention_mask": Lent(kwargs.get("attention_mask"), lent)}
+
+
+class UnpackLent:
+    """Forward pre-hook (with keywords) of a base model that passes its own keywords on to its blocks and mixers but
+    is called without the batch's by its causal LM (Mamba2's), which lends them (``LendKeywords``): the mask and the
+    keywords unpacked into the base model's call (before it reads the mask), from where its blocks' checkpoints keep
+    them."""
+
+    def __call__(self, base, args, kwargs):
+        lent = kwargs.get("attention_mask")
+        if not isinstance(lent, Lent):
+            return None
+        return args, {**lent.kwargs, **kwargs, "attention_mask": lent.mask}
 
 
 class ShardedMixer:
@@ -104,7 +122,7 @@ class ShardedMixer:
                 raise
         if memory is not None:  # the prefill: the padding ring_generate added before the prompt reaches no convolution
             memory["added"] = _added(cache, hidden_states.device)
-        error = _refusal(m, cache, cfg, rank, world_size, local_len) or dropped_documents_error(m, kwargs, cfg)
+        error = _refusal(m, cache, memory, cfg, rank, world_size, local_len) or dropped_documents_error(m, kwargs, cfg)
         keep = docs = packed = None
         if error is None:
             error, keep, docs, packed = _padding(m, attention_mask, kwargs, cfg, rank, world_size, local_len)
@@ -165,9 +183,9 @@ def _added(cache, device) -> torch.Tensor | None:
     return None if st.offset == 0 else (st.local < st.offset).to(device)
 
 
-def _refusal(m, cache_params, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
+def _refusal(m, cache_params, memory, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
     """What this rank cannot run, as a message that says what to do; or None."""
-    if cache_params is not None and _has_state(cache_params, m.layer_idx):
+    if cache_params is not None and (_has_state(cache_params, m.layer_idx) or _passed(cache_params, m, memory)):
         return (
             "a cache holding earlier tokens (generation) is not supported for linear-attention layers under "
             "hf_ring; generate with hf_ring.ring_generate(model, inputs, ...), or call "
@@ -183,6 +201,24 @@ def _refusal(m, cache_params, cfg: RingConfig, rank: int, world_size: int, local
             "before a token; use longer sequences"
         )
     return None
+
+
+_PASSED = "_hf_ring_passed"
+
+
+def _passed(cache, m, memory) -> bool:
+    """A cache of Transformers' (not ``ring_generate``'s: ``memory`` None) that went through this layer before: the
+    replaced forward does not fill it, so this call is a decode step after it (``model.generate()``), which would
+    start from a zero state. Notes this call's passing."""
+    if memory is not None:
+        return False
+    try:
+        seen = cache.__dict__.setdefault(_PASSED, set())
+    except AttributeError:  # (a cache without a __dict__: not marked)
+        return False
+    passed = id(m) in seen
+    seen.add(id(m))
+    return passed
 
 
 def _has_state(cache, layer_idx: int) -> bool:
@@ -429,16 +465,25 @@ def check(modules: list) -> None:
         )
 
 
-def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: bool = False) -> None:
-    """Replace each module's forward; ``lend``: the decoder layer holding each lends it the batch's keywords of its
-    call (``Lent``; Jamba's layers call their mixer without them)."""
+def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | None = None) -> None:
+    """Replace each module's forward. ``lend``: ``"layer"``, the decoder layer holding each lends it the batch's
+    keywords of its call; ``"model"``, ``model`` lends them to all (``Lent``); ``"base"``, ``model`` lends them to
+    its base model, which unpacks them into its own call (``UnpackLent``)."""
     parents = {id(c): p for p in model.modules() for c in p.children()}
+    base = model.base_model if lend == "base" else None  # (a bare base model: nothing to lend)
+    lender = ()
+    if lend == "model" or (base is not None and base is not model):
+        lender = (model.register_forward_pre_hook(LendKeywords(model), with_kwargs=True),)
+    if base is not None and base is not model:
+        lender += (base.register_forward_pre_hook(UnpackLent(), with_kwargs=True),)
     for m in modules:
         sharded = ShardedMixer(m, cfg)
         m.forward = sharded
         layer = parents.get(id(m))
-        if lend and layer is not None:
-            sharded.handles = (layer.register_forward_pre_hook(LendKeywords(), with_kwargs=True),)
+        if lend == "layer" and layer is not None:
+            sharded.handles = (layer.register_forward_pre_hook(LendKeywords(layer), with_kwargs=True),)
+        else:
+            sharded.handles = lender  # (removed with each: removing twice does nothing)
 
 
 def remove(model: torch.nn.Module) -> None:

@@ -18,7 +18,7 @@ import hf_ring
 from hf_ring.loss import default_chunk_size, is_chunked, liger_unavailable
 
 from .dist_utils import run_distributed
-from .hf_models import DECAY_PARAMS, RTOL_DECAY, in_transformers, make_batch, make_model
+from .hf_models import DECAY_PARAMS, RTOL_DECAY, in_transformers, make_batch, make_model, prepare
 
 RTOL = 1e-5  # fp32: the chunked sum reorders the additions of the loss, nothing else
 CHUNK = 7  # tokens per chunk: many chunks, a ragged last one
@@ -273,9 +273,11 @@ def _cp_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     res = {}
-    for family, kind in (("llama", "packed"), ("gemma2", "plain")):
+    # (the pure Mamba models' mixers see the padding through the model's lent keywords, with the chunked loss calling
+    # their backbone itself; random biases, so that padding a mixer missed would show)
+    for family, kind in (("llama", "packed"), ("gemma2", "plain"), ("mamba", "padded"), ("mamba2", "padded")):
         batch, ref_batch = make_batch(kind, 40)
-        model = make_model(family)
+        model = prepare(family, {"random_biases": family.startswith("mamba")})
         ref, ref_grads = _loss_and_grads(model, ref_batch)
         hf_ring.apply_ring_attention(model)
         hf_ring.apply_chunked_loss(model, chunk_size=CHUNK)

@@ -94,7 +94,11 @@ FSDP2_ARGS = dict(
 )
 
 
-HYBRIDS = {"qwen3_5_text": "linear_attn", "bamba": "mamba"}  # family: its first layer's recurrent module
+HYBRIDS = {
+    "qwen3_5_text": "linear_attn",
+    "bamba": "mamba",
+    "jamba": "mamba",
+}  # family: its first layer's recurrent module
 
 
 def _tiny_hybrid(family: str = "qwen3_5_text"):
@@ -363,8 +367,9 @@ def test_torch_native_fsdp2_recipe_matches_single_process_training(launch):
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
 def test_hybrid_model_with_fsdp2_matches_single_process_training(launch, family):
-    """Qwen3.5 (Gated DeltaNet layers) and Bamba (Mamba2 layers), the first one sharded by FSDP2 as a module of its
-    own: two SGD steps of the native recipe give the weights of single-process training on the full sequences."""
+    """Qwen3.5 (Gated DeltaNet layers), Bamba (Mamba2 layers) and Jamba (Mamba layers, lent the batch's keywords by
+    their decoder layers), the first one sharded by FSDP2 as a module of its own: two SGD steps of the native recipe
+    give the weights of single-process training on the full sequences."""
     world, _, results = launch
     err = results[0][f"hybrid_weights_err_{family}"]
     assert err <= RTOL, f"world {world}, {family}: {err:.2e}"

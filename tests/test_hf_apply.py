@@ -11,7 +11,7 @@ import inspect
 import pytest
 import torch
 from hf_ring.patches import REGISTRY, get_patch
-from hf_ring.patches.linear import LendKeywords, ShardedMixer
+from hf_ring.patches.linear import LendKeywords, ShardedMixer, UnpackLent
 
 import hf_ring
 from hf_ring import hf_attention
@@ -114,6 +114,13 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
     if family == "jamba":  # its layers call their mixer without the batch's keywords: they lend theirs
         assert linear and all(_lends(model, m) for m in linear)
+    if family in ("mamba", "falcon_mamba", "mamba2"):  # their mixers are not given the batch's keywords: the model
+        assert sum(isinstance(h, LendKeywords) for h in model._forward_pre_hooks.values()) == 1  # lends its own
+        unpacks = sum(isinstance(h, UnpackLent) for h in model.backbone._forward_pre_hooks.values())
+        assert unpacks == (family == "mamba2")  # (Mamba2's backbone reads the mask, then passes its keywords on)
+        hf_ring.apply_ring_attention(model)  # again: the hooks replaced, not added
+        assert sum(isinstance(h, LendKeywords) for h in model._forward_pre_hooks.values()) == 1
+        assert sum(isinstance(h, UnpackLent) for h in model.backbone._forward_pre_hooks.values()) == unpacks
     ring = _logits(model, input_ids=ids)
     torch.testing.assert_close(ring, before, atol=ATOL, rtol=0)
 
@@ -121,7 +128,8 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert all(c._attn_implementation == original for c in _sub_configs(model.config))
     assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in modules)
     assert not any("forward" in m.__dict__ for m in linear)
-    assert not any(_lends(model, m) for m in linear)
+    lending = (LendKeywords, UnpackLent)
+    assert not any(isinstance(h, lending) for m in model.modules() for h in m._forward_pre_hooks.values())
     assert torch.equal(_logits(model, input_ids=ids), before)  # bit-identical
 
     if family not in DEDICATED:
