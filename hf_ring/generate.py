@@ -233,7 +233,9 @@ def ring_generate(model, inputs, **generate_kwargs):
         raise ValueError(f"ring_generate takes {what} in inputs, not {unknown}")
     rank, world = group_rank_and_size(cfg.group)
     state = _State(group=cfg.group, rank=rank, world=world, layout=cfg.layout, kv_source=_kv_sources(target))
-    state.halo = max((m.conv_kernel_size - 1 for m in patch.linear_modules(target)), default=0)
+    from .patches.linear import conv_kernel_size
+
+    state.halo = max((conv_kernel_size(m) - 1 for m in patch.linear_modules(target)), default=0)
     _, cache_cls = _cache_classes()
     cache = cache_cls(state, target.config.get_text_config().num_hidden_layers)
     hooks = [

@@ -37,12 +37,12 @@ Models of these families are switched by ``hf_ring.apply_ring_attention(model)``
 
 from __future__ import annotations
 
-from ._family import FamilyPatch, LogitTransform, check_layer_types
+from ._family import FamilyPatch, LogitTransform, check_layer_types, check_window
 
 __all__ = [
     "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "check",
-    "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_llama4",
+    "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_llama4", "check_minimax",
     "check_without_windows",
 ]  # fmt: skip
 
@@ -110,6 +110,7 @@ FAMILIES = {
     "mamba2": None,  # no attention: its Mamba2 mixers only (``LINEAR``)
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
     "mimo_v2_flash": "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashAttention",
+    "minimax": "transformers.models.minimax.modeling_minimax.MiniMaxAttention",
     "minicpm3": "transformers.models.minicpm3.modeling_minicpm3.MiniCPM3Attention",
     "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2Attention",
     "ministral": "transformers.models.ministral.modeling_ministral.MinistralAttention",
@@ -170,6 +171,12 @@ def check_linear(config) -> None:
             "log-sum-exp of the logits) that each rank would compute over its own tokens only and that hf_ring's "
             "loss aggregation does not reproduce; set config.z_loss_coefficient=0 to train with context parallelism"
         )
+
+
+def check_minimax(config) -> None:
+    """``check_linear`` for MiniMax, whose attention layers all take ``config.sliding_window`` when it is set."""
+    check_linear(config)
+    check_window(config, getattr(config, "model_type", "model"))
 
 
 def _check_router(config, what: str) -> None:
@@ -250,6 +257,7 @@ LINEAR = {
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
     "mamba": "transformers.models.mamba.modeling_mamba.MambaMixer",
     "mamba2": "transformers.models.mamba2.modeling_mamba2.Mamba2Mixer",
+    "minimax": "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention",
     "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
     "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet",
     "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
@@ -257,13 +265,14 @@ LINEAR = {
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer",
 }
-"""Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention), Mamba, Mamba2 or short-convolution
-class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
+"""Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention, MiniMax's lightning attention), Mamba,
+Mamba2 or short-convolution class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
     "llama4_text": check_llama4,
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
+    "minimax": check_minimax,
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
@@ -278,6 +287,7 @@ with the mask alone) beside the mask (``Lent``); Mamba2's causal LM to its backb
 them on (``UnpackLent``)."""
 
 NO_GENERATE = {
+    "minimax": "its model takes no cache but its own (MiniMaxCache), which the sharded cache is not",
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""

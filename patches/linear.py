@@ -1,5 +1,6 @@
 """Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
-Qwen3.5-MoE, OLMo Hybrid), Kimi Delta Attention (Kimi Linear), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H,
+Qwen3.5-MoE, OLMo Hybrid), Kimi Delta Attention (Kimi Linear), lightning attention (MiniMax), Mamba layers (Jamba,
+Mamba, Falcon-Mamba), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H,
 Falcon-H1, Zamba2, and the pure Mamba2 model, which has no attention layer) and short convolutions (LFM2, LFM2-MoE).
 
 These hybrid models interleave full-attention layers (switched to ring attention like every family) with layers
@@ -23,6 +24,7 @@ a layer its decoder layer calls without the batch's keywords (LFM2 on Transforme
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 
@@ -160,7 +162,7 @@ class ShardedMixer:
         b, n, _ = hidden_states.shape
         summary = [
             0, n, b, hidden_states.shape[-1], preflight.dtype_index(hidden_states.dtype), LAYOUTS.index(cfg.layout),
-            m.conv_kernel_size, -1 if docs is None else preflight.fingerprint(docs), 0, 0, 0, 0, 0, 0, 0, 0,
+            conv_kernel_size(m), -1 if docs is None else preflight.fingerprint(docs), 0, 0, 0, 0, 0, 0, 0, 0,
         ]  # fmt: skip
         if error is not None:
             summary = [1] + [0] * (len(FIELDS) - 1)
@@ -195,9 +197,9 @@ def _refusal(m, cache_params, memory, cfg: RingConfig, rank: int, world_size: in
         n = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout).length
     except ValueError as e:  # the striped layout
         return str(e)
-    if world_size > 1 and n < m.conv_kernel_size - 1:
+    if world_size > 1 and n < conv_kernel_size(m) - 1:
         return (
-            f"each rank's chunks hold {n} tokens, fewer than the convolution's {m.conv_kernel_size - 1} inputs "
+            f"each rank's chunks hold {n} tokens, fewer than the convolution's {conv_kernel_size(m) - 1} inputs "
             "before a token; use longer sequences"
         )
     return None
@@ -219,6 +221,11 @@ def _passed(cache, m, memory) -> bool:
     passed = id(m) in seen
     seen.add(id(m))
     return passed
+
+
+def conv_kernel_size(m) -> int:
+    """The module's convolution width (1: none, MiniMax's lightning attention)."""
+    return getattr(m, "conv_kernel_size", 1)
 
 
 def _has_state(cache, layer_idx: int) -> bool:
@@ -302,6 +309,8 @@ def _kernels(module):
     """The Transformers module defining ``module``'s class, whose ``causal_conv1d_fn`` (and recurrence kernel:
     ``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``) its forward calls: looked up along the class's bases, since FSDP2's
     ``fully_shard`` gives a sharded module a class of its own, defined elsewhere."""
+    if hasattr(module, "slope_rate"):  # MiniMax's lightning attention: Mamba2's scan (``_lightning``)
+        return importlib.import_module("transformers.models.mamba2.modeling_mamba2")
     for cls in type(module).__mro__:
         found = sys.modules.get(cls.__module__)
         if found is not None and hasattr(found, "causal_conv1d_fn"):
@@ -317,6 +326,8 @@ def _masked(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 def _computation(module):
     """What ``module`` computes, sharded: a Mamba or Mamba2 mixer, Kimi Delta Attention, an LFM2 short convolution or a Gated
     DeltaNet."""
+    if hasattr(module, "slope_rate"):
+        return _lightning
     if hasattr(module, "x_proj") and hasattr(module, "dt_proj"):
         return _mamba
     if hasattr(module, "D") and hasattr(module, "A_log"):
@@ -453,6 +464,26 @@ def _mamba(m, kernels, hidden_states, plan, gather, documents, keep, memory):
         documents=documents, memory=memory, step_kernel=getattr(kernels, "mamba_selective_state_update", None),
     )  # fmt: skip
     return m.out_proj((y * F.silu(gate.transpose(1, 2))).to(dtype))
+
+
+def _lightning(m, kernels, hidden_states, plan, gather, documents, keep, memory):
+    """Transformers' MiniMax lightning attention without a cache: linear attention whose state decays by a fixed
+    factor per head and token, ``S_t = exp(-slope) S_{t-1} + v_t k_t^T``, ``o_t = S_t q_t``, which is Mamba2's scan
+    with unit step sizes, ``A = -slope``, the values for ``x``, the keys for ``B`` and the queries for ``C`` (a group
+    per head): Transformers' ``mamba2_chunk_scan`` (or the mamba-ssm kernel it dispatches to) in chunks of the
+    module's block size, over the CP group. Returns ``(output, None)``, as the module."""
+    batch, n, _ = hidden_states.shape
+    heads = m.num_attention_heads
+    qkv = _masked(m.act_fn(m.qkv_proj(hidden_states)), keep).reshape(batch, n, heads, 3 * m.head_dim)
+    q, k, v = torch.split(qkv, m.head_dim, dim=3)
+    steps = torch.ones(batch, n, heads, dtype=torch.float32, device=qkv.device)
+    out = mamba2_scan(
+        v, steps, -m.slope_rate.float().reshape(heads), k, q, kernel=kernels.mamba2_chunk_scan,
+        chunk_size=m.block_size, D=None, plan=plan, gather=gather, documents=documents, memory=memory,
+        step_kernel=getattr(kernels, "mamba2_selective_state_update", None),
+    )  # fmt: skip
+    out = m.norm(out.reshape(batch, n, -1).to(hidden_states.dtype))  # (the module's output is in its dtype)
+    return m.out_proj(torch.sigmoid(m.output_gate(hidden_states)) * out), None
 
 
 def check(modules: list) -> None:

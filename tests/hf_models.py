@@ -133,6 +133,9 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "jamba": ("JambaConfig", "JambaForCausalLM", {"mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
               "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0,
               "num_experts": 4, "num_experts_per_tok": 2}),
+    # MiniMax: lightning attention (a fixed decay per head, in blocks of 8 here) beside attention, experts
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", {"head_dim": 16, "block_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
     # Phi-3.5-MoE: its router samples experts in training mode (tested in eval mode: top-2 routing)
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # older code models: multi-query attention with learned positions (StarCoder 1 / SantaCoder), rotary on part of
@@ -547,6 +550,10 @@ def prepare(family, opts, dtype=None, images: bool = False):
             for name, p in model.named_parameters():
                 if name.endswith("bias") and p.dim() == 1 and "norm" not in name:
                     p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+    if opts.get("pad_embedding"):  # (zero at initialisation: padding would carry nothing into a mixer)
+        with torch.no_grad():
+            row = model.get_input_embeddings().weight[PAD_ID]
+            row.copy_(torch.randn(row.shape, generator=torch.Generator().manual_seed(6)).to(row.dtype))
     if opts.get("lora"):
         from peft import LoraConfig, get_peft_model
 

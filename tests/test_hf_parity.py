@@ -226,6 +226,17 @@ CASES = {
     ),
     "jamba-packed-contiguous": ("jamba", "packed", 40, {"layout": "contiguous"}),
     "jamba-packed-checkpointing": ("jamba", "packed", 45, {"checkpointing": True}),  # (non-reentrant)
+    # MiniMax: lightning attention (linear attention with a fixed decay per head: Mamba2's scan with unit steps)
+    "minimax-padded": ("minimax", "padded", 45, {"pad_embedding": True}),  # (so that padding carries values)
+    "minimax-packed-contiguous": ("minimax", "packed", 40, {"layout": "contiguous"}),
+    "minimax-window": ("minimax", "plain", 45, {"config": {"sliding_window": 7}}),  # (every attention layer)
+    "minimax-bf16": ("minimax", "plain", 40, {"dtype": torch.bfloat16}),
+    "minimax-plain-lora-checkpointing": (
+        "minimax",
+        "plain",
+        40,
+        {"lora": ["qkv_proj", "q_proj", "v_proj"], "checkpointing": True},
+    ),
     # Phi-3.5-MoE in eval mode (its training-mode router samples experts), longrope as its checkpoints have it
     "phimoe-packed": ("phimoe", "packed", 40, {"eval": True}),
     "phimoe-longrope-padded-lora": ("phimoe", "padded", 45, {"eval": True, "config": PHIMOE_LONGROPE, "lora": True}),
