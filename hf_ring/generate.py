@@ -35,8 +35,8 @@ Once per forward a pre-flight check (one small all-gather) makes every rank rais
 different prompts or different new tokens (e.g. sampling with different seeds), instead of hanging or diverging.
 
 Refused with an error naming the option: beam search (``num_beams > 1``), assisted / speculative decoding
-(``assistant_model``, ``prompt_lookup_num_tokens``), another cache (``past_key_values`` or ``cache``, ``cache_implementation``),
-``use_cache=False``. Sampling works when every rank seeds its generator alike (the same as for training).
+(``assistant_model``, ``prompt_lookup_num_tokens``), another cache (``past_key_values``, ``cache`` or ``cache_params``,
+``cache_implementation``), ``use_cache=False``. Sampling works when every rank seeds its generator alike (the same as for training).
 """
 
 from __future__ import annotations
@@ -238,12 +238,13 @@ def ring_generate(model, inputs, **generate_kwargs):
     state.halo = max((conv_kernel_size(m) - 1 for m in patch.linear_modules(target)), default=0)
     _, cache_cls = _cache_classes()
     cache = cache_cls(state, target.config.get_text_config().num_hidden_layers)
+    name = _cache_name(target)
     hooks = [
-        target.register_forward_pre_hook(_Before(state, cache, _cache_name(target)), with_kwargs=True, prepend=True),
+        target.register_forward_pre_hook(_Before(state, cache, name), with_kwargs=True, prepend=True),
         target.register_forward_hook(_After(state), with_kwargs=True),
     ]
     try:
-        return model.generate(**inputs, **generate_kwargs, **{_cache_name(target): cache})
+        return model.generate(**inputs, **generate_kwargs, **{name: cache})
     finally:
         for h in hooks + state.hooks:
             h.remove()

@@ -50,8 +50,8 @@ FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kern
 class Lent:
     """The ``attention_mask`` argument of a module whose mixers get the mask but not the batch's keywords (Jamba's
     decoder layers; the pure Mamba and Falcon-Mamba models, whose backbone passes only the mask on; Mamba2's causal
-    LM, whose backbone unpacks it, ``UnpackLent``), with those keywords beside it: a forward pre-hook of the module (``LendKeywords``) replaces the argument, the mixer unpacks
-    it. It travels in the arguments of the calls below the module, so a checkpointed layer's recomputation
+    LM, whose backbone unpacks it, ``UnpackLent``), with those keywords beside it: a forward pre-hook of the module
+    (``LendKeywords``) replaces the argument, the mixer unpacks it. It travels in the arguments of the calls below the module, so a checkpointed layer's recomputation
     (whether Transformers runs module hooks inside the checkpoint or outside) passes the mixer the same again."""
 
     def __init__(self, mask, kwargs: dict):
@@ -100,7 +100,7 @@ class ShardedMixer:
         self.cfg = cfg
         self.compute = _computation(module)
         self.kernels = _kernels(module)
-        self.handles: tuple = ()  # the hook of the decoder layer that lends the module its keywords (``Lent``)
+        self.handles: tuple = ()  # the hooks that lend the module the batch's keywords (``install``)
 
     def __call__(
         self, hidden_states, cache_params=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
@@ -324,8 +324,8 @@ def _masked(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 
 def _computation(module):
-    """What ``module`` computes, sharded: a Mamba or Mamba2 mixer, Kimi Delta Attention, an LFM2 short convolution or a Gated
-    DeltaNet."""
+    """What ``module`` computes, sharded: MiniMax's lightning attention, a Mamba or Mamba2 mixer, Kimi Delta
+    Attention, an LFM2 short convolution or a Gated DeltaNet."""
     if hasattr(module, "slope_rate"):
         return _lightning
     if hasattr(module, "x_proj") and hasattr(module, "dt_proj"):
@@ -500,21 +500,20 @@ def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | 
     """Replace each module's forward. ``lend``: ``"layer"``, the decoder layer holding each lends it the batch's
     keywords of its call; ``"model"``, ``model`` lends them to all (``Lent``); ``"base"``, ``model`` lends them to
     its base model, which unpacks them into its own call (``UnpackLent``)."""
-    parents = {id(c): p for p in model.modules() for c in p.children()}
-    base = model.base_model if lend == "base" else None  # (a bare base model: nothing to lend)
-    lender = ()
-    if lend == "model" or (base is not None and base is not model):
+    lender = ()  # the model's hooks, shared by every module (removed with each: removing twice does nothing)
+    if lend == "model" or (lend == "base" and model.base_model is not model):  # (a bare base model: nothing to lend)
         lender = (model.register_forward_pre_hook(LendKeywords(model), with_kwargs=True),)
-    if base is not None and base is not model:
-        lender += (base.register_forward_pre_hook(UnpackLent(), with_kwargs=True),)
+    if lend == "base" and model.base_model is not model:
+        lender += (model.base_model.register_forward_pre_hook(UnpackLent(), with_kwargs=True),)
+    parents = {id(c): p for p in model.modules() for c in p.children()} if lend == "layer" else {}
     for m in modules:
         sharded = ShardedMixer(m, cfg)
         m.forward = sharded
         layer = parents.get(id(m))
-        if lend == "layer" and layer is not None:
+        if layer is not None:
             sharded.handles = (layer.register_forward_pre_hook(LendKeywords(layer), with_kwargs=True),)
         else:
-            sharded.handles = lender  # (removed with each: removing twice does nothing)
+            sharded.handles = lender
 
 
 def remove(model: torch.nn.Module) -> None:
