@@ -200,11 +200,6 @@ def ring_generate(model, inputs, **generate_kwargs):
             f"ring_generate does not support {patch.name} models: {patch.no_generate}; generate with "
             "hf_ring.revert_ring_attention(model) and model.generate()"
         )
-    if not patch.layer_kwargs:
-        raise ValueError(
-            f"ring_generate does not support {patch.name} models: their decoder layers do not pass the sharded KV "
-            "cache on to the attention; generate with hf_ring.revert_ring_attention(model) and model.generate()"
-        )
     images = patch.images  # the family takes images under the ring: a prompt's images too
     if patch.media:  # a vision-language model: media must come in inputs, and only where the prefill takes them
         from .patches._family import TextOnly

@@ -46,7 +46,7 @@ from ..hf_attention import (
 )
 from ..layout import shard
 from ..ring import PlanCache
-from . import _rope, _temperature, linear
+from . import _lend, _rope, _temperature, linear
 
 __all__ = [
     "BlockIds",
@@ -344,9 +344,10 @@ class FamilyPatch:
     # what the family's causal-LM head does to the lm_head output before the loss (final logit softcapping,
     # logit scales); None: nothing (``hf_ring.apply_chunked_loss`` uses it)
     logit_transform: LogitTransform | None = None
-    # the family's decoder layers pass the model's keyword arguments on to the attention (False: Nemotron,
-    # StableLM); without them no document ids or sharded KV cache arrive, so ring_generate refuses the family
-    layer_kwargs: bool = True
+    # the family's decoder layers call their attention without the model's keyword arguments (Nemotron, StableLM):
+    # each layer lends its attention those of its own call (``patches._lend``), so the document ids, the shard and
+    # ring_generate's sharded KV cache arrive
+    lend_attention_kwargs: bool = False
     # a vision-language model (its text model of a supported family is patched, nothing else): the keywords that
     # carry images or video into its forward, refused (``TextOnly``) unless ``images``; () for text models
     media: tuple = ()
@@ -436,6 +437,9 @@ class FamilyPatch:
         _rope.install(rotaries, cfg)
         _temperature.remove(model)
         _temperature.install(modules)
+        _lend.remove(model)
+        if self.lend_attention_kwargs:
+            _lend.install(model, modules)
         linear.remove(model)
         linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)
         text_only = TextOnly(self.name, self.media, self.images, cfg.group) if self.media else None
@@ -458,6 +462,7 @@ class FamilyPatch:
                 delattr(m, CONFIG_ATTR)
         _rope.remove(model)
         _temperature.remove(model)
+        _lend.remove(model)
         linear.remove(model)
         _set_hooks(model, None)
         delattr(model, ORIGINAL_ATTR)

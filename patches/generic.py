@@ -40,7 +40,7 @@ from __future__ import annotations
 from ._family import FamilyPatch, LogitTransform, check_layer_types, check_window
 
 __all__ = [
-    "CHECKS", "DROPS_LAYER_KWARGS", "FAMILIES", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
+    "CHECKS", "LENDS_ATTENTION_KWARGS", "FAMILIES", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_llama4", "check_minimax",
     "check_without_windows",
@@ -276,9 +276,9 @@ CHECKS = {
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
-DROPS_LAYER_KWARGS = {"nemotron", "stablelm"}
-"""Families whose decoder layers do not pass the model's keyword arguments on to the attention: padded or packed
-batches raise at the first layer (their document ids never arrive), and ``hf_ring.ring_generate`` refuses them."""
+LENDS_ATTENTION_KWARGS = {"nemotron", "stablelm"}
+"""Families whose decoder layers call their attention without the model's keyword arguments (the document ids, the
+shard, ring_generate's cache): each layer lends its attention those of its own call (``hf_ring.patches._lend``)."""
 
 LENDS_MIXER_KWARGS = {"jamba": "layer", "mamba": "model", "falcon_mamba": "model", "mamba2": "base"}
 """Families whose mixers are not given the batch's keywords, and who lends them those of its own call
@@ -320,7 +320,7 @@ PATCHES = {
         attention_class=path,
         check_config=CHECKS.get(model_type, check),
         logit_transform=LOGIT_TRANSFORMS.get(model_type),
-        layer_kwargs=model_type not in DROPS_LAYER_KWARGS,
+        lend_attention_kwargs=model_type in LENDS_ATTENTION_KWARGS,
         linear_class=LINEAR.get(model_type),
         no_generate=NO_GENERATE.get(model_type),
         lend_mixer_kwargs=LENDS_MIXER_KWARGS.get(model_type),

@@ -25,7 +25,6 @@ a layer its decoder layer calls without the batch's keywords (LFM2 on Transforme
 from __future__ import annotations
 
 import importlib
-import inspect
 import sys
 
 import torch
@@ -33,61 +32,19 @@ import torch.nn.functional as F
 
 from .. import guard, preflight
 from ..comm import RingComm, StateGather, group_rank_and_size
-from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, POSITIONS_KWARG, SHARD_INFO_KWARG, RingConfig, lost_group
+from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_group
 from ..hf_attention import _documents as documents
 from ..hf_attention import _dropped_documents_error as dropped_documents_error
 from ..hf_attention import _sharding_error as sharding_error
 from ..layout import LAYOUTS, documents_from_cu_seqlens, positions, several_documents
 from ..linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan, mamba_scan
+from ._lend import LendKeywords, Lent, UnpackLent
 
 __all__ = ["FIELDS", "ShardedMixer", "check", "install", "remove"]
 
 FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kernel", "documents",
           *(f"unused_{i}" for i in range(8)))  # fmt: skip
 """What ranks must agree on (as many fields as the ring's pre-flight, whose exchange this joins)."""
-
-
-class Lent:
-    """The ``attention_mask`` argument of a module whose mixers get the mask but not the batch's keywords (Jamba's
-    decoder layers; the pure Mamba and Falcon-Mamba models, whose backbone passes only the mask on; Mamba2's causal
-    LM, whose backbone unpacks it, ``UnpackLent``), with those keywords beside it: a forward pre-hook of the module
-    (``LendKeywords``) replaces the argument, the mixer unpacks it. It travels in the arguments of the calls below the module, so a checkpointed layer's recomputation
-    (whether Transformers runs module hooks inside the checkpoint or outside) passes the mixer the same again."""
-
-    def __init__(self, mask, kwargs: dict):
-        self.mask, self.kwargs = mask, kwargs
-
-
-LENT = (DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, POSITIONS_KWARG, "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-        "seq_idx")  # fmt: skip
-"""The keywords a mixer reads (documents, padding, packing, the shard, positions for a batch sharded by hand)."""
-
-
-class LendKeywords:
-    """Forward pre-hook (with keywords) of a module that passes its mixers the mask but not the batch's keywords."""
-
-    def __init__(self, module: torch.nn.Module):
-        names = [p.name for p in inspect.signature(type(module).forward).parameters.values()][1:]
-        self.position = names.index("attention_mask") if "attention_mask" in names else -1
-
-    def __call__(self, module, args, kwargs):
-        if isinstance(kwargs.get("attention_mask"), Lent) or self.position < 0 or len(args) > self.position:
-            return None  # (a mask given by position: nothing lent, and the mixer refuses a batch it cannot see)
-        lent = {k: kwargs[k] for k in LENT if k in kwargs}  # (shard_batch's document ids, None too)
-        return args, {**kwargs, "attention_mask": Lent(kwargs.get("attention_mask"), lent)}
-
-
-class UnpackLent:
-    """Forward pre-hook (with keywords) of a base model that passes its own keywords on to its blocks and mixers but
-    is called without the batch's by its causal LM (Mamba2's), which lends them (``LendKeywords``): the mask and the
-    keywords unpacked into the base model's call (before it reads the mask), from where its blocks' checkpoints keep
-    them."""
-
-    def __call__(self, base, args, kwargs):
-        lent = kwargs.get("attention_mask")
-        if not isinstance(lent, Lent):
-            return None
-        return args, {**lent.kwargs, **kwargs, "attention_mask": lent.mask}
 
 
 class ShardedMixer:

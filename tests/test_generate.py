@@ -55,6 +55,9 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "gpt2-learned-positions": ("gpt2", 2, 14, 3, {}),  # absolute positions from the global position ids
     "diffllama-differential": ("diffllama", 1, 13, 0, {}),  # two attention maps per layer, each decoded
     "granitemoe_swa-sinks-window": ("granitemoe_swa", 2, 14, 3, {}),
+    # decoder layers that call their attention without the model's keywords: they lend it the sharded cache
+    "nemotron-lent-keywords": ("nemotron", 2, 14, 3, {}),
+    "stablelm-lent-keywords": ("stablelm", 1, 13, 0, {}),
 }
 
 
@@ -466,10 +469,10 @@ def test_hybrid_decode_steps_run_the_models_one_token_kernels(monkeypatch, famil
     assert len(calls) == layers * (NEW - 1), (len(calls), layers)  # the first new token comes from the prefill
 
 
-@pytest.mark.parametrize("family", ["nemotron", "stablelm", "dory", "minimax"])
-def test_families_whose_layers_drop_the_cache_are_refused(family):
-    """Nemotron's and StableLM's layers drop the cache; Dory's loops copy it (a second rank crashed in a trial);
-    MiniMax's model takes no cache but its own class."""
+@pytest.mark.parametrize("family", ["dory", "minimax"])
+def test_families_whose_models_manage_the_cache_their_own_way_are_refused(family):
+    """Dory's loops copy the cache (a second rank crashed in a trial); MiniMax's model takes no cache but its own
+    class."""
     import hf_ring
     from tests.hf_models import in_transformers, make_model
 

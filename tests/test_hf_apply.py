@@ -10,8 +10,9 @@ import inspect
 
 import pytest
 import torch
-from hf_ring.patches import REGISTRY, get_patch
-from hf_ring.patches.linear import LendKeywords, ShardedMixer, UnpackLent
+from hf_ring.patches import REGISTRY, _lend, get_patch
+from hf_ring.patches._lend import LendKeywords, UnpackLent
+from hf_ring.patches.linear import ShardedMixer
 
 import hf_ring
 from hf_ring import hf_attention
@@ -114,6 +115,11 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
     if family == "jamba":  # its layers call their mixer without the batch's keywords: they lend theirs
         assert linear and all(_lends(model, m) for m in linear)
+    if get_patch(family).lend_attention_kwargs:  # (Nemotron, StableLM) the same for their attention, which unpacks
+        hf_ring.apply_ring_attention(model)  # again: the hooks replaced, not added
+        assert modules and all(_lends(model, m) for m in modules)
+        unpacking = [sum(isinstance(h, UnpackLent) for h in m._forward_pre_hooks.values()) for m in modules]
+        assert unpacking == [1] * len(modules)
     if family in ("mamba", "falcon_mamba", "mamba2"):  # their mixers are not given the batch's keywords: the model
         assert sum(isinstance(h, LendKeywords) for h in model._forward_pre_hooks.values()) == 1  # lends its own
         unpacks = sum(isinstance(h, UnpackLent) for h in model.backbone._forward_pre_hooks.values())
@@ -145,7 +151,7 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
 def _lends(model, mixer) -> bool:
     """The decoder layer holding ``mixer`` has the hook that lends it the layer's keywords (``patches.linear``)."""
     layer = next(p for p in model.modules() if any(c is mixer for c in p.children()))
-    return any(isinstance(h, LendKeywords) for h in layer._forward_pre_hooks.values())
+    return sum(isinstance(h, LendKeywords) for h in layer._forward_pre_hooks.values()) == 1
 
 
 def _sub_configs(config) -> list:
@@ -612,12 +618,14 @@ def test_position_dependent_rope_without_transformers_decorator_is_refused(monke
 
 
 def test_a_layer_called_without_the_batchs_documents_raises_and_an_interrupted_forward_leaves_no_trace():
-    """Nemotron's decoder layers drop the model's keywords: padding (document ids) or packing keywords given to
-    the model never reach its attention, which raises; a forward interrupted before any layer (KeyboardInterrupt
-    skips the model's closing hook) does not make the next, plain one raise."""
+    """Nemotron's decoder layers drop the model's keywords; without the hooks by which they lend them to their
+    attention, padding (document ids) or packing keywords given to the model never reach its attention, which
+    raises; a forward interrupted before any layer (KeyboardInterrupt skips the model's closing hook) does not make
+    the next, plain one raise."""
     from transformers import DataCollatorWithFlattening
 
     model = hf_ring.apply_ring_attention(make_model("nemotron"))
+    _lend.remove(model)
     padded = hf_ring.shard_batch(
         {"input_ids": _ids(shape=(2, 16)), "attention_mask": torch.tensor([[0] * 3 + [1] * 13, [1] * 16])}
     )

@@ -97,14 +97,19 @@ CASES = {
     "helium-plain": ("helium", "plain", 40, {}),
     "hunyuan_v1_dense-packed": ("hunyuan_v1_dense", "packed", 45, {}),
     "ministral-padded": ("ministral", "padded", 40, {}),
-    "nemotron-plain": ("nemotron", "plain", 40, {}),  # its layers drop the batch's keywords: no padding, packing
+    # Nemotron's and StableLM's decoder layers call their attention without the batch's keywords: each lends its
+    # attention those of its own call (also to a checkpointed layer's recomputation, reentrant with LoRA or not)
+    "nemotron-plain": ("nemotron", "plain", 40, {}),
+    "nemotron-padded-lora-checkpointing": ("nemotron", "padded", 45, {"lora": True, "checkpointing": True}),
+    "nemotron-packed": ("nemotron", "packed", 40, {}),
     "olmo-packed": ("olmo", "packed", 40, {}),
     "olmo3-padded": ("olmo3", "padded", 45, {}),
     "olmoe-plain": ("olmoe", "plain", 40, {}),
     "phi-packed": ("phi", "packed", 45, {}),
     "qwen2_moe-padded": ("qwen2_moe", "padded", 40, {}),
     "seed_oss-plain": ("seed_oss", "plain", 45, {}),
-    "stablelm-plain": ("stablelm", "plain", 40, {}),  # its layers drop the batch's keywords: no padding, packing
+    "stablelm-padded": ("stablelm", "padded", 45, {}),
+    "stablelm-packed-checkpointing": ("stablelm", "packed", 40, {"checkpointing": True}),
     "starcoder2-padded": ("starcoder2", "padded", 45, {}),
     "afmoe-packed": ("afmoe", "packed", 40, {}),
     "bitnet-padded": ("bitnet", "padded", 45, {}),
@@ -356,6 +361,7 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     import warnings
 
     import torch.distributed as dist
+    from hf_ring.patches import _lend
 
     import hf_ring
 
@@ -418,15 +424,15 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     unpatched.set_attn_implementation("hf_ring")
     out["llama4_not_applied"] = _error_of(lambda: unpatched(**plain))
 
-    # families whose decoder layers drop the batch's keywords (the document ids): padding or packing raises,
-    # plain batches run (their positions reach the attention as position_ids)
-    for family in ("nemotron", "stablelm"):
-        dropping = hf_ring.apply_ring_attention(make_model(family))
-        for kind in ("padded", "packed"):
-            shards = hf_ring.shard_batch(make_batch(kind, 40)[0])
-            out[f"dropped_{family}_{kind}"] = _error_of(functools.partial(dropping, **shards))
-        even = hf_ring.shard_batch(make_batch("plain", 40)[0])  # 40: a multiple of 2 x world, nothing padded
-        out[f"dropped_{family}_plain"] = bool(torch.isfinite(dropping(**even).loss))
+    # a model whose decoder layers drop the batch's keywords (the document ids) and lend nothing (Nemotron without
+    # its lending hooks): padding or packing raises, plain batches run (their positions reach the attention)
+    dropping = hf_ring.apply_ring_attention(make_model("nemotron"))
+    _lend.remove(dropping)
+    for kind in ("padded", "packed"):
+        shards = hf_ring.shard_batch(make_batch(kind, 40)[0])
+        out[f"dropped_{kind}"] = _error_of(functools.partial(dropping, **shards))
+    even = hf_ring.shard_batch(make_batch("plain", 40)[0])  # 40: a multiple of 2 x world, nothing padded
+    out["dropped_plain"] = bool(torch.isfinite(dropping(**even).loss))
 
     # DP x CP: a model over the half-size group; a deep copy (TRL's reference model, EMA) shares its group
     cp_model = make_model("llama")
@@ -583,12 +589,11 @@ def test_hf_integration_distributed(world_size):
             assert e["deepcopy_shares_config"] and e["deepcopy_loss"] == 0.0
             assert e["pickle_warned"] and "apply_ring_attention(model, group=...) again" in e["pickled_forward"]
             assert e["pickled_reapplied"] == 0.0
-            for family in ("nemotron", "stablelm"):
-                for kind in ("padded", "packed"):
-                    msg = e[f"dropped_{family}_{kind}"]
-                    assert "do not pass the batch's keyword arguments" in msg, msg
-                    assert "Attention" in msg, msg
-                assert e[f"dropped_{family}_plain"]
+            for kind in ("padded", "packed"):
+                msg = e[f"dropped_{kind}"]
+                assert "do not pass the batch's keyword arguments" in msg, msg
+                assert "NemotronAttention" in msg, msg
+            assert e["dropped_plain"]
         # the RoPE cases can fail: some rank's own positions rotate differently (logits apart by far more than
         # fp32 rounding, ~1e-6; measured 1e-3 for dynamic at 2 ranks, where 36 and 45 positions scale alike)
         for family in ("phi3", "llama"):

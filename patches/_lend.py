@@ -1,0 +1,96 @@
+"""The batch's keywords lent to modules their callers leave them out of.
+
+hf_ring's attention function and sharded mixers learn the batch's padding, packed documents, shard and KV cache
+from the keywords the model passes down (``ring_document_ids``, ``ring_shard_info``, ``ring_cache``, packing
+keywords). Some callers drop them: Nemotron's and StableLM's decoder layers call their attention with named
+arguments only, Jamba's call their Mamba mixer with the mask alone, the pure Mamba and Falcon-Mamba backbones pass
+their blocks the mask only, Mamba2's causal LM calls its backbone without them. A forward pre-hook of the caller
+(``LendKeywords``) puts them beside the mask in its ``attention_mask`` argument (``Lent``); the callee unpacks them:
+hf_ring's sharded mixers themselves, an attention module or Mamba2's backbone by a pre-hook (``UnpackLent``). The
+keywords travel in the calls' arguments, nothing is kept between calls, so a checkpointed layer's recomputation
+(with Transformers running module hooks inside the checkpoint or outside) sees them again.
+
+``install`` / ``remove`` do this for the attention modules of a family whose decoder layers drop the keywords
+(``FamilyPatch.lend_attention_kwargs``); ``hf_ring.patches.linear.install`` for the mixers.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..hf_attention import DOCUMENT_IDS_KWARG, POSITIONS_KWARG, SHARD_INFO_KWARG
+
+__all__ = ["LENT", "LendKeywords", "Lent", "UnpackLent", "install", "remove"]
+
+
+class Lent:
+    """The ``attention_mask`` argument of a call, with the batch's keywords its caller was given beside it."""
+
+    def __init__(self, mask, kwargs: dict):
+        self.mask, self.kwargs = mask, kwargs
+
+
+LENT = (DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, POSITIONS_KWARG, "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+        "seq_idx")  # fmt: skip
+"""The keywords a mixer reads (documents, padding, packing, the shard, positions for a batch sharded by hand)."""
+
+
+class LendKeywords:
+    """Forward pre-hook (with keywords) of a module that calls the modules below it with the mask but without the
+    batch's keywords: ``keys``, or with ``keys=None`` every keyword its forward does not name (those it drops)."""
+
+    def __init__(self, module: torch.nn.Module, keys: tuple | None = LENT):
+        names = [p.name for p in inspect.signature(type(module).forward).parameters.values()][1:]
+        self.position = names.index("attention_mask") if "attention_mask" in names else -1
+        self.keys, self.named = keys, frozenset(names)
+
+    def __call__(self, module, args, kwargs):
+        if isinstance(kwargs.get("attention_mask"), Lent) or self.position < 0 or len(args) > self.position:
+            return None  # (a mask given by position: nothing lent, and the callee refuses a batch it cannot see)
+        if self.keys is None:
+            lent = {k: v for k, v in kwargs.items() if k not in self.named}
+        else:
+            lent = {k: kwargs[k] for k in self.keys if k in kwargs}  # (shard_batch's document ids, None too)
+        return args, {**kwargs, "attention_mask": Lent(kwargs.get("attention_mask"), lent)}
+
+
+class UnpackLent:
+    """Forward pre-hook (with keywords) of a module whose caller lends it the batch's keywords (``LendKeywords``) and
+    which passes its own keywords on (an attention module to the attention function; Mamba2's backbone to its
+    blocks): the mask and the keywords unpacked into its call, before it reads the mask."""
+
+    def __call__(self, module, args, kwargs):
+        lent = kwargs.get("attention_mask")
+        if not isinstance(lent, Lent):
+            return None
+        return args, {**lent.kwargs, **kwargs, "attention_mask": lent.mask}
+
+
+class _LayerLends(LendKeywords):
+    """``LendKeywords`` of a decoder layer to its attention (``install``; ``remove`` finds it by its class)."""
+
+
+class _AttentionUnpacks(UnpackLent):
+    """``UnpackLent`` of an attention module (``install``; ``remove`` finds it by its class)."""
+
+
+def install(model: torch.nn.Module, modules: list) -> None:
+    """Make the module holding each attention module of ``modules`` (its decoder layer) lend it every keyword of its
+    own call that its forward does not name; each attention module unpacks them. Replaces earlier such hooks."""
+    remove(model)
+    parents = {id(c): p for p in model.modules() for c in p.children()}
+    for m in modules:
+        layer = parents[id(m)]
+        layer.register_forward_pre_hook(_LayerLends(layer, keys=None), with_kwargs=True)
+        m.register_forward_pre_hook(_AttentionUnpacks(), with_kwargs=True)
+
+
+def remove(model: torch.nn.Module) -> None:
+    """Remove the hooks ``install`` added (found by their class, so a deep copy's are found too)."""
+    for m in model.modules():
+        for hook_id, hook in list(m._forward_pre_hooks.items()):
+            if isinstance(hook, (_LayerLends, _AttentionUnpacks)):
+                del m._forward_pre_hooks[hook_id]
+                m._forward_pre_hooks_with_kwargs.pop(hook_id, None)
