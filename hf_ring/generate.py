@@ -149,7 +149,7 @@ def _cache_classes():
         """A Transformers ``Cache`` whose layers keep this rank's shard of the keys/values (see the module)."""
 
         def __init__(self, state: _State, num_layers: int):
-            super().__init__(layers=[ShardedLayer(state) for _ in range(num_layers)])
+            Cache.__init__(self, layers=[ShardedLayer(state) for _ in range(num_layers)])  # (not a subclass's base)
             self.state = state
             # hybrids: each recurrent layer's record (its convolution's last inputs, its state after the sequence),
             # the same on every rank: written by the prefill, carried on by every decode step (patches.linear)
@@ -169,6 +169,21 @@ def _cache_classes():
             st.local = st.docs = st.q_pos = None
 
     return ShardedLayer, ShardedCache
+
+
+@functools.cache
+def _sharded_cache_class(required: type | None) -> type:
+    """``ShardedCache``, or for a family whose model takes only its own cache class (MiniMax), a subclass of both
+    that behaves as ``ShardedCache``: the required class's own methods that ``Cache`` has too are ``Cache``'s."""
+    from transformers.cache_utils import Cache
+
+    _, sharded = _cache_classes()
+    if required is None:
+        return sharded
+    own = {name for k in required.__mro__ if k not in Cache.__mro__ for name in vars(k)} - {*vars(sharded), "__init__"}
+    methods = {name: inspect.getattr_static(Cache, name, None) for name in own}
+    restored = {k: v for k, v in methods.items() if callable(v) or isinstance(v, (property, staticmethod, classmethod))}
+    return type(f"Sharded{required.__name__}", (sharded, required), {**restored, "__module__": __name__})
 
 
 def ring_generate(model, inputs, **generate_kwargs):
@@ -231,8 +246,7 @@ def ring_generate(model, inputs, **generate_kwargs):
     from .patches.linear import conv_kernel_size
 
     state.halo = max((conv_kernel_size(m) - 1 for m in patch.linear_modules(target)), default=0)
-    _, cache_cls = _cache_classes()
-    cache = cache_cls(state, target.config.get_text_config().num_hidden_layers)
+    cache = _sharded_cache_class(patch.cache_type())(state, target.config.get_text_config().num_hidden_layers)
     name = _cache_name(target)
     hooks = [
         target.register_forward_pre_hook(_Before(state, cache, name), with_kwargs=True, prepend=True),

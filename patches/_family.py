@@ -369,6 +369,12 @@ class FamilyPatch:
     # why ``ring_generate`` refuses the family (its model manages its KV cache in a way the sharded cache does not
     # follow), or None
     no_generate: str | None = None
+    # the cache class the family's model takes and no other (MiniMax: MiniMaxCache), which ring_generate's sharded
+    # cache then subclasses (behaving as the sharded cache); None: any Transformers Cache
+    cache_class: str | None = None
+
+    def cache_type(self) -> type | None:
+        return None if self.cache_class is None else _class(self.cache_class)
 
     def attention_type(self) -> type:
         return _class(self.attention_class)

@@ -40,7 +40,7 @@ from __future__ import annotations
 from ._family import FamilyPatch, LogitTransform, check_layer_types, check_window
 
 __all__ = [
-    "CHECKS", "LENDS_ATTENTION_KWARGS", "FAMILIES", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
+    "CACHE_CLASSES", "CHECKS", "FAMILIES", "LENDS_ATTENTION_KWARGS", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_llama4", "check_minimax",
     "check_without_windows",
@@ -287,10 +287,12 @@ with the mask alone) beside the mask (``Lent``); Mamba2's causal LM to its backb
 them on (``UnpackLent``)."""
 
 NO_GENERATE = {
-    "minimax": "its model takes no cache but its own (MiniMaxCache), which the sharded cache is not",
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
+
+CACHE_CLASSES = {"minimax": "transformers.models.minimax.modeling_minimax.MiniMaxCache"}
+"""Families whose model takes no cache but its own class: ``hf_ring.ring_generate``'s sharded cache subclasses it."""
 
 LOGIT_TRANSFORMS = {
     "cohere": LogitTransform(multiply="logit_scale"),
@@ -323,6 +325,7 @@ PATCHES = {
         lend_attention_kwargs=model_type in LENDS_ATTENTION_KWARGS,
         linear_class=LINEAR.get(model_type),
         no_generate=NO_GENERATE.get(model_type),
+        cache_class=CACHE_CLASSES.get(model_type),
         lend_mixer_kwargs=LENDS_MIXER_KWARGS.get(model_type),
     )
     for model_type, path in FAMILIES.items()
