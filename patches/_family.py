@@ -46,7 +46,7 @@ from ..hf_attention import (
 )
 from ..layout import shard
 from ..ring import PlanCache
-from . import _lend, _rope, _temperature, linear
+from . import _lend, _rope, _shared_kv, _temperature, linear
 
 __all__ = [
     "BlockIds",
@@ -270,11 +270,12 @@ class ShardEmbeddings:
 
 
 def _switch(model, implementation: str) -> None:
-    """``set_attn_implementation`` for the text model only (a vision-language model's vision tower keeps its own)."""
+    """``set_attn_implementation`` for the text model only (a vision-language model's vision tower keeps its own;
+    DBRX's attention and FFN sub-configs, parts of its own config, keep theirs)."""
     config = model.config
     text = config.get_text_config()
     if text is config:
-        model.set_attn_implementation(implementation)
+        model.set_attn_implementation({"": implementation})
         return
     key = next((k for k in config.sub_configs if getattr(config, k, None) is text), None)
     if key is None:
@@ -323,7 +324,8 @@ class LogitTransform:
 
     def scale(self, config) -> float:
         """The logit scale as one factor (1.0: none)."""
-        factor = float(getattr(config, self.multiply)) if self.multiply else 1.0
+        factor = getattr(config, self.multiply, None) if self.multiply else None
+        factor = 1.0 if factor is None else float(factor)  # (a config may leave the scale unset: none)
         return factor / float(getattr(config, self.divide)) if self.divide else factor
 
     def cap(self, config) -> float | None:
@@ -443,6 +445,7 @@ class FamilyPatch:
         _rope.install(rotaries, cfg)
         _temperature.remove(model)
         _temperature.install(modules)
+        _shared_kv.install(model)
         _lend.remove(model)
         if self.lend_attention_kwargs:
             _lend.install(model, modules)
@@ -468,6 +471,7 @@ class FamilyPatch:
                 delattr(m, CONFIG_ATTR)
         _rope.remove(model)
         _temperature.remove(model)
+        _shared_kv.remove(model)
         _lend.remove(model)
         linear.remove(model)
         _set_hooks(model, None)

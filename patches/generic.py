@@ -40,7 +40,7 @@ from __future__ import annotations
 from ._family import FamilyPatch, LogitTransform, check_layer_types, check_window
 
 __all__ = [
-    "CACHE_CLASSES", "CHECKS", "FAMILIES", "LENDS_ATTENTION_KWARGS", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
+    "ALIASES", "CACHE_CLASSES", "CHECKS", "FAMILIES", "LENDS_ATTENTION_KWARGS", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_llama4", "check_minimax",
     "check_without_windows",
@@ -51,6 +51,7 @@ FAMILIES = {
     "apertus": "transformers.models.apertus.modeling_apertus.ApertusAttention",
     "apertus1p5_text": "transformers.models.apertus1p5.modeling_apertus1p5.Apertus1p5TextAttention",
     "arcee": "transformers.models.arcee.modeling_arcee.ArceeAttention",
+    "aria_text": "transformers.models.aria.modeling_aria.AriaTextAttention",
     "axk1": "transformers.models.axk1.modeling_axk1.AXK1Attention",
     "bamba": "transformers.models.bamba.modeling_bamba.BambaAttention",
     "bitnet": "transformers.models.bitnet.modeling_bitnet.BitNetAttention",
@@ -58,12 +59,15 @@ FAMILIES = {
     "cohere": "transformers.models.cohere.modeling_cohere.CohereAttention",
     "cohere2": "transformers.models.cohere2.modeling_cohere2.Cohere2Attention",
     "cohere2_moe": "transformers.models.cohere2_moe.modeling_cohere2_moe.Cohere2MoeAttention",
+    "cohere_compass_text": "transformers.models.cohere_compass.modeling_cohere_compass.CohereCompassAttention",
     "cwm": "transformers.models.cwm.modeling_cwm.CwmAttention",
+    "dbrx": "transformers.models.dbrx.modeling_dbrx.DbrxAttention",
     "deepseek_v2": "transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention",
     "deepseek_v3": "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
     "diffllama": "transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention",
     "dory": "transformers.models.dory.modeling_dory.DoryAttention",
     "dots1": "transformers.models.dots1.modeling_dots1.Dots1Attention",
+    "emu3_text_model": "transformers.models.emu3.modeling_emu3.Emu3Attention",
     "ernie4_5": "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention",
     "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeAttention",
     "exaone4": "transformers.models.exaone4.modeling_exaone4.Exaone4Attention",
@@ -75,7 +79,9 @@ FAMILIES = {
     "gemma": "transformers.models.gemma.modeling_gemma.GemmaAttention",
     "gemma2": "transformers.models.gemma2.modeling_gemma2.Gemma2Attention",
     "gemma3_text": "transformers.models.gemma3.modeling_gemma3.Gemma3Attention",
+    "gemma3n_text": "transformers.models.gemma3n.modeling_gemma3n.Gemma3nTextAttention",
     "gemma4_text": "transformers.models.gemma4.modeling_gemma4.Gemma4TextAttention",
+    "gemma4_unified_text": "transformers.models.gemma4_unified.modeling_gemma4_unified.Gemma4UnifiedTextAttention",
     "glm": "transformers.models.glm.modeling_glm.GlmAttention",
     "glm4": "transformers.models.glm4.modeling_glm4.Glm4Attention",
     "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention",
@@ -113,6 +119,7 @@ FAMILIES = {
     "minimax": "transformers.models.minimax.modeling_minimax.MiniMaxAttention",
     "minicpm3": "transformers.models.minicpm3.modeling_minicpm3.MiniCPM3Attention",
     "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2Attention",
+    "minimax_m3_vl_text": "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLAttention",
     "ministral": "transformers.models.ministral.modeling_ministral.MinistralAttention",
     "ministral3": "transformers.models.ministral3.modeling_ministral3.Ministral3Attention",
     "mistral4": "transformers.models.mistral4.modeling_mistral4.Mistral4Attention",
@@ -270,6 +277,7 @@ Mamba2 or short-convolution class, whose modules' forward ``hf_ring.patches.line
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
+    "gemma4_unified_text": check_gemma4,
     "llama4_text": check_llama4,
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax,
@@ -298,9 +306,12 @@ LOGIT_TRANSFORMS = {
     "cohere": LogitTransform(multiply="logit_scale"),
     "cohere2": LogitTransform(multiply="logit_scale"),
     "cohere2_moe": LogitTransform(multiply="logit_scale"),
+    "cohere_compass_text": LogitTransform(multiply="logit_scale"),  # (None: no scale)
     "gemma2": LogitTransform(softcap="final_logit_softcapping"),
     "gemma3_text": LogitTransform(softcap="final_logit_softcapping"),
+    "gemma3n_text": LogitTransform(softcap="final_logit_softcapping"),
     "gemma4_text": LogitTransform(softcap="final_logit_softcapping"),
+    "gemma4_unified_text": LogitTransform(softcap="final_logit_softcapping"),
     "granite": LogitTransform(divide="logits_scaling"),
     "granite_swa": LogitTransform(divide="logits_scaling"),
     "granitemoe": LogitTransform(divide="logits_scaling"),
@@ -315,10 +326,14 @@ LOGIT_TRANSFORMS = {
 }
 """What these families' causal-LM heads do to the lm_head output before the loss (the others: nothing)."""
 
+ALIASES = {"sarvam_mla": "deepseek_v3", "sarvam_moe": "glm4_moe"}
+"""Model types whose checkpoints load another family's model classes (a config of their own, the modules of the
+family named): that family's patch. (Llama's: ``hf_ring.patches.llama``.)"""
+
 PATCHES = {
     model_type: FamilyPatch(
         name=model_type,
-        model_types=(model_type,),
+        model_types=(model_type, *(alias for alias, family in ALIASES.items() if family == model_type)),
         attention_class=path,
         check_config=CHECKS.get(model_type, check),
         logit_transform=LOGIT_TRANSFORMS.get(model_type),
@@ -330,4 +345,5 @@ PATCHES = {
     )
     for model_type, path in FAMILIES.items()
 }
+PATCHES.update({alias: PATCHES[family] for alias, family in ALIASES.items()})
 """``config.model_type`` -> its ``FamilyPatch``."""

@@ -10,7 +10,8 @@ __all__ = ["PATCH", "apply_ring_attention_to_llama", "revert_ring_attention_from
 
 PATCH = FamilyPatch(
     name="llama",
-    model_types=("llama",),
+    # and checkpoints that load Llama's classes under a model type of their own (EXAONE 3.x, InternLM3, IQuest-Coder)
+    model_types=("llama", "exaone", "internlm3", "iquestcoder"),
     attention_class="transformers.models.llama.modeling_llama.LlamaAttention",
 )
 

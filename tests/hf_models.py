@@ -19,7 +19,8 @@ SCALE_FACTOR = 1.5
 # that makes a random tiny model so sharp that fp32 gradients differ from float64 by 3e-5 in Transformers' own
 # attention (0.3: 2.6e-6, measured without the MoE block, which has no float64 kernel). 0.2 (neither 1.0 nor
 # head_dim ** -0.5) keeps the ring's gradient errors at <= 4.4e-6 (measured, 1 to 4 ranks) under the 1e-5 tolerance
-SCALE_FACTORS = {"gemma4_text": 0.2, "gemma4": 0.2}
+# (Gemma 3n and Gemma 4 Unified score the same way: 0.2 too; Gemma 3n at 1.5 measured 7.7e-6, at 0.2 2.5e-6)
+SCALE_FACTORS = {"gemma4_text": 0.2, "gemma4": 0.2, "gemma4_unified_text": 0.2, "gemma3n_text": 0.2}
 
 
 # RoPE types whose frequencies follow the largest position id (config overrides for make_config). The thresholds
@@ -136,6 +137,41 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     # MiniMax: lightning attention (a fixed decay per head, in blocks of 8 here) beside attention, experts
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", {"head_dim": 16, "block_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
                 "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
+    # Llama's modules under their own model_type (EXAONE 3.x, InternLM3, IQuest-Coder; Transformers 5.24)
+    "exaone": ("ExaoneConfig", "LlamaForCausalLM", {}),
+    "internlm3": ("InternLM3Config", "LlamaForCausalLM", {"head_dim": 16}),
+    "iquestcoder": ("IQuestCoderConfig", "LlamaForCausalLM", {"head_dim": 16}),
+    # Sarvam: DeepSeek-V3's latent attention, GLM-4-MoE's QK-norm attention (Transformers 5.24)
+    "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM", {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                   "n_shared_experts": 1, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+                   "first_k_dense_replace": 1}),
+    "sarvam_moe": ("SarvamMoEConfig", "Glm4MoeForCausalLM", {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                   "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+                   "topk_group": 1}),
+    "aria_text": ("AriaTextConfig", "AriaTextForCausalLM", {"moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 1}),
+    # DBRX: clipped q/k/v, experts (its attention config must name rope_theta on 5.24)
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM", {"d_model": 64, "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 1e4},
+             "ffn_config": {"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2}}),
+    "emu3_text_model": ("Emu3TextConfig", "Emu3ForCausalLM", {"attention_dropout": 0.0}),  # (its default: 0.1)
+    # Gemma 3n: AltUp, Laurel, per-layer inputs, activation sparsity, layers reusing earlier layers' keys/values,
+    # sliding / full mix, final logit softcapping
+    "gemma3n_text": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 6,
+                     "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+                     "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "laurel_rank": 8,
+                     "altup_num_inputs": 2, "final_logit_softcapping": 2.0,
+                     "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0]}),
+    "gemma4_unified_text": ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", {"head_dim": 16, "num_hidden_layers": 4,
+                            "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                            "num_kv_shared_layers": 2, "final_logit_softcapping": 2.0}),
+    # Cohere Compass: sliding layers with (text-only) multimodal RoPE, full layers without RoPE, logit scale
+    "cohere_compass_text": ("CohereCompassTextConfig", "CohereCompassForCausalLM", {"logit_scale": 0.5, **_SLIDE_FULL,
+                            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                                                      "mrope_section": [4, 2, 2]},
+                                                "full_attention": None}}),
+    # MiniMax M3's text model with dense attention layers (its sparse-indexer layers are refused)
+    "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", {"head_dim": 16, "rotary_dim": 8,
+                           "num_local_experts": 4, "num_experts_per_tok": 2, "dense_intermediate_size": 96,
+                           "shared_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"]}),
     # Phi-3.5-MoE: its router samples experts in training mode (tested in eval mode: top-2 routing)
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # older code models: multi-query attention with learned positions (StarCoder 1 / SantaCoder), rotary on part of
@@ -266,10 +302,17 @@ apply to their text config."""
 
 
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
-         "gptj": "5.24"}  # fmt: skip
+         "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
+         "sarvam_moe": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not)."""
+
+
+DRAWN_PADDING_EMBEDDING = ("gemma3n_text",)
+"""Families whose padding token's embedding (zero at initialisation, ``padding_idx``) ``make_model`` draws at random,
+as a trained checkpoint has it: Gemma 3n's AltUp takes the square root of each token's mean square, whose gradient
+at a zero embedding is NaN (in the unmodified model too), and ``shard_batch`` pads with token 0."""
 
 
 SAMPLES_IN_TRAINING = ("phimoe",)
@@ -396,6 +439,10 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
     torch.manual_seed(seed)
     model = cls(make_config(family, **overrides)).to(dtype)
     model.config.use_cache = False
+    if family in DRAWN_PADDING_EMBEDDING:
+        with torch.no_grad():
+            row = model.get_input_embeddings().weight[PAD_ID]
+            row.copy_(torch.randn(row.shape, generator=torch.Generator().manual_seed(6)).to(row.dtype))
     if family in SAMPLES_IN_TRAINING:  # compared in eval mode (deterministic routing) unless a test says otherwise
         model.eval()
     if images:

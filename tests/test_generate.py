@@ -43,6 +43,7 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     # Gemma 4: its last layers attend with the keys/values of earlier layers (no cache of their own)
     "gemma4_text-shared-kv": ("gemma4_text", 2, 14, 3, {}),
     "gemma4-vision-language": ("gemma4", 1, 13, 0, {}),
+    "gemma3n_text-shared-kv": ("gemma3n_text", 2, 14, 3, {"scores": True}),  # AltUp, per-layer inputs, KV-shared layers
     "qwen3_vl-vision-language": ("qwen3_vl", 2, 12, 3, {}),  # multimodal RoPE on text positions
     "qwen2_vl-vision-language": ("qwen2_vl", 1, 13, 0, {}),  # three position rows (Qwen3-VL: four)
     "internvl-vision-language": ("internvl", 2, 12, 2, {}),  # a Qwen3 text model (a dedicated patch)

@@ -28,6 +28,7 @@ from tests.hf_models import (
 )
 
 FAMILIES = sorted({p.name for p in REGISTRY.values()})
+MODEL_TYPES = sorted(REGISTRY)  # the families, and the model types that load a family's classes (generic.ALIASES)
 # world size 1: ring attention vs SDPA on the same fp32 inputs; a different summation order only
 ATOL = 2e-5
 
@@ -60,7 +61,8 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
         elif in_transformers(model_type):  # (families new in a later Transformers: their classes are not there)
             assert patch.attention_type().__name__.endswith(("Attention", "MLA"))  # LongCat's: LongcatFlashMLA
         if patch.name in generic.FAMILIES:  # one line each in the generic table, one shared check
-            assert generic.PATCHES[model_type] is patch and patch.model_types == (model_type,)
+            assert generic.PATCHES[model_type] is patch and patch.model_types[0] == patch.name
+            assert set(patch.model_types[1:]) == {a for a, f in generic.ALIASES.items() if f == patch.name}
             assert patch.check_config is generic.CHECKS.get(model_type, generic.check)
             assert not patch.media
             continue
@@ -74,7 +76,8 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
         assert mod.PATCH is patch
         assert callable(getattr(mod, f"apply_ring_attention_to_{patch.name}"))
         assert callable(getattr(mod, f"revert_ring_attention_from_{patch.name}"))
-    classes = [p.attention_class or p.linear_class for p in REGISTRY.values() if not p.media]
+    patches = {id(p): p for p in REGISTRY.values() if not p.media}.values()  # (an alias: its family's patch)
+    classes = [p.attention_class or p.linear_class for p in patches]
     assert len(set(classes)) == len(classes)  # no attention (or, without attention, mixer) class claimed twice
 
 
@@ -89,7 +92,7 @@ def test_generic_patch_refuses_what_it_does_not_implement():
             hf_ring.apply_ring_attention(make_model(family, use_bidirectional_attention="all"))
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if in_transformers(f)])
+@pytest.mark.parametrize("family", [f for f in MODEL_TYPES if in_transformers(f)])
 def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -98,12 +101,13 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     original = model.config._attn_implementation
     ids = _ids()
     before = _logits(model, input_ids=ids)
+    own = {id(c): c._attn_implementation for c in _sub_configs(model.config)}  # (DBRX's parts of its config: None)
 
     assert hf_ring.apply_ring_attention(model) is model
     text = model.config.get_text_config()  # a vision-language model: its vision tower keeps its own attention
     attention = get_patch(family).attention_class is not None  # (Mamba2 has none: its implementation stays)
     assert text._attn_implementation == ("hf_ring" if attention else original)
-    assert all(c._attn_implementation == original for c in _sub_configs(model.config) if c is not text)
+    assert all(c._attn_implementation == own[id(c)] for c in _sub_configs(model.config) if c is not text)
     assert AttentionInterface._global_mapping["hf_ring"] is hf_attention.ring_attention_forward
     assert AttentionMaskInterface._global_mapping["hf_ring"] is hf_attention.ring_mask_function
     modules = get_patch(family).attention_modules(model)
@@ -131,7 +135,7 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     torch.testing.assert_close(ring, before, atol=ATOL, rtol=0)
 
     assert hf_ring.revert_ring_attention(model) is model
-    assert all(c._attn_implementation == original for c in _sub_configs(model.config))
+    assert all(c._attn_implementation == own[id(c)] for c in _sub_configs(model.config))
     assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in modules)
     assert not any("forward" in m.__dict__ for m in linear)
     lending = (LendKeywords, UnpackLent)
@@ -810,3 +814,29 @@ def test_shard_batch_shards_a_text_batchs_token_types_as_input_ids():
     torch.testing.assert_close(_logits(model, **local)[:, :45], before, atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="mm_token_type_ids must have the shape of input_ids"):
         hf_ring.shard_batch({**batch, "mm_token_type_ids": batch["mm_token_type_ids"][:, 1:]})
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4_unified_text", "gemma3n_text"])
+def test_one_rank_with_a_padding_mask_through_kv_shared_layers(family):
+    """One process, a 2-D padding mask (hf_ring's mask function passes it on as such): Gemma 4's text model (5.24)
+    cuts its masks as 4-D before its KV-shared layers (an IndexError unpatched, measured); patched, it leaves them
+    whole then, and the real tokens' logits, also with ``logits_to_keep=1`` (generate's prefill), are the unmodified
+    model's (fp32: the ring's order of summation, ~1e-7)."""
+    if not in_transformers(family):
+        pytest.skip(f"{family} is not in this Transformers release")
+    from hf_ring.patches import _shared_kv
+
+    model = make_model(family).eval()
+    batch, _ = make_batch("padded", 40)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    keep = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        ref, ref_last = model(**inputs).logits, model(**inputs, logits_to_keep=1).logits
+        hf_ring.apply_ring_attention(model)
+        got, got_last = model(**inputs).logits, model(**inputs, logits_to_keep=1).logits
+    assert float((got - ref)[keep].norm() / ref[keep].norm()) <= 1e-5
+    last = keep[:, -1]  # (rows whose last token is padding: nothing to compare)
+    assert last.any() and got_last.shape == ref_last.shape
+    assert float((got_last - ref_last)[last].norm() / ref_last[last].norm()) <= 1e-5
+    hf_ring.revert_ring_attention(model)
+    assert not any(_shared_kv.ATTR in vars(m) for m in model.modules())

@@ -149,6 +149,25 @@ CASES = {
     # Gemma 4 (text): shared keys/values across layers, keys as values, per-layer embeddings, softcapping
     "gemma4_text-packed": ("gemma4_text", "packed", 45, {}),
     "gemma4_text-padded-lora-checkpointing": ("gemma4_text", "padded", 40, {"lora": True, "checkpointing": True}),
+    # Gemma 3n (text): AltUp, Laurel, per-layer inputs, activation sparsity, shared keys/values, softcapping (its
+    # padding token's embedding drawn at random: hf_models.DRAWN_PADDING_EMBEDDING)
+    "gemma3n_text-packed": ("gemma3n_text", "packed", 45, {}),
+    "gemma3n_text-padded-lora-checkpointing": ("gemma3n_text", "padded", 40, {"lora": True, "checkpointing": True}),
+    "gemma4_unified_text-padded": ("gemma4_unified_text", "padded", 45, {}),
+    "gemma4_unified_text-packed-checkpointing": ("gemma4_unified_text", "packed", 40, {"checkpointing": True}),
+    "aria_text-padded": ("aria_text", "padded", 45, {}),
+    "dbrx-packed": ("dbrx", "packed", 40, {}),  # clipped q/k/v, experts
+    "emu3_text_model-plain": ("emu3_text_model", "plain", 45, {}),
+    # sliding layers with (text-only) multimodal RoPE, full layers without RoPE, logit scale
+    "cohere_compass_text-padded": ("cohere_compass_text", "padded", 40, {}),
+    "cohere_compass_text-packed-lora": ("cohere_compass_text", "packed", 45, {"lora": True}),
+    "minimax_m3_vl_text-packed": ("minimax_m3_vl_text", "packed", 45, {}),
+    # model types that load another family's classes (Transformers 5.24)
+    "exaone-padded": ("exaone", "padded", 40, {}),
+    "internlm3-packed": ("internlm3", "packed", 45, {}),
+    "iquestcoder-plain": ("iquestcoder", "plain", 40, {}),
+    "sarvam_mla-padded": ("sarvam_mla", "padded", 45, {}),
+    "sarvam_moe-packed": ("sarvam_moe", "packed", 40, {}),
     # vision-language models, text-only batches (their text model patched; the vision tower gets no gradient)
     "gemma3-packed": ("gemma3", "packed", 45, {}),
     "gemma3-padded-lora-checkpointing": ("gemma3", "padded", 40, {"lora": True, "checkpointing": True}),
