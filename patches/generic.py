@@ -42,7 +42,8 @@ from ._family import FamilyPatch, LogitTransform, check_layer_types, check_windo
 __all__ = [
     "ALIASES", "CACHE_CLASSES", "CHECKS", "FAMILIES", "LENDS_ATTENTION_KWARGS", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "check",
-    "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_llama4", "check_minimax",
+    "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
+    "check_llama4", "check_minimax",
     "check_without_windows",
 ]  # fmt: skip
 
@@ -53,6 +54,7 @@ FAMILIES = {
     "arcee": "transformers.models.arcee.modeling_arcee.ArceeAttention",
     "aria_text": "transformers.models.aria.modeling_aria.AriaTextAttention",
     "axk1": "transformers.models.axk1.modeling_axk1.AXK1Attention",
+    "bailing_hybrid": "transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridAttention",
     "bamba": "transformers.models.bamba.modeling_bamba.BambaAttention",
     "bitnet": "transformers.models.bitnet.modeling_bitnet.BitNetAttention",
     "codegen": "transformers.models.codegen.modeling_codegen.CodeGenAttention",
@@ -108,8 +110,10 @@ FAMILIES = {
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearAttention",
     "kolibri1": "transformers.models.kolibri1.modeling_kolibri1.Kolibri1Attention",
     "laguna": "transformers.models.laguna.modeling_laguna.LagunaAttention",
+    "lara_mini": "transformers.models.lara_mini.modeling_lara_mini.LaraMiniAttention",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeAttention",
+    "lfm3": "transformers.models.lfm3.modeling_lfm3.Lfm3Attention",
     "llama4_text": "transformers.models.llama4.modeling_llama4.Llama4TextAttention",
     "longcat_flash": "transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
     "mamba": None,  # no attention: its Mamba mixers only (``LINEAR``)
@@ -164,13 +168,14 @@ def check(config, *, windows: bool = True) -> None:
     _check_router(config, what)
 
 
-def check_linear(config) -> None:
-    """``check`` for a hybrid family: full-attention layers (no windows) beside linear-attention, Mamba2 or
-    short-convolution layers (``hf_ring.patches.linear``), attention and Mamba2 side by side (Falcon-H1's
-    ``hybrid``), or MLP-only layers (Nemotron-H); no z-loss (Bamba)."""
+def check_linear(config, sliding: bool = False) -> None:
+    """``check`` for a hybrid family: full-attention layers (no windows; with ``sliding``, sliding-window layers
+    too: LFM3, Lara-Mini) beside linear-attention, Mamba2 or short-convolution layers (``hf_ring.patches.linear``),
+    attention and Mamba2 side by side (Falcon-H1's ``hybrid``), or MLP-only layers (Nemotron-H); no z-loss
+    (Bamba)."""
     what = getattr(config, "model_type", "model")
     allowed = ("full_attention", "linear_attention", "conv", "hybrid", "mlp", "moe")
-    check_layer_types(config, what, allowed=allowed, window=False)
+    check_layer_types(config, what, allowed=(*allowed, "sliding_attention") if sliding else allowed, window=sliding)
     _check_router(config, what)
     if (getattr(config, "z_loss_coefficient", None) or 0) > 0:
         raise ValueError(
@@ -178,6 +183,11 @@ def check_linear(config) -> None:
             "log-sum-exp of the logits) that each rank would compute over its own tokens only and that hf_ring's "
             "loss aggregation does not reproduce; set config.z_loss_coefficient=0 to train with context parallelism"
         )
+
+
+def check_linear_sliding(config) -> None:
+    """``check_linear`` for hybrids with sliding-window attention layers beside their full ones (LFM3, Lara-Mini)."""
+    check_linear(config, sliding=True)
 
 
 def check_minimax(config) -> None:
@@ -254,14 +264,17 @@ def check_llama4(config) -> None:
 
 
 LINEAR = {
+    "bailing_hybrid": "transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridDeltaAttention",
     "bamba": "transformers.models.bamba.modeling_bamba.BambaMixer",
     "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer",
     "falcon_mamba": "transformers.models.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer",
     "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
     "jamba": "transformers.models.jamba.modeling_jamba.JambaMambaMixer",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
+    "lara_mini": "transformers.models.lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv",
     "lfm2_moe": "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
+    "lfm3": "transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv",
     "mamba": "transformers.models.mamba.modeling_mamba.MambaMixer",
     "mamba2": "transformers.models.mamba2.modeling_mamba2.Mamba2Mixer",
     "minimax": "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention",
@@ -280,7 +293,7 @@ CHECKS = {
     "gemma4_unified_text": check_gemma4,
     "llama4_text": check_llama4,
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
-    "minimax": check_minimax,
+    "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 

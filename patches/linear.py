@@ -336,8 +336,9 @@ def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep, m
 
 
 def _kimi_delta(m, kernels, hidden_states, plan, gather, documents, keep, memory):
-    """Transformers' Kimi Delta Attention (Kimi Linear) without a cache: the gated delta rule with a decay per key
-    channel (its transitions are as affine in the state; the same widened values carry them)."""
+    """Transformers' Kimi Delta Attention (Kimi Linear; Bailing's linear attention, whose output gate is one
+    projection) without a cache: the gated delta rule with a decay per key channel (its transitions are as affine in
+    the state; the same widened values carry them)."""
     batch, n, _ = hidden_states.shape
     heads = (batch, n, -1, m.head_dim)
     mixed = torch.cat([m.q_proj(hidden_states), m.k_proj(hidden_states), m.v_proj(hidden_states)], dim=-1)
@@ -354,7 +355,7 @@ def _kimi_delta(m, kernels, hidden_states, plan, gather, documents, keep, memory
         kernel=kernels.chunk_kimi_delta_attention, plan=plan, gather=gather, documents=documents, memory=memory,
         step_kernel=getattr(kernels, "recurrent_kimi_delta_attention", None), use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
-    gate = m.g_b_proj(m.g_a_proj(hidden_states)).reshape(heads)
+    gate = (m.g_proj(hidden_states) if hasattr(m, "g_proj") else m.g_b_proj(m.g_a_proj(hidden_states))).reshape(heads)
     return m.o_proj(m.o_norm(core, gate).reshape(batch, n, -1))
 
 

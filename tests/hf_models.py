@@ -208,6 +208,18 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                     "mlp_layer_types": ["dense", "sparse", "sparse"], "linear_num_heads": 2, "linear_head_dim": 16,
                     "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32}),
     "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", _LINEAR),  # q/k/v and gate projections, beta x 2
+    # LFM3: short convolutions beside sliding and full attention layers (Transformers 5.24)
+    "lfm3": ("Lfm3Config", "Lfm3ForCausalLM", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 6,
+             "layer_types": ["conv", "sliding_attention", "full_attention"], "conv_bias": True, "conv_L_cache": 3}),
+    # Lara-Mini: Gated DeltaNet beside sliding layers and full layers without RoPE, shared + routed experts (5.24)
+    "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", {**_LINEAR, **_MOE_SHARED, "num_hidden_layers": 3,
+                  "sliding_window": 6, "layer_types": ["linear_attention", "sliding_attention", "full_attention"]}),
+    # Bailing (Ling linear): Kimi-style delta attention with one output-gate projection beside gated latent attention
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM", {**_MLA, "head_dim": 16,
+                       "layer_types": ["linear_attention", "full_attention"], "linear_num_heads": 2,
+                       "linear_head_dim": 16, "linear_conv_kernel_dim": 4, "num_local_experts": 4,
+                       "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32,
+                       "first_k_dense_replace": 1}),
     # hybrids: Mamba2 layers (a [head_dim, d_state] state per head, heads sharing B and C in groups) beside attention
     "bamba": ("BambaConfig", "BambaForCausalLM", {**_MAMBA2, "attn_layer_indices": [1]}),
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {**_MAMBA2, "layer_types": ["mamba", "attention"],
@@ -303,7 +315,7 @@ apply to their text config."""
 
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
-         "sarvam_moe": "5.24"}  # fmt: skip
+         "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not)."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from .dist_utils import run_distributed
-from .hf_models import DYNAMIC, LONGROPE, VOCAB, make_model, transformers_at_least
+from .hf_models import DYNAMIC, LONGROPE, VOCAB, in_transformers, make_model, transformers_at_least
 
 NEW = 8  # tokens generated per case
 
@@ -80,6 +80,10 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     "lfm2": ("lfm2", 2, 13, 4, "zigzag"),  # short convolutions only
     # lightning attention; its model takes only its own cache class (its reference: each row alone, unpadded)
     "minimax": ("minimax", 2, 14, 3, "zigzag"),
+    # Transformers 5.24: LFM3 (convolutions, sliding and full layers), Lara-Mini (Gated DeltaNet), Bailing
+    "lfm3": ("lfm3", 2, 13, 2, "zigzag"),
+    "lara_mini": ("lara_mini", 2, 14, 3, "zigzag"),
+    "bailing_hybrid-contiguous": ("bailing_hybrid", 1, 13, 0, "contiguous"),
     "qwen3_5-vision-language": ("qwen3_5", 1, 13, 0, "zigzag"),
 }
 HYBRID_RTOL = 1e-5  # every step's logits (fp32); measured up to 6.2e-7 (the prefill's sharded sums, rounding)
@@ -126,7 +130,7 @@ def _hybrids(rank, world, cases: dict, forget: bool = False) -> dict:
     out = {}
     kwargs = {"max_new_tokens": NEW, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
     for name, (family, b, s, pad, layout) in cases.items():
-        if family == "falcon_h1" and not transformers_at_least("5.23"):
+        if (family == "falcon_h1" and not transformers_at_least("5.23")) or not in_transformers(family):
             continue
         inputs = _prompt(b, s, pad)
         model = _long_memory(_model(family, {}))
@@ -172,7 +176,9 @@ def _rows_alone(model, inputs: dict, kwargs: dict):
 def _check_hybrids(results: list, cases: dict) -> None:
     for rank, r in enumerate(results):
         for name in cases:
-            if cases[name][0] == "falcon_h1" and not transformers_at_least("5.23"):
+            if (cases[name][0] == "falcon_h1" and not transformers_at_least("5.23")) or not in_transformers(
+                cases[name][0]
+            ):
                 continue
             got = r[name]
             if cases[name][0] == "lfm2" and not transformers_at_least("5.23"):  # its 5.17 layers drop the keywords
@@ -388,7 +394,19 @@ def test_hybrids_generate_from_the_prompts_recurrent_states(two_ranks):
     _check_hybrids([r["hybrids"] for r in two_ranks], HYBRIDS)
 
 
-FORGETTING = {name: HYBRIDS[name] for name in ("qwen3_5_text", "bamba", "jamba", "mamba", "mamba2", "minimax")}
+FORGETTING = {
+    name: HYBRIDS[name]
+    for name in (
+        "qwen3_5_text",
+        "bamba",
+        "jamba",
+        "mamba",
+        "mamba2",
+        "minimax",
+        "lara_mini",
+        "bailing_hybrid-contiguous",
+    )
+}
 
 
 def test_a_lost_state_shows(two_ranks):

@@ -291,6 +291,14 @@ CASES = {
     "lfm2-plain-lora-checkpointing": ("lfm2", "plain", 40, {"lora": True, "checkpointing": True}),
     "lfm2_moe-plain-contiguous": ("lfm2_moe", "plain", 40, {"layout": "contiguous"}),
     "lfm2_vl-plain": ("lfm2_vl", "plain", 40, {}),
+    # 5.24: LFM3 (convolutions, sliding and full layers), Lara-Mini (Gated DeltaNet, sliding and full layers),
+    # Bailing (Kimi-style delta attention with one gate projection, gated latent attention)
+    "lfm3-padded": ("lfm3", "padded", 45, {"pad_embedding": True}),  # (so that padding carries values)
+    "lfm3-packed-lora-checkpointing": ("lfm3", "packed", 40, {"lora": True, "checkpointing": True}),
+    "lara_mini-padded": ("lara_mini", "padded", 40, {"pad_embedding": True}),
+    "lara_mini-plain-contiguous": ("lara_mini", "plain", 45, {"layout": "contiguous"}),
+    "bailing_hybrid-padded": ("bailing_hybrid", "padded", 45, {"pad_embedding": True}),
+    "bailing_hybrid-plain-lora-checkpointing": ("bailing_hybrid", "plain", 40, {"lora": True, "checkpointing": True}),
     # hybrids: Mamba2 layers (their states and convolution inputs cross the ranks)
     "bamba-plain-dt-limits": ("bamba", "plain", 45, {"config": {"time_step_limit": (1.25, 1.35)}}),  # both bind
     "bamba-padded-lora-checkpointing": ("bamba", "padded", 40, {"lora": True, "checkpointing": True}),
