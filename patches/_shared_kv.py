@@ -1,13 +1,14 @@
-"""Gemma 4's shortcut before its KV-shared layers, kept off the padding masks of one-rank calls.
+"""Gemma 4's shortcut before its KV-shared layers, turned off while the model is patched.
 
 From its first layer that reuses an earlier layer's keys and values, Gemma 4's text model (Transformers 5.24; Gemma 4
-Unified's too) cuts the hidden states, positions and masks to the rows whose logits are kept
-(``_maybe_slice_kv_shared_inputs``): those layers write no cache, so the other rows are not needed. It indexes each
-mask as ``[batch, heads, query, key]``; hf_ring's mask function returns a 2-D padding mask (a model called with an
-``attention_mask`` at one rank), which that indexing cannot take. While the model is patched, ``install`` gives each
-such module a ``_maybe_slice_kv_shared_inputs`` of its own (an instance attribute; ``remove`` deletes it) that
-leaves the inputs whole when a mask is 2-D and otherwise calls the model's: every row computed, the kept rows' logits
-unchanged.
+Unified's too) cuts the hidden states, positions and masks to the rows whose logits are kept when
+``logits_to_keep`` is a count (``_maybe_slice_kv_shared_inputs``): those layers write no cache, so the other rows
+are not needed. Under hf_ring that cut cannot run: it indexes each mask as ``[batch, heads, query, key]`` where
+hf_ring's mask function hands a one-rank call a 2-D padding mask (an ``IndexError``), and the ring's attention takes
+as many queries as keys (a count of 1, as Transformers' ``generate()`` asks, was refused). While the model is
+patched, ``install`` gives each such module a ``_maybe_slice_kv_shared_inputs`` of its own (an instance attribute;
+``remove`` deletes it) that leaves the inputs whole: every row is computed, and the head keeps the same rows, so
+the logits are the unmodified model's. ``ring_generate`` asks for its rows by index, which the model never cut.
 """
 
 from __future__ import annotations
@@ -22,22 +23,18 @@ ATTR = "_maybe_slice_kv_shared_inputs"
 
 
 class _Unsliced:
-    """The module's ``_maybe_slice_kv_shared_inputs`` while patched (see the module). Its inputs up to the masks
-    (``hidden_states, [per_layer_inputs,] position_embeddings, causal_mask_mapping``, as the releases name them) are
-    what it returns."""
+    """The module's ``_maybe_slice_kv_shared_inputs`` while patched: its inputs up to the masks
+    (``hidden_states, [per_layer_inputs,] position_embeddings, causal_mask_mapping``, as the releases name them),
+    returned whole."""
 
     def __init__(self, module: torch.nn.Module):
-        self.module = module
         names = list(inspect.signature(getattr(type(module), ATTR)).parameters)[1:]
-        self.returned = names[: names.index("causal_mask_mapping") + 1]
         self.names = names
+        self.returned = names[: names.index("causal_mask_mapping") + 1]
 
     def __call__(self, *args, **kwargs):
         given = {**dict(zip(self.names, args)), **kwargs}
-        masks = given["causal_mask_mapping"]
-        if any(isinstance(mask, torch.Tensor) and mask.dim() == 2 for mask in dict(masks or {}).values()):
-            return tuple(given[name] for name in self.returned)
-        return getattr(type(self.module), ATTR)(self.module, *args, **kwargs)
+        return tuple(given[name] for name in self.returned)
 
 
 def install(model: torch.nn.Module) -> None:

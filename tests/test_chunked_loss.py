@@ -66,6 +66,21 @@ def test_every_family_matches_the_unmodified_loss_and_gradients(family):
             assert _rel(grads[name], ref_grads[name]) <= bound, (family, kind, name)
 
 
+def test_a_logit_scale_left_unset_is_none():
+    """Cohere Compass's config may leave ``logit_scale`` None (its head then scales by nothing): the chunked loss
+    reads it as 1.0, the same loss and gradients as the unmodified model."""
+    if not in_transformers("cohere_compass_text"):
+        pytest.skip("cohere_compass_text is not in this Transformers release")
+    model = make_model("cohere_compass_text", logit_scale=None)
+    batch, _ = make_batch("plain", 40)
+    ref, ref_grads = _loss_and_grads(model, batch)
+    hf_ring.apply_chunked_loss(model, chunk_size=CHUNK)
+    out, grads = _loss_and_grads(model, batch)
+    hf_ring.revert_chunked_loss(model)
+    assert _rel(out.loss, ref.loss) <= RTOL
+    assert all(_rel(grads[n], ref_grads[n]) <= RTOL for n in ref_grads)
+
+
 def test_without_labels_the_model_runs_as_before_and_revert_restores_it():
     model = make_model("gemma2").eval()
     ids = make_batch("plain", 40)[0]["input_ids"]

@@ -86,6 +86,12 @@ def test_generic_patch_refuses_what_it_does_not_implement():
         hf_ring.apply_ring_attention(make_model("mixtral", output_router_logits=True))
     with pytest.raises(ValueError, match=r"cohere2: layer types \['chunked_attention'\] are not supported"):
         hf_ring.apply_ring_attention(make_model("cohere2", layer_types=["chunked_attention", "full_attention"]))
+    # MiniMax M3's sparse-indexer attention layers (their top-k blocks span the whole sequence)
+    if in_transformers("minimax_m3_vl_text"):
+        sparse = {"layer_types": ["minimax_m3_sparse", "full_attention"], "index_block_size": 4,
+                  "index_topk_blocks": 2, "index_head_dim": 16}  # fmt: skip
+        with pytest.raises(ValueError, match=r"layer types \['minimax_m3_sparse'\] are not supported"):
+            hf_ring.apply_ring_attention(make_model("minimax_m3_vl_text", **sparse))
     # Gemma 4 as an encoder (measured: its two-sided sliding mask is not the ring's, loss apart by 9e-3)
     for family in ("gemma4_text", "gemma4"):
         with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
@@ -816,27 +822,54 @@ def test_shard_batch_shards_a_text_batchs_token_types_as_input_ids():
         hf_ring.shard_batch({**batch, "mm_token_type_ids": batch["mm_token_type_ids"][:, 1:]})
 
 
+def test_a_config_with_sub_configs_of_its_own_switches_without_a_warning():
+    """DBRX's config holds attention and FFN sub-configs that are parts of it, not sub-models: switching to hf_ring
+    (and back) leaves them as they were, without Transformers' warning about a sub-config without a sub-model."""
+    import logging
+
+    model = make_model("dbrx")
+    seen = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = seen.append
+    log = logging.getLogger("transformers.modeling_utils")
+    log.addHandler(handler)
+    try:
+        hf_ring.apply_ring_attention(model)
+        hf_ring.revert_ring_attention(model)
+    finally:
+        log.removeHandler(handler)
+    assert not [r.getMessage() for r in seen if "sub-config" in r.getMessage()]
+    assert (
+        model.config.attn_config._attn_implementation is None and model.config.ffn_config._attn_implementation is None
+    )
+
+
 @pytest.mark.parametrize("family", ["gemma4_text", "gemma4_unified_text", "gemma3n_text"])
-def test_one_rank_with_a_padding_mask_through_kv_shared_layers(family):
-    """One process, a 2-D padding mask (hf_ring's mask function passes it on as such): Gemma 4's text model (5.24)
-    cuts its masks as 4-D before its KV-shared layers (an IndexError unpatched, measured); patched, it leaves them
-    whole then, and the real tokens' logits, also with ``logits_to_keep=1`` (generate's prefill), are the unmodified
-    model's (fp32: the ring's order of summation, ~1e-7)."""
+def test_one_rank_through_kv_shared_layers_with_a_padding_mask_or_a_count_of_logits(family):
+    """One process: Gemma 4's text model (5.24) cuts its inputs to the kept rows before its KV-shared layers when
+    ``logits_to_keep`` is a count, indexing its masks as 4-D (hf_ring's is a 2-D padding mask here: an IndexError
+    unpatched, measured) and leaving fewer queries than keys (which the ring refused). Patched, it computes every
+    row: the real tokens' logits, with a padding mask or not and with ``logits_to_keep=1`` (generate's prefill), are
+    the unmodified model's (fp32: the ring's order of summation, ~1e-7). Gemma 3n has no such cut (a control)."""
     if not in_transformers(family):
         pytest.skip(f"{family} is not in this Transformers release")
     from hf_ring.patches import _shared_kv
 
     model = make_model(family).eval()
     batch, _ = make_batch("padded", 40)
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    keep = inputs["attention_mask"].bool()
-    with torch.no_grad():
-        ref, ref_last = model(**inputs).logits, model(**inputs, logits_to_keep=1).logits
-        hf_ring.apply_ring_attention(model)
-        got, got_last = model(**inputs).logits, model(**inputs, logits_to_keep=1).logits
-    assert float((got - ref)[keep].norm() / ref[keep].norm()) <= 1e-5
+    padded = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    keep = padded["attention_mask"].bool()
     last = keep[:, -1]  # (rows whose last token is padding: nothing to compare)
-    assert last.any() and got_last.shape == ref_last.shape
-    assert float((got_last - ref_last)[last].norm() / ref_last[last].norm()) <= 1e-5
+    plain = {"input_ids": batch["input_ids"]}
+    calls = [(padded, 0), (padded, 1), (plain, 1)]
+    with torch.no_grad():
+        ref = [model(**inputs, logits_to_keep=n).logits for inputs, n in calls]
+        hf_ring.apply_ring_attention(model)
+        cuts = [m for m in model.modules() if hasattr(type(m), _shared_kv.ATTR)]
+        assert all(_shared_kv.ATTR in vars(m) for m in cuts)
+        got = [model(**inputs, logits_to_keep=n).logits for inputs, n in calls]
+    rows = [keep, last[:, None], torch.ones_like(last)[:, None]]
+    for r, g, k in zip(ref, got, rows, strict=True):
+        assert g.shape == r.shape and float((g - r)[k].norm() / r[k].norm()) <= 1e-5
     hf_ring.revert_ring_attention(model)
     assert not any(_shared_kv.ATTR in vars(m) for m in model.modules())
