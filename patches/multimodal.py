@@ -16,7 +16,7 @@ vision tower keeps its own); the text config's family (``VisionLanguagePatch.tex
 and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics3, SmolVLM, Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
+Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -32,9 +32,10 @@ cost: every rank of a CP group runs the vision tower on all the batch's images a
 input embeddings ([batch, seq, hidden], e.g. 0.9 GiB at 128K tokens and hidden 3584 in bf16) until the cut, and
 their gradient of that size in the backward.
 
-The others refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
+A wrapper added text-only would refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
-(``_family.TextOnly``): LFM2-VL (untested). Gemma 4's audio (``input_features``) goes as its images go: the batch
+(``_family.TextOnly``): none of the wrappers above today (LFM2-VL takes images since its short convolutions run on the
+cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
 whole, the audio features merged on the whole sequence, its audio tokens attending causally.
 Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's
@@ -91,6 +92,7 @@ IMAGES = (
     "smolvlm",
     "gemma3",
     "gemma4",
+    "lfm2_vl",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

@@ -4,10 +4,12 @@ over the group (``ring_step``)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
-           "prepare", "reference_step", "rel", "ring_step"]  # fmt: skip
+           "prepare", "reference_step", "rel", "ring_step", "text_only"]  # fmt: skip
 
 VOCAB = 96
 PAD_ID = 0
@@ -332,6 +334,23 @@ SAMPLES_IN_TRAINING = ("phimoe",)
 ``make_model`` returns them in eval mode, where they are deterministic."""
 
 
+@contextlib.contextmanager
+def text_only(model_type: str):
+    """While inside, the registry's patch of the vision-language ``model_type`` is a text-only one (``images``
+    False): every wrapper hf_ring supports takes images, so the refusal of images by a text-only wrapper, and DDP's
+    check for its unreached vision tower, are tested this way."""
+    import dataclasses
+
+    from hf_ring.patches import REGISTRY
+
+    saved = REGISTRY[model_type]
+    REGISTRY[model_type] = dataclasses.replace(saved, images=False)
+    try:
+        yield
+    finally:
+        REGISTRY[model_type] = saved
+
+
 def in_transformers(model_type: str) -> bool:
     """The installed Transformers runs ``model_type``'s model as hf_ring patches it (``SINCE``)."""
     return transformers_at_least(SINCE.get(model_type))
@@ -494,7 +513,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    per_image = 4 if qwen or family == "llava" else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
+    per_image = (
+        4 if qwen or family in ("llava", "lfm2_vl") else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
+    )
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
@@ -526,6 +547,10 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "gemma3":
         extra["pixel_values"] = torch.randn(len(spots), 3, 56, 56, generator=g)
         extra["token_type_ids"] = types
+    elif family == "lfm2_vl":  # 4 x 4 patches of 16 x 16 x 3 (NaFlex, their mask and grid), unshuffled 2 x 2: 4 tokens
+        extra["pixel_values"] = torch.randn(len(spots), 16, 3 * 16 * 16, generator=g)
+        extra["pixel_attention_mask"] = torch.ones(len(spots), 16, dtype=torch.bool)
+        extra["spatial_shapes"] = torch.tensor([[4, 4]] * len(spots))
     elif family == "gemma4":  # patches of 14 x 14 x 3 on an 8 x 8 grid with their (x, y), pooled 2 x 2: 16 tokens
         extra["pixel_values"] = torch.rand(len(spots), 64, 3 * 14 * 14, generator=g)
         grid = torch.stack(torch.meshgrid(torch.arange(8), torch.arange(8), indexing="xy"), -1).view(64, 2)

@@ -199,6 +199,14 @@ CASES = {
     "mistral3-images-lora": ("mistral3", "images", 40, {"lora": True}),
     "idefics3-images-padded": ("idefics3", "images-padded", 40, {}),
     "smolvlm-images": ("smolvlm", "images", 45, {}),
+    # LFM2-VL: short-convolution layers (from 5.23: 5.17's LFM2 layers drop the batch's keywords)
+    "lfm2_vl-images-padded": ("lfm2_vl", "images-padded", 40, {"since": "5.23"}),
+    "lfm2_vl-images-lora-checkpointing": (
+        "lfm2_vl",
+        "images",
+        45,
+        {"lora": True, "checkpointing": True, "since": "5.23"},
+    ),
     # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
     # window of 6 cuts them), on sliding and full layers
     "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),

@@ -2,8 +2,9 @@
 ``RingAttentionPlugin`` under DDP: one ``torchrun`` launch of 2 CPU ranks (gloo, CP = 2, fp32).
 
 - A vision tower that gets no gradient from text-only batches, which DDP refuses at the second step: ``prepare``
-  raises on every rank first, naming both ways out (LFM2-VL, text-only under the ring; for a family that takes
-  images under the ring, such as Gemma 3, it warns).
+  raises on every rank first, naming both ways out (for a text-only wrapper: LFM2-VL's patch made text-only by
+  ``tests.hf_models.text_only``, as every supported wrapper takes images; for a family that takes images under the
+  ring, such as Gemma 3, it warns).
 - The check in process: DDP only (not one process, not FSDP2), not with ``find_unused_parameters``, not for text
   models or a frozen vision tower; LoRA on every ``q_proj`` reaches into the vision tower too.
 - Either way out then trains exactly: with the vision tower and projector frozen, and with
@@ -112,13 +113,14 @@ def worker(out: Path) -> None:
     from accelerate.utils import DistributedDataParallelKwargs
 
     from hf_ring.accelerate import RingAttentionPlugin
-    from tests.hf_models import make_model
+    from tests.hf_models import make_model, text_only
 
     data = token_dataset(BATCH * (STEPS + 1), SEQ_LEN)
     accelerator = Accelerator(cpu=True)
     res: dict = {}
     try:
-        RingAttentionPlugin(cp_size=2).prepare(accelerator, make_model("lfm2_vl"))
+        with text_only("lfm2_vl"):  # (every wrapper takes images: a text-only one made so)
+            RingAttentionPlugin(cp_size=2).prepare(accelerator, make_model("lfm2_vl"))
     except ValueError as e:
         res["unused_error"] = str(e)
     res["frozen"], frozen_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=True), data)
@@ -227,26 +229,30 @@ def test_the_check_names_what_text_batches_never_reach():
 
     from hf_ring.engines import check_ddp_reaches_every_parameter, outside_text_model
     from tests.hf_models import make_model
+    from tests.hf_models import text_only as text_only_patch
 
     def ddp(find_unused):
         return SimpleNamespace(
             distributed_type="MULTI_CPU", ddp_handler=SimpleNamespace(find_unused_parameters=find_unused)
         )
 
-    model = make_model("lfm2_vl")  # text-only under the ring: a trainable vision tower is never reached
-    with pytest.raises(ValueError, match=r"TrainingArguments\(ddp_find_unused_parameters=True\)"):
-        check_ddp_reaches_every_parameter(ddp(False), model, "set TrainingArguments(ddp_find_unused_parameters=True)")
-    check_ddp_reaches_every_parameter(ddp(True), model)
-    check_ddp_reaches_every_parameter(SimpleNamespace(distributed_type="NO"), model)  # one process: no DDP
-    check_ddp_reaches_every_parameter(SimpleNamespace(distributed_type="FSDP", state=SimpleNamespace(
-        fsdp_plugin=SimpleNamespace(fsdp_version=2))), model)  # fmt: skip
+    model = make_model("lfm2_vl")
+    with text_only_patch("lfm2_vl"):  # a text-only wrapper (every one takes images): its vision tower never reached
+        with pytest.raises(ValueError, match=r"TrainingArguments\(ddp_find_unused_parameters=True\)"):
+            check_ddp_reaches_every_parameter(
+                ddp(False), model, "set TrainingArguments(ddp_find_unused_parameters=True)"
+            )
+        check_ddp_reaches_every_parameter(ddp(True), model)
+        check_ddp_reaches_every_parameter(SimpleNamespace(distributed_type="NO"), model)  # one process: no DDP
+        check_ddp_reaches_every_parameter(SimpleNamespace(distributed_type="FSDP", state=SimpleNamespace(
+            fsdp_plugin=SimpleNamespace(fsdp_version=2))), model)  # fmt: skip
+        frozen_lfm2 = make_model("lfm2_vl")
+        frozen_lfm2.model.vision_tower.requires_grad_(False)
+        frozen_lfm2.model.multi_modal_projector.requires_grad_(False)
+        check_ddp_reaches_every_parameter(ddp(False), frozen_lfm2)
     check_ddp_reaches_every_parameter(ddp(False), _model(frozen=True))
-    frozen_lfm2 = make_model("lfm2_vl")
-    frozen_lfm2.model.vision_tower.requires_grad_(False)
-    frozen_lfm2.model.multi_modal_projector.requires_grad_(False)
-    check_ddp_reaches_every_parameter(ddp(False), frozen_lfm2)
     check_ddp_reaches_every_parameter(ddp(False), make_model("llama"))  # a text model: nothing outside
-    for family in ("qwen2_vl", "gemma3", "gemma4"):  # they take images: their batches may reach every parameter
+    for family in ("qwen2_vl", "gemma3", "gemma4", "lfm2_vl"):  # they take images: batches may reach every parameter
         with pytest.warns(UserWarning, match="every batch must reach them"):
             check_ddp_reaches_every_parameter(ddp(False), make_model(family))
     assert outside_text_model(make_model("llama")) == []
