@@ -45,7 +45,8 @@ from .layout import (
     valid_cu_seqlens,
 )
 
-__all__ = ["shard_batch", "reduce_loss", "carries", "multimodal", "IGNORE_INDEX", "MEDIA_KEYS"]
+__all__ = ["shard_batch", "reduce_loss", "carries", "multimodal", "per_token_key", "IGNORE_INDEX", "MEDIA_KEYS",
+           "PER_IMAGE_KEYS"]  # fmt: skip
 
 IGNORE_INDEX = -100
 
@@ -53,9 +54,21 @@ MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")
 """Keys whose presence makes a batch multimodal (its inputs go to the model whole, see the module docstring):
 images, video, and audio features (Gemma 4's ``input_features``)."""
 
+PER_IMAGE_KEYS = (*MEDIA_KEYS, "pixel_attention_mask", "spatial_shapes", "image_sizes", "image_grid_thw",
+                  "video_grid_thw", "image_position_ids", "input_features_mask")  # fmt: skip
+"""Keys processors give per image, video or clip, never per token, whatever their shape (LFM2-VL's patches
+``[images, max patches, ...]`` may have the shape of ``input_ids`` in their first two dimensions): passed on whole."""
+
 ENCODED_KEY = "mm_encoder_outputs"
 """Transformers' vision features computed ahead of the forward (``generate()`` passes them in place of the pixels
 since 5.24): a batch carrying them is multimodal too."""
+
+
+def per_token_key(key: str, value, shape: tuple) -> bool:
+    """A key of a batch with images that looks per-token (a tensor with the shape of ``input_ids`` in its first two
+    dimensions) and is neither a token type (padded as ``input_ids``) nor a per-image key (``PER_IMAGE_KEYS``)."""
+    known = key in _TOKEN_TYPE_KEYS or key in PER_IMAGE_KEYS
+    return not known and isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == shape
 
 
 def carries(value) -> bool:
@@ -116,10 +129,7 @@ def _validate(batch) -> tuple:
                 "sequence itself (multimodal RoPE), and packed documents with images are not supported; pad "
                 "instead (attention_mask)"
             )
-        per_token = sorted(
-            k for k in unknown
-            if k not in _TOKEN_TYPE_KEYS and isinstance(batch[k], torch.Tensor) and tuple(batch[k].shape[:2]) == shape
-        )  # fmt: skip
+        per_token = sorted(k for k in unknown if per_token_key(k, batch[k], shape))
         if per_token:  # the labels are sharded: a per-token tensor left whole would no longer line up with them
             raise ValueError(
                 f"shard_batch does not know how to shard {per_token} (per-token, the shape of input_ids) in a batch "

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .apply import unwrap_transformers_model
-from .batch import ENCODED_KEY, MEDIA_KEYS, carries, multimodal, shard_batch
+from .batch import ENCODED_KEY, MEDIA_KEYS, carries, multimodal, per_token_key, shard_batch
 from .comm import RingComm, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
 from .layout import positions, required_multiple
@@ -234,10 +234,8 @@ def ring_generate(model, inputs, **generate_kwargs):
     if unknown and images:  # the prompt's images and their keys (the prefill takes them as a training batch's)
         ids = inputs.get("input_ids")
         shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else None
-        unknown = sorted(  # per-token keys other than the token types: nothing would pad them
-            k for k in unknown
-            if k not in _TOKEN_TYPES and isinstance(inputs[k], torch.Tensor) and tuple(inputs[k].shape[:2]) == shape
-        )  # fmt: skip
+        # per-token keys other than the token types: nothing would pad them
+        unknown = sorted(k for k in unknown if per_token_key(k, inputs[k], shape))
     if unknown:
         what = "input_ids and attention_mask" if not images else "input_ids, attention_mask, token types, media"
         raise ValueError(f"ring_generate takes {what} in inputs, not {unknown}")

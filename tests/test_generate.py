@@ -96,9 +96,12 @@ def _long_memory(model):
     initialisation) drawn at random: LFM2's projection bias reaches its convolution's inputs, so padding that
     ring_generate added before the prompt would change the first tokens, were its inputs not zeroed."""
     g = torch.Generator().manual_seed(11)
+    # Bailing's bounded forget gate (lower_bound * sigmoid(exp(A_log) x)) decays faster for a lower A_log; its
+    # defaults already decay slowly (measured 0.97 per token; 0.11 with A_log = -3): left as they are
+    bounded = {f"{n}.A_log" for n, m in model.named_modules() if getattr(m, "safe_gate", False)}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("A_log"):
+            if name.endswith("A_log") and name not in bounded:
                 p.fill_(-3.0)
             elif name.endswith("bias") and p.dim() == 1 and "norm" not in name and "dt_bias" not in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 2.0)

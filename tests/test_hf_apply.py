@@ -304,6 +304,12 @@ def test_shard_batch_with_images_refuses_packing_and_misshaped_token_types():
     ):
         with pytest.raises(ValueError, match=match):
             hf_ring.shard_batch({**batch, **extra})
+    # per-image keys shaped like input_ids in their first two dimensions (LFM2-VL: one image per row, rows of as
+    # many tokens as an image's patches) pass on whole, as Transformers' processors make them
+    ids = torch.randint(3, 90, (2, 16))
+    per_image = {"pixel_values": torch.randn(2, 16, 768), "pixel_attention_mask": torch.ones(2, 16, dtype=torch.bool)}
+    local = hf_ring.shard_batch({"input_ids": ids, **per_image})
+    assert all(local[k] is v for k, v in per_image.items()) and torch.equal(local["input_ids"], ids)
 
 
 def test_vision_language_model_with_another_text_family_is_refused():
