@@ -450,7 +450,7 @@ class FamilyPatch:
         if self.lend_attention_kwargs:
             _lend.install(model, modules)
         linear.remove(model)
-        linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)
+        linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)  # (after _lend.remove: its hooks too)
         text_only = TextOnly(self.name, self.media, self.images, cfg.group) if self.media else None
         _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
         setattr(model, ORIGINAL_ATTR, original)

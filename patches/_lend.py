@@ -10,8 +10,9 @@ hf_ring's sharded mixers themselves, an attention module or Mamba2's backbone by
 keywords travel in the calls' arguments, nothing is kept between calls, so a checkpointed layer's recomputation
 (with Transformers running module hooks inside the checkpoint or outside) sees them again.
 
-``install`` / ``remove`` do this for the attention modules of a family whose decoder layers drop the keywords
-(``FamilyPatch.lend_attention_kwargs``); ``hf_ring.patches.linear.install`` for the mixers.
+``install`` / ``install_on_model`` set these hooks up (for the attention modules of a family whose decoder layers
+drop the keywords, ``FamilyPatch.lend_attention_kwargs``; for the mixers, through ``hf_ring.patches.linear.install``),
+``remove`` takes every one of them down.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from ..hf_attention import DOCUMENT_IDS_KWARG, POSITIONS_KWARG, SHARD_INFO_KWARG
 
-__all__ = ["LENT", "LendKeywords", "Lent", "UnpackLent", "install", "remove"]
+__all__ = ["LENT", "LendKeywords", "Lent", "UnpackLent", "install", "install_on_model", "remove"]
 
 
 class Lent:
@@ -68,29 +69,32 @@ class UnpackLent:
         return args, {**lent.kwargs, **kwargs, "attention_mask": lent.mask}
 
 
-class _LayerLends(LendKeywords):
-    """``LendKeywords`` of a decoder layer to its attention (``install``; ``remove`` finds it by its class)."""
-
-
-class _AttentionUnpacks(UnpackLent):
-    """``UnpackLent`` of an attention module (``install``; ``remove`` finds it by its class)."""
-
-
-def install(model: torch.nn.Module, modules: list) -> None:
-    """Make the module holding each attention module of ``modules`` (its decoder layer) lend it every keyword of its
-    own call that its forward does not name; each attention module unpacks them. Replaces earlier such hooks."""
-    remove(model)
+def install(model: torch.nn.Module, modules: list, keys: tuple | None = None, unpack: bool = True) -> None:
+    """Make the module holding each of ``modules`` (its decoder layer) lend it ``keys`` of its own call (None: every
+    keyword its forward does not name); with ``unpack``, each of ``modules`` unpacks them by a pre-hook (an attention
+    module; hf_ring's sharded mixers unpack them themselves)."""
     parents = {id(c): p for p in model.modules() for c in p.children()}
     for m in modules:
         layer = parents[id(m)]
-        layer.register_forward_pre_hook(_LayerLends(layer, keys=None), with_kwargs=True)
-        m.register_forward_pre_hook(_AttentionUnpacks(), with_kwargs=True)
+        layer.register_forward_pre_hook(LendKeywords(layer, keys), with_kwargs=True)
+        if unpack:
+            m.register_forward_pre_hook(UnpackLent(), with_kwargs=True)
+
+
+def install_on_model(model: torch.nn.Module, keys: tuple, unpack_in_base: bool) -> None:
+    """Make ``model`` lend ``keys`` of its own call to the modules below it (the pure Mamba models' mixers, through a
+    backbone that passes them the mask alone); with ``unpack_in_base``, its base model unpacks them into its own
+    call and passes them on (Mamba2's backbone, called without them by its causal LM)."""
+    model.register_forward_pre_hook(LendKeywords(model, keys), with_kwargs=True)
+    if unpack_in_base:
+        model.base_model.register_forward_pre_hook(UnpackLent(), with_kwargs=True)
 
 
 def remove(model: torch.nn.Module) -> None:
-    """Remove the hooks ``install`` added (found by their class, so a deep copy's are found too)."""
+    """Remove every hook ``install`` and ``install_on_model`` added (found by their class, so a deep copy's are found
+    too)."""
     for m in model.modules():
         for hook_id, hook in list(m._forward_pre_hooks.items()):
-            if isinstance(hook, (_LayerLends, _AttentionUnpacks)):
+            if isinstance(hook, (LendKeywords, UnpackLent)):
                 del m._forward_pre_hooks[hook_id]
                 m._forward_pre_hooks_with_kwargs.pop(hook_id, None)

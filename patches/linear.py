@@ -38,7 +38,8 @@ from ..hf_attention import _dropped_documents_error as dropped_documents_error
 from ..hf_attention import _sharding_error as sharding_error
 from ..layout import LAYOUTS, documents_from_cu_seqlens, positions, several_documents
 from ..linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan, mamba_scan
-from ._lend import LendKeywords, Lent, UnpackLent
+from . import _lend
+from ._lend import LENT, Lent
 
 __all__ = ["FIELDS", "ShardedMixer", "check", "install", "remove"]
 
@@ -57,7 +58,6 @@ class ShardedMixer:
         self.cfg = cfg
         self.compute = _computation(module)
         self.kernels = _kernels(module)
-        self.handles: tuple = ()  # the hooks that lend the module the batch's keywords (``install``)
 
     def __call__(
         self, hidden_states, cache_params=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
@@ -457,27 +457,16 @@ def check(modules: list) -> None:
 def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | None = None) -> None:
     """Replace each module's forward. ``lend``: ``"layer"``, the decoder layer holding each lends it the batch's
     keywords of its call; ``"model"``, ``model`` lends them to all (``Lent``); ``"base"``, ``model`` lends them to
-    its base model, which unpacks them into its own call (``UnpackLent``)."""
-    lender = ()  # the model's hooks, shared by every module (removed with each: removing twice does nothing)
-    if lend == "model" or (lend == "base" and model.base_model is not model):  # (a bare base model: nothing to lend)
-        lender = (model.register_forward_pre_hook(LendKeywords(model), with_kwargs=True),)
-    if lend == "base" and model.base_model is not model:
-        lender += (model.base_model.register_forward_pre_hook(UnpackLent(), with_kwargs=True),)
-    parents = {id(c): p for p in model.modules() for c in p.children()} if lend == "layer" else {}
+    its base model, which unpacks them into its own call (``UnpackLent``). ``_lend.remove`` takes those hooks down."""
     for m in modules:
-        sharded = ShardedMixer(m, cfg)
-        m.forward = sharded
-        layer = parents.get(id(m))
-        if layer is not None:
-            sharded.handles = (layer.register_forward_pre_hook(LendKeywords(layer), with_kwargs=True),)
-        else:
-            sharded.handles = lender
+        m.forward = ShardedMixer(m, cfg)
+    if lend == "layer":
+        _lend.install(model, modules, keys=LENT, unpack=False)
+    elif lend == "model" or (lend == "base" and model.base_model is not model):  # (a bare base model: nothing to lend)
+        _lend.install_on_model(model, LENT, unpack_in_base=lend == "base")
 
 
 def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
-        sharded = m.__dict__.get("forward")
-        if isinstance(sharded, ShardedMixer):
-            for handle in sharded.handles:
-                handle.remove()
+        if isinstance(m.__dict__.get("forward"), ShardedMixer):
             del m.forward
