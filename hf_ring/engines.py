@@ -15,7 +15,8 @@ be summed and the DP replicas averaged:
 - Accelerate's own context parallelism (a ``ParallelismConfig`` with ``cp_size > 1``) is set aside
   while the plugin prepares (``without_accelerate_cp``): hf_ring's ring attention runs in its place;
 - DDP refuses parameters that get no gradient (unless ``find_unused_parameters``): a vision-language model
-  trained on text has them (its vision tower), so ``check_ddp_reaches_every_parameter`` says so up front.
+  trained on text has them (its vision tower), and so has a model with DeepSeek sparse attention (its indexers,
+  which Transformers runs without gradients), so ``check_ddp_reaches_every_parameter`` says so up front.
 
 Caveat: DeepSpeed is imported only when the engine is DeepSpeed (Accelerate exports its DeepSpeed
 helpers only where ``deepspeed`` is installed).
@@ -36,6 +37,7 @@ __all__ = [
     "engine_of",
     "fill_deepspeed_micro_batch",
     "outside_text_model",
+    "without_gradient",
     "reduce_gradients",
     "without_accelerate_cp",
 ]
@@ -269,6 +271,21 @@ def outside_text_model(model) -> list:
     return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
 
 
+def without_gradient(model) -> list:
+    """Names of ``model``'s trainable parameters that no batch gives a gradient: those of DeepSeek sparse attention's
+    indexers (Transformers runs them under ``no_grad``; ``hf_ring.sparse``); [] for other families."""
+    from .apply import unwrap_transformers_model
+    from .patches import REGISTRY
+
+    target = unwrap_transformers_model(model)
+    patch = REGISTRY.get(getattr(target.config, "model_type", None))
+    if not getattr(patch, "sparse", False):
+        return []
+    indexers = [getattr(m, "indexer", None) for m in patch.attention_modules(target)]
+    ids = {id(p) for i in indexers if isinstance(i, torch.nn.Module) for p in i.parameters()}
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) in ids]
+
+
 ACCELERATOR_WAY_OUT = (
     "pass kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)] to the Accelerator"
 )
@@ -285,6 +302,14 @@ def check_ddp_reaches_every_parameter(accelerator, model, way_out: str = ACCELER
     handler = getattr(accelerator, "ddp_handler", None)
     if engine_of(accelerator) != "ddp" or getattr(handler, "find_unused_parameters", False):
         return
+    idle = without_gradient(model)
+    if idle:
+        raise ValueError(
+            f"{len(idle)} trainable parameters of this model's sparse-attention indexers (e.g. {idle[0]}) get no "
+            "gradient (Transformers runs the indexers without gradients), which DDP refuses at the second step: "
+            "freeze them (for m in model.modules(): if getattr(m, 'indexer', None) is not None: "
+            f"m.indexer.requires_grad_(False)) or {way_out}"
+        )
     unused = outside_text_model(model)
     patch = REGISTRY.get(getattr(unwrap_transformers_model(model).config, "model_type", None))
     if unused and getattr(patch, "images", False):  # its batches may carry images, which reach the vision tower

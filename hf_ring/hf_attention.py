@@ -56,6 +56,7 @@ from .layout import (
     valid_cu_seqlens,
 )
 from .ring import PlanCache, raise_on_every_rank, ring_attention
+from .sparse import IndexerCall, SparseMask, select
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -254,7 +255,7 @@ BATCH_DOCUMENT_KWARGS = (DOCUMENT_IDS_KWARG, *_PACKING_KWARGS)
 #: sinks) are implemented.
 _READ_KWARGS = (
     "is_causal", "output_attentions", "position_ids", "softcap", "s_aux", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG,
-    DECODE_KWARG, BLOCK_IDS_KWARG, POSITIONS_KWARG,
+    DECODE_KWARG, BLOCK_IDS_KWARG, POSITIONS_KWARG, "indices",
 )  # fmt: skip
 _HARMLESS_KWARGS = (
     "max_length_q", "max_length_k",  # packing metadata; the boundaries come from cu_seq_lens
@@ -276,6 +277,24 @@ def _unknown_kwargs_error(kwargs: dict) -> str | None:
         "scaling, GQA, packed documents, logit softcapping (softcap) and learned sinks (s_aux); use the model's "
         "own attention implementation for this model"
     )
+
+
+def _sparse_error(indices, cfg: RingConfig) -> str | None:
+    """Why the top-k ``indices`` of DeepSeek sparse attention cannot run here, or None."""
+    if indices is None:
+        return None
+    if not isinstance(indices, IndexerCall):
+        return (
+            "this model's sparse-attention indexer picked its top-k keys among one rank's tokens only (indices= "
+            f"{type(indices).__name__}): switch the model with hf_ring.apply_ring_attention(model), which takes the "
+            "top-k over the whole sequence (not only attn_implementation='hf_ring')"
+        )
+    if cfg.ulysses is not None and cfg.ulysses.ulysses_size > 1:
+        return (
+            "DeepSeek sparse attention runs on the pure ring: the Ulysses x Ring hybrid does not take its top-k keys; "
+            "use ulysses_size=1"
+        )
+    return None
 
 
 def register() -> None:
@@ -553,9 +572,11 @@ def ring_attention_forward(
         ``(out, None)``, out: [batch, local_seq, q_heads, v_head_dim] in query's dtype.
     """
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
-    unknown = _unknown_kwargs_error(kwargs)
+    unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"), cfg)
     if unknown:
         raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
+    if isinstance(attention_mask, SparseMask):  # a DSA attention module's (hf_ring.patches._sparse)
+        attention_mask = attention_mask.mask
     if lost_group(cfg):
         raise ValueError(LOST_GROUP)
     config = getattr(module, "config", None)
@@ -630,6 +651,12 @@ def ring_attention_forward(
     if cfg.plans is not None:  # names the call in errors ("ring-attention call 3 (layer 2)")
         layer = getattr(module, "layer_idx", None)
         cfg.plans.progress.label = "" if layer is None else f"layer {layer}"
+    selected = None
+    if kwargs.get("indices") is not None:  # DeepSeek sparse attention: the indexer's top-k over the whole sequence
+        selected = select(
+            kwargs["indices"], group=cfg.group, layout=cfg.layout, causal=bool(causal), cu_seqlens=cu_seqlens,
+            document_ids=document_ids, timeout=cfg.timeout, plans=cfg.plans,
+        )  # fmt: skip
     out = ring_attention(
         query,
         key,
@@ -644,6 +671,7 @@ def ring_attention_forward(
         cu_seqlens=cu_seqlens,
         document_ids=document_ids,
         block_ids=_block_ids(kwargs.get(BLOCK_IDS_KWARG), sliding_window),
+        selected=selected,
         backend=cfg.backend,
         plans=cfg.plans,
         ulysses=cfg.ulysses,

@@ -40,6 +40,7 @@ from . import guard, preflight
 from . import layout as _layout
 from .comm import RingComm, UlyssesGroups
 from .kernels import BlockMask, choose_backend
+from .kernels import torch_backend as _torch_backend
 from .kernels.mask import runs, upload
 from .preflight import raise_on_every_rank
 
@@ -161,6 +162,7 @@ def ring_attention(
     cu_seqlens: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     block_ids: torch.Tensor | None = None,
+    selected: torch.Tensor | None = None,
     backend: str = "auto",
     comm: RingComm | None = None,
     plans: PlanCache | None = None,
@@ -196,6 +198,11 @@ def ring_attention(
             (Transformers' ``block_sequence_ids``). With a sliding window, a block's tokens see each other within
             the window (the window applies after the blocks, as in Transformers). One document per row: padding
             (document id -1) is allowed, packed documents are not.
+        selected: [batch, local_seq, K] integer global key positions (in the unsharded sequence) each query may
+            see at most, on q's device: DeepSeek sparse attention's top-k (``hf_ring.sparse``). A key outside a
+            query's list is hidden whatever the other masks allow; repeats and keys the other masks hide are fine.
+            Per call (each layer has its own); the steps then run on the torch backend, which reads it per tile.
+            Pure ring only (no ``ulysses``).
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
@@ -216,6 +223,8 @@ def ring_attention(
         [batch, q_heads, local_seq, v_head_dim] in q's dtype. Rows that see no key are 0.
     """
     hybrid = ulysses is not None and ulysses.ulysses_size > 1
+    if selected is not None:  # (the same on every rank: the model's shapes and configuration)
+        _check_selected(selected, q, hybrid)
     if ulysses is not None:
         if group is not None and group is not ulysses.cp_group:
             raise ValueError("pass either group or ulysses (it carries its own CP group), not two different groups")
@@ -249,9 +258,42 @@ def ring_attention(
         )  # fmt: skip
         if key is not None:
             plans.store(key, held, plan)
+    if selected is not None:
+        plan = _selecting(plan, selected.long(), q.shape[2] * plan.world_size)
     if not hybrid:
         return _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
     return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch)
+
+
+def _check_selected(selected, q, hybrid: bool) -> None:
+    """ValueError unless ``selected`` is a selection ``ring_attention`` takes for these queries."""
+    if hybrid:
+        raise ValueError(
+            "ring_attention: a selection (selected=, DeepSeek sparse attention) runs on the pure ring; pass "
+            "ulysses=None (ulysses_size=1)"
+        )
+    want = (q.shape[0], q.shape[2]) if isinstance(q, torch.Tensor) else None
+    if not (
+        isinstance(selected, torch.Tensor)
+        and not selected.is_floating_point()
+        and not selected.is_complex()
+        and selected.dim() == 3
+        and tuple(selected.shape[:2]) == want
+        and selected.device == q.device
+    ):
+        got = tuple(selected.shape) if isinstance(selected, torch.Tensor) else type(selected).__name__
+        raise ValueError(
+            f"ring_attention: selected must be an integer tensor [batch, local_seq, K] = [{want[0] if want else '?'}, "
+            f"{want[1] if want else '?'}, K] on the queries' device, got {got}"
+        )
+
+
+def _selecting(plan: _Plan, selected: torch.Tensor, seq_len: int) -> _Plan:
+    """This call's plan with its selection: every step's mask hides the keys outside it, and the steps run on a
+    backend that reads it (the torch backend, unless the plan's does)."""
+    backend = plan.backend if getattr(plan.backend, "SELECT", False) else _torch_backend
+    masks = [m.with_selection(selected, seq_len) for m in plan.masks]
+    return dataclasses.replace(plan, backend=backend, masks=masks)
 
 
 def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch):
@@ -278,7 +320,7 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch):
 _MAX_DOC_ID = 2**30
 
 
-def _document_ids(cu_seqlens, document_ids, full: int) -> torch.Tensor | None:
+def host_document_ids(cu_seqlens, document_ids, full: int) -> torch.Tensor | None:
     """[1 or batch, full] int32 document ids on the host (negative: padding, as -1), or None.
 
     Only equality between ids matters, so ids of any integer range are relabelled to 0.. when they
@@ -380,7 +422,7 @@ def _plan(
     )
     docs = module = None
     if error is None:
-        docs = _document_ids(cu_seqlens, document_ids, q.shape[2] * n)
+        docs = host_document_ids(cu_seqlens, document_ids, q.shape[2] * n)
         if block_ids is not None:
             docs, error = _block_codes(block_ids, docs)
     if error is None:

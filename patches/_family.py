@@ -46,7 +46,7 @@ from ..hf_attention import (
 )
 from ..layout import shard
 from ..ring import PlanCache
-from . import _lend, _rope, _shared_kv, _temperature, linear
+from . import _lend, _rope, _shared_kv, _sparse, _temperature, linear
 
 __all__ = [
     "BlockIds",
@@ -374,6 +374,9 @@ class FamilyPatch:
     # the cache class the family's model takes and no other (MiniMax: MiniMaxCache), which ring_generate's sharded
     # cache then subclasses (behaving as the sharded cache); None: any Transformers Cache
     cache_class: str | None = None
+    # DeepSeek sparse attention: the family's attention modules have an indexer, whose top-k the attention function
+    # takes over the whole sequence (``patches._sparse``, ``hf_ring.sparse``)
+    sparse: bool = False
 
     def cache_type(self) -> type | None:
         return None if self.cache_class is None else _class(self.cache_class)
@@ -446,6 +449,9 @@ class FamilyPatch:
         _temperature.remove(model)
         _temperature.install(modules)
         _shared_kv.install(model)
+        _sparse.remove(model)
+        if self.sparse:
+            _sparse.install(modules)
         _lend.remove(model)
         if self.lend_attention_kwargs:
             _lend.install(model, modules)
@@ -472,6 +478,7 @@ class FamilyPatch:
         _rope.remove(model)
         _temperature.remove(model)
         _shared_kv.remove(model)
+        _sparse.remove(model)
         _lend.remove(model)
         linear.remove(model)
         _set_hooks(model, None)

@@ -41,9 +41,9 @@ from ._family import FamilyPatch, LogitTransform, check_layer_types, check_windo
 
 __all__ = [
     "ALIASES", "CACHE_CLASSES", "CHECKS", "FAMILIES", "LENDS_ATTENTION_KWARGS", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
-    "PATCHES", "check",
+    "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
-    "check_llama4", "check_minimax",
+    "check_llama4", "check_minimax", "check_sparse",
     "check_without_windows",
 ]  # fmt: skip
 
@@ -54,6 +54,7 @@ FAMILIES = {
     "arcee": "transformers.models.arcee.modeling_arcee.ArceeAttention",
     "aria_text": "transformers.models.aria.modeling_aria.AriaTextAttention",
     "axk1": "transformers.models.axk1.modeling_axk1.AXK1Attention",
+    "axk2": "transformers.models.axk2.modeling_axk2.AXK2Attention",
     "bailing_hybrid": "transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridAttention",
     "bamba": "transformers.models.bamba.modeling_bamba.BambaAttention",
     "bitnet": "transformers.models.bitnet.modeling_bitnet.BitNetAttention",
@@ -66,6 +67,7 @@ FAMILIES = {
     "dbrx": "transformers.models.dbrx.modeling_dbrx.DbrxAttention",
     "deepseek_v2": "transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention",
     "deepseek_v3": "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
+    "deepseek_v32": "transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Attention",
     "diffllama": "transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention",
     "dory": "transformers.models.dory.modeling_dory.DoryAttention",
     "dots1": "transformers.models.dots1.modeling_dots1.Dots1Attention",
@@ -88,6 +90,7 @@ FAMILIES = {
     "glm4": "transformers.models.glm4.modeling_glm4.Glm4Attention",
     "glm4_moe": "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention",
     "glm4_moe_lite": "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
+    "glm_moe_dsa": "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaAttention",
     "gpt2": "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
     "gpt_bigcode": "transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention",
     "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
@@ -103,6 +106,7 @@ FAMILIES = {
     "hunyuan_v1_dense": "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
     "hunyuan_v1_moe": "transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Attention",
     "hy_v3": "transformers.models.hy_v3.modeling_hy_v3.HYV3Attention",
+    "hy_v4": "transformers.models.hy_v4.modeling_hy_v4.HYV4Attention",
     "hyperclovax": "transformers.models.hyperclovax.modeling_hyperclovax.HyperCLOVAXAttention",
     "jais2": "transformers.models.jais2.modeling_jais2.Jais2Attention",
     "jamba": "transformers.models.jamba.modeling_jamba.JambaAttention",
@@ -251,6 +255,16 @@ def check_gemma4(config) -> None:
         )
 
 
+def check_sparse(config) -> None:
+    """``check`` for DeepSeek sparse attention: its layers are ``indexed_attention`` (``deepseek_sparse_attention``
+    before Transformers 5.24: each query attends to the top-k keys its indexer picks, which the attention function
+    takes over the whole sequence: ``hf_ring.sparse``); no windows."""
+    what = getattr(config, "model_type", "model")
+    allowed = ("full_attention", "indexed_attention", "deepseek_sparse_attention")
+    check_layer_types(config, what, allowed=allowed, window=False)
+    _check_router(config, what)
+
+
 def check_llama4(config) -> None:
     """``check`` for Llama 4: chunked-attention layers (its RoPE layers: ``hf_ring.hf_attention`` cuts their
     documents into chunks of ``config.attention_chunk_size``) beside full-attention layers; no windows."""
@@ -288,12 +302,16 @@ LINEAR = {
 """Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention, MiniMax's lightning attention), Mamba,
 Mamba2 or short-convolution class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
+SPARSE = ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4")
+"""Families with DeepSeek sparse attention: an indexer beside each attention layer (``hf_ring.patches._sparse``)."""
+
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
     "gemma4_unified_text": check_gemma4,
     "llama4_text": check_llama4,
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
+    **{model_type: check_sparse for model_type in SPARSE},
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
@@ -309,6 +327,11 @@ them on (``UnpackLent``)."""
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
+    **{
+        model_type: "its sparse-attention indexers keep a key cache of their own, which the sharded cache does not "
+        "hold yet"
+        for model_type in SPARSE
+    },
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 
@@ -355,6 +378,7 @@ PATCHES = {
         no_generate=NO_GENERATE.get(model_type),
         cache_class=CACHE_CLASSES.get(model_type),
         lend_mixer_kwargs=LENDS_MIXER_KWARGS.get(model_type),
+        sparse=model_type in SPARSE,
     )
     for model_type, path in FAMILIES.items()
 }

@@ -55,6 +55,9 @@ _MOE_SHARED = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_siz
                "shared_expert_intermediate_size": 32}  # fmt: skip
 _MLA = {"num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
         "head_dim": 8, "v_head_dim": 12}  # fmt: skip
+# (16 indexer heads: a key scores exactly 0, the ReLU of every head, for 1 query in 65536, so no two keys tie at a
+# query's 6th place, where torch.topk's pick among tied keys depends on the row's length: 4 heads tied in 2 rows)
+_DSA = {"index_topk": 6, "index_head_dim": 16, "index_n_heads": 16}
 
 MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny config sets beyond the common sizes)
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),  # xIELU MLP, QK norm
@@ -108,6 +111,13 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**_MLA, "q_lora_rank": None, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {**_MLA, "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    # DeepSeek sparse attention: each query sees the 6 keys its indexer scores best (of up to 45)
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
+    # and its second layer reuses the first one's top-k
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "indexer_types": ["full", "shared"]}),
+    "axk2": ("AXK2Config", "AXK2ForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
+    # with hyper-connections, learned sinks, and its second layer reusing the first one's top-k
+    "hy_v4": ("HYV4Config", "HYV4ForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "hc_mult": 2, "learnable_sink_init": 0.5, "indexer_types": ["full", "shared"]}),
     # Gemma 4: layers that reuse an earlier layer's keys/values, keys as values on full layers, a wider head_dim on
     # full layers, per-layer token embeddings, final logit softcapping
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", {"head_dim": 16, "global_head_dim": 32, "num_hidden_layers": 4, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2, "attention_k_eq_v": True, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "final_logit_softcapping": 2.0, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}),
@@ -658,9 +668,11 @@ def prepare(family, opts, dtype=None, images: bool = False):
 def grads(model) -> dict:
     from hf_ring.engines import outside_text_model
 
-    # zeros for a vision-language model's vision tower (a text-only batch cannot reach it); elsewhere every
-    # trainable parameter must have a gradient
+    # zeros for a vision-language model's vision tower (a text-only batch cannot reach it) and for DeepSeek sparse
+    # attention's indexers (Transformers runs them without gradients); elsewhere every trainable parameter must have
+    # a gradient
     unreached = set(outside_text_model(model))
+    unreached |= {n for n, _ in model.named_parameters() if ".indexer." in n}
     return {
         n: torch.zeros_like(p) if n in unreached and p.grad is None else p.grad.detach().clone()
         for n, p in model.named_parameters()
@@ -768,12 +780,13 @@ def errors(loss, grads, ref_loss, ref_grads) -> dict:
     names = [n for n in ref_grads if not n.endswith(DECAY_PARAMS)]
     decay = [n for n in ref_grads if n.endswith(DECAY_PARAMS)]
     # a key bias before a softmax without RoPE (a vision tower's) has a gradient of zero but for rounding (the
-    # softmax does not see it; 7e-13 in Idefics3's): it is compared on the scale of the largest gradient
+    # softmax does not see it; 7e-13 in Idefics3's), and HunYuan V4's hyper-connection scales one near it (2e-8 of
+    # the largest in its tiny model, measured): they are compared on the scale of the largest gradient
     top = max(float(g.double().norm()) for g in ref_grads.values())
 
     def err(n):
         ref = ref_grads[n]
-        if n.endswith("k_proj.bias") and float(ref.double().norm()) < 1e-6 * top:
+        if n.endswith(("k_proj.bias", "hc.scale")) and float(ref.double().norm()) < 1e-6 * top:
             return float((grads[n].double() - ref.double()).norm()) / max(top, 1e-30)
         return rel(grads[n], ref)
 

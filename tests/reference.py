@@ -39,12 +39,13 @@ def dense_mask(seq_len: int, causal=True, window: int | None = None, docs: torch
 
 def reference_attention(
     q, k, v, *, causal=True, window=None, docs=None, scale=None, softcap=None, sinks=None, dtype=torch.float64,
-    blocks=None,
+    blocks=None, keep=None,
 ):  # fmt: skip
     """Softmax attention in ``dtype`` with K/V repeated to the query heads; empty rows give 0.
 
     ``softcap``: scores become ``softcap * tanh(s / softcap)`` before masking (Gemma2). ``sinks``: [heads]
-    logits appended to every row's softmax and dropped after it (gpt-oss's learned sinks).
+    logits appended to every row's softmax and dropped after it (gpt-oss's learned sinks). ``keep``: [batch, 1, S, S]
+    bool, ANDed with the mask (a selection of keys per query: DeepSeek sparse attention).
     """
     g = q.shape[1] // k.shape[1]
     k = k.to(dtype).repeat_interleave(g, 1)
@@ -53,7 +54,8 @@ def reference_attention(
     s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~dense_mask(q.shape[2], causal, window, docs, blocks), -math.inf)
+    mask = dense_mask(q.shape[2], causal, window, docs, blocks)
+    s = s.masked_fill(~(mask if keep is None else mask & keep), -math.inf)
     if sinks is not None:
         col = sinks.to(dtype)[None, :, None, None].expand(*s.shape[:-1], 1)
         return torch.softmax(torch.cat([s, col], -1), -1)[..., :-1] @ v

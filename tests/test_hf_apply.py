@@ -892,3 +892,98 @@ def test_one_rank_through_kv_shared_layers_with_a_padding_mask_or_a_count_of_log
         assert g.shape == r.shape and float((g - r)[k].norm() / r[k].norm()) <= 1e-5
     hf_ring.revert_ring_attention(model)
     assert not any(_shared_kv.ATTR in vars(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4"])
+def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and_reverts(family, monkeypatch):
+    """DeepSeek sparse attention at one rank: each indexer's call is deferred to hf_ring's attention function
+    (``patches._sparse``), which takes the top-k over the whole sequence (``hf_ring.sparse.select``). The logits
+    are the unmodified model's (SDPA's mask) with a padding mask or not, and with the indexer's scores in chunks
+    of one query (``CHUNK_BYTES``); a layer reusing an earlier layer's top-k (GLM-MoE-DSA's and HunYuan V4's
+    "shared") has it computed once. The selection matters: every key visible changes the logits (a control). Revert restores the
+    indexers and the masks. Top-k indices that are not hf_ring's deferred call (a rank's own) are refused."""
+    from hf_ring.patches._sparse import DeferIndexer, WrapMask
+
+    from hf_ring import sparse
+
+    if not in_transformers(family):
+        pytest.skip(f"{family} is not in this Transformers release")
+    model = make_model(family).eval()
+    batch, _ = make_batch("padded", 40)
+    padded = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    keep = padded["attention_mask"].bool()
+    plain = {"input_ids": batch["input_ids"]}
+    with torch.no_grad():
+        ref = [model(**inputs).logits for inputs in (plain, padded)]
+    indexers = [m.self_attn.indexer for m in model.model.layers if m.self_attn.indexer is not None]
+    assert len(indexers) == (1 if family in ("glm_moe_dsa", "hy_v4") else 2)  # (their layer 1 reuses layer 0's)
+    hf_ring.apply_ring_attention(model)
+    hf_ring.apply_ring_attention(model)  # again: nothing doubled
+    assert all(isinstance(vars(i).get("forward"), DeferIndexer) for i in indexers)
+    hooks = [sum(isinstance(h, WrapMask) for h in m.self_attn._forward_pre_hooks.values()) for m in model.model.layers]
+    assert hooks == [1, 1]
+    runs = []
+    real_run = sparse.IndexerCall.run
+    monkeypatch.setattr(sparse.IndexerCall, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    with torch.no_grad():
+        got = [model(**inputs).logits for inputs in (plain, padded)]
+        assert len(runs) == 2 * 2 * len(indexers)  # per indexer: its keys, then its one chunk of queries
+        monkeypatch.setattr(sparse, "CHUNK_BYTES", 1)  # one query per chunk
+        chunked = model(**plain).logits
+    for r, g, k in zip(ref, got, (torch.ones_like(keep), keep), strict=True):
+        assert float((g - r)[k].norm() / r[k].norm()) <= 1e-5
+    assert float((chunked - ref[0]).norm() / ref[0].norm()) <= 1e-5
+    hf_ring.revert_ring_attention(model)
+    assert not any(isinstance(vars(m).get("forward"), DeferIndexer) for m in model.modules())
+    assert not any(isinstance(h, WrapMask) for m in model.modules() for h in m._forward_pre_hooks.values())
+    with torch.no_grad():
+        assert torch.equal(model(**plain).logits, ref[0])
+        for i in indexers:
+            i.index_topk = 1000
+        assert float((model(**plain).logits - ref[0]).norm() / ref[0].norm()) > 1e-2
+        for i in indexers:
+            i.index_topk = model.config.index_topk
+    q = torch.randn(1, 2, 8, 8)  # indices from an indexer hf_ring did not defer: its own rank's top-k, refused
+    attention = model.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="apply_ring_attention"):
+        hf_attention.ring_attention_forward(attention, q, q, q, None, indices=torch.zeros(1, 8, 2, dtype=torch.int32))
+
+
+def test_a_selection_of_keys_is_checked_before_any_communication():
+    q = torch.randn(1, 2, 8, 8)
+    kv = torch.randn(1, 1, 8, 8)
+    for bad in (torch.zeros(1, 7, 3, dtype=torch.long), torch.zeros(1, 8, 3), torch.zeros(8, 3, dtype=torch.long)):
+        with pytest.raises(ValueError, match="selected must be an integer tensor"):
+            hf_ring.ring_attention(q, kv, kv, selected=bad)
+
+
+def test_ddp_is_told_up_front_that_sparse_attention_indexers_get_no_gradient():
+    """Transformers runs DeepSeek sparse attention's indexers without gradients, so DDP would fail at the second step
+    on their trainable weights: refused before training, unless they are frozen (or LoRA leaves them frozen) or DDP
+    looks for unused parameters; other families have none."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_ring.engines import check_ddp_reaches_every_parameter, without_gradient
+
+    def ddp(find_unused):
+        return SimpleNamespace(
+            distributed_type="MULTI_CPU", ddp_handler=SimpleNamespace(find_unused_parameters=find_unused)
+        )
+
+    model = make_model("deepseek_v32")
+    idle = without_gradient(model)
+    assert idle and all(".indexer." in n for n in idle)
+    assert len(idle) == sum(".indexer." in n for n, _ in model.named_parameters())
+    with pytest.raises(ValueError, match=r"indexers .* get no gradient.*find_unused_parameters=True"):
+        check_ddp_reaches_every_parameter(ddp(False), model)
+    check_ddp_reaches_every_parameter(ddp(True), model)
+    lora = get_peft_model(make_model("deepseek_v32"), LoraConfig(r=4, target_modules=["o_proj"]))
+    assert without_gradient(lora) == []
+    check_ddp_reaches_every_parameter(ddp(False), lora)
+    for m in model.modules():
+        if getattr(m, "indexer", None) is not None:
+            m.indexer.requires_grad_(False)
+    check_ddp_reaches_every_parameter(ddp(False), model)
+    assert without_gradient(make_model("deepseek_v3")) == []

@@ -110,6 +110,57 @@ def test_matches_plain_attention_fp32(world):
                 assert max(e) <= FP32_TOL, f"rank {rank} {backend} {label}: rel errors (out, dq, dk, dv) {e}"
 
 
+def _selection_worker(rank, world):
+    """(out, dq, dk, dv) errors of a call with a selection of keys per query (DeepSeek sparse attention's top-k), per
+    layout, backend and feature: random global positions (repeats, keys the causal mask hides, rows left empty)."""
+    torch_backend.BLOCK_Q = torch_backend.BLOCK_K = 8
+    s = FULL_LEN[world]
+    pad = torch.where(torch.arange(s)[None].repeat(2, 1) < torch.tensor([[s - 9], [s - 20]]), 0, -1)
+    cu = torch.tensor([0, 7, 20, 33, s], dtype=torch.int32)
+    feats = {
+        "causal": {},
+        "padded": {"docs": pad},
+        "packed-gqa1": {"cu": cu, "hkv": 1},
+        "bidirectional": {"causal": False},
+    }
+    errs = {}
+    for layout in hf_ring.LAYOUTS:
+        for backend in BACKENDS:
+            for feat, opts in feats.items():
+                g = torch.Generator().manual_seed(3)
+                b, hq, hkv, d, dv = 2, 4, opts.get("hkv", 2), 24, 16
+                q, k = torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+                v, dout = torch.randn(b, hkv, s, dv, generator=g), torch.randn(b, hq, s, dv, generator=g)
+                sel = torch.randint(0, s, (b, s, 5), generator=g)
+                keep = torch.zeros(b, s, s, dtype=torch.bool).scatter_(2, sel, True)[:, None]
+
+                def part(x, dim=2, lay=layout):
+                    return hf_ring.shard(x, dim=dim, rank=rank, world_size=world, layout=lay)
+
+                ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+                causal, docs, cus = opts.get("causal", True), opts.get("docs"), opts.get("cu")
+                out = hf_ring.ring_attention(
+                    ql, kl, vl, layout=layout, causal=causal, document_ids=docs, cu_seqlens=cus,
+                    selected=part(sel, dim=1), backend=backend,
+                )  # fmt: skip
+                out.backward(part(dout))
+                ref_docs = docs if cus is None else doc_ids_from_cu(cus, s)
+                ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+                ref = reference_attention(*ref_in, causal=causal, docs=ref_docs, keep=keep)
+                ref.backward(dout.double())
+                mine = (out, ql.grad, kl.grad, vl.grad)
+                refs = (part(ref), *(part(x.grad) for x in ref_in))
+                errs[(layout, backend, feat)] = [rel_err(a, r) for a, r in zip(mine, refs)]
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_selection_of_keys_per_query_matches_masked_plain_attention(world):
+    for rank, errs in enumerate(run_distributed(_selection_worker, world, timeout=300)):
+        for case, e in errs.items():
+            assert max(e) <= FP32_TOL, f"rank {rank} {case}: rel errors (out, dq, dk, dv) {e}"
+
+
 def _hybrid_worker(rank, world, u):
     from hf_ring.comm import ulysses_groups
 

@@ -12,9 +12,11 @@ Visibility of query ``i`` and key ``j`` (all positions are global, in the unshar
   ``c``. A query sees a key when both are not padding, the window allows it, and the key is not after the query
   *or* both are in the same block: ``(causal or q_doc == k_doc > 0) and window`` (Transformers' blockwise mask:
   the OR, then the window's AND). One document per row (besides padding); ``ring_attention`` builds the codes.
+- a selection (``with_selection``: DeepSeek sparse attention's top-k): ``selected[b, i]`` lists the global key
+  positions query ``i`` may see at most; a key outside its list is hidden, whatever the rest allows.
 
 Positions and document ids live on the host (CPU) so that tiles can be classified without a device
-sync; ``device_tensors`` gives cached copies for kernels that read them on the device (uploaded from
+sync (a selection lives on the kernels' device: it is read per tile, never classified); ``device_tensors`` gives cached copies for kernels that read them on the device (uploaded from
 pinned memory without blocking, once per mask: the ring builds its masks once per batch).
 
 ``pieces`` cuts a mask into the rectangles that fused attention kernels with only a causal flag can
@@ -78,6 +80,9 @@ class BlockMask:
     q_doc: [1 or batch, local_q] int32 document ids (-1 = padding), or None (one document).
     k_doc: [1 or batch, local_k] int32 document ids, or None.
     blocks: ``q_doc`` / ``k_doc`` are block codes (see the module docstring), not document ids.
+    selected: [batch, local_q, K] int64 global key positions each query may see at most (on the kernels'
+        device), or None; ``with_selection`` sets it with ``columns``, the index in this block of every global
+        position (-1: not in the block).
     """
 
     q_pos: torch.Tensor
@@ -87,6 +92,8 @@ class BlockMask:
     q_doc: torch.Tensor | None = None
     k_doc: torch.Tensor | None = None
     blocks: bool = False
+    selected: torch.Tensor | None = None
+    columns: torch.Tensor | None = None
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -94,10 +101,11 @@ class BlockMask:
         return self.q_doc is not None
 
     def visible(self, qs: slice = slice(None), ks: slice = slice(None)) -> torch.Tensor:
-        """Dense bool mask of the tile ``[qs, ks]``: ``[batch or 1, tile_q, tile_k]``."""
+        """Dense bool mask of the tile ``[qs, ks]``: ``[batch or 1, tile_q, tile_k]`` (on the positions' device; with
+        a selection, on its device)."""
         qp = self.q_pos[qs][:, None]
         kp = self.k_pos[ks][None, :]
-        vis = torch.ones(qp.shape[0], kp.shape[1], dtype=torch.bool)
+        vis = torch.ones(qp.shape[0], kp.shape[1], dtype=torch.bool, device=qp.device)
         if self.causal:
             vis &= kp <= qp
         vis = vis[None]
@@ -111,7 +119,28 @@ class BlockMask:
         if self.window is not None:
             dist = qp - kp if self.causal else (qp - kp).abs()
             vis = vis & (dist < self.window)[None]
+        if self.selected is not None:
+            vis = vis.to(self.selected.device) & self._chosen(qs, ks, kp.shape[1])
         return vis
+
+    def with_selection(self, selected: torch.Tensor, seq_len: int) -> BlockMask:
+        """This mask with keys outside ``selected`` hidden: ``selected`` [batch, local_q, K] int64, the global
+        positions (< ``seq_len``, the unsharded length) each query may see at most, on the kernels' device. The
+        selection is read per tile (``visible``); tiles are never called FULL, and there are no ``pieces``."""
+        key = ("columns", str(selected.device), seq_len)
+        if key not in self._cache:
+            cols = torch.full((seq_len,), -1, dtype=torch.int64)
+            cols[self.k_pos] = torch.arange(self.k_pos.numel())
+            self._cache[key] = cols.to(selected.device)
+        return dataclasses.replace(self, selected=selected, columns=self._cache[key], _cache={})
+
+    def _chosen(self, qs: slice, ks: slice, tile_k: int) -> torch.Tensor:
+        """[batch, tile_q, tile_k] bool: the keys of the tile that each query's selection lists."""
+        start = ks.start or 0
+        col = self.columns[self.selected[:, qs]] - start  # [batch, tile_q, K]: the column in the tile
+        col = torch.where((col >= 0) & (col < tile_k), col, tile_k)  # outside: one spare column, cut off
+        hit = torch.zeros(*col.shape[:2], tile_k + 1, dtype=torch.bool, device=col.device)
+        return hit.scatter_(2, col, True)[..., :tile_k]
 
     def classify(self, qs: slice = slice(None), ks: slice = slice(None)) -> int:
         """EMPTY, FULL or PARTIAL for the tile ``[qs, ks]``, from min/max bounds only."""
@@ -147,7 +176,7 @@ class BlockMask:
                 if qd_hi < 0 or kd_hi < 0 or qd_hi < kd_lo or kd_hi < qd_lo:
                     return EMPTY
                 full &= qd_lo == qd_hi == kd_lo == kd_hi
-        return FULL if full else PARTIAL
+        return FULL if full and self.selected is None else PARTIAL
 
     def _may_share_block(self, qs: slice, ks: slice) -> bool:
         """Whether the bounds allow a query and a key of one block in the tile (their code ranges meet above 0)."""
@@ -172,7 +201,7 @@ class BlockMask:
         a key run with the same step s and length see each other iff ``j - i <= o`` with ``o =
         floor((q_start - k_start) / s)``: o = 0 is a diagonal (zig-zag and contiguous layouts, and
         striped at or below the own rank), o = -1 the shifted diagonal (striped, a higher source rank:
-        queries 1.. against keys ..-1). None for windows, documents, more than 64 rectangles, or any
+        queries 1.. against keys ..-1). None for windows, documents, a selection, more than 64 rectangles, or any
         other partial rectangle: those run on a masked kernel. Cached.
         """
         if "pieces" not in self._cache:
@@ -180,7 +209,7 @@ class BlockMask:
         return self._cache["pieces"]
 
     def _pieces(self) -> list[tuple[str, slice, slice]] | None:
-        if self.window is not None or self.q_doc is not None:
+        if self.window is not None or self.q_doc is not None or self.selected is not None:
             return None
         q_runs, k_runs = runs(self.q_pos), runs(self.k_pos)
         if len(q_runs) * len(k_runs) > 64:

@@ -22,11 +22,12 @@ import torch
 
 from .mask import EMPTY, FULL, BlockMask
 
-__all__ = ["SOFTCAP", "forward", "backward", "merge_", "tiles"]
+__all__ = ["SELECT", "SOFTCAP", "forward", "backward", "merge_", "tiles"]
 
 BLOCK_Q = 512
 BLOCK_K = 512
 SOFTCAP = True  # implements attention logit softcapping (``softcap=``)
+SELECT = True  # reads a mask's selection (``BlockMask.with_selection``: DeepSeek sparse attention's top-k)
 
 
 def tiles(pos: torch.Tensor, block: int) -> list[slice]:

@@ -1,0 +1,184 @@
+"""DeepSeek sparse attention (DSA) under the ring: the indexer's top-k taken over the whole sequence.
+
+DSA models (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4) give their attention layers an indexer: a small
+multi-head dot product (one key head, ReLU, weighted over its heads) scores every query against every key it may
+see, and the attention then sees only the ``index_topk`` best keys of each query. Under context parallelism a
+rank holds its own tokens only, while a query's top-k ranges over every earlier key of the sequence.
+
+While a model is patched, its indexers compute nothing when called (``hf_ring.patches._sparse``): each returns an
+``IndexerCall``, its module and its arguments, which the model hands on to the attention function (Transformers
+passes it as ``indices``), and the attention function resolves it with ``select``:
+
+1. the indexer's keys of this rank's tokens: the model's own indexer code, stopped where it reads its key cache;
+2. gathered from every rank of the CP group (one all-gather of ``[batch, local_seq, index_head_dim]`` per indexer
+   layer, in the forward only: the indexer takes no gradient) and put in sequence order;
+3. the model's own indexer code again, on chunks of this rank's queries, its key cache answering with the whole
+   sequence's keys and its mask being the ring's (causal, documents, padding: ``BlockMask``), so that each query's
+   scores and top-k come from the same operations as in the unmodified model;
+4. the top-k global positions go to ``ring_attention(selected=...)``, whose steps hide every other key.
+
+A layer that reuses an earlier layer's top-k (GLM-MoE-DSA's and HunYuan V4's "shared" layers) is handed the same
+``IndexerCall``, resolved once.
+
+Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per chunk of queries, the chunk sized to
+stay within ``chunk_bytes`` (256 MiB by default); the unmodified model holds them for all its queries at once.
+Caveat: keys whose scores tie exactly at a query's k-th place (the ReLU gives exact zeros) are picked by
+``torch.topk`` among the tied ones; the ring hands it the same scores in the same order as the unmodified model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import layout as _layout
+from .comm import StateGather, group_rank_and_size
+from .kernels.mask import BlockMask, upload
+from .ring import host_document_ids
+
+__all__ = ["CHUNK_BYTES", "IndexerCall", "SparseMask", "select"]
+
+CHUNK_BYTES = 256 * 2**20
+"""Default bound on the indexer's fp32 scores of one chunk of queries (``select``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMask:
+    """The mask a DSA attention module is given while patched: what hf_ring's mask function made (None, or a 2-D
+    padding mask at one rank), indexable as the module indexes a 4-D mask for its indexer (``[:, 0, :, :]``): any
+    index gives the same wrapper. The attention function unwraps it."""
+
+    mask: torch.Tensor | None
+
+    def __getitem__(self, index) -> SparseMask:
+        return self
+
+
+class _StopIndexerError(Exception):
+    """Raised by ``_LocalKeys`` to stop (not a failure) the indexer once it has computed its keys."""
+
+
+class _LocalKeys:
+    """Stands for the indexer's key cache: records the keys of the call's tokens and stops the indexer there."""
+
+    keys: torch.Tensor | None = None
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int):
+        self.keys = keys
+        raise _StopIndexerError
+
+
+class _WholeKeys:
+    """Stands for the indexer's key cache: answers with the keys of the whole sequence."""
+
+    def __init__(self, keys: torch.Tensor):
+        self.keys = keys
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return self.keys
+
+
+@dataclasses.dataclass(eq=False)
+class IndexerCall:
+    """A DSA indexer's call, deferred to the attention function (``select``): the indexer module, its arguments,
+    the name of its cache argument (``cache``, ``past_key_values`` before Transformers 5.24), and the model's own
+    cache (None in training), which is given this rank's indexer keys as the unmodified indexer would."""
+
+    module: torch.nn.Module
+    hidden_states: torch.Tensor | None
+    q_resid: torch.Tensor | None
+    position_embeddings: tuple | None
+    position_ids: torch.Tensor | None
+    cache_name: str = "cache"
+    cache: object = None
+    selected: torch.Tensor | None = None  # [batch, local_seq, K] int64 global positions, once resolved
+
+    def run(self, rows: slice, cache, mask) -> torch.Tensor:
+        """The model's indexer on the queries ``rows`` of this call, with ``cache`` and ``mask``."""
+        cos, sin = self.position_embeddings
+        cut = (slice(None), rows)
+        args = (self.hidden_states[cut], self.q_resid[cut], (cos[cut], sin[cut]), mask, self.position_ids)
+        return type(self.module).forward(self.module, *args, **{self.cache_name: cache})
+
+
+def select(
+    call: IndexerCall,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    causal: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    timeout: float | None = None,
+    plans=None,
+    chunk_bytes: int | None = None,
+) -> torch.Tensor:
+    """The top-k keys of this rank's queries over the whole sequence: ``[batch, local_seq, K]`` int64 global
+    positions (``ring_attention``'s ``selected``), computed once per ``call``.
+
+    Args:
+        call: what the patched indexer returned (``IndexerCall``).
+        group, layout: the CP group and the layout of the shards.
+        causal, cu_seqlens, document_ids: what the indexer's queries may see, as ``ring_attention`` takes them
+            (document ids of the unsharded sequence, -1 padding).
+        timeout: seconds to wait for the peers in the all-gather of the indexer keys (CPU tensors on gloo).
+        plans: the model's ``PlanCache``: the positions and documents go to the device once per forward (without
+            it, once per call).
+        chunk_bytes: bound on the fp32 scores of one chunk of queries (None: ``CHUNK_BYTES``).
+    """
+    if call.selected is not None:
+        return call.selected
+    rank, world_size = group_rank_and_size(group)
+    local = _LocalKeys()
+    try:
+        call.run(slice(None), local, None)
+    except _StopIndexerError:
+        pass
+    if local.keys is None:
+        raise RuntimeError(
+            f"{type(call.module).__name__} did not read its key cache (update_indexer): hf_ring cannot give it the "
+            "keys of the whole sequence"
+        )
+    if call.cache is not None:  # the model's own cache keeps this rank's keys, as the unmodified indexer does
+        call.cache.update_indexer(local.keys, call.module.layer_idx)
+    keys = local.keys
+    if world_size > 1:
+        with torch.no_grad():
+            shards = StateGather(group, timeout).gather(keys)
+        keys = _layout.unshard(list(shards), dim=1, layout=layout)
+    batch, local_len = keys.shape[0], call.hidden_states.shape[1]
+    full = keys.shape[1]
+    make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)  # noqa: E731
+    sources = (_visibility, cu_seqlens, document_ids)  # (one device and one length per forward)
+    q_pos, k_pos, docs = (make() if plans is None else plans.derived(sources, make))[:3]
+    rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * batch * call.module.n_heads * full))
+    whole = _WholeKeys(keys)
+    picked = []
+    for start in range(0, local_len, rows):
+        part = slice(start, min(local_len, start + rows))
+        mask = BlockMask(
+            q_pos=q_pos[part],
+            k_pos=k_pos,
+            causal=causal,
+            q_doc=None if docs is None else docs[:, q_pos[part]],
+            k_doc=docs,
+        ).visible()
+        picked.append(call.run(part, whole, mask))
+    call.selected = torch.cat(picked, dim=1).long()
+    call.hidden_states = call.q_resid = call.position_embeddings = call.position_ids = call.cache = None
+    return call.selected
+
+
+def _visibility(cu_seqlens, document_ids, full: int, rank: int, world_size: int, layout: str, device) -> tuple:
+    """``(query positions, key positions, document ids or None, pinned host copies)`` on ``device``: what the
+    indexer's masks are built from (``BlockMask.visible`` on the device)."""
+    pinned = []
+    docs = host_document_ids(cu_seqlens, document_ids, full)
+    q_pos = _layout.positions(full, rank=rank, world_size=world_size, layout=layout)
+    return (
+        upload(q_pos, device, pinned),
+        upload(torch.arange(full), device, pinned),
+        None if docs is None else upload(docs, device, pinned),
+        pinned,
+    )

@@ -1,0 +1,86 @@
+"""DeepSeek sparse attention's indexers, deferred to hf_ring's attention function while the model is patched.
+
+A DSA attention module (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4) calls its indexer on its own tokens, with
+its 4-D mask cut to ``[:, 0, :, :]``, and passes the top-k positions to the attention function as ``indices``
+(``ring_attention`` takes no dense mask: Transformers leaves the selection to attention implementations other
+than eager and SDPA). Under the ring the top-k must range over the keys of every rank, which only the attention
+function can gather (it knows the group, the layout and the batch's documents). So, while the model is patched:
+
+- each indexer's ``forward`` (an instance attribute; ``remove`` deletes it) records its call and returns it
+  (``hf_ring.sparse.IndexerCall``), which ``hf_ring.sparse.select`` resolves inside the attention function;
+- each DSA attention module wraps its mask by a forward pre-hook (``WrapMask``) in a ``SparseMask``, which it can
+  index as its 4-D mask; the attention function unwraps it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..sparse import IndexerCall, SparseMask
+
+__all__ = ["DeferIndexer", "WrapMask", "install", "remove"]
+
+
+class DeferIndexer:
+    """An indexer's ``forward`` while patched: its call, for the attention function to resolve (``IndexerCall``)."""
+
+    def __init__(self, module: torch.nn.Module):
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+        self.module = module
+        self.names = params
+        self.cache_name = "cache" if "cache" in params else "past_key_values"
+
+    def __call__(self, *args, **kwargs) -> IndexerCall:
+        given = {**dict(zip(self.names, args)), **kwargs}
+        cache = given.get("cache", given.get("past_key_values"))
+        return IndexerCall(
+            module=self.module,
+            hidden_states=given["hidden_states"],
+            q_resid=given["q_resid"],
+            position_embeddings=given["position_embeddings"],
+            position_ids=given.get("position_ids"),
+            cache_name=self.cache_name,
+            cache=cache,
+        )
+
+
+class WrapMask:
+    """Forward pre-hook (with keywords) of a DSA attention module: its ``attention_mask`` as a ``SparseMask``."""
+
+    def __init__(self, module: torch.nn.Module):
+        names = list(inspect.signature(type(module).forward).parameters)[1:]
+        self.position = names.index("attention_mask")
+
+    def __call__(self, module, args, kwargs):
+        if len(args) > self.position:
+            if isinstance(args[self.position], SparseMask):
+                return None
+            args = (*args[: self.position], SparseMask(args[self.position]), *args[self.position + 1 :])
+            return args, kwargs
+        if isinstance(kwargs.get("attention_mask"), SparseMask):
+            return None
+        return args, {**kwargs, "attention_mask": SparseMask(kwargs.get("attention_mask"))}
+
+
+def install(modules: list) -> None:
+    """Defer the indexers of the attention ``modules`` that have one and wrap the masks of all of them (a layer
+    without its own indexer reuses an earlier layer's call). Idempotent."""
+    for m in modules:
+        indexer = getattr(m, "indexer", None)
+        if isinstance(indexer, torch.nn.Module) and not isinstance(indexer.__dict__.get("forward"), DeferIndexer):
+            indexer.forward = DeferIndexer(indexer)
+        if not any(isinstance(h, WrapMask) for h in m._forward_pre_hooks.values()):
+            m.register_forward_pre_hook(WrapMask(m), with_kwargs=True)
+
+
+def remove(model: torch.nn.Module) -> None:
+    """Undo ``install`` on every module of ``model`` (found by class, so a deep copy's are found too)."""
+    for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), DeferIndexer):
+            del m.__dict__["forward"]
+        for hook_id, hook in list(m._forward_pre_hooks.items()):
+            if isinstance(hook, WrapMask):
+                del m._forward_pre_hooks[hook_id]
+                m._forward_pre_hooks_with_kwargs.pop(hook_id, None)
