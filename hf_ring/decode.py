@@ -42,6 +42,7 @@ def decode_attention(
     sinks: torch.Tensor | None = None,
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
+    selected: torch.Tensor | None = None,
     backend: str = "auto",
     check: bool = True,
 ) -> torch.Tensor:
@@ -57,6 +58,9 @@ def decode_attention(
         sinks: [q_heads] learned attention sinks, merged once into the global LSE.
         q_doc, k_doc: [1 or batch, new] and [1 or batch, local_keys] integer document ids (-1: padding, which
             sees nothing and is seen by nothing), or None (one document).
+        selected: [batch, new, K] integer global key positions each query may see at most (DeepSeek sparse
+            attention's top-k, ``hf_ring.sparse.select_decode``), below the queries' largest position + 1; the local
+            kernel is then the torch backend's.
         backend: the local kernel (``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``).
         check: run the pre-flight check (one small all-gather: every rank raises the same error when one rank's
             arguments are wrong or ranks disagree on the query shape) before the merge's all-gather. A caller
@@ -88,8 +92,10 @@ def decode_attention(
             q_doc=None if q_doc is None else q_doc.detach().cpu().to(torch.int32),
             k_doc=None if k_doc is None else k_doc.detach().cpu().to(torch.int32),
         )
+        if selected is not None:
+            mask = mask.with_selection(selected.to(q.device).long(), int(mask.q_pos.max()) + 1)
         if not mask.is_empty():
-            module, problem = choose_backend(backend, q, k, v, softcap)
+            module, problem = choose_backend("torch" if selected is not None else backend, q, k, v, softcap)
             if problem is not None:
                 raise ValueError(f"decode_attention: {problem}")
             kwargs = {} if softcap is None else {"softcap": float(softcap)}

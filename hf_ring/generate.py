@@ -154,6 +154,17 @@ def _cache_classes():
             # hybrids: each recurrent layer's record (its convolution's last inputs, its state after the sequence),
             # the same on every rank: written by the prefill, carried on by every decode step (patches.linear)
             self.mixer_records = {}
+            # DeepSeek sparse attention: each layer's indexer keys of every token so far, the same on every rank
+            # (hf_ring.sparse: the prefill's gathered, then each decode step's)
+            self.indexer_keys = {}
+
+        def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+            """Append ``keys`` [batch, tokens, dim] (the prefill's whole prompt, or a decode step's new tokens) to
+            layer ``layer_idx``'s indexer keys and return all of them."""
+            held = self.indexer_keys.get(layer_idx)
+            held = keys if held is None else torch.cat([held, keys], dim=1)
+            self.indexer_keys[layer_idx] = held
+            return held
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             """The sequence's length so far, whatever ``layer_idx`` (a hybrid's first layer may hold no keys: the
@@ -165,6 +176,7 @@ def _cache_classes():
             st = self.state
             self.layers = [ShardedLayer(st) for _ in self.layers]
             self.mixer_records = {}
+            self.indexer_keys = {}
             st.phase, st.offset, st.prompt, st.generated = "prefill", 0, 0, 0
             st.local = st.docs = st.q_pos = None
 

@@ -56,7 +56,7 @@ from .layout import (
     valid_cu_seqlens,
 )
 from .ring import PlanCache, raise_on_every_rank, ring_attention
-from .sparse import IndexerCall, SparseMask, select
+from .sparse import IndexerCall, SparseMask, select, select_decode
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -706,6 +706,9 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
         docs = {"q_doc": (st.q_pos[None] - lead) // chunk, "k_doc": k_doc}
     elif layer.padded:
         docs = {"q_doc": torch.zeros(1, query.shape[2], dtype=torch.int32), "k_doc": layer.docs}
+    selected = None
+    if kwargs.get("indices") is not None:  # DeepSeek sparse attention: the step's top-k over the whole sequence
+        selected = select_decode(kwargs["indices"], cache, q_pos=st.q_pos, prompt_docs=st.docs, causal=bool(causal))
     out = decode_attention(
         query,
         key,
@@ -720,6 +723,7 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
         sinks=kwargs.get("s_aux"),
         backend=cfg.backend,
         check=False,  # ring_generate checked the step across ranks once, before the first layer
+        selected=selected,
         **docs,
     )
     return out.transpose(1, 2).contiguous()

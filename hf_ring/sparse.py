@@ -17,13 +17,20 @@ passes it as ``indices``), and the attention function resolves it with ``select`
    scores and top-k come from the same operations as in the unmodified model;
 4. the top-k global positions go to ``ring_attention(selected=...)``, whose steps hide every other key.
 
+Generation (``ring_generate``): the sharded cache keeps the indexer keys of every token on every rank (the prefill's
+gathered, then each decode step's, computed alike on every rank); a decode step's queries pick their top-k from them
+with no communication (``select_decode``), and ``decode_attention`` hides the other keys of each rank's shard. The
+indexer keys are small beside the attention's (DeepSeek-V3.2: 128 values per token against a latent of 576).
+
 A layer that reuses an earlier layer's top-k (GLM-MoE-DSA's and HunYuan V4's "shared" layers) is handed the same
 ``IndexerCall``, resolved once.
 
 Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per chunk of queries, the chunk sized to
 stay within ``chunk_bytes`` (256 MiB by default); the unmodified model holds them for all its queries at once.
-Caveat: keys whose scores tie exactly at a query's k-th place (the ReLU gives exact zeros) are picked by
-``torch.topk`` among the tied ones; the ring hands it the same scores in the same order as the unmodified model.
+Caveat: a top-k is not continuous. Keys whose scores tie at a query's k-th place, exactly (the ReLU gives exact zeros)
+or within rounding, are picked by ``torch.topk`` in an order, and with a rounding, that depend on the row's length;
+the ring hands it the whole sequence's row, as the unmodified model has it on the same batch (the same length), but
+a batch padded or cut otherwise may pick another key (docs/transformers.md).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from .comm import StateGather, group_rank_and_size
 from .kernels.mask import BlockMask, upload
 from .ring import host_document_ids
 
-__all__ = ["CHUNK_BYTES", "IndexerCall", "SparseMask", "select"]
+__all__ = ["CHUNK_BYTES", "IndexerCall", "SparseMask", "select", "select_decode"]
 
 CHUNK_BYTES = 256 * 2**20
 """Default bound on the indexer's fp32 scores of one chunk of queries (``select``)."""
@@ -130,23 +137,13 @@ def select(
     if call.selected is not None:
         return call.selected
     rank, world_size = group_rank_and_size(group)
-    local = _LocalKeys()
-    try:
-        call.run(slice(None), local, None)
-    except _StopIndexerError:
-        pass
-    if local.keys is None:
-        raise RuntimeError(
-            f"{type(call.module).__name__} did not read its key cache (update_indexer): hf_ring cannot give it the "
-            "keys of the whole sequence"
-        )
-    if call.cache is not None:  # the model's own cache keeps this rank's keys, as the unmodified indexer does
-        call.cache.update_indexer(local.keys, call.module.layer_idx)
-    keys = local.keys
+    keys = _local_keys(call)
     if world_size > 1:
         with torch.no_grad():
             shards = StateGather(group, timeout).gather(keys)
         keys = _layout.unshard(list(shards), dim=1, layout=layout)
+    if call.cache is not None:  # the model's cache keeps the whole sequence's indexer keys (one rank: its own)
+        call.cache.update_indexer(keys, call.module.layer_idx)
     batch, local_len = keys.shape[0], call.hidden_states.shape[1]
     full = keys.shape[1]
     make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)  # noqa: E731
@@ -165,7 +162,53 @@ def select(
             k_doc=docs,
         ).visible()
         picked.append(call.run(part, whole, mask))
-    call.selected = torch.cat(picked, dim=1).long()
+    return _resolved(call, torch.cat(picked, dim=1))
+
+
+def select_decode(call: IndexerCall, cache, *, q_pos: torch.Tensor, prompt_docs: torch.Tensor, causal: bool = True):
+    """The top-k keys of a decode step's queries over the whole sequence: ``[batch, new, K]`` int64 global positions,
+    computed once per ``call``. The decode step's tokens are the same on every rank, and ``cache`` (``ring_generate``'s
+    sharded cache) keeps the indexer keys of every token on every rank (``update_indexer``: the prefill's gathered,
+    then each step's own), so every rank picks the same keys with no communication.
+
+    Args:
+        call: what the patched indexer returned. cache: the sharded cache.
+        q_pos: [new] global positions of the step's tokens; prompt_docs: [batch, prompt] int32 document ids of the
+            (padded) prompt, -1 padding (the new tokens are of document 0).
+    """
+    if call.selected is not None:
+        return call.selected
+    keys = cache.update_indexer(_local_keys(call), call.module.layer_idx)  # [batch, every token so far, dim]
+    full = keys.shape[1]
+    docs = torch.cat([prompt_docs, prompt_docs.new_zeros(prompt_docs.shape[0], full - prompt_docs.shape[1])], 1)
+    mask = BlockMask(
+        q_pos=q_pos.cpu().long(),
+        k_pos=torch.arange(full),
+        causal=causal,
+        q_doc=torch.zeros(1, q_pos.numel(), dtype=torch.int32),
+        k_doc=docs,
+    ).visible()
+    return _resolved(call, call.run(slice(None), _WholeKeys(keys), mask.to(keys.device)))
+
+
+def _local_keys(call: IndexerCall) -> torch.Tensor:
+    """The indexer keys of the call's own tokens: the model's indexer run up to its key cache."""
+    local = _LocalKeys()
+    try:
+        call.run(slice(None), local, None)
+    except _StopIndexerError:
+        pass
+    if local.keys is None:
+        raise RuntimeError(
+            f"{type(call.module).__name__} did not read its key cache (update_indexer): hf_ring cannot give it the "
+            "keys of the whole sequence"
+        )
+    return local.keys
+
+
+def _resolved(call: IndexerCall, picked: torch.Tensor) -> torch.Tensor:
+    """Record the call's selection (a layer reusing it takes it as it is) and let its arguments go."""
+    call.selected = picked.long()
     call.hidden_states = call.q_resid = call.position_embeddings = call.position_ids = call.cache = None
     return call.selected
 

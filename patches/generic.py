@@ -327,11 +327,6 @@ them on (``UnpackLent``)."""
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
-    **{
-        model_type: "its sparse-attention indexers keep a key cache of their own, which the sharded cache does not "
-        "hold yet"
-        for model_type in SPARSE
-    },
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 

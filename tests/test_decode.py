@@ -46,6 +46,7 @@ CASES = {  # name: (keyword arguments, number of newest tokens queried)
     "softcap_sinks": ({"softcap": 2.0, "sinks": True}, 1),
     "documents": ({"docs": True}, 2),  # packed prompt, padding, a query of a padded row sees nothing
     "value_head_dim": ({"dv": 24}, 2),  # values with their own head_dim (multi-head latent attention)
+    "selected": ({"selected": True, "dv": 24}, 2),  # each query's top-k keys (DeepSeek sparse attention), any rank's
 }
 
 
@@ -69,6 +70,11 @@ def _case(name, rank, world):
         ref_kw["docs"] = docs
     q_pos = torch.arange(s - t, s)
     k_pos = _mine(rank, world)
+    if kw.pop("selected", False):  # 6 of every position (repeats, later ones) per query, the same on every rank
+        picked = torch.randint(0, s, (2, t, 6), generator=torch.Generator().manual_seed(1))
+        keep = torch.zeros(2, s, s, dtype=torch.bool)
+        keep[:, q_pos] = torch.zeros(2, t, s, dtype=torch.bool).scatter_(2, picked, True)
+        kw["selected"], ref_kw["keep"] = picked, keep[:, None]
     extra = {}
     if docs is not None:
         extra = {"q_doc": docs[:, q_pos], "k_doc": docs[:, k_pos]}

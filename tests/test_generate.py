@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_ring.layout import required_multiple
+
 from .dist_utils import run_distributed
 from .hf_models import DYNAMIC, LONGROPE, VOCAB, in_transformers, make_model, transformers_at_least
 
@@ -36,6 +38,19 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "deepseek_v3-latent-cache": ("deepseek_v3", 2, 15, 2, {}),
     "glm4_moe_lite-latent-cache": ("glm4_moe_lite", 1, 13, 0, {}),
     "mistral4-latent-cache": ("mistral4", 2, 12, 3, {}),  # Llama-4 query scaling by position as well
+    # DeepSeek sparse attention: every rank keeps every token's indexer keys and picks each step's top-k alike. The
+    # reference prompt is left-padded as ring_generate pads it ("pad_like_ring"): a top-k is not continuous, and
+    # HunYuan V4's decode step 5 picks another key when Transformers' own generate() is given 2 more padding tokens
+    # (rounding of its indexer's scores over a longer row: logits 9.0e-3 apart; every key visible: none)
+    "deepseek_v32-sparse": ("deepseek_v32", 2, 15, 2, {"scores": True, "pad_like_ring": True}),
+    "glm_moe_dsa-sparse-shared": (
+        "glm_moe_dsa",
+        1,
+        13,
+        0,
+        {"scores": True, "layout": "striped", "pad_like_ring": True},
+    ),
+    "hy_v4-sparse-shared": ("hy_v4", 2, 14, 3, {"scores": True, "pad_like_ring": True}),
     # Llama 4: chunks of 8 tokens counted from each row's first token (decoding crosses into the next chunk), a
     # layer without RoPE whose queries scale with their index in the row
     "llama4_text-chunked": ("llama4_text", 2, 14, 3, {"scores": True}),
@@ -256,9 +271,13 @@ def _worker(rank, world):
     for name, (family, b, s, pad, opts) in CASES.items():
         inputs = _prompt(b, s, pad)
         model = _model(family, opts)
+        extra = -s % required_multiple(opts.get("layout", "zigzag"), world) if opts.get("pad_like_ring") else 0
         torch.manual_seed(7)
         with torch.no_grad():
-            ref = model.generate(**inputs, **_kwargs(opts))
+            ref = model.generate(**{k: torch.nn.functional.pad(v, (extra, 0)) for k, v in inputs.items()},
+                                 **_kwargs(opts))  # fmt: skip
+        if extra:  # (the padding ring_generate adds, on the left of the prompt: its sequences do not show it)
+            ref.sequences = ref.sequences[:, extra:]
         hf_ring.apply_ring_attention(model, layout=opts.get("layout", "zigzag"))
         torch.manual_seed(7)  # every rank seeds alike, as the reference did
         try:
