@@ -258,9 +258,10 @@ class StateGather:
     gloo) bounds the wait as ``RingComm.wait`` does; None: the process group's own timeout.
     """
 
-    def __init__(self, group, timeout: float | None = None):
+    def __init__(self, group, timeout: float | None = None, what: str = "a linear-attention all-gather"):
         self.group = group
         self.timeout = timeout
+        self.what = what  # named in errors
         self.rank, self.world_size = group_rank_and_size(group)
         self.bytes_received = 0
 
@@ -280,7 +281,7 @@ class StateGather:
         except RuntimeError as e:
             timed = limit is not None and "time" in str(e).lower()
             who = f"rank {self.rank} of the CP group"
-            raise _collective_failed(self.group, who, self.timeout, "a linear-attention all-gather", e, timed) from e
+            raise _collective_failed(self.group, who, self.timeout, self.what, e, timed) from e
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()

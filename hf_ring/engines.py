@@ -37,9 +37,9 @@ __all__ = [
     "engine_of",
     "fill_deepspeed_micro_batch",
     "outside_text_model",
-    "without_gradient",
     "reduce_gradients",
     "without_accelerate_cp",
+    "without_gradient",
 ]
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import warnings
 from typing import Any
 
@@ -279,7 +280,7 @@ def _unknown_kwargs_error(kwargs: dict) -> str | None:
     )
 
 
-def _sparse_error(indices, cfg: RingConfig) -> str | None:
+def _sparse_error(indices) -> str | None:
     """Why the top-k ``indices`` of DeepSeek sparse attention cannot run here, or None."""
     if indices is None:
         return None
@@ -288,11 +289,6 @@ def _sparse_error(indices, cfg: RingConfig) -> str | None:
             "this model's sparse-attention indexer picked its top-k keys among one rank's tokens only (indices= "
             f"{type(indices).__name__}): switch the model with hf_ring.apply_ring_attention(model), which takes the "
             "top-k over the whole sequence (not only attn_implementation='hf_ring')"
-        )
-    if cfg.ulysses is not None and cfg.ulysses.ulysses_size > 1:
-        return (
-            "DeepSeek sparse attention runs on the pure ring: the Ulysses x Ring hybrid does not take its top-k keys; "
-            "use ulysses_size=1"
         )
     return None
 
@@ -572,7 +568,7 @@ def ring_attention_forward(
         ``(out, None)``, out: [batch, local_seq, q_heads, v_head_dim] in query's dtype.
     """
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
-    unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"), cfg)
+    unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"))
     if unknown:
         raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
     if isinstance(attention_mask, SparseMask):  # a DSA attention module's (hf_ring.patches._sparse)
@@ -652,9 +648,9 @@ def ring_attention_forward(
         layer = getattr(module, "layer_idx", None)
         cfg.plans.progress.label = "" if layer is None else f"layer {layer}"
     selected = None
-    if kwargs.get("indices") is not None:  # DeepSeek sparse attention: the indexer's top-k over the whole sequence
-        selected = select(
-            kwargs["indices"], group=cfg.group, layout=cfg.layout, causal=bool(causal), cu_seqlens=cu_seqlens,
+    if kwargs.get("indices") is not None:  # DeepSeek sparse attention: the indexer's top-k over the whole sequence,
+        selected = functools.partial(  # resolved by the ring after its pre-flight check (it gathers keys)
+            select, kwargs["indices"], group=cfg.group, layout=cfg.layout, causal=bool(causal), cu_seqlens=cu_seqlens,
             document_ids=document_ids, timeout=cfg.timeout, plans=cfg.plans,
         )  # fmt: skip
     out = ring_attention(

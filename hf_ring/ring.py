@@ -162,7 +162,7 @@ def ring_attention(
     cu_seqlens: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     block_ids: torch.Tensor | None = None,
-    selected: torch.Tensor | None = None,
+    selected=None,
     backend: str = "auto",
     comm: RingComm | None = None,
     plans: PlanCache | None = None,
@@ -200,9 +200,12 @@ def ring_attention(
             (document id -1) is allowed, packed documents are not.
         selected: [batch, local_seq, K] integer global key positions (in the unsharded sequence) each query may
             see at most, on q's device: DeepSeek sparse attention's top-k (``hf_ring.sparse``). A key outside a
-            query's list is hidden whatever the other masks allow; repeats and keys the other masks hide are fine.
-            Per call (each layer has its own); the steps then run on the torch backend, which reads it per tile.
-            Pure ring only (no ``ulysses``).
+            query's list is hidden whatever the other masks allow; repeats, keys the other masks hide and negative
+            entries (no key) are fine. Or a function of no arguments returning it, called after the pre-flight
+            check (a selection that needs collectives, as ``hf_ring.sparse.select``'s all-gather, then runs only
+            when every rank passed it). Per call (each layer has its own); saved for the backward as it is (int32
+            is enough); the steps then run on the torch backend, which reads it per tile. Pure ring only (no
+            ``ulysses``).
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
@@ -258,25 +261,33 @@ def ring_attention(
         )  # fmt: skip
         if key is not None:
             plans.store(key, held, plan)
-    if selected is not None:
-        plan = _selecting(plan, selected.long(), q.shape[2] * plan.world_size)
+    if callable(selected):  # after the pre-flight check: its collectives run only when every rank passed it
+        try:
+            selected = selected()
+            _check_selected(selected, q, hybrid)
+        except BaseException as e:
+            _failed(watch, comm, e)
+            raise
     if not hybrid:
-        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
+        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, selected)
     return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch)
 
 
 def _check_selected(selected, q, hybrid: bool) -> None:
-    """ValueError unless ``selected`` is a selection ``ring_attention`` takes for these queries."""
+    """ValueError unless ``selected`` is a selection ``ring_attention`` takes for these queries (a function: later)."""
     if hybrid:
         raise ValueError(
             "ring_attention: a selection (selected=, DeepSeek sparse attention) runs on the pure ring; pass "
             "ulysses=None (ulysses_size=1)"
         )
+    if callable(selected):
+        return
     want = (q.shape[0], q.shape[2]) if isinstance(q, torch.Tensor) else None
     if not (
         isinstance(selected, torch.Tensor)
         and not selected.is_floating_point()
         and not selected.is_complex()
+        and selected.dtype != torch.bool
         and selected.dim() == 3
         and tuple(selected.shape[:2]) == want
         and selected.device == q.device
@@ -603,10 +614,11 @@ class _RingAttention(torch.autograd.Function):
     # unchanged (the kernels' probabilities exp(s - lse') are the softmax with the sink), and the
     # sink's gradient is -sum over rows of exp(sink - lse') * rowsum(dout * out').
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, comm, watch):
+    def forward(ctx, q, k, v, sinks, plan, comm, watch, selected=None):
         with torch.autocast(q.device.type, enabled=False):
             try:
-                out, lse, kv = _ring_forward(q, k, v, plan, comm)
+                run = plan if selected is None else _selecting(plan, selected, q.shape[2] * plan.world_size)
+                out, lse, kv = _ring_forward(q, k, v, run, comm)
             except BaseException as e:
                 _failed(watch, comm, e)
                 raise
@@ -617,18 +629,21 @@ class _RingAttention(torch.autograd.Function):
         # Compiled, the output is a copy, never the buffer the kernels mutated: torch 2.11's AOTAutograd
         # gives a mutated output of a custom op a zero gradient (found with the triton backend, fp32).
         out = out.to(q.dtype, copy=torch.compiler.is_compiling())
-        ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks)
+        ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks, selected)
         ctx.plan, ctx.comm, ctx.watch = plan, comm, watch
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, *kv, out, lse, sinks = ctx.saved_tensors
+        q, *kv, out, lse, sinks, selected = ctx.saved_tensors
         kv = kv[0] if len(kv) == 1 else tuple(kv)
         with torch.autocast(q.device.type, enabled=False):
             delta = (dout.float() * out.float()).sum(-1)
             try:
-                dq, dk, dv = _ring_backward(dout, q, kv, out, lse, delta, ctx.plan, ctx.comm)
+                plan = (
+                    ctx.plan if selected is None else _selecting(ctx.plan, selected, q.shape[2] * ctx.plan.world_size)
+                )
+                dq, dk, dv = _ring_backward(dout, q, kv, out, lse, delta, plan, ctx.comm)
             except BaseException as e:
                 _failed(ctx.watch, ctx.comm, e)
                 raise
@@ -638,4 +653,4 @@ class _RingAttention(torch.autograd.Function):
             if sinks is not None and ctx.needs_input_grad[3]:
                 p_sink = torch.exp(sinks.float()[None, :, None] - lse)
                 dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dsinks, None, None, None
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dsinks, None, None, None, None

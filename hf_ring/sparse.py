@@ -26,7 +26,12 @@ A layer that reuses an earlier layer's top-k (GLM-MoE-DSA's and HunYuan V4's "sh
 ``IndexerCall``, resolved once.
 
 Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per chunk of queries, the chunk sized to
-stay within ``chunk_bytes`` (256 MiB by default); the unmodified model holds them for all its queries at once.
+keep them within ``chunk_bytes`` (256 MiB by default; the pass also holds their ReLU, the chunk's other indexer
+tensors, and an fp32 copy of the whole sequence's indexer keys); the unmodified model holds them for all its
+queries at once. Each chunk runs the indexer's projections on its own queries again (the model's code computes
+queries and keys in one call), a small cost beside the scores; under DeepSpeed ZeRO-3 every rank runs as many
+chunks (its parameter gathers go over every rank). FSDP2 and ZeRO-3 units are the decoder layers (the default
+wrapping): the indexer's own module is not called again, only its layers.
 Caveat: a top-k is not continuous. Keys whose scores tie at a query's k-th place, exactly (the ReLU gives exact zeros)
 or within rounding, are picked by ``torch.topk`` in an order, and with a rounding, that depend on the row's length;
 the ring hands it the whole sequence's row, as the unmodified model has it on the same batch (the same length), but
@@ -40,7 +45,7 @@ import dataclasses
 import torch
 
 from . import layout as _layout
-from .comm import StateGather, group_rank_and_size
+from .comm import RingComm, StateGather, group_rank_and_size
 from .kernels.mask import BlockMask, upload
 from .ring import host_document_ids
 
@@ -99,7 +104,7 @@ class IndexerCall:
     position_ids: torch.Tensor | None
     cache_name: str = "cache"
     cache: object = None
-    selected: torch.Tensor | None = None  # [batch, local_seq, K] int64 global positions, once resolved
+    selected: torch.Tensor | None = None  # [batch, local_seq, K] int32 global positions, once resolved
 
     def run(self, rows: slice, cache, mask) -> torch.Tensor:
         """The model's indexer on the queries ``rows`` of this call, with ``cache`` and ``mask``."""
@@ -121,8 +126,10 @@ def select(
     plans=None,
     chunk_bytes: int | None = None,
 ) -> torch.Tensor:
-    """The top-k keys of this rank's queries over the whole sequence: ``[batch, local_seq, K]`` int64 global
-    positions (``ring_attention``'s ``selected``), computed once per ``call``.
+    """The top-k keys of this rank's queries over the whole sequence: ``[batch, local_seq, K]`` int32 global
+    positions (``ring_attention``'s ``selected``), computed once per ``call``. Collectives: one all-gather over the
+    CP group (and, under DeepSpeed ZeRO-3, one small all-reduce over every rank); ``ring_attention`` calls it after
+    its pre-flight check when given it as ``selected=functools.partial(select, call, ...)``.
 
     Args:
         call: what the patched indexer returned (``IndexerCall``).
@@ -140,20 +147,29 @@ def select(
     keys = _local_keys(call)
     if world_size > 1:
         with torch.no_grad():
-            shards = StateGather(group, timeout).gather(keys)
+            shards = StateGather(group, timeout, what="the all-gather of the sparse-attention indexer keys").gather(
+                keys
+            )
         keys = _layout.unshard(list(shards), dim=1, layout=layout)
     if call.cache is not None:  # the model's cache keeps the whole sequence's indexer keys (one rank: its own)
         call.cache.update_indexer(keys, call.module.layer_idx)
     batch, local_len = keys.shape[0], call.hidden_states.shape[1]
     full = keys.shape[1]
     make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)  # noqa: E731
-    sources = (_visibility, cu_seqlens, document_ids)  # (one device and one length per forward)
-    q_pos, k_pos, docs = (make() if plans is None else plans.derived(sources, make))[:3]
+    seen = None if plans is None else plans.derived((_visibility, cu_seqlens, document_ids), make)
+    if seen is None or seen[1].numel() != full or seen[1].device != keys.device:  # (another batch's, not reused)
+        seen = make()
+    q_pos, k_pos, docs = seen[:3]
     rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * batch * call.module.n_heads * full))
+    chunks = -(-local_len // rows)
+    if any(hasattr(p, "ds_id") for p in call.module.parameters()):
+        # DeepSpeed ZeRO-3 gathers a layer's parameters over every rank at each of its calls: every rank calls the
+        # indexer's layers as often (a rank with fewer chunks runs empty ones)
+        chunks = int(RingComm(None, timeout=timeout).all_reduce_max(torch.tensor([chunks])))
     whole = _WholeKeys(keys)
     picked = []
-    for start in range(0, local_len, rows):
-        part = slice(start, min(local_len, start + rows))
+    for i in range(chunks):
+        part = slice(min(local_len, i * rows), min(local_len, (i + 1) * rows))
         mask = BlockMask(
             q_pos=q_pos[part],
             k_pos=k_pos,
@@ -166,7 +182,7 @@ def select(
 
 
 def select_decode(call: IndexerCall, cache, *, q_pos: torch.Tensor, prompt_docs: torch.Tensor, causal: bool = True):
-    """The top-k keys of a decode step's queries over the whole sequence: ``[batch, new, K]`` int64 global positions,
+    """The top-k keys of a decode step's queries over the whole sequence: ``[batch, new, K]`` int32 global positions,
     computed once per ``call``. The decode step's tokens are the same on every rank, and ``cache`` (``ring_generate``'s
     sharded cache) keeps the indexer keys of every token on every rank (``update_indexer``: the prefill's gathered,
     then each step's own), so every rank picks the same keys with no communication.
@@ -208,7 +224,7 @@ def _local_keys(call: IndexerCall) -> torch.Tensor:
 
 def _resolved(call: IndexerCall, picked: torch.Tensor) -> torch.Tensor:
     """Record the call's selection (a layer reusing it takes it as it is) and let its arguments go."""
-    call.selected = picked.long()
+    call.selected = picked.to(torch.int32)
     call.hidden_states = call.q_resid = call.position_embeddings = call.position_ids = call.cache = None
     return call.selected
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_ring import sparse
 from tests.dist_utils import run_distributed
 from tests.hf_models import (
     DYNAMIC,
@@ -137,7 +138,7 @@ CASES = {
     "deepseek_v3-packed-lora": ("deepseek_v3", "packed", 45, {"lora": True}),
     "glm4_moe_lite-plain-checkpointing": ("glm4_moe_lite", "plain", 40, {"checkpointing": True}),
     # DeepSeek sparse attention: the indexers' top-k over the whole sequence (keys gathered from every rank)
-    "deepseek_v32-plain": ("deepseek_v32", "plain", 40, {}),
+    "deepseek_v32-plain-chunked": ("deepseek_v32", "plain", 40, {"chunk_bytes": 1}),  # one query per indexer chunk
     "deepseek_v32-padded-lora-checkpointing": ("deepseek_v32", "padded", 45, {"lora": True, "checkpointing": True}),
     "deepseek_v32-packed-contiguous": ("deepseek_v32", "packed", 40, {"layout": "contiguous"}),
     "glm_moe_dsa-packed": ("glm_moe_dsa", "packed", 45, {}),
@@ -363,6 +364,9 @@ CASES = {
 }
 
 
+DEFAULT_CHUNK_BYTES = sparse.CHUNK_BYTES
+
+
 def _parity(rank: int, names: list) -> dict:
     """Per case: the global loss and a gradient checksum (every rank), and the errors (rank 0 only)."""
     results = {}
@@ -371,6 +375,7 @@ def _parity(rank: int, names: list) -> dict:
         ours_batch, ref_batch = make_batch(kind, seq_len, family=family)
         images = kind in ("images", "images-padded", "video", "audio")
         model = _prepare(family, opts, images=images)
+        sparse.CHUNK_BYTES = opts.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
         bf16 = opts.get("dtype") == torch.bfloat16
         if rank == 0:
             ref32 = _prepare(family, opts, dtype=torch.float32, images=images) if bf16 else model
@@ -463,6 +468,12 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
         )
     out["llama4_by_hand_restart"] = _error_of(lambda: llama4(input_ids=ids, position_ids=restart))
     out["llama4_by_hand_local"] = _error_of(lambda: llama4(input_ids=ids))
+    # DeepSeek sparse attention gathers its indexer keys after the ring's check: a rank that sees the mistake joins
+    # that check, the others learn of it there and never reach the gather; the group goes on
+    sparse = hf_ring.apply_ring_attention(make_model("deepseek_v32"))
+    out["sparse_by_hand_restart"] = _error_of(lambda: sparse(input_ids=ids, position_ids=restart))
+    with torch.no_grad():
+        out["sparse_after"] = bool(torch.isfinite(sparse(**plain).logits).all())
     # switched by attn_implementation alone: its layer without RoPE would scale queries by the shard's index
     unpatched = make_model("llama4_text")
     unpatched.set_attn_implementation("hf_ring")
@@ -628,6 +639,8 @@ def test_hf_integration_distributed(world_size):
             assert want in e["by_hand_restart"], e["by_hand_restart"]
             assert e["llama4_by_hand_global"] == 0.0
             assert want in e["llama4_by_hand_restart"], e["llama4_by_hand_restart"]
+            assert want in e["sparse_by_hand_restart"], e["sparse_by_hand_restart"]
+            assert e["sparse_after"]
             assert "without position_ids" in e["llama4_by_hand_local"], e["llama4_by_hand_local"]
             assert "apply_ring_attention(model)" in e["llama4_not_applied"], e["llama4_not_applied"]
             assert e["deepcopy_shares_config"] and e["deepcopy_loss"] == 0.0
@@ -654,3 +667,39 @@ def test_hf_integration_distributed(world_size):
             got = r["parity"][name]
             assert (got["value"], got["grad_sum"]) == (case["value"], case["grad_sum"]), name
     _check(results[0]["parity"], world_size)
+
+
+def _zero3_indexer_calls(rank: int, world_size: int) -> tuple:
+    """Each rank in a CP group of its own (as DP groups are), with a sequence of its own length, the indexer's
+    parameters marked as DeepSpeed ZeRO-3's (``ds_id``): (calls of an indexer layer, logits error vs unpatched)."""
+    import torch.distributed as dist
+
+    import hf_ring
+
+    solo = [dist.new_group([r]) for r in range(world_size)][rank]  # (collective: every rank makes every group)
+    model = make_model("deepseek_v32").eval()
+    n = 12 + 8 * rank
+    ids = torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    hf_ring.apply_ring_attention(model, group=solo)
+    for name, p in model.named_parameters():
+        if ".indexer." in name:
+            p.ds_id = 0
+    calls = []
+    for layer in model.model.layers:
+        layer.self_attn.indexer.wq_b.register_forward_hook(lambda *_: calls.append(1))
+    sparse.CHUNK_BYTES = 4 * 16 * 12 * 4  # 4 queries per chunk at 12 tokens, 2 at 20: 3 and 10 chunks
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    return len(calls), float((out - ref).norm() / ref.norm())
+
+
+def test_under_zero3_every_rank_calls_the_indexer_layers_as_often():
+    """DeepSpeed ZeRO-3 gathers a layer's parameters over every rank at each of its calls, so ranks of different DP
+    groups whose sequences need different numbers of indexer chunks would wait in different gathers: every rank
+    runs as many (the shorter one empty chunks), and its logits stay the unmodified model's."""
+    results = run_distributed(_zero3_indexer_calls, 2, timeout=300)
+    (calls0, err0), (calls1, err1) = results
+    assert calls0 == calls1 == 2 * (1 + 10), results  # per layer: its keys, then 10 chunks of queries
+    assert err0 <= 1e-5 and err1 <= 1e-5, results

@@ -16,8 +16,9 @@ Visibility of query ``i`` and key ``j`` (all positions are global, in the unshar
   positions query ``i`` may see at most; a key outside its list is hidden, whatever the rest allows.
 
 Positions and document ids live on the host (CPU) so that tiles can be classified without a device
-sync (a selection lives on the kernels' device: it is read per tile, never classified); ``device_tensors`` gives cached copies for kernels that read them on the device (uploaded from
-pinned memory without blocking, once per mask: the ring builds its masks once per batch).
+sync (a selection lives on the kernels' device: it is read per tile, never classified); ``device_tensors``
+gives cached copies for kernels that read them on the device (uploaded from pinned memory without blocking,
+once per mask: the ring builds its masks once per batch).
 
 ``pieces`` cuts a mask into the rectangles that fused attention kernels with only a causal flag can
 run exactly: fully visible rectangles, causal diagonals and the shifted diagonal of the striped layout.
@@ -80,9 +81,9 @@ class BlockMask:
     q_doc: [1 or batch, local_q] int32 document ids (-1 = padding), or None (one document).
     k_doc: [1 or batch, local_k] int32 document ids, or None.
     blocks: ``q_doc`` / ``k_doc`` are block codes (see the module docstring), not document ids.
-    selected: [batch, local_q, K] int64 global key positions each query may see at most (on the kernels'
-        device), or None; ``with_selection`` sets it with ``columns``, the index in this block of every global
-        position (-1: not in the block).
+    selected: [batch, local_q, K] integer global key positions each query may see at most (negative: none; on the
+        kernels' device), or None; ``with_selection`` sets it with ``columns``, the index in this block of every
+        global position (-1: not in the block).
     """
 
     q_pos: torch.Tensor
@@ -124,9 +125,9 @@ class BlockMask:
         return vis
 
     def with_selection(self, selected: torch.Tensor, seq_len: int) -> BlockMask:
-        """This mask with keys outside ``selected`` hidden: ``selected`` [batch, local_q, K] int64, the global
-        positions (< ``seq_len``, the unsharded length) each query may see at most, on the kernels' device. The
-        selection is read per tile (``visible``); tiles are never called FULL, and there are no ``pieces``."""
+        """This mask with keys outside ``selected`` hidden: ``selected`` [batch, local_q, K] integer, the global
+        positions (< ``seq_len``, the unsharded length; negative: no key) each query may see at most, on the
+        kernels' device. Read per tile (``visible``); tiles are never called FULL, and there are no ``pieces``."""
         key = ("columns", str(selected.device), seq_len)
         if key not in self._cache:
             cols = torch.full((seq_len,), -1, dtype=torch.int64)
@@ -137,8 +138,9 @@ class BlockMask:
     def _chosen(self, qs: slice, ks: slice, tile_k: int) -> torch.Tensor:
         """[batch, tile_q, tile_k] bool: the keys of the tile that each query's selection lists."""
         start = ks.start or 0
-        col = self.columns[self.selected[:, qs]] - start  # [batch, tile_q, K]: the column in the tile
-        col = torch.where((col >= 0) & (col < tile_k), col, tile_k)  # outside: one spare column, cut off
+        sel = self.selected[:, qs].long()
+        col = self.columns[sel.clamp_min(0)] - start  # [batch, tile_q, K]: the column in the tile
+        col = torch.where((sel >= 0) & (col >= 0) & (col < tile_k), col, tile_k)  # else: a spare column, cut off
         hit = torch.zeros(*col.shape[:2], tile_k + 1, dtype=torch.bool, device=col.device)
         return hit.scatter_(2, col, True)[..., :tile_k]
 
