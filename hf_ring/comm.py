@@ -159,9 +159,10 @@ class RingComm:
             raise self._lost(e, peers=f"an all-gather over the {self.world_size} ranks of the group") from e
         return [t.tolist() for t in every]
 
-    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+    def all_reduce_max(self, t: torch.Tensor, what: str = "the largest-position all-reduce of the rotary embedding"):
         """The element-wise maximum of ``t`` over the group (a new tensor on ``t``'s device): one all-reduce, on
-        the device for NCCL (no host sync), else on the CPU, bounded by ``timeout`` there (as ``wait``)."""
+        the device for NCCL (no host sync), else on the CPU, bounded by ``timeout`` there (as ``wait``). ``what``:
+        named in errors."""
         if self.world_size == 1:
             return t.clone()
         on_gpu = t.is_cuda and "nccl" in str(dist.get_backend(self.group))
@@ -171,7 +172,7 @@ class RingComm:
             work = dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             work.wait() if limit is None else work.wait(limit)
         except RuntimeError as e:
-            self.where = "in the largest-position all-reduce of the rotary embedding"
+            self.where = f"in {what}"
             timed = limit is not None and "time" in str(e).lower()
             raise self._lost(e, timed=timed, peers=f"an all-reduce over the {self.world_size} ranks") from e
         return out.to(t.device)

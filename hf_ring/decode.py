@@ -93,7 +93,7 @@ def decode_attention(
             k_doc=None if k_doc is None else k_doc.detach().cpu().to(torch.int32),
         )
         if selected is not None:
-            mask = mask.with_selection(selected.to(q.device).long(), int(mask.q_pos.max()) + 1)
+            mask = mask.with_selection(selected.to(q.device), int(max(mask.q_pos.max(), mask.k_pos.max())) + 1)
         if not mask.is_empty():
             module, problem = choose_backend("torch" if selected is not None else backend, q, k, v, softcap)
             if problem is not None:

@@ -148,6 +148,8 @@ def _cache_classes():
     class ShardedCache(Cache):
         """A Transformers ``Cache`` whose layers keep this rank's shard of the keys/values (see the module)."""
 
+        WHOLE_INDEXER_KEYS = True  # its update_indexer takes the whole sequence's (hf_ring.sparse)
+
         def __init__(self, state: _State, num_layers: int):
             Cache.__init__(self, layers=[ShardedLayer(state) for _ in range(num_layers)])  # (not a subclass's base)
             self.state = state

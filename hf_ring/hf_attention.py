@@ -280,8 +280,9 @@ def _unknown_kwargs_error(kwargs: dict) -> str | None:
     )
 
 
-def _sparse_error(indices) -> str | None:
-    """Why the top-k ``indices`` of DeepSeek sparse attention cannot run here, or None."""
+def _sparse_error(indices, cfg: RingConfig) -> str | None:
+    """Why the top-k ``indices`` of DeepSeek sparse attention cannot run here, or None (before any collective: the
+    same on every rank)."""
     if indices is None:
         return None
     if not isinstance(indices, IndexerCall):
@@ -290,6 +291,8 @@ def _sparse_error(indices) -> str | None:
             f"{type(indices).__name__}): switch the model with hf_ring.apply_ring_attention(model), which takes the "
             "top-k over the whole sequence (not only attn_implementation='hf_ring')"
         )
+    if cfg.ulysses is not None and cfg.ulysses.ulysses_size > 1:
+        return "DeepSeek sparse attention runs on the pure ring: its top-k keys are per query of the ring; use ulysses_size=1"
     return None
 
 
@@ -568,7 +571,7 @@ def ring_attention_forward(
         ``(out, None)``, out: [batch, local_seq, q_heads, v_head_dim] in query's dtype.
     """
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
-    unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"))
+    unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"), cfg)
     if unknown:
         raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
     if isinstance(attention_mask, SparseMask):  # a DSA attention module's (hf_ring.patches._sparse)

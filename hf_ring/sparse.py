@@ -29,9 +29,10 @@ Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per c
 keep them within ``chunk_bytes`` (256 MiB by default; the pass also holds their ReLU, the chunk's other indexer
 tensors, and an fp32 copy of the whole sequence's indexer keys); the unmodified model holds them for all its
 queries at once. Each chunk runs the indexer's projections on its own queries again (the model's code computes
-queries and keys in one call), a small cost beside the scores; under DeepSpeed ZeRO-3 every rank runs as many
-chunks (its parameter gathers go over every rank). FSDP2 and ZeRO-3 units are the decoder layers (the default
-wrapping): the indexer's own module is not called again, only its layers.
+queries and keys in one call): little compute beside the scores, but under DeepSpeed ZeRO-3 one gather of their
+weights per chunk, and every rank of the ZeRO group runs as many chunks (its gathers are collectives). The
+indexer's own module is called once, for its record: it must not be a ZeRO-3 leaf module or an FSDP2 unit of its
+own (decoder-layer units, the default, are fine).
 Caveat: a top-k is not continuous. Keys whose scores tie at a query's k-th place, exactly (the ReLU gives exact zeros)
 or within rounding, are picked by ``torch.topk`` in an order, and with a rounding, that depend on the row's length;
 the ring hands it the whole sequence's row, as the unmodified model has it on the same batch (the same length), but
@@ -144,15 +145,16 @@ def select(
     if call.selected is not None:
         return call.selected
     rank, world_size = group_rank_and_size(group)
-    keys = _local_keys(call)
+    keys = local_keys = _local_keys(call)
     if world_size > 1:
         with torch.no_grad():
             shards = StateGather(group, timeout, what="the all-gather of the sparse-attention indexer keys").gather(
                 keys
             )
         keys = _layout.unshard(list(shards), dim=1, layout=layout)
-    if call.cache is not None:  # the model's cache keeps the whole sequence's indexer keys (one rank: its own)
-        call.cache.update_indexer(keys, call.module.layer_idx)
+    if call.cache is not None:  # ring_generate's keeps the whole sequence's indexer keys, another cache its own
+        whole = getattr(call.cache, "WHOLE_INDEXER_KEYS", False)
+        call.cache.update_indexer(keys if whole else local_keys, call.module.layer_idx)
     batch, local_len = keys.shape[0], call.hidden_states.shape[1]
     full = keys.shape[1]
     make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)  # noqa: E731
@@ -162,10 +164,13 @@ def select(
     q_pos, k_pos, docs = seen[:3]
     rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * batch * call.module.n_heads * full))
     chunks = -(-local_len // rows)
-    if any(hasattr(p, "ds_id") for p in call.module.parameters()):
-        # DeepSpeed ZeRO-3 gathers a layer's parameters over every rank at each of its calls: every rank calls the
-        # indexer's layers as often (a rank with fewer chunks runs empty ones)
-        chunks = int(RingComm(None, timeout=timeout).all_reduce_max(torch.tensor([chunks])))
+    zero3 = next((p.ds_process_group for p in call.module.parameters() if hasattr(p, "ds_process_group")), False)
+    if zero3 is not False:
+        # DeepSpeed ZeRO-3 gathers a layer's parameters over its group at each of the layer's calls: every rank of
+        # that group calls the indexer's layers as often (a rank with fewer chunks runs empty ones)
+        count = torch.tensor([chunks], device=keys.device)
+        what = "the all-reduce of the sparse-attention indexer's chunk count (DeepSpeed ZeRO-3)"
+        chunks = int(RingComm(zero3, timeout=timeout).all_reduce_max(count, what))
     whole = _WholeKeys(keys)
     picked = []
     for i in range(chunks):

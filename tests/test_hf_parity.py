@@ -474,6 +474,9 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     out["sparse_by_hand_restart"] = _error_of(lambda: sparse(input_ids=ids, position_ids=restart))
     with torch.no_grad():
         out["sparse_after"] = bool(torch.isfinite(sparse(**plain).logits).all())
+    # with the Ulysses x Ring hybrid: refused on every rank before any collective (even where positions are wrong)
+    hybrid_sparse = hf_ring.apply_ring_attention(make_model("deepseek_v32"), ulysses_size=2)
+    out["sparse_ulysses"] = _error_of(lambda: hybrid_sparse(input_ids=ids, position_ids=restart))
     # switched by attn_implementation alone: its layer without RoPE would scale queries by the shard's index
     unpatched = make_model("llama4_text")
     unpatched.set_attn_implementation("hf_ring")
@@ -641,6 +644,7 @@ def test_hf_integration_distributed(world_size):
             assert want in e["llama4_by_hand_restart"], e["llama4_by_hand_restart"]
             assert want in e["sparse_by_hand_restart"], e["sparse_by_hand_restart"]
             assert e["sparse_after"]
+            assert "pure ring" in e["sparse_ulysses"], e["sparse_ulysses"]
             assert "without position_ids" in e["llama4_by_hand_local"], e["llama4_by_hand_local"]
             assert "apply_ring_attention(model)" in e["llama4_not_applied"], e["llama4_not_applied"]
             assert e["deepcopy_shares_config"] and e["deepcopy_loss"] == 0.0
@@ -671,7 +675,8 @@ def test_hf_integration_distributed(world_size):
 
 def _zero3_indexer_calls(rank: int, world_size: int) -> tuple:
     """Each rank in a CP group of its own (as DP groups are), with a sequence of its own length, the indexer's
-    parameters marked as DeepSpeed ZeRO-3's (``ds_id``): (calls of an indexer layer, logits error vs unpatched)."""
+    parameters marked as DeepSpeed ZeRO-3's (``ds_process_group``; None: the world, as DeepSpeed's default data-parallel
+    group): (calls of an indexer layer, logits error vs unpatched)."""
     import torch.distributed as dist
 
     import hf_ring
@@ -685,7 +690,7 @@ def _zero3_indexer_calls(rank: int, world_size: int) -> tuple:
     hf_ring.apply_ring_attention(model, group=solo)
     for name, p in model.named_parameters():
         if ".indexer." in name:
-            p.ds_id = 0
+            p.ds_process_group = None
     calls = []
     for layer in model.model.layers:
         layer.self_attn.indexer.wq_b.register_forward_hook(lambda *_: calls.append(1))

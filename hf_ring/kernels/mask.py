@@ -139,8 +139,9 @@ class BlockMask:
         """[batch, tile_q, tile_k] bool: the keys of the tile that each query's selection lists."""
         start = ks.start or 0
         sel = self.selected[:, qs].long()
-        col = self.columns[sel.clamp_min(0)] - start  # [batch, tile_q, K]: the column in the tile
-        col = torch.where((sel >= 0) & (col >= 0) & (col < tile_k), col, tile_k)  # else: a spare column, cut off
+        held = (sel >= 0) & (sel < self.columns.numel())  # (beyond the sequence: no key, as negative entries)
+        col = self.columns[torch.where(held, sel, 0)] - start  # [batch, tile_q, K]: the column in the tile
+        col = torch.where(held & (col >= 0) & (col < tile_k), col, tile_k)  # else: a spare column, cut off
         hit = torch.zeros(*col.shape[:2], tile_k + 1, dtype=torch.bool, device=col.device)
         return hit.scatter_(2, col, True)[..., :tile_k]
 
