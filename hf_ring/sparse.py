@@ -129,7 +129,7 @@ def select(
 ) -> torch.Tensor:
     """The top-k keys of this rank's queries over the whole sequence: ``[batch, local_seq, K]`` int32 global
     positions (``ring_attention``'s ``selected``), computed once per ``call``. Collectives: one all-gather over the
-    CP group (and, under DeepSpeed ZeRO-3, one small all-reduce over every rank); ``ring_attention`` calls it after
+    CP group (and, under DeepSpeed ZeRO-3, one small all-reduce over its parameters' group); ``ring_attention`` calls it after
     its pre-flight check when given it as ``selected=functools.partial(select, call, ...)``.
 
     Args:
