@@ -292,7 +292,10 @@ def _sparse_error(indices, cfg: RingConfig) -> str | None:
             "top-k over the whole sequence (not only attn_implementation='hf_ring')"
         )
     if cfg.ulysses is not None and cfg.ulysses.ulysses_size > 1:
-        return "DeepSeek sparse attention runs on the pure ring: its top-k keys are per query of the ring; use ulysses_size=1"
+        return (
+            "DeepSeek sparse attention runs on the pure ring: its top-k keys are per query of the ring; use "
+            "ulysses_size=1"
+        )
     return None
 
 

@@ -863,6 +863,14 @@ def test_a_config_with_sub_configs_of_its_own_switches_without_a_warning():
     )
 
 
+def _padded_and_plain() -> tuple:
+    """``(padded, plain, keep)``: one-rank model inputs of a padded batch with its padding mask and without it, and
+    the mask of its real tokens."""
+    batch, _ = make_batch("padded", 40)
+    padded = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    return padded, {"input_ids": batch["input_ids"]}, padded["attention_mask"].bool()
+
+
 @pytest.mark.parametrize("family", ["gemma4_text", "gemma4_unified_text", "gemma3n_text"])
 def test_one_rank_through_kv_shared_layers_with_a_padding_mask_or_a_count_of_logits(family):
     """One process: Gemma 4's text model (5.24) cuts its inputs to the kept rows before its KV-shared layers when
@@ -875,11 +883,8 @@ def test_one_rank_through_kv_shared_layers_with_a_padding_mask_or_a_count_of_log
     from hf_ring.patches import _shared_kv
 
     model = make_model(family).eval()
-    batch, _ = make_batch("padded", 40)
-    padded = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    keep = padded["attention_mask"].bool()
+    padded, plain, keep = _padded_and_plain()
     last = keep[:, -1]  # (rows whose last token is padding: nothing to compare)
-    plain = {"input_ids": batch["input_ids"]}
     calls = [(padded, 0), (padded, 1), (plain, 1)]
     with torch.no_grad():
         ref = [model(**inputs, logits_to_keep=n).logits for inputs, n in calls]
@@ -900,8 +905,9 @@ def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and
     (``patches._sparse``), which takes the top-k over the whole sequence (``hf_ring.sparse.select``). The logits
     are the unmodified model's (SDPA's mask) with a padding mask or not, and with the indexer's scores in chunks
     of one query (``CHUNK_BYTES``); a layer reusing an earlier layer's top-k (GLM-MoE-DSA's and HunYuan V4's
-    "shared") has it computed once. The selection matters: every key visible changes the logits (a control). Revert restores the
-    indexers and the masks. Top-k indices that are not hf_ring's deferred call (a rank's own) are refused."""
+    "shared") has it computed once. The selection matters: every key visible changes the logits (a control).
+    Revert restores the indexers and the masks. Top-k indices that are not hf_ring's deferred call (a rank's own)
+    are refused."""
     from hf_ring.patches._sparse import DeferIndexer, WrapMask
 
     from hf_ring import sparse
@@ -909,10 +915,7 @@ def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and
     if not in_transformers(family):
         pytest.skip(f"{family} is not in this Transformers release")
     model = make_model(family).eval()
-    batch, _ = make_batch("padded", 40)
-    padded = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    keep = padded["attention_mask"].bool()
-    plain = {"input_ids": batch["input_ids"]}
+    padded, plain, keep = _padded_and_plain()
     with torch.no_grad():
         ref = [model(**inputs).logits for inputs in (plain, padded)]
     indexers = [m.self_attn.indexer for m in model.model.layers if m.self_attn.indexer is not None]
