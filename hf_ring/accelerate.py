@@ -148,26 +148,24 @@ def _check_supported_model(model) -> None:
 class _ShardCollate:
     """A DataLoader collate function: the wrapped collator's full batch -> this rank's ``shard_batch`` shard.
 
-    Runs in the main process (``num_workers=0``) or in forked workers, which inherit the process
-    group. It cannot be pickled (spawned workers): it holds a process group.
+    It holds this rank's place in its CP group as numbers, not the group: sharding communicates nothing, so it runs
+    in the main process and in DataLoader workers of every start method (``fork``; ``spawn`` and ``forkserver``,
+    the default from Python 3.14, pickle it, and the wrapped collator with it).
     """
 
-    def __init__(self, collate_fn, group, layout: str, pad_to_multiple: bool):
+    def __init__(self, collate_fn, cp_rank: int, cp_size: int, layout: str, pad_to_multiple: bool):
         self.collate_fn = collate_fn
-        self.group = group
+        self.cp_rank = cp_rank
+        self.cp_size = cp_size
         self.layout = layout
         self.pad_to_multiple = pad_to_multiple
 
     def __call__(self, features):
-        from .batch import shard_batch
+        from .batch import shard_for
 
         batch = self.collate_fn(features)
-        return shard_batch(dict(batch), group=self.group, layout=self.layout, pad_to_multiple=self.pad_to_multiple)
-
-    def __reduce__(self):
-        raise TypeError(
-            "hf_ring shards each batch in the DataLoader's collate function, which needs the context-parallel process "
-            "group and cannot be sent to spawned workers; use num_workers=0 or multiprocessing_context='fork'"
+        return shard_for(
+            dict(batch), self.cp_rank, self.cp_size, layout=self.layout, pad_to_multiple=self.pad_to_multiple
         )
 
 
@@ -475,7 +473,7 @@ def apply_to_model(ring: RingSetup, model):
 
 def shard_collate(ring: RingSetup, collate_fn):
     """``collate_fn`` wrapped so that it returns this rank's shard (``hf_ring.shard_batch``)."""
-    return _ShardCollate(collate_fn, ring.cp_group, ring.plugin.layout, ring.plugin.pad_to_multiple)
+    return _ShardCollate(collate_fn, ring.cp_rank, ring.cp_size, ring.plugin.layout, ring.plugin.pad_to_multiple)
 
 
 def prepare_data_loader(ring: RingSetup, accelerator, dataloader: DataLoader, device_placement: bool | None = None):

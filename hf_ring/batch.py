@@ -200,8 +200,14 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         metric or a custom loss, must use ``shift_labels`` as is, else it drops one target per chunk
         boundary and pairs the others with the wrong token.
     """
-    check_layout(layout)
     rank, world = _group(group)
+    return shard_for(batch, rank, world, layout=layout, pad_to_multiple=pad_to_multiple)
+
+
+def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_multiple: bool = True) -> dict:
+    """``shard_batch`` for the ``rank`` of ``world`` CP ranks given as numbers: it communicates nothing, so it runs
+    where no process group exists (a DataLoader worker started with ``spawn`` or ``forkserver``)."""
+    check_layout(layout)
     input_ids, labels, mask, pos, media = _validate(batch)
     b, s = input_ids.shape
     m = required_multiple(layout, world)

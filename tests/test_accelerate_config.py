@@ -224,13 +224,19 @@ def test_setup_is_a_frozen_value_and_the_plugin_is_never_rewritten():
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_shard_collate_refuses_pickling():
+def test_shard_collate_pickles_for_spawned_workers():
+    """The sharding collate function goes to ``spawn`` / ``forkserver`` workers (no process group there): pickled,
+    it gives rank 1 of 2 its zig-zag chunks (1 and 2 of 4) of the batch padded from 30 to 32 tokens."""
     import pickle
 
     from hf_ring.accelerate import _ShardCollate
 
-    with pytest.raises(TypeError, match="num_workers=0"):
-        pickle.dumps(_ShardCollate(collate, None, "zigzag", True))
+    features = token_dataset(2, 30)
+    local = pickle.loads(pickle.dumps(_ShardCollate(collate, 1, 2, "zigzag", True)))(features)
+    ids = torch.nn.functional.pad(collate(features)["input_ids"], (0, 2))
+    assert torch.equal(local["input_ids"], torch.cat([ids[:, 8:16], ids[:, 16:24]], 1))
+    assert torch.equal(local["position_ids"][0], torch.arange(8, 24))
+    assert local["ring_shard_info"].rank == 1 and local["ring_shard_info"].world_size == 2
 
 
 _WITHOUT_OPTIONAL = """

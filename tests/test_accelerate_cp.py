@@ -7,7 +7,7 @@ the tests below assert on them:
   weights as single-process training on the full sequences (CP shares summed, DP averaged);
 - gradient accumulation (``accelerator.accumulate``) likewise, with the Ulysses x Ring hybrid (U = 2);
 - the data: every rank of a CP group holds a shard of the same batch; DP group d gets the batches a
-  plain ``dp``-process run gives process d; shuffled epochs cover the data once; forked workers;
+  plain ``dp``-process run gives process d; shuffled epochs cover the data once; spawned workers;
 - ``reduce_loss`` is the same on every rank; schedulers step like a ``dp``-process run;
 - ``save_state`` / ``load_state`` + ``skip_first_batches`` resume to the identical next loss;
 - ``unwrap_model`` is the original model and ``save_pretrained`` loads without hf_ring;
@@ -202,9 +202,11 @@ def worker(out: Path) -> None:
     res["ga_losses"] = ga_losses
     accelerator.gradient_accumulation_steps = 1
 
-    # -- C: a shuffled epoch with a forked worker: CP ranks agree, DP groups split the data ---------
+    # -- C: a shuffled epoch with a spawned worker: CP ranks agree, DP groups split the data ---------
+    # (spawn: the sharding collate function is pickled; a forked worker of these multi-threaded processes may
+    # deadlock in its start, as fork after threads may anywhere)
     dl_c = DataLoader(
-        data, batch_size=BATCH, shuffle=True, collate_fn=collate, num_workers=1, multiprocessing_context="fork"
+        data, batch_size=BATCH, shuffle=True, collate_fn=collate, num_workers=1, multiprocessing_context="spawn"
     )
     dl_c = plugin.prepare(accelerator, dl_c)
     seen = []
