@@ -45,8 +45,8 @@ from .layout import (
     valid_cu_seqlens,
 )
 
-__all__ = ["shard_batch", "reduce_loss", "carries", "multimodal", "per_token_key", "IGNORE_INDEX", "MEDIA_KEYS",
-           "PER_IMAGE_KEYS"]  # fmt: skip
+__all__ = ["shard_batch", "shard_for", "reduce_loss", "carries", "multimodal", "per_token_key", "IGNORE_INDEX",
+           "MEDIA_KEYS", "PER_IMAGE_KEYS"]  # fmt: skip
 
 IGNORE_INDEX = -100
 
