@@ -262,6 +262,13 @@ _MROPE_HALF = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1
 _QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                    "patch_size": 14}  # fmt: skip
 
+# Cohere2 text (sliding / full, a logit scale that the vision-language heads do not apply); a SigLIP tower of 2 x 2
+# patches per 28 x 28 image, pixel-shuffled 2 x 2 into one token (Aya Vision, Command A Vision)
+_COHERE2_TEXT = {"model_type": "cohere2", "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+                 "logit_scale": 0.5}  # fmt: skip
+_SIGLIP_PIXEL_SHUFFLE = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                         "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -320,6 +327,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
+    "aya_vision": ("AyaVisionConfig", "AyaVisionForConditionalGeneration", _COHERE2_TEXT, _SIGLIP_PIXEL_SHUFFLE),
+    "cohere2_vision": ("Cohere2VisionConfig", "Cohere2VisionForConditionalGeneration", _COHERE2_TEXT,
+                       _SIGLIP_PIXEL_SHUFFLE),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -440,6 +450,8 @@ def make_config(family: str, **overrides):
     elif family in VISION_LANGUAGE:  # the image token lies outside the vocabulary the test batches draw from
         config_class, _, extra, vision = VISION_LANGUAGE[family]
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
+        if family == "cohere2_vision":  # (36864 by default)
+            top = {"alignment_intermediate_size": 64}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -517,8 +529,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
     image (4 patch tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
-    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
-    image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
+    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, Idefics3, SmolVLM, Aya Vision and Command A
+    Vision one token per 28 x 28 image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
     16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)

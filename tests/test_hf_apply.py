@@ -172,6 +172,8 @@ def _sub_configs(config) -> list:
 @pytest.mark.parametrize(
     "family",
     [
+        "aya_vision",
+        "cohere2_vision",
         "gemma3",
         "gemma4",
         "idefics3",
@@ -268,6 +270,8 @@ def _text_only_batches_and_refused_images(family):
         ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
         ("gemma4-audio", "audio"),
         ("lfm2_vl", "images-padded"),  # short-convolution layers
+        ("aya_vision", "images-padded"),  # Cohere2 text: parallel attention and MLP, sliding and full layers
+        ("cohere2_vision", "images"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

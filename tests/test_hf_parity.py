@@ -209,6 +209,8 @@ CASES = {
     "mistral3-images-lora": ("mistral3", "images", 40, {"lora": True}),
     "idefics3-images-padded": ("idefics3", "images-padded", 40, {}),
     "smolvlm-images": ("smolvlm", "images", 45, {}),
+    "aya_vision-images-padded": ("aya_vision", "images-padded", 45, {}),  # Cohere2 text, its head without logit_scale
+    "cohere2_vision-images-lora": ("cohere2_vision", "images", 40, {"lora": True}),
     # LFM2-VL: short-convolution layers (from 5.23: 5.17's LFM2 layers drop the batch's keywords)
     "lfm2_vl-images-padded": ("lfm2_vl", "images-padded", 40, {"since": "5.23"}),
     "lfm2_vl-images-lora-checkpointing": (
