@@ -176,6 +176,7 @@ def _sub_configs(config) -> list:
         "cohere2_vision",
         "gemma3",
         "gemma4",
+        "idefics2",
         "idefics3",
         "lfm2_vl",
         "lfm2_vl-text-only",  # (every wrapper takes images: a text-only one made by tests.hf_models.text_only)
@@ -272,6 +273,7 @@ def _text_only_batches_and_refused_images(family):
         ("lfm2_vl", "images-padded"),  # short-convolution layers
         ("aya_vision", "images-padded"),  # Cohere2 text: parallel attention and MLP, sliding and full layers
         ("cohere2_vision", "images"),
+        ("idefics2", "images-padded"),  # perceiver latents
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

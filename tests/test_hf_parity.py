@@ -211,6 +211,8 @@ CASES = {
     "smolvlm-images": ("smolvlm", "images", 45, {}),
     "aya_vision-images-padded": ("aya_vision", "images-padded", 45, {}),  # Cohere2 text, its head without logit_scale
     "cohere2_vision-images-lora": ("cohere2_vision", "images", 40, {"lora": True}),
+    "idefics2-images-padded": ("idefics2", "images-padded", 45, {}),  # perceiver latents, Mistral windows
+    "idefics2-packed": ("idefics2", "packed", 40, {}),
     # LFM2-VL: short-convolution layers (from 5.23: 5.17's LFM2 layers drop the batch's keywords)
     "lfm2_vl-images-padded": ("lfm2_vl", "images-padded", 40, {"since": "5.23"}),
     "lfm2_vl-images-lora-checkpointing": (
