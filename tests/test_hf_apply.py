@@ -180,6 +180,7 @@ def _sub_configs(config) -> list:
         "idefics3",
         "lfm2_vl",
         "lfm2_vl-text-only",  # (every wrapper takes images: a text-only one made by tests.hf_models.text_only)
+        "lighton_ocr",
         "llava",
         "llava_next",
         "mistral3",
@@ -274,6 +275,7 @@ def _text_only_batches_and_refused_images(family):
         ("aya_vision", "images-padded"),  # Cohere2 text: parallel attention and MLP, sliding and full layers
         ("cohere2_vision", "images"),
         ("idefics2", "images-padded"),  # perceiver latents
+        ("lighton_ocr", "images"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -213,6 +213,7 @@ CASES = {
     "cohere2_vision-images-lora": ("cohere2_vision", "images", 40, {"lora": True}),
     "idefics2-images-padded": ("idefics2", "images-padded", 45, {}),  # perceiver latents, Mistral windows
     "idefics2-packed": ("idefics2", "packed", 40, {}),
+    "lighton_ocr-images-padded": ("lighton_ocr", "images-padded", 45, {}),  # Pixtral features, Qwen3 text
     # LFM2-VL: short-convolution layers (from 5.23: 5.17's LFM2 layers drop the batch's keywords)
     "lfm2_vl-images-padded": ("lfm2_vl", "images-padded", 40, {"since": "5.23"}),
     "lfm2_vl-images-lora-checkpointing": (
