@@ -333,6 +333,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "lighton_ocr": ("LightOnOcrConfig", "LightOnOcrForConditionalGeneration", {"model_type": "qwen3", "head_dim": 16},
                     {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                      "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "got_ocr2": ("GotOcr2Config", "GotOcr2ForConditionalGeneration", {"model_type": "qwen2"},
+                 {"hidden_size": 32, "output_channels": 16, "mlp_dim": 48, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "image_size": 64, "patch_size": 8, "global_attn_indexes": [0]}),
     "aya_vision": ("AyaVisionConfig", "AyaVisionForConditionalGeneration", _COHERE2_TEXT, _SIGLIP_PIXEL_SHUFFLE),
     "cohere2_vision": ("Cohere2VisionConfig", "Cohere2VisionForConditionalGeneration", _COHERE2_TEXT,
                        _SIGLIP_PIXEL_SHUFFLE),
@@ -539,14 +542,14 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     """Two rows with three images (``kind`` "images", "images-padded": row 1 left-padded by 6) or, for Qwen-VL,
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
-    image (4 patch tokens), Idefics2 one of 4 perceiver latents; LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
+    image (4 patch tokens), Idefics2 one of 4 perceiver latents, GOT-OCR 2.0 a 64 x 64 image (4 tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
     tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, LightOnOCR, Idefics3, SmolVLM, Aya Vision
     and Command A Vision one token per 28 x 28 image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
     16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    per_image = 4 if qwen or family in ("llava", "lfm2_vl", "idefics2") else 1
+    per_image = 4 if qwen or family in ("llava", "lfm2_vl", "idefics2", "got_ocr2") else 1
     if family in ("gemma3", "gemma4"):
         per_image = GEMMA3_IMAGE_TOKENS
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
@@ -579,6 +582,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "llava_next":  # [images, base + up to 2 tiles, 3, h, w] (unused tiles padded), their sizes
         extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
         extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]])
+    elif family == "got_ocr2":  # a SAM tower: 8 x 8 patches, two stride-2 convolutions: 2 x 2 tokens
+        extra["pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)
     elif family == "gemma3":
         extra["pixel_values"] = torch.randn(len(spots), 3, 56, 56, generator=g)
         extra["token_type_ids"] = types

@@ -176,6 +176,7 @@ def _sub_configs(config) -> list:
         "cohere2_vision",
         "gemma3",
         "gemma4",
+        "got_ocr2",
         "idefics2",
         "idefics3",
         "lfm2_vl",
@@ -276,6 +277,7 @@ def _text_only_batches_and_refused_images(family):
         ("cohere2_vision", "images"),
         ("idefics2", "images-padded"),  # perceiver latents
         ("lighton_ocr", "images"),
+        ("got_ocr2", "images-padded"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

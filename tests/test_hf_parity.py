@@ -214,6 +214,7 @@ CASES = {
     "idefics2-images-padded": ("idefics2", "images-padded", 45, {}),  # perceiver latents, Mistral windows
     "idefics2-packed": ("idefics2", "packed", 40, {}),
     "lighton_ocr-images-padded": ("lighton_ocr", "images-padded", 45, {}),  # Pixtral features, Qwen3 text
+    "got_ocr2-images-padded": ("got_ocr2", "images-padded", 45, {}),  # Qwen2 text, its windows off (as checkpoints)
     # LFM2-VL: short-convolution layers (from 5.23: 5.17's LFM2 layers drop the batch's keywords)
     "lfm2_vl-images-padded": ("lfm2_vl", "images-padded", 40, {"since": "5.23"}),
     "lfm2_vl-images-lora-checkpointing": (
