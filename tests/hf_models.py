@@ -336,6 +336,10 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "got_ocr2": ("GotOcr2Config", "GotOcr2ForConditionalGeneration", {"model_type": "qwen2"},
                  {"hidden_size": 32, "output_channels": 16, "mlp_dim": 48, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 64, "patch_size": 8, "global_attn_indexes": [0]}),
+    "ovis2": ("Ovis2Config", "Ovis2ForConditionalGeneration", {"model_type": "qwen2"},
+              {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "image_size": 28, "patch_size": 14, "hidden_stride": 2, "vocab_size": 32,
+               "num_visual_indicator_tokens": 2}),
     "aya_vision": ("AyaVisionConfig", "AyaVisionForConditionalGeneration", _COHERE2_TEXT, _SIGLIP_PIXEL_SHUFFLE),
     "cohere2_vision": ("Cohere2VisionConfig", "Cohere2VisionForConditionalGeneration", _COHERE2_TEXT,
                        _SIGLIP_PIXEL_SHUFFLE),
@@ -463,6 +467,10 @@ def make_config(family: str, **overrides):
             top = {"perceiver_config": {"hidden_size": 64, "resampler_n_latents": IDEFICS2_IMAGE_TOKENS,
                                         "resampler_depth": 1, "resampler_n_heads": 2, "resampler_head_dim": 16,
                                         "num_key_value_heads": 1}}  # fmt: skip
+        if family == "ovis2":  # its head's sizes, and the image's start and end markers (their embeddings its own)
+            top = {"hidden_size": common["hidden_size"], "vocab_size": overrides.get("vocab_size", VOCAB),
+                   "visual_indicator_token_ids": [MEDIA_TOKENS["vision_start_token_id"],
+                                                  MEDIA_TOKENS["vision_end_token_id"]]}  # fmt: skip
         if family == "cohere2_vision":  # (36864 by default)
             top = {"alignment_intermediate_size": 64}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
@@ -543,8 +551,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
     image (4 patch tokens), Idefics2 one of 4 perceiver latents, GOT-OCR 2.0 a 64 x 64 image (4 tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
-    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, LightOnOCR, Idefics3, SmolVLM, Aya Vision
-    and Command A Vision one token per 28 x 28 image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
+    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, LightOnOCR, Idefics3, SmolVLM, Aya Vision,
+    Command A Vision and Ovis2 (between visual indicator tokens) one token per 28 x 28 image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
     16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
@@ -582,6 +590,11 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "llava_next":  # [images, base + up to 2 tiles, 3, h, w] (unused tiles padded), their sizes
         extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
         extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]])
+    elif family == "ovis2":  # a 28 x 28 image, its 2 x 2 patches in one token, between indicator tokens
+        extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
+        for b, p in spots:
+            ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
+            ids[b, p + per_image] = MEDIA_TOKENS["vision_end_token_id"]
     elif family == "got_ocr2":  # a SAM tower: 8 x 8 patches, two stride-2 convolutions: 2 x 2 tokens
         extra["pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)
     elif family == "gemma3":

@@ -186,6 +186,7 @@ def _sub_configs(config) -> list:
         "llava_next",
         "mistral3",
         "mistral3-ministral3",
+        "ovis2",
         "qwen2_vl",
         "qwen2_5_vl",
         "qwen3_5",
@@ -278,6 +279,7 @@ def _text_only_batches_and_refused_images(family):
         ("idefics2", "images-padded"),  # perceiver latents
         ("lighton_ocr", "images"),
         ("got_ocr2", "images-padded"),
+        ("ovis2", "images"),  # visual indicator tokens
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
