@@ -16,8 +16,8 @@ vision tower keeps its own); the text config's family (``VisionLanguagePatch.tex
 and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Gemma 3,
-Gemma 4). Their text model attends causally over image tokens as over text, so the
+Mistral 3, Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
+Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -82,6 +82,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "lighton_ocr": ("qwen3",),  # LightOnOCR
     "got_ocr2": ("qwen2",),  # GOT-OCR 2.0
     "ovis2": ("qwen2",),  # Ovis2
+    "qianfan_ocr": ("qwen3",),  # Qianfan-OCR
 }
 
 
@@ -107,6 +108,7 @@ IMAGES = (
     "lighton_ocr",
     "got_ocr2",
     "ovis2",
+    "qianfan_ocr",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

@@ -340,6 +340,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
               {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                "image_size": 28, "patch_size": 14, "hidden_stride": 2, "vocab_size": 32,
                "num_visual_indicator_tokens": 2}),
+    "qianfan_ocr": ("QianfanOCRConfig", "QianfanOCRForConditionalGeneration", {"model_type": "qwen3", "head_dim": 16},
+                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "image_size": 28, "patch_size": 14, "drop_path_rate": 0.0}),  # (drop path: random in training)
     "aya_vision": ("AyaVisionConfig", "AyaVisionForConditionalGeneration", _COHERE2_TEXT, _SIGLIP_PIXEL_SHUFFLE),
     "cohere2_vision": ("Cohere2VisionConfig", "Cohere2VisionForConditionalGeneration", _COHERE2_TEXT,
                        _SIGLIP_PIXEL_SHUFFLE),
@@ -551,7 +554,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
     image (4 patch tokens), Idefics2 one of 4 perceiver latents, GOT-OCR 2.0 a 64 x 64 image (4 tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
-    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, LightOnOCR, Idefics3, SmolVLM, Aya Vision,
+    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Idefics3, SmolVLM, Aya Vision,
     Command A Vision and Ovis2 (between visual indicator tokens) one token per 28 x 28 image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
     16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)

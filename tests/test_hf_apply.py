@@ -187,6 +187,7 @@ def _sub_configs(config) -> list:
         "mistral3",
         "mistral3-ministral3",
         "ovis2",
+        "qianfan_ocr",
         "qwen2_vl",
         "qwen2_5_vl",
         "qwen3_5",
@@ -280,6 +281,7 @@ def _text_only_batches_and_refused_images(family):
         ("lighton_ocr", "images"),
         ("got_ocr2", "images-padded"),
         ("ovis2", "images"),  # visual indicator tokens
+        ("qianfan_ocr", "images-padded"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
