@@ -6,7 +6,7 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
 ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
 ``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), InternVL 3 / 3.5 holds a Qwen2,
-Qwen3, Qwen3-MoE or Llama text model, LLaVA and LLaVA-NeXT a Llama, Mistral or Qwen2 one, Idefics3 and SmolVLM a
+Qwen3, Qwen3-MoE or Llama text model, LLaVA and LLaVA-NeXT a Llama, Mistral or Qwen2 one, Idefics2 a Mistral one, Idefics3 and SmolVLM a
 Llama one, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
@@ -16,7 +16,8 @@ vision tower keeps its own); the text config's family (``VisionLanguagePatch.tex
 and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
+Mistral 3, Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
+Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -39,7 +40,8 @@ cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its ima
 whole, the audio features merged on the whole sequence, its audio tokens attending causally.
 Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's
-and Mistral 3's apply nothing.
+and Mistral 3's apply nothing, nor do Aya Vision's and Command A Vision's (``cohere2_vision``), though their Cohere2
+text config has a ``logit_scale`` (which ``Cohere2ForCausalLM`` applies).
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "llava_next": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT (1.6)
     "idefics3": ("llama",),  # Idefics3
     "smolvlm": ("llama",),  # SmolVLM
+    "aya_vision": ("cohere2",),  # Aya Vision 8B / 32B (its head applies no logit_scale)
+    "cohere2_vision": ("cohere2",),  # Command A Vision
+    "idefics2": ("mistral",),  # Idefics2
+    "lighton_ocr": ("qwen3",),  # LightOnOCR
+    "got_ocr2": ("qwen2",),  # GOT-OCR 2.0
+    "ovis2": ("qwen2",),  # Ovis2
+    "qianfan_ocr": ("qwen3",),  # Qianfan-OCR
 }
 
 
@@ -93,6 +102,13 @@ IMAGES = (
     "gemma3",
     "gemma4",
     "lfm2_vl",
+    "aya_vision",
+    "cohere2_vision",
+    "idefics2",
+    "lighton_ocr",
+    "got_ocr2",
+    "ovis2",
+    "qianfan_ocr",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

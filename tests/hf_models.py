@@ -262,6 +262,13 @@ _MROPE_HALF = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1
 _QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                    "patch_size": 14}  # fmt: skip
 
+# Cohere2 text (sliding / full, a logit scale that the vision-language heads do not apply); a SigLIP tower of 2 x 2
+# patches per 28 x 28 image, pixel-shuffled 2 x 2 into one token (Aya Vision, Command A Vision)
+_COHERE2_TEXT = {"model_type": "cohere2", "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+                 "logit_scale": 0.5}  # fmt: skip
+_SIGLIP_PIXEL_SHUFFLE = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                         "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -320,6 +327,25 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
+    "idefics2": ("Idefics2Config", "Idefics2ForConditionalGeneration", {"model_type": "mistral", "sliding_window": 7},
+                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "image_size": 28, "patch_size": 14}),
+    "lighton_ocr": ("LightOnOcrConfig", "LightOnOcrForConditionalGeneration", {"model_type": "qwen3", "head_dim": 16},
+                    {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "got_ocr2": ("GotOcr2Config", "GotOcr2ForConditionalGeneration", {"model_type": "qwen2"},
+                 {"hidden_size": 32, "output_channels": 16, "mlp_dim": 48, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "image_size": 64, "patch_size": 8, "global_attn_indexes": [0]}),
+    "ovis2": ("Ovis2Config", "Ovis2ForConditionalGeneration", {"model_type": "qwen2"},
+              {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "image_size": 28, "patch_size": 14, "hidden_stride": 2, "vocab_size": 32,
+               "num_visual_indicator_tokens": 2}),
+    "qianfan_ocr": ("QianfanOCRConfig", "QianfanOCRForConditionalGeneration", {"model_type": "qwen3", "head_dim": 16},
+                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "image_size": 28, "patch_size": 14, "drop_path_rate": 0.0}),  # (drop path: random in training)
+    "aya_vision": ("AyaVisionConfig", "AyaVisionForConditionalGeneration", _COHERE2_TEXT, _SIGLIP_PIXEL_SHUFFLE),
+    "cohere2_vision": ("Cohere2VisionConfig", "Cohere2VisionForConditionalGeneration", _COHERE2_TEXT,
+                       _SIGLIP_PIXEL_SHUFFLE),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -440,6 +466,16 @@ def make_config(family: str, **overrides):
     elif family in VISION_LANGUAGE:  # the image token lies outside the vocabulary the test batches draw from
         config_class, _, extra, vision = VISION_LANGUAGE[family]
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
+        if family == "idefics2":  # a perceiver resampling each image to IDEFICS2_IMAGE_TOKENS latents
+            top = {"perceiver_config": {"hidden_size": 64, "resampler_n_latents": IDEFICS2_IMAGE_TOKENS,
+                                        "resampler_depth": 1, "resampler_n_heads": 2, "resampler_head_dim": 16,
+                                        "num_key_value_heads": 1}}  # fmt: skip
+        if family == "ovis2":  # its head's sizes, and the image's start and end markers (their embeddings its own)
+            top = {"hidden_size": common["hidden_size"], "vocab_size": overrides.get("vocab_size", VOCAB),
+                   "visual_indicator_token_ids": [MEDIA_TOKENS["vision_start_token_id"],
+                                                  MEDIA_TOKENS["vision_end_token_id"]]}  # fmt: skip
+        if family == "cohere2_vision":  # (36864 by default)
+            top = {"alignment_intermediate_size": 64}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -509,6 +545,7 @@ GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads"
                 "subsampling_conv_channels": [128, 4], "output_proj_dims": 32}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
+IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
 NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 28 x 28 vision tower
 
 
@@ -516,16 +553,16 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     """Two rows with three images (``kind`` "images", "images-padded": row 1 left-padded by 6) or, for Qwen-VL,
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
-    image (4 patch tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
-    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
-    image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
+    image (4 patch tokens), Idefics2 one of 4 perceiver latents, GOT-OCR 2.0 a 64 x 64 image (4 tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
+    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Idefics3, SmolVLM, Aya Vision,
+    Command A Vision and Ovis2 (between visual indicator tokens) one token per 28 x 28 image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
     16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    per_image = (
-        4 if qwen or family in ("llava", "lfm2_vl") else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
-    )
+    per_image = 4 if qwen or family in ("llava", "lfm2_vl", "idefics2", "got_ocr2") else 1
+    if family in ("gemma3", "gemma4"):
+        per_image = GEMMA3_IMAGE_TOKENS
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
@@ -548,12 +585,21 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
-    elif family in ("idefics3", "smolvlm"):  # [batch, images per row, 3, h, w]; an all-zero image is padding
+    elif family in ("idefics2", "idefics3", "smolvlm"):  # [batch, images per row, 3, h, w]; all-zero: padding
         extra["pixel_values"] = torch.randn(2, 2, 3, 28, 28, generator=g)
         extra["pixel_values"][1, 1] = 0
+        if family == "idefics2":  # (as its processor gives it: the real pixels of each image, none of a padding one)
+            extra["pixel_attention_mask"] = extra["pixel_values"][:, :, 0] != 0
     elif family == "llava_next":  # [images, base + up to 2 tiles, 3, h, w] (unused tiles padded), their sizes
         extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
         extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]])
+    elif family == "ovis2":  # a 28 x 28 image, its 2 x 2 patches in one token, between indicator tokens
+        extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
+        for b, p in spots:
+            ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
+            ids[b, p + per_image] = MEDIA_TOKENS["vision_end_token_id"]
+    elif family == "got_ocr2":  # a SAM tower: 8 x 8 patches, two stride-2 convolutions: 2 x 2 tokens
+        extra["pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)
     elif family == "gemma3":
         extra["pixel_values"] = torch.randn(len(spots), 3, 56, 56, generator=g)
         extra["token_type_ids"] = types
@@ -568,7 +614,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["mm_token_type_ids"] = types
     else:
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
-        if family == "mistral3":
+        if family in ("mistral3", "lighton_ocr"):
             extra["image_sizes"] = torch.tensor([[28, 28]] * len(spots))
     labels = ids.masked_fill(ids >= VOCAB, -100)
     labels[:, :3] = -100

@@ -172,15 +172,22 @@ def _sub_configs(config) -> list:
 @pytest.mark.parametrize(
     "family",
     [
+        "aya_vision",
+        "cohere2_vision",
         "gemma3",
         "gemma4",
+        "got_ocr2",
+        "idefics2",
         "idefics3",
         "lfm2_vl",
         "lfm2_vl-text-only",  # (every wrapper takes images: a text-only one made by tests.hf_models.text_only)
+        "lighton_ocr",
         "llava",
         "llava_next",
         "mistral3",
         "mistral3-ministral3",
+        "ovis2",
+        "qianfan_ocr",
         "qwen2_vl",
         "qwen2_5_vl",
         "qwen3_5",
@@ -268,6 +275,13 @@ def _text_only_batches_and_refused_images(family):
         ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
         ("gemma4-audio", "audio"),
         ("lfm2_vl", "images-padded"),  # short-convolution layers
+        ("aya_vision", "images-padded"),  # Cohere2 text: parallel attention and MLP, sliding and full layers
+        ("cohere2_vision", "images"),
+        ("idefics2", "images-padded"),  # perceiver latents
+        ("lighton_ocr", "images"),
+        ("got_ocr2", "images-padded"),
+        ("ovis2", "images"),  # visual indicator tokens
+        ("qianfan_ocr", "images-padded"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

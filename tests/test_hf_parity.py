@@ -209,6 +209,14 @@ CASES = {
     "mistral3-images-lora": ("mistral3", "images", 40, {"lora": True}),
     "idefics3-images-padded": ("idefics3", "images-padded", 40, {}),
     "smolvlm-images": ("smolvlm", "images", 45, {}),
+    "aya_vision-images-padded": ("aya_vision", "images-padded", 45, {}),  # Cohere2 text, its head without logit_scale
+    "cohere2_vision-images-lora": ("cohere2_vision", "images", 40, {"lora": True}),
+    "idefics2-images-padded": ("idefics2", "images-padded", 45, {}),  # perceiver latents, Mistral windows
+    "idefics2-packed": ("idefics2", "packed", 40, {}),
+    "lighton_ocr-images-padded": ("lighton_ocr", "images-padded", 45, {}),  # Pixtral features, Qwen3 text
+    "got_ocr2-images-padded": ("got_ocr2", "images-padded", 45, {}),  # Qwen2 text, its windows off (as checkpoints)
+    "ovis2-images-padded": ("ovis2", "images-padded", 45, {}),  # visual indicator tokens' embeddings replaced too
+    "qianfan_ocr-images-padded": ("qianfan_ocr", "images-padded", 45, {}),  # InternViT-like tower, Qwen3 text
     # LFM2-VL: short-convolution layers (from 5.23: 5.17's LFM2 layers drop the batch's keywords)
     "lfm2_vl-images-padded": ("lfm2_vl", "images-padded", 40, {"since": "5.23"}),
     "lfm2_vl-images-lora-checkpointing": (
