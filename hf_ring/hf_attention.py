@@ -263,6 +263,7 @@ _HARMLESS_KWARGS = (
     "use_cache", "cache_position", "past_key_values", "past_key_value",  # a KV cache is refused by length
     "output_hidden_states", "return_dict", "position_embeddings", "layer_idx", "token_type_ids",
     "num_items_in_batch", "shift_labels", "labels",  # loss keywords the model's forward passes along (Gemma 4: labels)
+    "logits_to_keep",  # LLaVA-OneVision's head passes it to its base model too; only the head slices by it
 )  # fmt: skip
 
 

@@ -193,6 +193,7 @@ CASES = {
     "mistral3-ministral3-padded": ("mistral3-ministral3", "padded", 45, {}),
     "llava-packed": ("llava", "packed", 40, {}),
     "llava_next-padded": ("llava_next", "padded", 45, {}),
+    "llava_onevision-packed": ("llava_onevision", "packed", 40, {}),  # Qwen2 text, sliding layers
     "idefics3-plain": ("idefics3", "plain", 40, {}),
     "smolvlm-packed-lora": ("smolvlm", "packed", 45, {"lora": True}),
     # vision-language models with images and video: the whole sequence's embeddings (vision features merged) and
@@ -200,6 +201,9 @@ CASES = {
     "llava-images": ("llava", "images", 45, {}),
     "llava-images-dynamic": ("llava", "images", 45, {"config": DYNAMIC}),  # the layout's padding: position 0
     "llava_next-images-padded": ("llava_next", "images-padded", 45, {}),  # any-resolution tiles, row ends
+    # LLaVA-OneVision: row 0's two images untiled (batch_num_images), row 1's tiled; video frames pooled
+    "llava_onevision-images-padded": ("llava_onevision", "images-padded", 45, {}),
+    "llava_onevision-video": ("llava_onevision", "video", 40, {}),
     "qwen2_vl-images-padded": ("qwen2_vl", "images-padded", 40, {}),
     "qwen2_5_vl-video-checkpointing": ("qwen2_5_vl", "video", 45, {"checkpointing": True}),
     "qwen3_vl-images-padded": ("qwen3_vl", "images-padded", 45, {}),  # deepstack: features added in layer 0
