@@ -524,9 +524,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
     image (4 patch tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
-    tokens with the row ends, ``NEXT_PINPOINTS``); LLaVA-OneVision as LLaVA-NeXT, but a row's several images untiled (2 x 2
-    and a newline: 5 tokens; ``batch_num_images``) and, for "video", 4 frames pooled to 1 token each and a newline;
-    InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
+    tokens with the row ends, ``NEXT_PINPOINTS``); LLaVA-OneVision as LLaVA-NeXT, but a row's several images
+    untiled (2 x 2 and a newline: 5 tokens; ``batch_num_images``) and, for "video", 4 frames pooled to 1 token each
+    and a newline; InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
     image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
     16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
