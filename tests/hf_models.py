@@ -314,6 +314,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration", {"model_type": "mistral", "sliding_window": 7},
                    {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
                     "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "llava_next_video": ("LlavaNextVideoConfig", "LlavaNextVideoForConditionalGeneration", {"model_type": "llama"},
+                         {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                          "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
     # a Qwen2 text model with its sliding layers (layer 0 full, layers 1-2 slide), a SigLIP tower
     "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration",
                         {"model_type": "qwen2", "num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 5,
@@ -495,7 +498,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
         model.eval()
     if images:
         model.config.image_token_index = MEDIA_TOKENS["image_token_id"]  # LLaVA's name for it
-        if family in ("llava_next", "llava_onevision"):
+        if family in ("llava_next", "llava_next_video", "llava_onevision"):
             model.config.image_grid_pinpoints = NEXT_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
@@ -524,7 +527,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
     image (4 patch tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
-    tokens with the row ends, ``NEXT_PINPOINTS``); LLaVA-OneVision as LLaVA-NeXT, but a row's several images
+    tokens with the row ends, ``NEXT_PINPOINTS``), LLaVA-NeXT-Video's too, and for "video" 4 frames pooled to 1 token
+    each; LLaVA-OneVision as LLaVA-NeXT, but a row's several images
     untiled (2 x 2 and a newline: 5 tokens; ``batch_num_images``) and, for "video", 4 frames pooled to 1 token each
     and a newline; InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
     image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
@@ -538,7 +542,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
-    tokens = (10, 14, 10) if family == "llava_next" else (per_image,) * len(spots)
+    tokens = (10, 14, 10)[: len(spots)] if family.startswith("llava_next") else (per_image,) * len(spots)
     if family == "llava_onevision":  # row 0's two images untiled (batch_num_images): 2 x 2 + a newline each
         tokens = (10,) if kind == "video" else (5, 5, 14)
     for (b, p), n in zip(spots, tokens):
@@ -562,9 +566,13 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family in ("idefics3", "smolvlm"):  # [batch, images per row, 3, h, w]; an all-zero image is padding
         extra["pixel_values"] = torch.randn(2, 2, 3, 28, 28, generator=g)
         extra["pixel_values"][1, 1] = 0
-    elif family == "llava_next":  # [images, base + up to 2 tiles, 3, h, w] (unused tiles padded), their sizes
+    elif family in ("llava_next", "llava_next_video"):  # [images, base + up to 2 tiles, 3, h, w] (unused tiles
+        # padded), their sizes
         extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
-        extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]])
+        extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]][: len(spots)])
+        if kind == "video":  # row 1: 4 frames, each's 2 x 2 features pooled to 1 token (LLaVA-NeXT-Video)
+            ids[1, 17:21] = MEDIA_TOKENS["video_token_id"]
+            extra["pixel_values_videos"] = torch.randn(1, 4, 3, 28, 28, generator=g)
     elif family == "llava_onevision":  # as LLaVA-NeXT's; a row with several images has them untiled
         extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
         extra["image_sizes"] = torch.tensor([[28, 28], [28, 28], [28, 56]][: len(spots)])

@@ -179,6 +179,7 @@ def _sub_configs(config) -> list:
         "lfm2_vl-text-only",  # (every wrapper takes images: a text-only one made by tests.hf_models.text_only)
         "llava",
         "llava_next",
+        "llava_next_video",
         "llava_onevision",
         "mistral3",
         "mistral3-ministral3",
@@ -255,6 +256,8 @@ def _text_only_batches_and_refused_images(family):
     [
         ("llava", "images"),
         ("llava_next", "images"),
+        ("llava_next_video", "images"),
+        ("llava_next_video", "video"),  # pooled frames
         ("llava_onevision", "images-padded"),  # row 0's images untiled (batch_num_images), row 1's tiled
         ("llava_onevision", "video"),  # pooled frames
         ("qwen2_vl", "images-padded"),
