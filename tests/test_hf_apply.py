@@ -189,6 +189,7 @@ def _sub_configs(config) -> list:
         "qwen3_vl",
         "qwen3_vl_moe",
         "smolvlm",
+        "vipllava",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -260,6 +261,7 @@ def _text_only_batches_and_refused_images(family):
         ("llava_next_video", "video"),  # pooled frames
         ("llava_onevision", "images-padded"),  # row 0's images untiled (batch_num_images), row 1's tiled
         ("llava_onevision", "video"),  # pooled frames
+        ("vipllava", "images-padded"),  # features of several vision layers
         ("qwen2_vl", "images-padded"),
         ("qwen2_5_vl", "video"),
         ("qwen3_vl", "images"),

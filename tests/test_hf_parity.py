@@ -193,6 +193,7 @@ CASES = {
     "mistral3-ministral3-padded": ("mistral3-ministral3", "padded", 45, {}),
     "llava-packed": ("llava", "packed", 40, {}),
     "llava_next-padded": ("llava_next", "padded", 45, {}),
+    "vipllava-plain": ("vipllava", "plain", 45, {}),
     "llava_next_video-padded": ("llava_next_video", "padded", 40, {}),
     "llava_onevision-packed": ("llava_onevision", "packed", 40, {}),  # Qwen2 text, sliding layers
     "idefics3-plain": ("idefics3", "plain", 40, {}),
@@ -202,6 +203,8 @@ CASES = {
     "llava-images": ("llava", "images", 45, {}),
     "llava-images-dynamic": ("llava", "images", 45, {"config": DYNAMIC}),  # the layout's padding: position 0
     "llava_next-images-padded": ("llava_next", "images-padded", 45, {}),  # any-resolution tiles, row ends
+    "vipllava-images-padded": ("vipllava", "images-padded", 40, {}),  # features of two vision layers
+    "vipllava-images-lora": ("vipllava", "images", 45, {"lora": True}),
     # LLaVA-NeXT-Video: LLaVA-NeXT's tiles; video frames pooled (Llama text)
     "llava_next_video-images-padded": ("llava_next_video", "images-padded", 45, {}),
     "llava_next_video-video-checkpointing": ("llava_next_video", "video", 45, {"checkpointing": True}),
