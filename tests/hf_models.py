@@ -541,9 +541,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    per_image = (
-        4 if qwen or family in ("llava", "lfm2_vl", "vipllava") else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
-    )
+    four = qwen or family in ("llava", "lfm2_vl", "vipllava")
+    per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
