@@ -317,6 +317,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "vipllava": ("VipLlavaConfig", "VipLlavaForConditionalGeneration", {"model_type": "llama"},
                  {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "video_llava": ("VideoLlavaConfig", "VideoLlavaForConditionalGeneration", {"model_type": "llama"},
+                    {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                     "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
     "llava_next_video": ("LlavaNextVideoConfig", "LlavaNextVideoForConditionalGeneration", {"model_type": "llama"},
                          {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
                           "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
@@ -455,6 +458,8 @@ def make_config(family: str, **overrides):
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family == "video_llava":  # features of the one-layer towers' last hidden states (not the embeddings)
+            top = {"vision_feature_layer": -1}
         if family == "vipllava":  # features of the one-layer tower's two hidden states (5.17 names the list ...layers)
             top = {"vision_feature_layer" if transformers_at_least("5.24") else "vision_feature_layers": [-2, -1]}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -531,7 +536,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     """Two rows with three images (``kind`` "images", "images-padded": row 1 left-padded by 6) or, for Qwen-VL,
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
-    image (4 patch tokens), VipLLaVA's too; LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
+    image (4 patch tokens), ViP-LLaVA's and Video-LLaVA's too (``pixel_values_images``; for "video" 2 frames of 4
+    patches and their CLS token: 10 tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
     tokens with the row ends, ``NEXT_PINPOINTS``), LLaVA-NeXT-Video's too, and for "video" 4 frames pooled to 1 token
     each; LLaVA-OneVision as LLaVA-NeXT, but a row's several images
     untiled (2 x 2 and a newline: 5 tokens; ``batch_num_images``) and, for "video", 4 frames pooled to 1 token each
@@ -541,7 +547,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "vipllava")
+    four = qwen or family in ("llava", "lfm2_vl", "vipllava", "video_llava")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
@@ -584,6 +590,11 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         if kind == "video":  # row 1: 4 frames, each pooled to 1 x 1, and a newline: 5 tokens
             ids[1, 17:22] = MEDIA_TOKENS["video_token_id"]
             extra["pixel_values_videos"] = torch.randn(1, 4, 3, 28, 28, generator=g)
+    elif family == "video_llava":  # images under its processor's name for them; 2 frames of 4 patches and CLS each
+        extra["pixel_values_images"] = torch.randn(len(spots), 3, 28, 28, generator=g)
+        if kind == "video":
+            ids[1, 17:27] = MEDIA_TOKENS["video_token_id"]
+            extra["pixel_values_videos"] = torch.randn(1, 2, 3, 28, 28, generator=g)
     elif family == "gemma3":
         extra["pixel_values"] = torch.randn(len(spots), 3, 56, 56, generator=g)
         extra["token_type_ids"] = types

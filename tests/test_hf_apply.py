@@ -189,6 +189,7 @@ def _sub_configs(config) -> list:
         "qwen3_vl",
         "qwen3_vl_moe",
         "smolvlm",
+        "video_llava",
         "vipllava",
     ],
 )
@@ -262,6 +263,8 @@ def _text_only_batches_and_refused_images(family):
         ("llava_onevision", "images-padded"),  # row 0's images untiled (batch_num_images), row 1's tiled
         ("llava_onevision", "video"),  # pooled frames
         ("vipllava", "images-padded"),  # features of several vision layers
+        ("video_llava", "images"),  # pixel_values_images
+        ("video_llava", "video"),  # its video tower
         ("qwen2_vl", "images-padded"),
         ("qwen2_5_vl", "video"),
         ("qwen3_vl", "images"),
@@ -292,7 +295,7 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
     hf_ring.apply_ring_attention(model)
     local = hf_ring.shard_batch(batch)
     assert local[hf_attention.SHARD_INFO_KWARG].whole_inputs and "position_ids" not in local
-    media = next(k for k in ("pixel_values", "input_features") if k in batch)
+    media = next(k for k in ("pixel_values", "pixel_values_images", "input_features") if k in batch)
     assert torch.equal(local["input_ids"], batch["input_ids"]) and local[media] is batch[media]
     real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
     torch.testing.assert_close(_logits(model, **local)[real], before[real], atol=ATOL, rtol=0)

@@ -194,6 +194,7 @@ CASES = {
     "llava-packed": ("llava", "packed", 40, {}),
     "llava_next-padded": ("llava_next", "padded", 45, {}),
     "vipllava-plain": ("vipllava", "plain", 45, {}),
+    "video_llava-packed": ("video_llava", "packed", 40, {}),
     "llava_next_video-padded": ("llava_next_video", "padded", 40, {}),
     "llava_onevision-packed": ("llava_onevision", "packed", 40, {}),  # Qwen2 text, sliding layers
     "idefics3-plain": ("idefics3", "plain", 40, {}),
@@ -205,6 +206,9 @@ CASES = {
     "llava_next-images-padded": ("llava_next", "images-padded", 45, {}),  # any-resolution tiles, row ends
     "vipllava-images-padded": ("vipllava", "images-padded", 40, {}),  # features of two vision layers
     "vipllava-images-lora": ("vipllava", "images", 45, {"lora": True}),
+    # Video-LLaVA: its image tower (images as pixel_values_images) and its video tower
+    "video_llava-images-padded": ("video_llava", "images-padded", 45, {}),
+    "video_llava-video-lora": ("video_llava", "video", 40, {"lora": True}),
     # LLaVA-NeXT-Video: LLaVA-NeXT's tiles; video frames pooled (Llama text)
     "llava_next_video-images-padded": ("llava_next_video", "images-padded", 45, {}),
     "llava_next_video-video-checkpointing": ("llava_next_video", "video", 45, {"checkpointing": True}),
