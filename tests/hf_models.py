@@ -320,6 +320,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "video_llava": ("VideoLlavaConfig", "VideoLlavaForConditionalGeneration", {"model_type": "llama"},
                     {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
                      "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    # Perception LM: a CLIP tower standing in for its timm one (timm is no test dependency; 5.17's config builds timm's
+    # always: SINCE), its width where the projector reads it (model_args)
+    "perception_lm": ("PerceptionLMConfig", "PerceptionLMForConditionalGeneration", {"model_type": "llama"},
+                      {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
+                       "model_args": {"embed_dim": 32}}),
     "llava_next_video": ("LlavaNextVideoConfig", "LlavaNextVideoForConditionalGeneration", {"model_type": "llama"},
                          {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
                           "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
@@ -343,10 +349,12 @@ apply to their text config."""
 
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
-         "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24"}  # fmt: skip
+         "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24",
+         "perception_lm": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
-a release where they do not)."""
+a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
+(the tiny model's stand-in tower needs 5.24)."""
 
 
 DRAWN_PADDING_EMBEDDING = ("gemma3n_text",)
@@ -458,6 +466,8 @@ def make_config(family: str, **overrides):
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
+            top = {"projector_pooling_ratio": 2}
         if family == "video_llava":  # features of the one-layer towers' last hidden states (not the embeddings)
             top = {"vision_feature_layer": -1}
         if family == "vipllava":  # features of the one-layer tower's two hidden states (5.17 names the list ...layers)
@@ -537,7 +547,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
     image (4 patch tokens), ViP-LLaVA's and Video-LLaVA's too (``pixel_values_images``; for "video" 2 frames of 4
-    patches and their CLS token: 10 tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
+    patches and their CLS token: 10 tokens); Perception LM one 56 x 56 tile per image, pooled to 4 tokens (a video's 2
+    frames: 8); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
     tokens with the row ends, ``NEXT_PINPOINTS``), LLaVA-NeXT-Video's too, and for "video" 4 frames pooled to 1 token
     each; LLaVA-OneVision as LLaVA-NeXT, but a row's several images
     untiled (2 x 2 and a newline: 5 tokens; ``batch_num_images``) and, for "video", 4 frames pooled to 1 token each
@@ -547,7 +558,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "vipllava", "video_llava")
+    four = qwen or family in ("llava", "lfm2_vl", "vipllava", "video_llava", "perception_lm")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
@@ -590,6 +601,11 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         if kind == "video":  # row 1: 4 frames, each pooled to 1 x 1, and a newline: 5 tokens
             ids[1, 17:22] = MEDIA_TOKENS["video_token_id"]
             extra["pixel_values_videos"] = torch.randn(1, 4, 3, 28, 28, generator=g)
+    elif family == "perception_lm":  # [images, tiles, 3, h, w], one 56 x 56 tile each; a video's frames as tiles
+        extra["pixel_values"] = torch.randn(len(spots), 1, 3, 56, 56, generator=g)
+        if kind == "video":  # 2 frames: 8 tokens
+            ids[1, 17:25] = MEDIA_TOKENS["video_token_id"]
+            extra["pixel_values_videos"] = torch.randn(1, 2, 3, 56, 56, generator=g)
     elif family == "video_llava":  # images under its processor's name for them; 2 frames of 4 patches and CLS each
         extra["pixel_values_images"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         if kind == "video":

@@ -20,6 +20,7 @@ from tests.hf_models import (
     DYNAMIC,
     DYNAMIC_FULL_LAYERS,
     LONGROPE,
+    SINCE,
     VOCAB,
     in_transformers,
     make_batch,
@@ -189,6 +190,7 @@ def _sub_configs(config) -> list:
         "qwen3_vl",
         "qwen3_vl_moe",
         "smolvlm",
+        "perception_lm",
         "video_llava",
         "vipllava",
     ],
@@ -201,6 +203,8 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
 
     made_text_only = family.endswith("-text-only")
     family = family.removesuffix("-text-only")
+    if not in_transformers(family):
+        pytest.skip(f"{family} is tested from Transformers {SINCE[family]} on")
     with text_only(family) if made_text_only else contextlib.nullcontext():
         _text_only_batches_and_refused_images(family)
 
@@ -265,6 +269,8 @@ def _text_only_batches_and_refused_images(family):
         ("vipllava", "images-padded"),  # features of several vision layers
         ("video_llava", "images"),  # pixel_values_images
         ("video_llava", "video"),  # its video tower
+        ("perception_lm", "images-padded"),  # tiles pooled 2 x 2
+        ("perception_lm", "video"),
         ("qwen2_vl", "images-padded"),
         ("qwen2_5_vl", "video"),
         ("qwen3_vl", "images"),
@@ -289,6 +295,8 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
 
     if family == "lfm2_vl" and not transformers_at_least("5.23"):
         pytest.skip("Transformers 5.17's LFM2 layers drop the batch's keywords: padded batches are refused")
+    if not in_transformers(family):
+        pytest.skip(f"{family} is tested from Transformers {SINCE[family]} on")
     model = make_model(family, images=True).eval()
     batch, _ = make_batch(kind, 40, family=family)
     before = _logits(model, **batch)

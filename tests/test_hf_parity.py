@@ -195,6 +195,7 @@ CASES = {
     "llava_next-padded": ("llava_next", "padded", 45, {}),
     "vipllava-plain": ("vipllava", "plain", 45, {}),
     "video_llava-packed": ("video_llava", "packed", 40, {}),
+    "perception_lm-plain": ("perception_lm", "plain", 40, {}),
     "llava_next_video-padded": ("llava_next_video", "padded", 40, {}),
     "llava_onevision-packed": ("llava_onevision", "packed", 40, {}),  # Qwen2 text, sliding layers
     "idefics3-plain": ("idefics3", "plain", 40, {}),
@@ -209,6 +210,10 @@ CASES = {
     # Video-LLaVA: its image tower (images as pixel_values_images) and its video tower
     "video_llava-images-padded": ("video_llava", "images-padded", 45, {}),
     "video_llava-video-lora": ("video_llava", "video", 40, {"lora": True}),
+    # Perception LM: tiles pooled 2 x 2 by its projector, video frames as tiles (a CLIP tower standing in for its
+    # timm one: hf_models.VISION_LANGUAGE)
+    "perception_lm-images-padded": ("perception_lm", "images-padded", 45, {}),
+    "perception_lm-video-checkpointing": ("perception_lm", "video", 40, {"checkpointing": True}),
     # LLaVA-NeXT-Video: LLaVA-NeXT's tiles; video frames pooled (Llama text)
     "llava_next_video-images-padded": ("llava_next_video", "images-padded", 45, {}),
     "llava_next_video-video-checkpointing": ("llava_next_video", "video", 45, {"checkpointing": True}),
