@@ -6,9 +6,9 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
 ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
 ``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), InternVL 3 / 3.5 holds a Qwen2,
-Qwen3, Qwen3-MoE or Llama text model, LLaVA, LLaVA-NeXT and LLaVA-NeXT-Video a Llama, Mistral or Qwen2 one, LLaVA-OneVision a
-Qwen2 one, ViP-LLaVA, Video-LLaVA and Perception LM a Llama one, Idefics3 and SmolVLM a
-Llama one, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
+Qwen3, Qwen3-MoE or Llama text model, LLaVA, LLaVA-NeXT and LLaVA-NeXT-Video a Llama, Mistral or Qwen2 one,
+LLaVA-OneVision and FastVLM a Qwen2 one, ViP-LLaVA, Video-LLaVA, Perception LM, Idefics3 and SmolVLM a Llama one, and
+Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -16,9 +16,10 @@ The patch switches the text model's attention only (``set_attn_implementation`` 
 vision tower keeps its own); the text config's family (``VisionLanguagePatch.text``) finds its attention modules
 and checks the text config.
 
-Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, ViP-LLaVA, Video-LLaVA, Perception LM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
-ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
+Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, ViP-LLaVA, Video-LLaVA,
+Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
+Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so
+the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
 the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the
@@ -77,6 +78,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "vipllava": ("llama",),  # ViP-LLaVA (7B, 13B): features of several vision layers
     "video_llava": ("llama",),  # Video-LLaVA: an image tower and a video tower
     "perception_lm": ("llama",),  # Perception LM (1B, 3B, 8B): tiles pooled by its projector, video frames as tiles
+    "fast_vlm": ("qwen2",),  # FastVLM (0.5B, 1.5B, 7B): a convolutional vision tower
     "llava_next_video": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT-Video: LLaVA-NeXT's images, pooled video frames
     "llava_onevision": ("qwen2",),  # LLaVA-OneVision (0.5B, 7B, 72B): any-resolution tiles, video frames pooled
     "idefics3": ("llama",),  # Idefics3
@@ -92,6 +94,7 @@ IMAGES = (
     "vipllava",
     "video_llava",
     "perception_lm",
+    "fast_vlm",
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",

@@ -326,6 +326,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                       {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
                        "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
                        "model_args": {"embed_dim": 32}}),
+    # FastVLM: a one-stage ConvNeXt standing in for its timm FastViT-HD (a convolutional tower too: a [batch, width,
+    # h, w] map whose 2 x 2 cells are the image tokens), its width where the projector reads it (hidden_size)
+    "fast_vlm": ("FastVlmConfig", "FastVlmForConditionalGeneration", {"model_type": "qwen2"},
+                 {"model_type": "convnext", "patch_size": 14, "num_stages": 1, "hidden_sizes": [32], "depths": [1],
+                  "hidden_size": 32, "image_size": 28}),
     "llava_next_video": ("LlavaNextVideoConfig", "LlavaNextVideoForConditionalGeneration", {"model_type": "llama"},
                          {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
                           "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
@@ -546,9 +551,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     """Two rows with three images (``kind`` "images", "images-padded": row 1 left-padded by 6) or, for Qwen-VL,
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
-    image (4 patch tokens), ViP-LLaVA's and Video-LLaVA's too (``pixel_values_images``; for "video" 2 frames of 4
-    patches and their CLS token: 10 tokens); Perception LM one 56 x 56 tile per image, pooled to 4 tokens (a video's 2
-    frames: 8); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
+    image (4 patch tokens), ViP-LLaVA's, FastVLM's and Video-LLaVA's too (``pixel_values_images``; for "video" 2
+    frames of 4 patches and their CLS token: 10 tokens); Perception LM one 56 x 56 tile per image, pooled to 4 tokens
+    (a video's 2 frames: 8); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
     tokens with the row ends, ``NEXT_PINPOINTS``), LLaVA-NeXT-Video's too, and for "video" 4 frames pooled to 1 token
     each; LLaVA-OneVision as LLaVA-NeXT, but a row's several images
     untiled (2 x 2 and a newline: 5 tokens; ``batch_num_images``) and, for "video", 4 frames pooled to 1 token each
@@ -558,7 +563,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "vipllava", "video_llava", "perception_lm")
+    four = qwen or family in ("llava", "lfm2_vl", "vipllava", "video_llava", "perception_lm", "fast_vlm")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens

@@ -190,6 +190,7 @@ def _sub_configs(config) -> list:
         "qwen3_vl",
         "qwen3_vl_moe",
         "smolvlm",
+        "fast_vlm",
         "perception_lm",
         "video_llava",
         "vipllava",
@@ -271,6 +272,7 @@ def _text_only_batches_and_refused_images(family):
         ("video_llava", "video"),  # its video tower
         ("perception_lm", "images-padded"),  # tiles pooled 2 x 2
         ("perception_lm", "video"),
+        ("fast_vlm", "images-padded"),  # a convolutional tower's feature map
         ("qwen2_vl", "images-padded"),
         ("qwen2_5_vl", "video"),
         ("qwen3_vl", "images"),

@@ -196,6 +196,7 @@ CASES = {
     "vipllava-plain": ("vipllava", "plain", 45, {}),
     "video_llava-packed": ("video_llava", "packed", 40, {}),
     "perception_lm-plain": ("perception_lm", "plain", 40, {}),
+    "fast_vlm-packed-lora": ("fast_vlm", "packed", 45, {"lora": True}),
     "llava_next_video-padded": ("llava_next_video", "padded", 40, {}),
     "llava_onevision-packed": ("llava_onevision", "packed", 40, {}),  # Qwen2 text, sliding layers
     "idefics3-plain": ("idefics3", "plain", 40, {}),
@@ -214,6 +215,9 @@ CASES = {
     # timm one: hf_models.VISION_LANGUAGE)
     "perception_lm-images-padded": ("perception_lm", "images-padded", 45, {}),
     "perception_lm-video-checkpointing": ("perception_lm", "video", 40, {"checkpointing": True}),
+    # FastVLM: a convolutional tower's feature map (a ConvNeXt standing in for its timm one: hf_models.VISION_LANGUAGE)
+    "fast_vlm-images-padded": ("fast_vlm", "images-padded", 40, {}),
+    "fast_vlm-images-checkpointing": ("fast_vlm", "images", 45, {"checkpointing": True}),
     # LLaVA-NeXT-Video: LLaVA-NeXT's tiles; video frames pooled (Llama text)
     "llava_next_video-images-padded": ("llava_next_video", "images-padded", 45, {}),
     "llava_next_video-video-checkpointing": ("llava_next_video", "video", 45, {"checkpointing": True}),
