@@ -44,6 +44,7 @@ def test_harmless_and_unset_keywords_pass():
     out, (q, k, v) = _call(
         softcap=None, s_aux=None, use_cache=False, cache_position=torch.arange(12), position_ids=torch.arange(12)[None],
         output_hidden_states=False, max_length_q=12, max_length_k=12,
+        logits_to_keep=0,  # (LLaVA-OneVision's head passes it to its base model, and on to every layer)
     )  # fmt: skip
     ref = reference_attention(q.double(), k.double(), v.double(), scale=0.25).transpose(1, 2)
     assert rel_err(out, ref) <= 1e-5
