@@ -6,8 +6,9 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
 ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
 ``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), InternVL 3 / 3.5 holds a Qwen2,
-Qwen3, Qwen3-MoE or Llama text model, LLaVA and LLaVA-NeXT a Llama, Mistral or Qwen2 one, Idefics2 a Mistral one, Idefics3 and SmolVLM a
-Llama one, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
+Qwen3, Qwen3-MoE or Llama text model, LLaVA, LLaVA-NeXT and LLaVA-NeXT-Video a Llama, Mistral or Qwen2 one,
+LLaVA-OneVision and FastVLM a Qwen2 one, ViP-LLaVA, Video-LLaVA, Perception LM, Idefics3 and SmolVLM a Llama one,
+Idefics2 a Mistral one, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -15,10 +16,11 @@ The patch switches the text model's attention only (``set_attn_implementation`` 
 vision tower keeps its own); the text config's family (``VisionLanguagePatch.text``) finds its attention modules
 and checks the text config.
 
-Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
-Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
-ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
+Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, ViP-LLaVA, Video-LLaVA,
+Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
+Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
+Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so
+the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
 the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the
@@ -57,8 +59,9 @@ from ._family import FamilyPatch
 
 __all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
 
-MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs")
-"""Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward."""
+MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs", "pixel_values_images")
+"""Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward (Video-LLaVA's
+images: ``pixel_values_images``, the name its processor gives them)."""
 
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
@@ -74,6 +77,12 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "qwen3_5_moe": ("qwen3_5_moe_text",),
     "llava": ("llama", "mistral", "qwen2"),  # LLaVA 1.5 and checkpoints of its architecture
     "llava_next": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT (1.6)
+    "vipllava": ("llama",),  # ViP-LLaVA (7B, 13B): features of several vision layers
+    "video_llava": ("llama",),  # Video-LLaVA: an image tower and a video tower
+    "perception_lm": ("llama",),  # Perception LM (1B, 3B, 8B): tiles pooled by its projector, video frames as tiles
+    "fast_vlm": ("qwen2",),  # FastVLM (0.5B, 1.5B, 7B): a convolutional vision tower
+    "llava_next_video": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT-Video: LLaVA-NeXT's images, pooled video frames
+    "llava_onevision": ("qwen2",),  # LLaVA-OneVision (0.5B, 7B, 72B): any-resolution tiles, video frames pooled
     "idefics3": ("llama",),  # Idefics3
     "smolvlm": ("llama",),  # SmolVLM
     "aya_vision": ("cohere2",),  # Aya Vision 8B / 32B (its head applies no logit_scale)
@@ -89,6 +98,12 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
 IMAGES = (
     "llava",
     "llava_next",
+    "llava_next_video",
+    "llava_onevision",
+    "vipllava",
+    "video_llava",
+    "perception_lm",
+    "fast_vlm",
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",

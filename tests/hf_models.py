@@ -321,6 +321,33 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration", {"model_type": "mistral", "sliding_window": 7},
                    {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
                     "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "vipllava": ("VipLlavaConfig", "VipLlavaForConditionalGeneration", {"model_type": "llama"},
+                 {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "video_llava": ("VideoLlavaConfig", "VideoLlavaForConditionalGeneration", {"model_type": "llama"},
+                    {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                     "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    # Perception LM: a CLIP tower standing in for its timm one (timm is no test dependency; 5.17's config builds timm's
+    # always: SINCE), its width where the projector reads it (model_args)
+    "perception_lm": ("PerceptionLMConfig", "PerceptionLMForConditionalGeneration", {"model_type": "llama"},
+                      {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
+                       "model_args": {"embed_dim": 32}}),
+    # FastVLM: a one-stage ConvNeXt standing in for its timm FastViT-HD (a convolutional tower too: a [batch, width,
+    # h, w] map whose 2 x 2 cells are the image tokens), its width where the projector reads it (hidden_size)
+    "fast_vlm": ("FastVlmConfig", "FastVlmForConditionalGeneration", {"model_type": "qwen2"},
+                 {"model_type": "convnext", "patch_size": 14, "num_stages": 1, "hidden_sizes": [32], "depths": [1],
+                  "hidden_size": 32, "image_size": 28}),
+    "llava_next_video": ("LlavaNextVideoConfig", "LlavaNextVideoForConditionalGeneration", {"model_type": "llama"},
+                         {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                          "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    # a Qwen2 text model with its sliding layers (layer 0 full, layers 1-2 slide), a SigLIP tower
+    "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration",
+                        {"model_type": "qwen2", "num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 5,
+                         "max_window_layers": 1},
+                        {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                         "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+                         "vision_use_head": False}),
     "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {"model_type": "llama"},
                  {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                   "image_size": 28, "patch_size": 14}),
@@ -353,10 +380,12 @@ apply to their text config."""
 
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
-         "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24"}  # fmt: skip
+         "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24",
+         "perception_lm": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
-a release where they do not)."""
+a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
+(the tiny model's stand-in tower needs 5.24)."""
 
 
 DRAWN_PADDING_EMBEDDING = ("gemma3n_text",)
@@ -478,6 +507,12 @@ def make_config(family: str, **overrides):
             top = {"alignment_intermediate_size": 64}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
+            top = {"projector_pooling_ratio": 2}
+        if family == "video_llava":  # features of the one-layer towers' last hidden states (not the embeddings)
+            top = {"vision_feature_layer": -1}
+        if family == "vipllava":  # features of the one-layer tower's two hidden states (5.17 names the list ...layers)
+            top = {"vision_feature_layer" if transformers_at_least("5.24") else "vision_feature_layers": [-2, -1]}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
                                         image_token_index=VOCAB + 3, **top)  # fmt: skip
     else:
@@ -524,7 +559,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
         model.eval()
     if images:
         model.config.image_token_index = MEDIA_TOKENS["image_token_id"]  # LLaVA's name for it
-        if family == "llava_next":
+        if family in ("llava_next", "llava_next_video", "llava_onevision"):
             model.config.image_grid_pinpoints = NEXT_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
@@ -553,20 +588,28 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     """Two rows with three images (``kind`` "images", "images-padded": row 1 left-padded by 6) or, for Qwen-VL,
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
     (4 tokens after the 2 x 2 merge) between vision start / end tokens with ``mm_token_type_ids``; LLaVA a 28 x 28
-    image (4 patch tokens), Idefics2 one of 4 perceiver latents, GOT-OCR 2.0 a 64 x 64 image (4 tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
-    tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Idefics3, SmolVLM, Aya Vision,
-    Command A Vision and Ovis2 (between visual indicator tokens) one token per 28 x 28 image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
+    image (4 patch tokens), ViP-LLaVA's, FastVLM's and Video-LLaVA's too (``pixel_values_images``; for "video" 2
+    frames of 4 patches and their CLS token: 10 tokens); Idefics2 one of 4 perceiver latents; GOT-OCR 2.0 a 64 x 64
+    image (4 tokens); Perception LM one 56 x 56 tile per image, pooled to 4 tokens (a video's 2 frames: 8);
+    LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14 tokens with the row ends,
+    ``NEXT_PINPOINTS``), LLaVA-NeXT-Video's too, and for "video" 4 frames pooled to 1 token each; LLaVA-OneVision as
+    LLaVA-NeXT, but a row's several images untiled (2 x 2 and a newline: 5 tokens; ``batch_num_images``) and, for
+    "video", 4 frames pooled to 1 token each and a newline; InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Idefics3,
+    SmolVLM, Aya Vision, Command A Vision and Ovis2 (between visual indicator tokens) one token per 28 x 28 image;
+    Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
     16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    per_image = 4 if qwen or family in ("llava", "lfm2_vl", "idefics2", "got_ocr2") else 1
-    if family in ("gemma3", "gemma4"):
-        per_image = GEMMA3_IMAGE_TOKENS
+    four = qwen or family in ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm",
+                              "fast_vlm")  # fmt: skip
+    per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
-    tokens = (10, 14, 10) if family == "llava_next" else (per_image,) * len(spots)
+    tokens = (10, 14, 10)[: len(spots)] if family.startswith("llava_next") else (per_image,) * len(spots)
+    if family == "llava_onevision":  # row 0's two images untiled (batch_num_images): 2 x 2 + a newline each
+        tokens = (10,) if kind == "video" else (5, 5, 14)
     for (b, p), n in zip(spots, tokens):
         ids[b, p : p + n] = MEDIA_TOKENS["image_token_id"]
         types[b, p : p + n] = 1
@@ -590,9 +633,13 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["pixel_values"][1, 1] = 0
         if family == "idefics2":  # (as its processor gives it: the real pixels of each image, none of a padding one)
             extra["pixel_attention_mask"] = extra["pixel_values"][:, :, 0] != 0
-    elif family == "llava_next":  # [images, base + up to 2 tiles, 3, h, w] (unused tiles padded), their sizes
+    elif family in ("llava_next", "llava_next_video"):  # [images, base + up to 2 tiles, 3, h, w] (unused tiles
+        # padded), their sizes
         extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
-        extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]])
+        extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]][: len(spots)])
+        if kind == "video":  # row 1: 4 frames, each's 2 x 2 features pooled to 1 token (LLaVA-NeXT-Video)
+            ids[1, 17:21] = MEDIA_TOKENS["video_token_id"]
+            extra["pixel_values_videos"] = torch.randn(1, 4, 3, 28, 28, generator=g)
     elif family == "ovis2":  # a 28 x 28 image, its 2 x 2 patches in one token, between indicator tokens
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         for b, p in spots:
@@ -600,6 +647,23 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             ids[b, p + per_image] = MEDIA_TOKENS["vision_end_token_id"]
     elif family == "got_ocr2":  # a SAM tower: 8 x 8 patches, two stride-2 convolutions: 2 x 2 tokens
         extra["pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)
+    elif family == "llava_onevision":  # as LLaVA-NeXT's; a row with several images has them untiled
+        extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
+        extra["image_sizes"] = torch.tensor([[28, 28], [28, 28], [28, 56]][: len(spots)])
+        extra["batch_num_images"] = torch.tensor([2, 1] if kind != "video" else [1, 0])
+        if kind == "video":  # row 1: 4 frames, each pooled to 1 x 1, and a newline: 5 tokens
+            ids[1, 17:22] = MEDIA_TOKENS["video_token_id"]
+            extra["pixel_values_videos"] = torch.randn(1, 4, 3, 28, 28, generator=g)
+    elif family == "perception_lm":  # [images, tiles, 3, h, w], one 56 x 56 tile each; a video's frames as tiles
+        extra["pixel_values"] = torch.randn(len(spots), 1, 3, 56, 56, generator=g)
+        if kind == "video":  # 2 frames: 8 tokens
+            ids[1, 17:25] = MEDIA_TOKENS["video_token_id"]
+            extra["pixel_values_videos"] = torch.randn(1, 2, 3, 56, 56, generator=g)
+    elif family == "video_llava":  # images under its processor's name for them; 2 frames of 4 patches and CLS each
+        extra["pixel_values_images"] = torch.randn(len(spots), 3, 28, 28, generator=g)
+        if kind == "video":
+            ids[1, 17:27] = MEDIA_TOKENS["video_token_id"]
+            extra["pixel_values_videos"] = torch.randn(1, 2, 3, 28, 28, generator=g)
     elif family == "gemma3":
         extra["pixel_values"] = torch.randn(len(spots), 3, 56, 56, generator=g)
         extra["token_type_ids"] = types

@@ -20,6 +20,7 @@ from tests.hf_models import (
     DYNAMIC,
     DYNAMIC_FULL_LAYERS,
     LONGROPE,
+    SINCE,
     VOCAB,
     in_transformers,
     make_batch,
@@ -184,6 +185,8 @@ def _sub_configs(config) -> list:
         "lighton_ocr",
         "llava",
         "llava_next",
+        "llava_next_video",
+        "llava_onevision",
         "mistral3",
         "mistral3-ministral3",
         "ovis2",
@@ -194,6 +197,10 @@ def _sub_configs(config) -> list:
         "qwen3_vl",
         "qwen3_vl_moe",
         "smolvlm",
+        "fast_vlm",
+        "perception_lm",
+        "video_llava",
+        "vipllava",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -204,6 +211,8 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
 
     made_text_only = family.endswith("-text-only")
     family = family.removesuffix("-text-only")
+    if not in_transformers(family):
+        pytest.skip(f"{family} is tested from Transformers {SINCE[family]} on")
     with text_only(family) if made_text_only else contextlib.nullcontext():
         _text_only_batches_and_refused_images(family)
 
@@ -261,6 +270,16 @@ def _text_only_batches_and_refused_images(family):
     [
         ("llava", "images"),
         ("llava_next", "images"),
+        ("llava_next_video", "images"),
+        ("llava_next_video", "video"),  # pooled frames
+        ("llava_onevision", "images-padded"),  # row 0's images untiled (batch_num_images), row 1's tiled
+        ("llava_onevision", "video"),  # pooled frames
+        ("vipllava", "images-padded"),  # features of several vision layers
+        ("video_llava", "images"),  # pixel_values_images
+        ("video_llava", "video"),  # its video tower
+        ("perception_lm", "images-padded"),  # tiles pooled 2 x 2
+        ("perception_lm", "video"),
+        ("fast_vlm", "images-padded"),  # a convolutional tower's feature map
         ("qwen2_vl", "images-padded"),
         ("qwen2_5_vl", "video"),
         ("qwen3_vl", "images"),
@@ -292,13 +311,15 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
 
     if family == "lfm2_vl" and not transformers_at_least("5.23"):
         pytest.skip("Transformers 5.17's LFM2 layers drop the batch's keywords: padded batches are refused")
+    if not in_transformers(family):
+        pytest.skip(f"{family} is tested from Transformers {SINCE[family]} on")
     model = make_model(family, images=True).eval()
     batch, _ = make_batch(kind, 40, family=family)
     before = _logits(model, **batch)
     hf_ring.apply_ring_attention(model)
     local = hf_ring.shard_batch(batch)
     assert local[hf_attention.SHARD_INFO_KWARG].whole_inputs and "position_ids" not in local
-    media = next(k for k in ("pixel_values", "input_features") if k in batch)
+    media = next(k for k in ("pixel_values", "pixel_values_images", "input_features") if k in batch)
     assert torch.equal(local["input_ids"], batch["input_ids"]) and local[media] is batch[media]
     real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
     torch.testing.assert_close(_logits(model, **local)[real], before[real], atol=ATOL, rtol=0)

@@ -193,6 +193,12 @@ CASES = {
     "mistral3-ministral3-padded": ("mistral3-ministral3", "padded", 45, {}),
     "llava-packed": ("llava", "packed", 40, {}),
     "llava_next-padded": ("llava_next", "padded", 45, {}),
+    "vipllava-plain": ("vipllava", "plain", 45, {}),
+    "video_llava-packed": ("video_llava", "packed", 40, {}),
+    "perception_lm-plain": ("perception_lm", "plain", 40, {}),
+    "fast_vlm-packed-lora": ("fast_vlm", "packed", 45, {"lora": True}),
+    "llava_next_video-padded": ("llava_next_video", "padded", 40, {}),
+    "llava_onevision-packed": ("llava_onevision", "packed", 40, {}),  # Qwen2 text, sliding layers
     "idefics3-plain": ("idefics3", "plain", 40, {}),
     "smolvlm-packed-lora": ("smolvlm", "packed", 45, {"lora": True}),
     # vision-language models with images and video: the whole sequence's embeddings (vision features merged) and
@@ -200,6 +206,24 @@ CASES = {
     "llava-images": ("llava", "images", 45, {}),
     "llava-images-dynamic": ("llava", "images", 45, {"config": DYNAMIC}),  # the layout's padding: position 0
     "llava_next-images-padded": ("llava_next", "images-padded", 45, {}),  # any-resolution tiles, row ends
+    "vipllava-images-padded": ("vipllava", "images-padded", 40, {}),  # features of two vision layers
+    "vipllava-images-lora": ("vipllava", "images", 45, {"lora": True}),
+    # Video-LLaVA: its image tower (images as pixel_values_images) and its video tower
+    "video_llava-images-padded": ("video_llava", "images-padded", 45, {}),
+    "video_llava-video-lora": ("video_llava", "video", 40, {"lora": True}),
+    # Perception LM: tiles pooled 2 x 2 by its projector, video frames as tiles (a CLIP tower standing in for its
+    # timm one: hf_models.VISION_LANGUAGE)
+    "perception_lm-images-padded": ("perception_lm", "images-padded", 45, {}),
+    "perception_lm-video-checkpointing": ("perception_lm", "video", 40, {"checkpointing": True}),
+    # FastVLM: a convolutional tower's feature map (a ConvNeXt standing in for its timm one: hf_models.VISION_LANGUAGE)
+    "fast_vlm-images-padded": ("fast_vlm", "images-padded", 40, {}),
+    "fast_vlm-images-checkpointing": ("fast_vlm", "images", 45, {"checkpointing": True}),
+    # LLaVA-NeXT-Video: LLaVA-NeXT's tiles; video frames pooled (Llama text)
+    "llava_next_video-images-padded": ("llava_next_video", "images-padded", 45, {}),
+    "llava_next_video-video-checkpointing": ("llava_next_video", "video", 45, {"checkpointing": True}),
+    # LLaVA-OneVision: row 0's two images untiled (batch_num_images), row 1's tiled; video frames pooled
+    "llava_onevision-images-padded": ("llava_onevision", "images-padded", 45, {}),
+    "llava_onevision-video": ("llava_onevision", "video", 40, {}),
     "qwen2_vl-images-padded": ("qwen2_vl", "images-padded", 40, {}),
     "qwen2_5_vl-video-checkpointing": ("qwen2_5_vl", "video", 45, {"checkpointing": True}),
     "qwen3_vl-images-padded": ("qwen3_vl", "images-padded", 45, {}),  # deepstack: features added in layer 0
