@@ -7,7 +7,8 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
 ``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), InternVL 3 / 3.5 holds a Qwen2,
 Qwen3, Qwen3-MoE or Llama text model, LLaVA and LLaVA-NeXT a Llama, Mistral or Qwen2 one, Idefics3 and SmolVLM a
-Llama one, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
+Llama one, Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration`` and Llama 4 Scout / Maverick
+``Llama4ForConditionalGeneration`` (a ``llama4_text`` causal LM inside). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -16,7 +17,7 @@ vision tower keeps its own); the text config's family (``VisionLanguagePatch.tex
 and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
+Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4, Llama 4). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -25,7 +26,8 @@ ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, th
 layers). What needs care is where the vision features land and how positions are numbered. ``shard_batch`` hands
 such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower on every image of
 the batch, merges the features into the embeddings of the whole sequence and numbers it (Qwen-VL's multimodal
-RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model, cuts the embeddings,
+RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model (the outermost module
+of the text config: Llama 4's causal LM, whose text model inside then receives the cut), cuts the embeddings,
 positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard. Gradients flow back through that cut, so each
 rank's vision tower gets the gradient of its own image tokens and the usual CP gradient sum makes it whole. The
 cost: every rank of a CP group runs the vision tower on all the batch's images and holds the whole sequence's
@@ -74,6 +76,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "llava_next": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT (1.6)
     "idefics3": ("llama",),  # Idefics3
     "smolvlm": ("llama",),  # SmolVLM
+    "llama4": ("llama4_text",),  # Llama 4 Scout, Maverick (their text model: a causal LM inside the wrapper)
 }
 
 
@@ -93,6 +96,7 @@ IMAGES = (
     "gemma3",
     "gemma4",
     "lfm2_vl",
+    "llama4",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-__all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
+__all__ = ["MORE_FAMILIES", "NO_CHUNKED_LOSS", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
            "prepare", "reference_step", "rel", "ring_step", "text_only"]  # fmt: skip
 
 VOCAB = 96
@@ -317,6 +317,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {"model_type": "llama"},
                  {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                   "image_size": 28, "patch_size": 14}),
+    # Llama 4 (Scout, Maverick): its text model is a causal LM inside the wrapper; 56 x 56 images in 14 x 14 patches,
+    # pixel-shuffled 2 x 2: 4 tokens each
+    "llama4": ("Llama4Config", "Llama4ForConditionalGeneration", MORE_FAMILIES["llama4_text"][2],
+               {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "image_size": 56, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32,
+                "projector_output_dim": 32}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
@@ -361,9 +367,25 @@ def text_only(model_type: str):
         REGISTRY[model_type] = saved
 
 
+BROKEN = {"llama4": ("5.24",)}
+"""Families whose unmodified model fails in a Transformers release (major.minor), so not tested there: 5.24's
+``Llama4ForConditionalGeneration.forward`` reads ``image_outputs`` from its causal LM's output, which has none (every
+call raises AttributeError, images or not)."""
+
+
+NO_CHUNKED_LOSS = ("llama4",)
+"""Families ``hf_ring.apply_chunked_loss`` refuses: Llama 4's wrapper has no ``lm_head`` of its own (its causal LM
+inside holds it, and the wrapper computes the loss from that model's logits)."""
+
+
 def in_transformers(model_type: str) -> bool:
-    """The installed Transformers runs ``model_type``'s model as hf_ring patches it (``SINCE``)."""
-    return transformers_at_least(SINCE.get(model_type))
+    """The installed Transformers runs ``model_type``'s model as hf_ring patches it (``SINCE``, ``BROKEN``)."""
+    import transformers
+    from packaging.version import Version
+
+    release = Version(transformers.__version__)
+    broken = f"{release.major}.{release.minor}" in BROKEN.get(model_type, ())
+    return transformers_at_least(SINCE.get(model_type)) and not broken
 
 
 def transformers_at_least(release: str | None) -> bool:
@@ -519,13 +541,12 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     image (4 patch tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
     tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
     image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
-    16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
+    16 per image of 8 x 8 patches (``mm_token_type_ids``); Llama 4 4 per 56 x 56 image (pixel-shuffled 2 x 2)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    per_image = (
-        4 if qwen or family in ("llava", "lfm2_vl") else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
-    )
+    four = qwen or family in ("llava", "lfm2_vl", "llama4")
+    per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
@@ -554,9 +575,10 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "llava_next":  # [images, base + up to 2 tiles, 3, h, w] (unused tiles padded), their sizes
         extra["pixel_values"] = torch.randn(len(spots), 3, 3, 28, 28, generator=g)
         extra["image_sizes"] = torch.tensor([[28, 28], [28, 56], [28, 28]])
-    elif family == "gemma3":
+    elif family in ("gemma3", "llama4"):
         extra["pixel_values"] = torch.randn(len(spots), 3, 56, 56, generator=g)
-        extra["token_type_ids"] = types
+        if family == "gemma3":
+            extra["token_type_ids"] = types
     elif family == "lfm2_vl":  # 4 x 4 patches of 16 x 16 x 3 (NaFlex, their mask and grid), unshuffled 2 x 2: 4 tokens
         extra["pixel_values"] = torch.randn(len(spots), 16, 3 * 16 * 16, generator=g)
         extra["pixel_attention_mask"] = torch.ones(len(spots), 16, dtype=torch.bool)

@@ -217,6 +217,11 @@ CASES = {
         45,
         {"lora": True, "checkpointing": True, "since": "5.23"},
     ),
+    # Llama 4 (Transformers 5.17; 5.24's wrapper fails on its own, tests.hf_models.BROKEN): chunked attention over
+    # image tokens, temperature tuning by the index in the whole row; its text model inside its causal LM
+    "llama4-images-padded": ("llama4", "images-padded", 45, {}),
+    "llama4-images-lora-checkpointing": ("llama4", "images", 40, {"lora": True, "checkpointing": True}),
+    "llama4-padded": ("llama4", "padded", 40, {}),
     # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
     # window of 6 cuts them), on sliding and full layers
     "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),
