@@ -323,6 +323,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "image_size": 56, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32,
                 "projector_output_dim": 32}),
+    # Kimi K2.5 / K2.6: a DeepSeek-V3 text model (latent attention, experts); images of 4 x 4 patches of 14 x 14,
+    # merged 2 x 2: 4 tokens each
+    "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration",
+                 {"model_type": "deepseek_v3", **MORE_FAMILIES["deepseek_v3"][2]},
+                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
@@ -462,6 +468,8 @@ def make_config(family: str, **overrides):
     elif family in VISION_LANGUAGE:  # the image token lies outside the vocabulary the test batches draw from
         config_class, _, extra, vision = VISION_LANGUAGE[family]
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
+        if family == "kimi_k25":  # its projector's norm: over the vision tower's width
+            top = {"projection_hidden_size": vision["hidden_size"]}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -545,7 +553,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "llama4")
+    four = qwen or family in ("llava", "lfm2_vl", "llama4", "kimi_k25")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
@@ -569,6 +577,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
+    elif family == "kimi_k25":  # patches of 3 x 14 x 14 on a 4 x 4 grid per image, merged 2 x 2: 4 tokens
+        extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
     elif family in ("idefics3", "smolvlm"):  # [batch, images per row, 3, h, w]; an all-zero image is padding
         extra["pixel_values"] = torch.randn(2, 2, 3, 28, 28, generator=g)
         extra["pixel_values"][1, 1] = 0

@@ -176,6 +176,7 @@ def _sub_configs(config) -> list:
         "gemma3",
         "gemma4",
         "idefics3",
+        "kimi_k25",
         "lfm2_vl",
         "lfm2_vl-text-only",  # (every wrapper takes images: a text-only one made by tests.hf_models.text_only)
         "llama4",
@@ -273,6 +274,7 @@ def _text_only_batches_and_refused_images(family):
         ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
         ("gemma4-audio", "audio"),
         ("lfm2_vl", "images-padded"),  # short-convolution layers
+        ("kimi_k25", "images-padded"),  # latent attention (DeepSeek-V3 text)
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
     ],
 )

@@ -222,6 +222,10 @@ CASES = {
     "llama4-images-padded": ("llama4", "images-padded", 45, {}),
     "llama4-images-lora-checkpointing": ("llama4", "images", 40, {"lora": True, "checkpointing": True}),
     "llama4-padded": ("llama4", "padded", 40, {}),
+    # Kimi K2.5: a DeepSeek-V3 text model (latent attention, experts)
+    "kimi_k25-images-padded": ("kimi_k25", "images-padded", 45, {}),
+    "kimi_k25-images-lora-checkpointing": ("kimi_k25", "images", 40, {"lora": True, "checkpointing": True}),
+    "kimi_k25-packed": ("kimi_k25", "packed", 40, {}),
     # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
     # window of 6 cuts them), on sliding and full layers
     "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),
