@@ -329,6 +329,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                  {"model_type": "deepseek_v3", **MORE_FAMILIES["deepseek_v3"][2]},
                  {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                   "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8}),
+    # EXAONE 4.5: an EXAONE 4 text model (sliding / full layers, QK norm); Qwen2.5-VL-like images of 4 x 4 patches,
+    # merged 2 x 2: 4 tokens each, numbered 0, 1, ... as text
+    "exaone4_5": ("Exaone4_5_Config", "Exaone4_5_ForConditionalGeneration",
+                  {"model_type": "exaone4", **MORE_FAMILIES["exaone4"][2]},
+                  {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "num_key_value_heads": 2,
+                   "out_hidden_size": 64, "patch_size": 14, "fullatt_block_indexes": [0]}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
@@ -553,7 +559,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "llama4", "kimi_k25")
+    four = qwen or family in ("llava", "lfm2_vl", "llama4", "kimi_k25", "exaone4_5")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
@@ -577,6 +583,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
+    elif family == "exaone4_5":  # as Qwen2.5-VL's: a 4 x 4 grid of 2 x 14 x 14 x 3 patches, merged 2 x 2: 4 tokens
+        extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
     elif family == "kimi_k25":  # patches of 3 x 14 x 14 on a 4 x 4 grid per image, merged 2 x 2: 4 tokens
         extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))

@@ -175,6 +175,7 @@ def _sub_configs(config) -> list:
     [
         "gemma3",
         "gemma4",
+        "exaone4_5",
         "idefics3",
         "kimi_k25",
         "lfm2_vl",
@@ -274,6 +275,7 @@ def _text_only_batches_and_refused_images(family):
         ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
         ("gemma4-audio", "audio"),
         ("lfm2_vl", "images-padded"),  # short-convolution layers
+        ("exaone4_5", "images"),  # sliding and full layers (EXAONE 4 text)
         ("kimi_k25", "images-padded"),  # latent attention (DeepSeek-V3 text)
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
     ],

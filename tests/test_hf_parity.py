@@ -226,6 +226,10 @@ CASES = {
     "kimi_k25-images-padded": ("kimi_k25", "images-padded", 45, {}),
     "kimi_k25-images-lora-checkpointing": ("kimi_k25", "images", 40, {"lora": True, "checkpointing": True}),
     "kimi_k25-packed": ("kimi_k25", "packed", 40, {}),
+    # EXAONE 4.5: an EXAONE 4 text model (sliding / full layers, QK norm); positions 0, 1, ... over image tokens
+    "exaone4_5-images-padded": ("exaone4_5", "images-padded", 45, {}),
+    "exaone4_5-images-ulysses": ("exaone4_5", "images", 40, {"ulysses": 2}),
+    "exaone4_5-plain": ("exaone4_5", "plain", 45, {}),
     # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
     # window of 6 cuts them), on sliding and full layers
     "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),
