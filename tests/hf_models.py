@@ -335,6 +335,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                   {"model_type": "exaone4", **MORE_FAMILIES["exaone4"][2]},
                   {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "num_key_value_heads": 2,
                    "out_hidden_size": 64, "patch_size": 14, "fullatt_block_indexes": [0]}),
+    # MiniMax M3: its text model with dense attention layers (their sparse-indexer layers are refused), experts;
+    # Qwen2.5-VL-like images of 4 x 4 patches, merged 2 x 2: 4 tokens each
+    "minimax_m3_vl": ("MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration",
+                      MORE_FAMILIES["minimax_m3_vl_text"][2],
+                      {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "patch_size": 14, "image_size": 56}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
@@ -476,6 +482,8 @@ def make_config(family: str, **overrides):
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
         if family == "kimi_k25":  # its projector's norm: over the vision tower's width
             top = {"projection_hidden_size": vision["hidden_size"]}
+        if family == "minimax_m3_vl":
+            top = {"projector_hidden_size": 64}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -559,7 +567,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "llama4", "kimi_k25", "exaone4_5")
+    four = qwen or family in ("llava", "lfm2_vl", "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
@@ -583,7 +591,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
-    elif family == "exaone4_5":  # as Qwen2.5-VL's: a 4 x 4 grid of 2 x 14 x 14 x 3 patches, merged 2 x 2: 4 tokens
+    elif family in ("exaone4_5", "minimax_m3_vl"):  # as Qwen2.5-VL's: 4 x 4 patches of 2 x 14 x 14 x 3, merged 2 x 2
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
     elif family == "kimi_k25":  # patches of 3 x 14 x 14 on a 4 x 4 grid per image, merged 2 x 2: 4 tokens

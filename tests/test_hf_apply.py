@@ -92,8 +92,9 @@ def test_generic_patch_refuses_what_it_does_not_implement():
     if in_transformers("minimax_m3_vl_text"):
         sparse = {"layer_types": ["minimax_m3_sparse", "full_attention"], "index_block_size": 4,
                   "index_topk_blocks": 2, "index_head_dim": 16}  # fmt: skip
-        with pytest.raises(ValueError, match=r"layer types \['minimax_m3_sparse'\] are not supported"):
-            hf_ring.apply_ring_attention(make_model("minimax_m3_vl_text", **sparse))
+        for family in ("minimax_m3_vl_text", "minimax_m3_vl"):  # (the wrapper: its text config's check)
+            with pytest.raises(ValueError, match=r"layer types \['minimax_m3_sparse'\] are not supported"):
+                hf_ring.apply_ring_attention(make_model(family, **sparse))
     # Gemma 4 as an encoder (measured: its two-sided sliding mask is not the ring's, loss apart by 9e-3)
     for family in ("gemma4_text", "gemma4"):
         with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
@@ -183,6 +184,7 @@ def _sub_configs(config) -> list:
         "llama4",
         "llava",
         "llava_next",
+        "minimax_m3_vl",
         "mistral3",
         "mistral3-ministral3",
         "qwen2_vl",
@@ -276,6 +278,7 @@ def _text_only_batches_and_refused_images(family):
         ("gemma4-audio", "audio"),
         ("lfm2_vl", "images-padded"),  # short-convolution layers
         ("exaone4_5", "images"),  # sliding and full layers (EXAONE 4 text)
+        ("minimax_m3_vl", "images-padded"),  # partial rotary, experts (MiniMax M3 text, dense attention layers)
         ("kimi_k25", "images-padded"),  # latent attention (DeepSeek-V3 text)
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
     ],

@@ -230,6 +230,10 @@ CASES = {
     "exaone4_5-images-padded": ("exaone4_5", "images-padded", 45, {}),
     "exaone4_5-images-ulysses": ("exaone4_5", "images", 40, {"ulysses": 2}),
     "exaone4_5-plain": ("exaone4_5", "plain", 45, {}),
+    # MiniMax M3: its text model's dense attention layers (partial rotary), experts
+    "minimax_m3_vl-images-padded": ("minimax_m3_vl", "images-padded", 45, {}),
+    "minimax_m3_vl-images-checkpointing": ("minimax_m3_vl", "images", 40, {"checkpointing": True}),
+    "minimax_m3_vl-padded": ("minimax_m3_vl", "padded", 40, {}),
     # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
     # window of 6 cuts them), on sliding and full layers
     "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),
