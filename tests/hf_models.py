@@ -341,6 +341,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                       MORE_FAMILIES["minimax_m3_vl_text"][2],
                       {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                        "patch_size": 14, "image_size": 56}),
+    # LFM3-VL (5.24): an LFM3 text model (short convolutions, sliding and full layers); images of 4 x 4 patches of
+    # 2 x 16 x 16 x 3, merged 2 x 2: 4 tokens each
+    "lfm3_vl": ("Lfm3VlConfig", "Lfm3VlForConditionalGeneration", {"model_type": "lfm3", **MORE_FAMILIES["lfm3"][2]},
+                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"]}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
@@ -351,7 +356,7 @@ apply to their text config."""
 
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
-         "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24"}  # fmt: skip
+         "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not)."""
@@ -482,7 +487,7 @@ def make_config(family: str, **overrides):
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
         if family == "kimi_k25":  # its projector's norm: over the vision tower's width
             top = {"projection_hidden_size": vision["hidden_size"]}
-        if family == "minimax_m3_vl":
+        if family in ("minimax_m3_vl", "lfm3_vl"):
             top = {"projector_hidden_size": 64}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
@@ -567,7 +572,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl")
+    four = qwen or family in ("llava", "lfm2_vl", "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
@@ -593,6 +598,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
     elif family in ("exaone4_5", "minimax_m3_vl"):  # as Qwen2.5-VL's: 4 x 4 patches of 2 x 14 x 14 x 3, merged 2 x 2
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+    elif family == "lfm3_vl":  # 4 x 4 patches of 2 x 16 x 16 x 3, merged 2 x 2: 4 tokens
+        extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 16 * 16, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
     elif family == "kimi_k25":  # patches of 3 x 14 x 14 on a 4 x 4 grid per image, merged 2 x 2: 4 tokens
         extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)

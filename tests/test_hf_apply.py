@@ -181,6 +181,7 @@ def _sub_configs(config) -> list:
         "kimi_k25",
         "lfm2_vl",
         "lfm2_vl-text-only",  # (every wrapper takes images: a text-only one made by tests.hf_models.text_only)
+        "lfm3_vl",
         "llama4",
         "llava",
         "llava_next",
@@ -279,6 +280,7 @@ def _text_only_batches_and_refused_images(family):
         ("lfm2_vl", "images-padded"),  # short-convolution layers
         ("exaone4_5", "images"),  # sliding and full layers (EXAONE 4 text)
         ("minimax_m3_vl", "images-padded"),  # partial rotary, experts (MiniMax M3 text, dense attention layers)
+        ("lfm3_vl", "images-padded"),  # short convolutions, sliding and full layers (LFM3 text)
         ("kimi_k25", "images-padded"),  # latent attention (DeepSeek-V3 text)
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
     ],

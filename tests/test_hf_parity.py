@@ -234,6 +234,10 @@ CASES = {
     "minimax_m3_vl-images-padded": ("minimax_m3_vl", "images-padded", 45, {}),
     "minimax_m3_vl-images-checkpointing": ("minimax_m3_vl", "images", 40, {"checkpointing": True}),
     "minimax_m3_vl-padded": ("minimax_m3_vl", "padded", 40, {}),
+    # LFM3-VL (5.24): short convolutions over the cut embeddings, sliding and full layers (padding carries values)
+    "lfm3_vl-images-padded": ("lfm3_vl", "images-padded", 45, {"pad_embedding": True}),
+    "lfm3_vl-images-lora-checkpointing": ("lfm3_vl", "images", 40, {"lora": True, "checkpointing": True}),
+    "lfm3_vl-plain": ("lfm3_vl", "plain", 40, {}),
     # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
     # window of 6 cuts them), on sliding and full layers
     "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),
