@@ -11,7 +11,8 @@ Llama one, Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration`` and 
 ``Llama4ForConditionalGeneration`` (a ``llama4_text`` causal LM inside), Kimi K2.5 / K2.6
 ``Kimi_K25ForConditionalGeneration`` (a DeepSeek-V3 text model), EXAONE 4.5 ``Exaone4_5_ForConditionalGeneration``
 (an EXAONE 4 one), MiniMax M3 ``MiniMaxM3SparseForConditionalGeneration`` (its text model's dense attention layers;
-the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration`` (an LFM3 one). Their
+the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration`` (an LFM3 one), Apertus 1.5
+``Apertus1p5ForConditionalGeneration`` (images as discrete codes its text model embeds). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -21,7 +22,7 @@ and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
 Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4, Llama 4,
-Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL). Their text model attends causally over image tokens as over text, so the
+Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -61,8 +62,9 @@ from ._family import FamilyPatch
 
 __all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
 
-MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs")
-"""Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward."""
+MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "input_values", "mm_encoder_outputs")
+"""Keywords that carry images, video or audio (Gemma 4's ``input_features``, Apertus 1.5's ``input_values``) into these
+models' forward."""
 
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
@@ -85,6 +87,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "exaone4_5": ("exaone4",),  # EXAONE 4.5
     "minimax_m3_vl": ("minimax_m3_vl_text",),  # MiniMax M3 (dense attention layers: its sparse ones are refused)
     "lfm3_vl": ("lfm3",),  # LFM3-VL (Transformers 5.24)
+    "apertus1p5": ("apertus1p5_text",),  # Apertus 1.5 (Transformers 5.24)
 }
 
 
@@ -109,6 +112,7 @@ IMAGES = (
     "exaone4_5",
     "minimax_m3_vl",
     "lfm3_vl",
+    "apertus1p5",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

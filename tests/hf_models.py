@@ -346,6 +346,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "lfm3_vl": ("Lfm3VlConfig", "Lfm3VlForConditionalGeneration", {"model_type": "lfm3", **MORE_FAMILIES["lfm3"][2]},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
                  "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"]}),
+    # Apertus 1.5 (5.24): images tokenized into discrete codes (a VQ encoder: 4 x 4 pixels, downsampled 2 x 2: 4 codes)
+    # embedded by the text model's embeddings; its text model with the extended vocabulary
+    "apertus1p5": ("Apertus1p5Config", "Apertus1p5ForConditionalGeneration", MORE_FAMILIES["apertus1p5_text"][2],
+                   {"codebook_size": 8, "embed_dim": 8, "latent_channels": 8, "base_channels": 32,
+                    "channel_multiplier": [1, 1], "num_res_blocks": 1, "attn_resolutions": [], "resolution": 4}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
@@ -356,7 +361,7 @@ apply to their text config."""
 
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
-         "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24"}  # fmt: skip
+         "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not)."""
@@ -489,6 +494,10 @@ def make_config(family: str, **overrides):
             top = {"projection_hidden_size": vision["hidden_size"]}
         if family in ("minimax_m3_vl", "lfm3_vl"):
             top = {"projector_hidden_size": 64}
+        if family == "apertus1p5":  # image codes map to ids 10..17 (text tokens), an audio codebook after them
+            top = {"image_token_offset": 10, "audio_token_offset": 18,
+                   "audio_config": {"model_type": "wavtokenizer_encoder", "num_filters": 32, "upsampling_ratios": [2, 2],
+                                    "hidden_size": 32, "codebook_size": 8, "codebook_dim": 32, "num_lstm_layers": 1}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -561,6 +570,10 @@ GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see e
 NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 28 x 28 vision tower
 
 
+_FOUR_TOKENS = ("llava", "lfm2_vl", "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5")
+"""Families whose test images give 4 tokens each (besides Qwen-VL's)."""
+
+
 def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> dict:
     """Two rows with three images (``kind`` "images", "images-padded": row 1 left-padded by 6) or, for Qwen-VL,
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
@@ -572,8 +585,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl")
-    per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
+    per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
@@ -602,6 +614,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "lfm3_vl":  # 4 x 4 patches of 2 x 16 x 16 x 3, merged 2 x 2: 4 tokens
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 16 * 16, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+    elif family == "apertus1p5":  # images of 4 x 4 pixels (their sizes), 2 x 2 codes each
+        extra["pixel_values"] = torch.randn(len(spots), 3, 4, 4, generator=g)
+        extra["image_sizes"] = torch.tensor([[4, 4]] * len(spots))
     elif family == "kimi_k25":  # patches of 3 x 14 x 14 on a 4 x 4 grid per image, merged 2 x 2: 4 tokens
         extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))

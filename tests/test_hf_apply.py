@@ -174,9 +174,10 @@ def _sub_configs(config) -> list:
 @pytest.mark.parametrize(
     "family",
     [
+        "apertus1p5",
+        "exaone4_5",
         "gemma3",
         "gemma4",
-        "exaone4_5",
         "idefics3",
         "kimi_k25",
         "lfm2_vl",
@@ -227,6 +228,9 @@ def _text_only_batches_and_refused_images(family):
         if family == "gemma4":  # audio too: beside input_ids that were sharded, refused
             with pytest.raises(ValueError, match="carries input_features but its input_ids were sharded"):
                 model(input_ids=ids, input_features=torch.zeros(1, 20, 128), **{hf_attention.SHARD_INFO_KWARG: sharded})
+        if family == "apertus1p5":  # its audio (input_values; shard_batch takes no audio-only batch of it) too
+            with pytest.raises(ValueError, match="carries input_values but its input_ids were sharded"):
+                model(input_ids=ids, input_values=torch.zeros(1, 1, 64), **{hf_attention.SHARD_INFO_KWARG: sharded})
         torch.testing.assert_close(_logits(model, input_ids=ids), before, atol=ATOL, rtol=0)
         hf_ring.revert_ring_attention(model)
         assert not any(isinstance(h, TextOnly) for m in model.modules() for h in m._forward_pre_hooks.values())
@@ -281,6 +285,7 @@ def _text_only_batches_and_refused_images(family):
         ("exaone4_5", "images"),  # sliding and full layers (EXAONE 4 text)
         ("minimax_m3_vl", "images-padded"),  # partial rotary, experts (MiniMax M3 text, dense attention layers)
         ("lfm3_vl", "images-padded"),  # short convolutions, sliding and full layers (LFM3 text)
+        ("apertus1p5", "images-padded"),  # images as discrete codes embedded by the text model
         ("kimi_k25", "images-padded"),  # latent attention (DeepSeek-V3 text)
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
     ],

@@ -238,6 +238,10 @@ CASES = {
     "lfm3_vl-images-padded": ("lfm3_vl", "images-padded", 45, {"pad_embedding": True}),
     "lfm3_vl-images-lora-checkpointing": ("lfm3_vl", "images", 40, {"lora": True, "checkpointing": True}),
     "lfm3_vl-plain": ("lfm3_vl", "plain", 40, {}),
+    # Apertus 1.5 (5.24): images tokenized into discrete codes, embedded by the text model (xIELU, QK norm)
+    "apertus1p5-images-padded": ("apertus1p5", "images-padded", 45, {}),
+    "apertus1p5-images-lora": ("apertus1p5", "images", 40, {"lora": True}),
+    "apertus1p5-packed": ("apertus1p5", "packed", 40, {}),
     # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
     # window of 6 cuts them), on sliding and full layers
     "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),
