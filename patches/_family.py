@@ -293,6 +293,10 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
 
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     text = top.config.get_text_config() if text_only is not None and text_only.images else None
+    # the outermost module of the text config inside the wrapper cuts; a model inside it of the same config (Llama 4's
+    # text model inside its causal LM) then receives the cut embeddings
+    inner = (m for m in model.modules() if isinstance(m, PreTrainedModel) and m is not top)
+    cutter = next((m for m in inner if text is not None and m.config is text), None)
     for m in model.modules():
         if not isinstance(m, PreTrainedModel):
             continue
@@ -308,7 +312,7 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
                 m.register_forward_pre_hook(blocks, with_kwargs=True, prepend=True)
             if text_only is not None and m.config is top.config:  # every level that takes images (not the tower)
                 m.register_forward_pre_hook(text_only, with_kwargs=True, prepend=True)
-            if text is not None and m.config is text and m is not top:  # the text model inside the wrapper
+            if m is cutter:  # the text model inside the wrapper
                 m.register_forward_pre_hook(ShardEmbeddings(), with_kwargs=True, prepend=True)
 
 

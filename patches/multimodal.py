@@ -8,7 +8,12 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), InternVL 3 / 3.5 holds a Qwen2,
 Qwen3, Qwen3-MoE or Llama text model, LLaVA, LLaVA-NeXT and LLaVA-NeXT-Video a Llama, Mistral or Qwen2 one,
 LLaVA-OneVision and FastVLM a Qwen2 one, ViP-LLaVA, Video-LLaVA, Perception LM, Idefics3 and SmolVLM a Llama one,
-Idefics2 a Mistral one, and Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``. Their
+Idefics2 a Mistral one, Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration`` and Llama 4 Scout / Maverick
+``Llama4ForConditionalGeneration`` (a ``llama4_text`` causal LM inside), Kimi K2.5 / K2.6
+``Kimi_K25ForConditionalGeneration`` (a DeepSeek-V3 text model), EXAONE 4.5 ``Exaone4_5_ForConditionalGeneration``
+(an EXAONE 4 one), MiniMax M3 ``MiniMaxM3SparseForConditionalGeneration`` (its text model's dense attention layers;
+the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration`` (an LFM3 one), Apertus 1.5
+``Apertus1p5ForConditionalGeneration`` (images as discrete codes its text model embeds). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -19,8 +24,9 @@ and checks the text config.
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, ViP-LLaVA, Video-LLaVA,
 Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
-Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so
-the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
+Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5). Their text model attends
+causally over image tokens as over text, so the
+ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
 the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the
@@ -28,7 +34,8 @@ ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, th
 layers). What needs care is where the vision features land and how positions are numbered. ``shard_batch`` hands
 such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower on every image of
 the batch, merges the features into the embeddings of the whole sequence and numbers it (Qwen-VL's multimodal
-RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model, cuts the embeddings,
+RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model (the outermost module
+of the text config: Llama 4's causal LM, whose text model inside then receives the cut), cuts the embeddings,
 positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard. Gradients flow back through that cut, so each
 rank's vision tower gets the gradient of its own image tokens and the usual CP gradient sum makes it whole. The
 cost: every rank of a CP group runs the vision tower on all the batch's images and holds the whole sequence's
@@ -59,9 +66,11 @@ from ._family import FamilyPatch
 
 __all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
 
-MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs", "pixel_values_images")
-"""Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward (Video-LLaVA's
-images: ``pixel_values_images``, the name its processor gives them)."""
+MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_features", "input_values",
+         "mm_encoder_outputs")  # fmt: skip
+"""Keywords that carry images, video or audio into these models' forward (Video-LLaVA's images
+``pixel_values_images``, the name its processor gives them; Gemma 4's audio ``input_features``, Apertus 1.5's
+``input_values``)."""
 
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
@@ -92,6 +101,12 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "got_ocr2": ("qwen2",),  # GOT-OCR 2.0
     "ovis2": ("qwen2",),  # Ovis2
     "qianfan_ocr": ("qwen3",),  # Qianfan-OCR
+    "llama4": ("llama4_text",),  # Llama 4 Scout, Maverick (their text model: a causal LM inside the wrapper)
+    "kimi_k25": ("deepseek_v3",),  # Kimi K2.5, K2.6
+    "exaone4_5": ("exaone4",),  # EXAONE 4.5
+    "minimax_m3_vl": ("minimax_m3_vl_text",),  # MiniMax M3 (dense attention layers: its sparse ones are refused)
+    "lfm3_vl": ("lfm3",),  # LFM3-VL (Transformers 5.24)
+    "apertus1p5": ("apertus1p5_text",),  # Apertus 1.5 (Transformers 5.24)
 }
 
 
@@ -124,6 +139,12 @@ IMAGES = (
     "got_ocr2",
     "ovis2",
     "qianfan_ocr",
+    "llama4",
+    "kimi_k25",
+    "exaone4_5",
+    "minimax_m3_vl",
+    "lfm3_vl",
+    "apertus1p5",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-__all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
+__all__ = ["MORE_FAMILIES", "NO_CHUNKED_LOSS", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
            "prepare", "reference_step", "rel", "ring_step", "text_only"]  # fmt: skip
 
 VOCAB = 96
@@ -351,6 +351,40 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {"model_type": "llama"},
                  {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                   "image_size": 28, "patch_size": 14}),
+    # Llama 4 (Scout, Maverick): its text model is a causal LM inside the wrapper; 56 x 56 images in 14 x 14 patches,
+    # pixel-shuffled 2 x 2: 4 tokens each
+    "llama4": ("Llama4Config", "Llama4ForConditionalGeneration", MORE_FAMILIES["llama4_text"][2],
+               {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "image_size": 56, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32,
+                "projector_output_dim": 32}),
+    # Kimi K2.5 / K2.6: a DeepSeek-V3 text model (latent attention, experts); images of 4 x 4 patches of 14 x 14,
+    # merged 2 x 2: 4 tokens each
+    "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration",
+                 {"model_type": "deepseek_v3", **MORE_FAMILIES["deepseek_v3"][2]},
+                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8}),
+    # EXAONE 4.5: an EXAONE 4 text model (sliding / full layers, QK norm); Qwen2.5-VL-like images of 4 x 4 patches,
+    # merged 2 x 2: 4 tokens each, numbered 0, 1, ... as text
+    "exaone4_5": ("Exaone4_5_Config", "Exaone4_5_ForConditionalGeneration",
+                  {"model_type": "exaone4", **MORE_FAMILIES["exaone4"][2]},
+                  {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "num_key_value_heads": 2,
+                   "out_hidden_size": 64, "patch_size": 14, "fullatt_block_indexes": [0]}),
+    # MiniMax M3: its text model with dense attention layers (their sparse-indexer layers are refused), experts;
+    # Qwen2.5-VL-like images of 4 x 4 patches, merged 2 x 2: 4 tokens each
+    "minimax_m3_vl": ("MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration",
+                      MORE_FAMILIES["minimax_m3_vl_text"][2],
+                      {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "patch_size": 14, "image_size": 56}),
+    # LFM3-VL (5.24): an LFM3 text model (short convolutions, sliding and full layers); images of 4 x 4 patches of
+    # 2 x 16 x 16 x 3, merged 2 x 2: 4 tokens each
+    "lfm3_vl": ("Lfm3VlConfig", "Lfm3VlForConditionalGeneration", {"model_type": "lfm3", **MORE_FAMILIES["lfm3"][2]},
+                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"]}),
+    # Apertus 1.5 (5.24): images tokenized into discrete codes (a VQ encoder: 4 x 4 pixels, downsampled 2 x 2: 4 codes)
+    # embedded by the text model's embeddings; its text model with the extended vocabulary
+    "apertus1p5": ("Apertus1p5Config", "Apertus1p5ForConditionalGeneration", MORE_FAMILIES["apertus1p5_text"][2],
+                   {"codebook_size": 8, "embed_dim": 8, "latent_channels": 8, "base_channels": 32,
+                    "channel_multiplier": [1, 1], "num_res_blocks": 1, "attn_resolutions": [], "resolution": 4}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
@@ -380,8 +414,8 @@ apply to their text config."""
 
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
-         "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24",
-         "perception_lm": "5.24"}  # fmt: skip
+         "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24",
+         "bailing_hybrid": "5.24", "perception_lm": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -416,9 +450,25 @@ def text_only(model_type: str):
         REGISTRY[model_type] = saved
 
 
+BROKEN = {"llama4": ("5.24",)}
+"""Families whose unmodified model fails in a Transformers release (major.minor), so not tested there: 5.24's
+``Llama4ForConditionalGeneration.forward`` reads ``image_outputs`` from its causal LM's output, which has none (every
+call raises AttributeError, images or not)."""
+
+
+NO_CHUNKED_LOSS = ("llama4",)
+"""Families ``hf_ring.apply_chunked_loss`` refuses: Llama 4's wrapper has no ``lm_head`` of its own (its causal LM
+inside holds it, and the wrapper computes the loss from that model's logits)."""
+
+
 def in_transformers(model_type: str) -> bool:
-    """The installed Transformers runs ``model_type``'s model as hf_ring patches it (``SINCE``)."""
-    return transformers_at_least(SINCE.get(model_type))
+    """The installed Transformers runs ``model_type``'s model as hf_ring patches it (``SINCE``, ``BROKEN``)."""
+    import transformers
+    from packaging.version import Version
+
+    release = Version(transformers.__version__)
+    broken = f"{release.major}.{release.minor}" in BROKEN.get(model_type, ())
+    return transformers_at_least(SINCE.get(model_type)) and not broken
 
 
 def transformers_at_least(release: str | None) -> bool:
@@ -505,6 +555,14 @@ def make_config(family: str, **overrides):
                                                   MEDIA_TOKENS["vision_end_token_id"]]}  # fmt: skip
         if family == "cohere2_vision":  # (36864 by default)
             top = {"alignment_intermediate_size": 64}
+        if family == "kimi_k25":  # its projector's norm: over the vision tower's width
+            top = {"projection_hidden_size": vision["hidden_size"]}
+        if family in ("minimax_m3_vl", "lfm3_vl"):
+            top = {"projector_hidden_size": 64}
+        if family == "apertus1p5":  # image codes map to ids 10..17 (text tokens), an audio codebook after them
+            top = {"image_token_offset": 10, "audio_token_offset": 18,
+                   "audio_config": {"model_type": "wavtokenizer_encoder", "num_filters": 32, "upsampling_ratios": [2, 2],
+                                    "hidden_size": 32, "codebook_size": 8, "codebook_dim": 32, "num_lstm_layers": 1}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
@@ -584,6 +642,11 @@ IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoint
 NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 28 x 28 vision tower
 
 
+_FOUR_TOKENS = ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
+                "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5")  # fmt: skip
+"""Families whose test images give 4 tokens each (besides Qwen-VL's)."""
+
+
 def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> dict:
     """Two rows with three images (``kind`` "images", "images-padded": row 1 left-padded by 6) or, for Qwen-VL,
     an image and a video of 2 temporal patches ("video", Qwen2-VL and Qwen2.5-VL), as the family's processor lays them out: Qwen-VL a 4 x 4 patch grid
@@ -597,13 +660,11 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     "video", 4 frames pooled to 1 token each and a newline; InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Idefics3,
     SmolVLM, Aya Vision, Command A Vision and Ovis2 (between visual indicator tokens) one token per 28 x 28 image;
     Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
-    16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
+    16 per image of 8 x 8 patches (``mm_token_type_ids``); Llama 4 4 per 56 x 56 image (pixel-shuffled 2 x 2)."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm",
-                              "fast_vlm")  # fmt: skip
-    per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
+    per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
@@ -628,6 +689,18 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
+    elif family in ("exaone4_5", "minimax_m3_vl"):  # as Qwen2.5-VL's: 4 x 4 patches of 2 x 14 x 14 x 3, merged 2 x 2
+        extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+    elif family == "lfm3_vl":  # 4 x 4 patches of 2 x 16 x 16 x 3, merged 2 x 2: 4 tokens
+        extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 16 * 16, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+    elif family == "apertus1p5":  # images of 4 x 4 pixels (their sizes), 2 x 2 codes each
+        extra["pixel_values"] = torch.randn(len(spots), 3, 4, 4, generator=g)
+        extra["image_sizes"] = torch.tensor([[4, 4]] * len(spots))
+    elif family == "kimi_k25":  # patches of 3 x 14 x 14 on a 4 x 4 grid per image, merged 2 x 2: 4 tokens
+        extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
     elif family in ("idefics2", "idefics3", "smolvlm"):  # [batch, images per row, 3, h, w]; all-zero: padding
         extra["pixel_values"] = torch.randn(2, 2, 3, 28, 28, generator=g)
         extra["pixel_values"][1, 1] = 0
@@ -664,9 +737,10 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         if kind == "video":
             ids[1, 17:27] = MEDIA_TOKENS["video_token_id"]
             extra["pixel_values_videos"] = torch.randn(1, 2, 3, 28, 28, generator=g)
-    elif family == "gemma3":
+    elif family in ("gemma3", "llama4"):
         extra["pixel_values"] = torch.randn(len(spots), 3, 56, 56, generator=g)
-        extra["token_type_ids"] = types
+        if family == "gemma3":
+            extra["token_type_ids"] = types
     elif family == "lfm2_vl":  # 4 x 4 patches of 16 x 16 x 3 (NaFlex, their mask and grid), unshuffled 2 x 2: 4 tokens
         extra["pixel_values"] = torch.randn(len(spots), 16, 3 * 16 * 16, generator=g)
         extra["pixel_attention_mask"] = torch.ones(len(spots), 16, dtype=torch.bool)

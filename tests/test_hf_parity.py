@@ -249,6 +249,31 @@ CASES = {
         45,
         {"lora": True, "checkpointing": True, "since": "5.23"},
     ),
+    # Llama 4 (Transformers 5.17; 5.24's wrapper fails on its own, tests.hf_models.BROKEN): chunked attention over
+    # image tokens, temperature tuning by the index in the whole row; its text model inside its causal LM
+    "llama4-images-padded": ("llama4", "images-padded", 45, {}),
+    "llama4-images-lora-checkpointing": ("llama4", "images", 40, {"lora": True, "checkpointing": True}),
+    "llama4-padded": ("llama4", "padded", 40, {}),
+    # Kimi K2.5: a DeepSeek-V3 text model (latent attention, experts)
+    "kimi_k25-images-padded": ("kimi_k25", "images-padded", 45, {}),
+    "kimi_k25-images-lora-checkpointing": ("kimi_k25", "images", 40, {"lora": True, "checkpointing": True}),
+    "kimi_k25-packed": ("kimi_k25", "packed", 40, {}),
+    # EXAONE 4.5: an EXAONE 4 text model (sliding / full layers, QK norm); positions 0, 1, ... over image tokens
+    "exaone4_5-images-padded": ("exaone4_5", "images-padded", 45, {}),
+    "exaone4_5-images-ulysses": ("exaone4_5", "images", 40, {"ulysses": 2}),
+    "exaone4_5-plain": ("exaone4_5", "plain", 45, {}),
+    # MiniMax M3: its text model's dense attention layers (partial rotary), experts
+    "minimax_m3_vl-images-padded": ("minimax_m3_vl", "images-padded", 45, {}),
+    "minimax_m3_vl-images-checkpointing": ("minimax_m3_vl", "images", 40, {"checkpointing": True}),
+    "minimax_m3_vl-padded": ("minimax_m3_vl", "padded", 40, {}),
+    # LFM3-VL (5.24): short convolutions over the cut embeddings, sliding and full layers (padding carries values)
+    "lfm3_vl-images-padded": ("lfm3_vl", "images-padded", 45, {"pad_embedding": True}),
+    "lfm3_vl-images-lora-checkpointing": ("lfm3_vl", "images", 40, {"lora": True, "checkpointing": True}),
+    "lfm3_vl-plain": ("lfm3_vl", "plain", 40, {}),
+    # Apertus 1.5 (5.24): images tokenized into discrete codes, embedded by the text model (xIELU, QK norm)
+    "apertus1p5-images-padded": ("apertus1p5", "images-padded", 45, {}),
+    "apertus1p5-images-lora": ("apertus1p5", "images", 40, {"lora": True}),
+    "apertus1p5-packed": ("apertus1p5", "packed", 40, {}),
     # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
     # window of 6 cuts them), on sliding and full layers
     "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),
