@@ -16,7 +16,10 @@ vision tower keeps its own); the text config's family (``VisionLanguagePatch.tex
 and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4). Their text model attends causally over image tokens as over text, so the
+Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4, PaliGemma). PaliGemma (a Gemma or Gemma 2 text model) is a
+prefix LM: its images and prompt (``token_type_ids`` 0) see each other both ways, one block per row (``BLOCKS``), the
+suffix causally; its text attention says ``is_causal=False`` (``use_bidirectional_attention``) while its mask is
+causal, so ``PaliGemmaPatch`` makes the ring causal while patched. Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -49,11 +52,12 @@ import functools
 
 import torch
 
-from ..hf_attention import RingBlocks
+from ..hf_attention import SHARD_INFO_KWARG, RingBlocks, ShardInfo
 from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch
 
-__all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
+__all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "PaliGemmaPatch", "VisionLanguagePatch",
+           "WRAPPERS"]  # fmt: skip
 
 MEDIA = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs")
 """Keywords that carry images, video or audio (Gemma 4's ``input_features``) into these models' forward."""
@@ -74,6 +78,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "llava_next": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT (1.6)
     "idefics3": ("llama",),  # Idefics3
     "smolvlm": ("llama",),  # SmolVLM
+    "paligemma": ("gemma", "gemma2"),  # PaliGemma (Gemma), PaliGemma 2 (Gemma 2)
 }
 
 
@@ -93,6 +98,7 @@ IMAGES = (
     "gemma3",
     "gemma4",
     "lfm2_vl",
+    "paligemma",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -127,13 +133,58 @@ def _gemma4_blocks(config, arguments: dict) -> RingBlocks | None:
     return None if ids is None else RingBlocks(ids, sliding_only=True)
 
 
-BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks}
+def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
+    """PaliGemma's prefix: every token with ``token_type_ids == 0`` (its images and prompt; the suffix, 1, is what
+    it learns to write) sees every other one both ways, as Transformers' ``block_sequence_ids`` (one block per row,
+    contiguous or not); padding (``attention_mask`` 0) sees nothing. Without ``token_type_ids`` every token attends
+    causally (Transformers' mask; ``PaliGemmaPatch`` makes the ring causal).
+
+    Refused (ValueError, alike on every rank: every rank derives this from the same whole batch), where the ring
+    would mask otherwise than Transformers: token types of input_ids that were sharded (a text-only batch over
+    several ranks: its prefix spans the whole sequence, which no rank holds), and on PaliGemma 2's sliding layers
+    a prefix longer than the window (Transformers lets the prefix see itself whatever the distance, OR-ing the
+    blocks onto the windowed causal mask; the ring applies the window after the blocks)."""
+    types = arguments.get("token_type_ids")
+    if not isinstance(types, torch.Tensor) or types.dim() != 2:
+        return None
+    info = arguments.get(SHARD_INFO_KWARG)
+    if isinstance(info, ShardInfo) and info.world_size > 1 and not info.whole_inputs:
+        raise ValueError(
+            "paligemma: token_type_ids of a batch without images, its input_ids sharded: PaliGemma's prefix "
+            "(token_type_ids 0) attends both ways across the whole sequence, which the ring cannot show on shards; "
+            "pass the images (shard_batch then keeps the batch whole), or drop token_type_ids for a causal batch"
+        )
+    prefix = types == 0
+    mask = arguments.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == types.shape:
+        prefix = prefix & mask.bool()
+    if not bool(prefix.any()):
+        return None
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    if window is not None and "sliding_attention" in (getattr(text, "layer_types", None) or ["sliding_attention"]):
+        index = torch.arange(types.shape[1], device=types.device)
+        span = torch.where(prefix, index, -1).amax(1) - torch.where(prefix, index, types.shape[1]).amin(1) + 1
+        if bool((span > window).any()):
+            raise ValueError(
+                f"paligemma: a prefix (token_type_ids 0) of {int(span.max())} tokens is longer than the sliding "
+                f"window ({window}): Transformers lets it attend both ways beyond the window on the sliding layers, "
+                "which ring attention does not reproduce (it applies the window to the prefix too); shorten the "
+                "prefix"
+            )
+    return RingBlocks(torch.where(prefix, 0, -1))
+
+
+BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "paligemma": _paligemma_blocks}
 """Wrappers whose image tokens see each other both ways: how to number their blocks from the forward's arguments."""
 
 
-LOGIT_TRANSFORMS = {"gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"]}
-"""What a vision-language head does to the logits, read from the text config (Gemma 4's head softcaps them as its
-text model's does; Gemma 3's does not)."""
+LOGIT_TRANSFORMS = {
+    "gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"],
+    "paligemma": generic.LOGIT_TRANSFORMS["gemma2"],  # (a Gemma text config has no softcap: none)
+}
+"""What a vision-language head does to the logits, read from the text config (Gemma 4's and PaliGemma 2's heads
+softcap them as their text models' do; Gemma 3's does not)."""
 
 
 DEDICATED = {t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types}
@@ -182,6 +233,35 @@ class VisionLanguagePatch(FamilyPatch):
         return self.text(model.config.get_text_config()).linear_modules(model)
 
 
+CAUSAL_ATTR = "hf_ring_original_is_causal"
+"""Attribute of a PaliGemma text attention module holding its own ``is_causal``, restored on revert."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PaliGemmaPatch(VisionLanguagePatch):
+    """PaliGemma's config sets ``use_bidirectional_attention=True`` on its text config, so its text attention modules
+    say ``is_causal=False``, yet the mask its model builds is causal (with the prefix block, ``_paligemma_blocks``):
+    eager attention applies that mask, and SDPA too whenever it is built (token types or padding given; without
+    either Transformers skips it and SDPA's flag makes every token attend both ways). The ring reads the flag, so
+    while patched the modules say ``is_causal=True``; revert restores theirs."""
+
+    def apply(self, model, cfg):
+        model = super().apply(model, cfg)
+        for m in self.attention_modules(model) if model is not None else ():
+            if not hasattr(m, CAUSAL_ATTR):  # (applied again: the first apply saved the module's own)
+                setattr(m, CAUSAL_ATTR, m.is_causal)
+            m.is_causal = True
+        return model
+
+    def revert(self, model):
+        model = super().revert(model)
+        for m in self.attention_modules(model):
+            if hasattr(m, CAUSAL_ATTR):
+                m.is_causal = getattr(m, CAUSAL_ATTR)
+                delattr(m, CAUSAL_ATTR)
+        return model
+
+
 def _check(config, *, wrapper: str) -> None:
     """The text family's check, on the text config."""
     patch = PATCHES[wrapper]
@@ -189,7 +269,7 @@ def _check(config, *, wrapper: str) -> None:
 
 
 PATCHES = {
-    model_type: VisionLanguagePatch(
+    model_type: (PaliGemmaPatch if model_type == "paligemma" else VisionLanguagePatch)(
         name=model_type,
         model_types=(model_type,),
         attention_class=text_patch(types[0]).attention_class,  # (for messages; the text config's family decides)

@@ -42,8 +42,11 @@ DYNAMIC_FULL_LAYERS = {  # Gemma 3: RoPE per layer type, dynamic on the full-att
                         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
 }  # fmt: skip
 
-EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma")
-"""Families with attention logit softcapping or sinks: their reference is Transformers' eager attention."""
+EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma", "paligemma",
+                   "paligemma-gemma2")  # fmt: skip
+"""Families with attention logit softcapping or sinks: their reference is Transformers' eager attention. PaliGemma
+too: its text attention says ``is_causal=False``, so SDPA attends both ways where Transformers skips the causal mask
+(no token types, no padding); eager always applies the mask (``patches.multimodal.PaliGemmaPatch``)."""
 
 _SLIDE_FULL = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
 _LINEAR = {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
@@ -262,6 +265,9 @@ _MROPE_HALF = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1
 _QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                    "patch_size": 14}  # fmt: skip
 
+_SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_use_head": False}  # fmt: skip
+
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -320,6 +326,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
+    "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
+                  _SIGLIP),
+    "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
+                         {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
+                          "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
+                          "layer_types": ["sliding_attention", "full_attention"]}, _SIGLIP),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -440,6 +452,8 @@ def make_config(family: str, **overrides):
     elif family in VISION_LANGUAGE:  # the image token lies outside the vocabulary the test batches draw from
         config_class, _, extra, vision = VISION_LANGUAGE[family]
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
+        if family.startswith("paligemma"):  # the projector maps the vision features to the text hidden size
+            top = {"projection_dim": common["hidden_size"]}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -519,16 +533,19 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     image (4 patch tokens); LLaVA-NeXT images of 28 x 28 and 28 x 56 (a base image and 1 or 2 tiles: 10 and 14
     tokens with the row ends, ``NEXT_PINPOINTS``); InternVL, Mistral 3, Idefics3 and SmolVLM one token per 28 x 28
     image; Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
-    16 per image of 8 x 8 patches (``mm_token_type_ids``)."""
+    16 per image of 8 x 8 patches (``mm_token_type_ids``); PaliGemma 4 per 28 x 28 image, the images first in each row,
+    then the prompt (the prefix: ``token_type_ids`` 0, 14 and 16 tokens), then the suffix (1), the only tokens with
+    labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    per_image = (
-        4 if qwen or family in ("llava", "lfm2_vl") else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
-    )
+    four = qwen or family in ("llava", "lfm2_vl") or family.startswith("paligemma")
+    per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
+    if family.startswith("paligemma"):  # images at the start (row 1 after the padding of "images-padded")
+        spots = ((0, 0), (0, 4), (1, 6))
     tokens = (10, 14, 10) if family == "llava_next" else (per_image,) * len(spots)
     for (b, p), n in zip(spots, tokens):
         ids[b, p : p + n] = MEDIA_TOKENS["image_token_id"]
@@ -561,6 +578,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["pixel_values"] = torch.randn(len(spots), 16, 3 * 16 * 16, generator=g)
         extra["pixel_attention_mask"] = torch.ones(len(spots), 16, dtype=torch.bool)
         extra["spatial_shapes"] = torch.tensor([[4, 4]] * len(spots))
+    elif family.startswith("paligemma"):  # images first, then the prompt: the prefix (token type 0); the suffix 1
+        extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
+        extra["token_type_ids"] = types
     elif family == "gemma4":  # patches of 14 x 14 x 3 on an 8 x 8 grid with their (x, y), pooled 2 x 2: 16 tokens
         extra["pixel_values"] = torch.rand(len(spots), 64, 3 * 14 * 14, generator=g)
         grid = torch.stack(torch.meshgrid(torch.arange(8), torch.arange(8), indexing="xy"), -1).view(64, 2)
@@ -570,8 +590,14 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         if family == "mistral3":
             extra["image_sizes"] = torch.tensor([[28, 28]] * len(spots))
+    if family.startswith("paligemma"):  # a prompt after the images; the rest, the suffix, is type 1 and learned
+        types[:] = 1
+        types[0, :14] = 0
+        types[1, :16] = 0  # (its first 6 tokens: padding in "images-padded", of type 0 as the tokenizer pads)
     labels = ids.masked_fill(ids >= VOCAB, -100)
     labels[:, :3] = -100
+    if family.startswith("paligemma"):  # the processor's labels: the suffix only
+        labels[types == 0] = -100
     batch = {"input_ids": ids, "labels": labels, **extra}
     if kind == "images-padded":
         mask = torch.ones_like(ids)

@@ -181,6 +181,8 @@ def _sub_configs(config) -> list:
         "llava_next",
         "mistral3",
         "mistral3-ministral3",
+        "paligemma",
+        "paligemma-gemma2",
         "qwen2_vl",
         "qwen2_5_vl",
         "qwen3_5",
@@ -268,6 +270,8 @@ def _text_only_batches_and_refused_images(family):
         ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
         ("gemma4-audio", "audio"),
         ("lfm2_vl", "images-padded"),  # short-convolution layers
+        ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
+        ("paligemma-gemma2", "images"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
@@ -291,6 +295,32 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
     assert sum(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values()) == 1
     hf_ring.revert_ring_attention(model)
     assert not any(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values())
+
+
+def test_paligemma_attends_causally_with_its_prefix_and_refuses_what_the_ring_would_mask_otherwise():
+    """PaliGemma's text attention says is_causal=False (use_bidirectional_attention): patched, it attends causally
+    (its own mask), the prefix both ways; revert restores the flag. Refused on every rank alike: token types of a
+    sharded text batch (the prefix spans the whole sequence), and on PaliGemma 2's sliding layers a prefix longer
+    than the window (Transformers ignores the window there)."""
+    model = make_model("paligemma-gemma2", images=True).eval()
+    flags = [m.is_causal for m in get_patch("paligemma").attention_modules(model)]
+    assert flags and not any(flags)
+    batch, _ = make_batch("images", 40, family="paligemma-gemma2")
+    before = _logits(model, **batch)
+    hf_ring.apply_ring_attention(model)
+    assert all(m.is_causal for m in get_patch("paligemma").attention_modules(model))
+    torch.testing.assert_close(_logits(model, **hf_ring.shard_batch(batch)), before, atol=ATOL, rtol=0)
+    types = batch["token_type_ids"].clone()
+    types[0, :20] = 0  # a prefix of 20 tokens, the window 16
+    with pytest.raises(ValueError, match="prefix \\(token_type_ids 0\\) of 20 tokens is longer than the sliding"):
+        model(**hf_ring.shard_batch({**batch, "token_type_ids": types}))
+    ids = batch["input_ids"].masked_fill(batch["input_ids"] >= VOCAB, 5)[:, :20]  # rank 0's text, cut by hand
+    half = {hf_attention.SHARD_INFO_KWARG: hf_attention.ShardInfo(layout="zigzag", world_size=2, rank=0, seq_len=40)}
+    with pytest.raises(ValueError, match="token_type_ids of a batch without images, its input_ids sharded"):
+        model(input_ids=ids, token_type_ids=types[:, :20], **half)
+    hf_ring.revert_ring_attention(model)
+    assert not any(m.is_causal for m in get_patch("paligemma").attention_modules(model))
+    torch.testing.assert_close(_logits(model, **batch), before, atol=0, rtol=0)
 
 
 def test_shard_batch_with_images_refuses_packing_and_misshaped_token_types():

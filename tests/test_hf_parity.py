@@ -224,6 +224,10 @@ CASES = {
     # Gemma 4: both ways on its sliding layers only (its full layers stay causal), KV-shared layers, per-layer inputs
     "gemma4-images-padded": ("gemma4", "images-padded", 45, {"config": {"use_bidirectional_attention": "vision"}}),
     "gemma4-images-causal-checkpointing": ("gemma4", "images", 40, {"checkpointing": True}),
+    # PaliGemma: the prefix (images and prompt, token_type_ids 0) sees itself both ways across the ranks' chunks, on
+    # every layer (Gemma; PaliGemma 2's Gemma 2 with its window longer than the prefix and softcaps)
+    "paligemma-images-padded": ("paligemma", "images-padded", 45, {}),
+    "paligemma-gemma2-images": ("paligemma-gemma2", "images", 40, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
