@@ -326,6 +326,10 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
+    "minicpmv4_6": ("MiniCPMV4_6Config", "MiniCPMV4_6ForConditionalGeneration",  # a Qwen3.5 text model
+                    {"model_type": "qwen3_5_text", **_LINEAR, "rope_parameters": _MROPE_HALF},
+                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "image_size": 112, "patch_size": 14}),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
@@ -454,6 +458,8 @@ def make_config(family: str, **overrides):
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}
         if family.startswith("paligemma"):  # the projector maps the vision features to the text hidden size
             top = {"projection_dim": common["hidden_size"]}
+        if family == "minicpmv4_6":  # the window merger after the vision tower's only layer
+            top = {"insert_layer_id": 0}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -539,7 +545,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl") or family.startswith("paligemma")
+    four = qwen or family in ("llava", "lfm2_vl", "minicpmv4_6") or family.startswith("paligemma")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
@@ -581,6 +587,10 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family.startswith("paligemma"):  # images first, then the prompt: the prefix (token type 0); the suffix 1
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         extra["token_type_ids"] = types
+    elif family == "minicpmv4_6":  # NaViT-packed: every image's 8 x 8 patches of 14 x 14 side by side in one row,
+        # merged 2 x 2 twice (the window merger, the merger): 4 tokens each
+        extra["pixel_values"] = torch.randn(1, 3, 14, 14 * 64 * len(spots), generator=g)
+        extra["target_sizes"] = torch.tensor([[8, 8]] * len(spots))
     elif family == "gemma4":  # patches of 14 x 14 x 3 on an 8 x 8 grid with their (x, y), pooled 2 x 2: 16 tokens
         extra["pixel_values"] = torch.rand(len(spots), 64, 3 * 14 * 14, generator=g)
         grid = torch.stack(torch.meshgrid(torch.arange(8), torch.arange(8), indexing="xy"), -1).view(64, 2)

@@ -180,6 +180,7 @@ def _sub_configs(config) -> list:
         "llava",
         "llava_next",
         "mistral3",
+        "minicpmv4_6",
         "mistral3-ministral3",
         "paligemma",
         "paligemma-gemma2",
@@ -270,6 +271,7 @@ def _text_only_batches_and_refused_images(family):
         ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
         ("gemma4-audio", "audio"),
         ("lfm2_vl", "images-padded"),  # short-convolution layers
+        ("minicpmv4_6", "images"),  # Gated DeltaNet layers
         ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
         ("paligemma-gemma2", "images"),
     ],
