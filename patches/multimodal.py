@@ -16,7 +16,7 @@ vision tower keeps its own); the text config's family (``VisionLanguagePatch.tex
 and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4, PaliGemma, MiniCPM-V 4.6). PaliGemma (a Gemma or Gemma 2 text model) is a
+Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4, PaliGemma, MiniCPM-V 4.6, VideoLLaMA3). PaliGemma (a Gemma or Gemma 2 text model) is a
 prefix LM: its images and prompt (``token_type_ids`` 0) see each other both ways, one block per row (``BLOCKS``), the
 suffix causally; its text attention says ``is_causal=False`` (``use_bidirectional_attention``) while its mask is
 causal, so ``PaliGemmaPatch`` makes the ring causal while patched. Their text model attends causally over image tokens as over text, so the
@@ -80,6 +80,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "smolvlm": ("llama",),  # SmolVLM
     "paligemma": ("gemma", "gemma2"),  # PaliGemma (Gemma), PaliGemma 2 (Gemma 2)
     "minicpmv4_6": ("qwen3_5_text",),  # MiniCPM-V 4.6
+    "video_llama_3": ("qwen2",),  # VideoLLaMA3
 }
 
 
@@ -101,6 +102,7 @@ IMAGES = (
     "lfm2_vl",
     "paligemma",
     "minicpmv4_6",
+    "video_llama_3",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

@@ -330,6 +330,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                     {"model_type": "qwen3_5_text", **_LINEAR, "rope_parameters": _MROPE_HALF},
                     {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                      "image_size": 112, "patch_size": 14}),
+    "video_llama_3": ("VideoLlama3Config", "VideoLlama3ForConditionalGeneration",  # a Qwen2 text model, windows
+                      {"model_type": "qwen2", "num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 5,
+                       "max_window_layers": 1},
+                      {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "patch_size": 14}),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
@@ -545,7 +550,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "minicpmv4_6") or family.startswith("paligemma")
+    four = qwen or family in ("llava", "lfm2_vl", "minicpmv4_6", "video_llama_3") or family.startswith("paligemma")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
@@ -587,6 +592,16 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family.startswith("paligemma"):  # images first, then the prompt: the prefix (token type 0); the suffix 1
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         extra["token_type_ids"] = types
+    elif family == "video_llama_3":  # 4 x 4 patches of 14 x 14 x 3 per image, merged 2 x 2 (bilinear): 4 tokens
+        patch = 3 * 14 * 14
+        extra["pixel_values"] = torch.randn(16 * len(spots), patch, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+        extra["image_merge_sizes"] = torch.tensor([2] * len(spots))
+        if kind == "video":  # 2 frames of 4 x 4 patches, merged 2 x 2: 8 tokens
+            ids[1, 17:25] = MEDIA_TOKENS["video_token_id"]
+            extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
+            extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+            extra["video_merge_sizes"] = torch.tensor([2])
     elif family == "minicpmv4_6":  # NaViT-packed: every image's 8 x 8 patches of 14 x 14 side by side in one row,
         # merged 2 x 2 twice (the window merger, the merger): 4 tokens each
         extra["pixel_values"] = torch.randn(1, 3, 14, 14 * 64 * len(spots), generator=g)

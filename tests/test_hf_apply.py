@@ -190,6 +190,7 @@ def _sub_configs(config) -> list:
         "qwen3_vl",
         "qwen3_vl_moe",
         "smolvlm",
+        "video_llama_3",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -272,6 +273,7 @@ def _text_only_batches_and_refused_images(family):
         ("gemma4-audio", "audio"),
         ("lfm2_vl", "images-padded"),  # short-convolution layers
         ("minicpmv4_6", "images"),  # Gated DeltaNet layers
+        ("video_llama_3", "video"),
         ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
         ("paligemma-gemma2", "images"),
     ],
