@@ -16,7 +16,7 @@ vision tower keeps its own); the text config's family (``VisionLanguagePatch.tex
 and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL,
-Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4, PaliGemma, MiniCPM-V 4.6, VideoLLaMA3). PaliGemma (a Gemma or Gemma 2 text model) is a
+Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4, PaliGemma, MiniCPM-V 4.6, VideoLLaMA3, DeepSeek-VL). PaliGemma (a Gemma or Gemma 2 text model) is a
 prefix LM: its images and prompt (``token_type_ids`` 0) see each other both ways, one block per row (``BLOCKS``), the
 suffix causally; its text attention says ``is_causal=False`` (``use_bidirectional_attention``) while its mask is
 causal, so ``PaliGemmaPatch`` makes the ring causal while patched. Their text model attends causally over image tokens as over text, so the
@@ -49,12 +49,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import torch
 
 from ..hf_attention import SHARD_INFO_KWARG, RingBlocks, ShardInfo
 from . import generic, llama, mistral, qwen2, qwen3
-from ._family import FamilyPatch
+from ._family import FamilyPatch, _class
 
 __all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "PaliGemmaPatch", "VisionLanguagePatch",
            "WRAPPERS"]  # fmt: skip
@@ -81,6 +82,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "paligemma": ("gemma", "gemma2"),  # PaliGemma (Gemma), PaliGemma 2 (Gemma 2)
     "minicpmv4_6": ("qwen3_5_text",),  # MiniCPM-V 4.6
     "video_llama_3": ("qwen2",),  # VideoLLaMA3
+    "deepseek_vl": ("llama",),  # DeepSeek-VL
 }
 
 
@@ -103,6 +105,7 @@ IMAGES = (
     "paligemma",
     "minicpmv4_6",
     "video_llama_3",
+    "deepseek_vl",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -266,10 +269,27 @@ class PaliGemmaPatch(VisionLanguagePatch):
         return model
 
 
+PASSES_LOGITS_TO_KEEP = {
+    "deepseek_vl": "transformers.models.deepseek_vl.modeling_deepseek_vl.DeepseekVLModel",
+}
+"""Wrappers whose base model, in some Transformers releases (5.17), takes the head's ``logits_to_keep`` and passes it
+on to its text model, whose layers hand it to the attention function, which refuses keywords it does not implement:
+refused at apply, by name, where the installed release does so."""
+
+
 def _check(config, *, wrapper: str) -> None:
-    """The text family's check, on the text config."""
+    """The text family's check, on the text config; the wrapper's own release check (``PASSES_LOGITS_TO_KEEP``)."""
     patch = PATCHES[wrapper]
     patch.text(config).check_config(config)
+    path = PASSES_LOGITS_TO_KEEP.get(wrapper)
+    if path is not None and "logits_to_keep" in inspect.signature(_class(path).forward).parameters:
+        import transformers
+
+        raise ValueError(
+            f"{wrapper}: Transformers {transformers.__version__}'s {path.rpartition('.')[2]} passes logits_to_keep on "
+            "to its text model's attention layers, which ring attention does not take; hf_ring supports this model "
+            "from Transformers 5.24"
+        )
 
 
 PATCHES = {

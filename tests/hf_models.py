@@ -335,6 +335,7 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                        "max_window_layers": 1},
                       {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                        "patch_size": 14}),
+    "deepseek_vl": ("DeepseekVLConfig", "DeepseekVLForConditionalGeneration", {"model_type": "llama"}, _SIGLIP),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
@@ -348,7 +349,8 @@ apply to their text config."""
 
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
-         "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24"}  # fmt: skip
+         "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24",
+         "deepseek_vl": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not)."""
@@ -550,7 +552,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "minicpmv4_6", "video_llama_3") or family.startswith("paligemma")
+    four = qwen or family in ("llava", "lfm2_vl", "minicpmv4_6", "video_llama_3", "deepseek_vl")
+    four = four or family.startswith("paligemma")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens

@@ -20,6 +20,7 @@ from tests.hf_models import (
     DYNAMIC,
     DYNAMIC_FULL_LAYERS,
     LONGROPE,
+    SINCE,
     VOCAB,
     in_transformers,
     make_batch,
@@ -172,6 +173,7 @@ def _sub_configs(config) -> list:
 @pytest.mark.parametrize(
     "family",
     [
+        "deepseek_vl",
         "gemma3",
         "gemma4",
         "idefics3",
@@ -201,6 +203,10 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
 
     made_text_only = family.endswith("-text-only")
     family = family.removesuffix("-text-only")
+    if not in_transformers(family):  # DeepSeek-VL before 5.24: its base model passes logits_to_keep to the attention
+        with pytest.raises(ValueError, match="passes logits_to_keep on to its text model's attention layers"):
+            hf_ring.apply_ring_attention(make_model(family))
+        return
     with text_only(family) if made_text_only else contextlib.nullcontext():
         _text_only_batches_and_refused_images(family)
 
@@ -274,6 +280,7 @@ def _text_only_batches_and_refused_images(family):
         ("lfm2_vl", "images-padded"),  # short-convolution layers
         ("minicpmv4_6", "images"),  # Gated DeltaNet layers
         ("video_llama_3", "video"),
+        ("deepseek_vl", "images-padded"),
         ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
         ("paligemma-gemma2", "images"),
     ],
@@ -286,6 +293,8 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
 
     if family == "lfm2_vl" and not transformers_at_least("5.23"):
         pytest.skip("Transformers 5.17's LFM2 layers drop the batch's keywords: padded batches are refused")
+    if not in_transformers(family):
+        pytest.skip(f"{family} is supported from Transformers {SINCE[family]}")
     model = make_model(family, images=True).eval()
     batch, _ = make_batch(kind, 40, family=family)
     before = _logits(model, **batch)
