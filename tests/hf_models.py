@@ -265,6 +265,9 @@ _MROPE_HALF = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1
 _QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                    "patch_size": 14}  # fmt: skip
 
+JANUS_VQ = {"embed_dim": 8, "num_embeddings": 16, "latent_channels": 32, "base_channels": 32,
+            "channel_multiplier": [1, 1], "num_res_blocks": 1, "projection_dim": 64,
+            "image_token_embed_dim": 64, "num_hidden_layers": 1}  # fmt: skip
 _SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
            "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_use_head": False}  # fmt: skip
 
@@ -336,6 +339,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                       {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                        "patch_size": 14}),
     "deepseek_vl": ("DeepseekVLConfig", "DeepseekVLForConditionalGeneration", {"model_type": "llama"}, _SIGLIP),
+    "janus": ("JanusConfig", "JanusForConditionalGeneration", {"model_type": "llama"},
+              {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+               "projection_dim": 64, "num_image_tokens": 4, "mlp_ratio": 1.5}),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
@@ -350,7 +356,7 @@ apply to their text config."""
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
          "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24",
-         "deepseek_vl": "5.24"}  # fmt: skip
+         "deepseek_vl": "5.24", "janus": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not)."""
@@ -467,6 +473,8 @@ def make_config(family: str, **overrides):
             top = {"projection_dim": common["hidden_size"]}
         if family == "minicpmv4_6":  # the window merger after the vision tower's only layer
             top = {"insert_layer_id": 0}
+        if family == "janus":  # its image-generation VQ-VAE, unused by the forward: as small as it goes
+            top = {"vq_config": JANUS_VQ}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -552,7 +560,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "minicpmv4_6", "video_llama_3", "deepseek_vl")
+    four = qwen or family in ("llava", "lfm2_vl", "minicpmv4_6", "video_llama_3", "deepseek_vl", "janus")
     four = four or family.startswith("paligemma")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]

@@ -177,6 +177,7 @@ def _sub_configs(config) -> list:
         "gemma3",
         "gemma4",
         "idefics3",
+        "janus",
         "lfm2_vl",
         "lfm2_vl-text-only",  # (every wrapper takes images: a text-only one made by tests.hf_models.text_only)
         "llava",
@@ -203,7 +204,7 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
 
     made_text_only = family.endswith("-text-only")
     family = family.removesuffix("-text-only")
-    if not in_transformers(family):  # DeepSeek-VL before 5.24: its base model passes logits_to_keep to the attention
+    if not in_transformers(family):  # DeepSeek-VL, Janus before 5.24: the base model passes logits_to_keep on
         with pytest.raises(ValueError, match="passes logits_to_keep on to its text model's attention layers"):
             hf_ring.apply_ring_attention(make_model(family))
         return
@@ -281,6 +282,7 @@ def _text_only_batches_and_refused_images(family):
         ("minicpmv4_6", "images"),  # Gated DeltaNet layers
         ("video_llama_3", "video"),
         ("deepseek_vl", "images-padded"),
+        ("janus", "images"),
         ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
         ("paligemma-gemma2", "images"),
     ],
