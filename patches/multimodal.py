@@ -17,23 +17,24 @@ and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE,
 InternVL, Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4, PaliGemma, MiniCPM-V 4.6, VideoLLaMA3, DeepSeek-VL,
-Janus). Their text model attends causally over image tokens as over text, so the ring needs nothing new, but for
-Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook (``BLOCKS``, ``_family.BlockIds``)
-numbers each image's tokens from ``token_type_ids`` (Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with
-``use_bidirectional_attention="vision"``) as Transformers does and passes them to the attention layers (every layer
-for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the ring adds those pairs to its causal
+Janus). Their text model attends causally over image tokens as over text, so the ring needs nothing new, but for Gemma 3
+and Gemma 4, whose image tokens also see each other both ways: their hook (``BLOCKS``, ``_family.BlockIds``) numbers
+each image's tokens from ``token_type_ids`` (Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with
+``use_bidirectional_attention="vision"``) as Transformers does and passes them to the attention layers (every layer for
+Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the ring adds those pairs to its causal
 masks (``ring_attention(block_ids=...)``, the window still applying on sliding layers). PaliGemma (a Gemma or Gemma 2
-text model) is a prefix LM: its images and prompt (``token_type_ids`` 0) see each other both ways, one block per row,
-on every layer, the suffix causally; its text attention says ``is_causal=False`` (``use_bidirectional_attention``)
-while its mask is causal, so ``PaliGemmaPatch`` makes the ring causal while patched. What needs care is where the
-vision features land and how positions are numbered. ``shard_batch`` hands such a batch to the model whole
-(``ShardInfo.whole_inputs``): the model runs its vision tower on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it (Qwen-VL's multimodal
-RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model, cuts the embeddings,
-positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard. Gradients flow back through that cut, so each
-rank's vision tower gets the gradient of its own image tokens and the usual CP gradient sum makes it whole. The
-cost: every rank of a CP group runs the vision tower on all the batch's images and holds the whole sequence's
-input embeddings ([batch, seq, hidden], e.g. 0.9 GiB at 128K tokens and hidden 3584 in bf16) until the cut, and
-their gradient of that size in the backward.
+text model) is a prefix LM: its images and prompt (``token_type_ids`` 0) see each other both ways, one block per row, on
+every layer, the suffix causally; its text attention says ``is_causal=False`` (``use_bidirectional_attention``) while
+its mask is causal, so ``PaliGemmaPatch`` makes the ring causal while patched. What needs care is where the vision
+features land and how positions are numbered. ``shard_batch`` hands such a batch to the model whole
+(``ShardInfo.whole_inputs``): the model runs its vision tower on every image of the batch, merges the features into the
+embeddings of the whole sequence and numbers it (Qwen-VL's multimodal RoPE), exactly as unsharded; then
+``_family.ShardEmbeddings``, a pre-hook on the text model, cuts the embeddings, positions, Gemma 4's per-layer inputs
+and Qwen3-VL's deepstack features to the rank's shard. Gradients flow back through that cut, so each rank's vision tower
+gets the gradient of its own image tokens and the usual CP gradient sum makes it whole. The cost: every rank of a CP
+group runs the vision tower on all the batch's images and holds the whole sequence's input embeddings ([batch, seq,
+hidden], e.g. 0.9 GiB at 128K tokens and hidden 3584 in bf16) until the cut, and their gradient of that size in the
+backward.
 
 A wrapper added text-only would refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
