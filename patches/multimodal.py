@@ -17,11 +17,11 @@ and checks the text config.
 
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE,
 InternVL, Mistral 3, Idefics3, SmolVLM, LFM2-VL, Gemma 3, Gemma 4, PaliGemma, MiniCPM-V 4.6, VideoLLaMA3, DeepSeek-VL,
-Janus). Their text model attends causally over image tokens as over text, so the ring needs nothing new, but for Gemma 3
-and Gemma 4, whose image tokens also see each other both ways: their hook (``BLOCKS``, ``_family.BlockIds``) numbers
-each image's tokens from ``token_type_ids`` (Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with
-``use_bidirectional_attention="vision"``) as Transformers does and passes them to the attention layers (every layer for
-Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the ring adds those pairs to its causal
+DeepSeek-VL-Hybrid, Janus). Their text model attends causally over image tokens as over text, so the ring needs nothing
+new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook (``BLOCKS``,
+``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or ``mm_token_type_ids`` (Gemma 4,
+with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to the attention layers (every layer
+for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the ring adds those pairs to its causal
 masks (``ring_attention(block_ids=...)``, the window still applying on sliding layers). PaliGemma (a Gemma or Gemma 2
 text model) is a prefix LM: its images and prompt (``token_type_ids`` 0) see each other both ways, one block per row, on
 every layer, the suffix causally; its text attention says ``is_causal=False`` (``use_bidirectional_attention``) while
@@ -85,6 +85,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "video_llama_3": ("qwen2",),  # VideoLLaMA3
     "deepseek_vl": ("llama",),  # DeepSeek-VL
     "janus": ("llama",),  # Janus, Janus-Pro (understanding: images in, text out)
+    "deepseek_vl_hybrid": ("llama",),  # DeepSeek-VL 7B (SigLIP and SAM towers)
 }
 
 
@@ -109,6 +110,7 @@ IMAGES = (
     "video_llama_3",
     "deepseek_vl",
     "janus",
+    "deepseek_vl_hybrid",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -275,6 +277,7 @@ class PaliGemmaPatch(VisionLanguagePatch):
 PASSES_LOGITS_TO_KEEP = {
     "deepseek_vl": "transformers.models.deepseek_vl.modeling_deepseek_vl.DeepseekVLModel",
     "janus": "transformers.models.janus.modeling_janus.JanusModel",
+    "deepseek_vl_hybrid": "transformers.models.deepseek_vl_hybrid.modeling_deepseek_vl_hybrid.DeepseekVLHybridModel",
 }
 """Wrappers whose base model, in some Transformers releases (5.17), takes the head's ``logits_to_keep`` and passes it
 on to its text model, whose layers hand it to the attention function, which refuses keywords it does not implement:

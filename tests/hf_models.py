@@ -268,6 +268,11 @@ _QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_
 JANUS_VQ = {"embed_dim": 8, "num_embeddings": 16, "latent_channels": 32, "base_channels": 32,
             "channel_multiplier": [1, 1], "num_res_blocks": 1, "projection_dim": 64,
             "image_token_embed_dim": 64, "num_hidden_layers": 1}  # fmt: skip
+SAM_HIGH_RES = {"model_type": "sam_vision_model", "hidden_size": 32, "output_channels": 16, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "image_size": 64, "patch_size": 16, "window_size": 2, "mlp_dim": 48,
+                "global_attn_indexes": [0], "num_pos_feats": 16}  # fmt: skip
+"""DeepSeek-VL-Hybrid's SAM tower: 64 x 64 images in 4 x 4 patches, resized to 8 x 8, strided twice to 2 x 2: 4 tokens
+as its 28 x 28 SigLIP images' 2 x 2 patches."""
 _SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
            "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_use_head": False}  # fmt: skip
 
@@ -339,6 +344,8 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                       {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                        "patch_size": 14}),
     "deepseek_vl": ("DeepseekVLConfig", "DeepseekVLForConditionalGeneration", {"model_type": "llama"}, _SIGLIP),
+    "deepseek_vl_hybrid": ("DeepseekVLHybridConfig", "DeepseekVLHybridForConditionalGeneration",
+                           {"model_type": "llama"}, _SIGLIP),  # and a SAM high-resolution tower (SAM_HIGH_RES)
     "janus": ("JanusConfig", "JanusForConditionalGeneration", {"model_type": "llama"},
               {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
                "projection_dim": 64, "num_image_tokens": 4, "mlp_ratio": 1.5}),
@@ -356,7 +363,7 @@ apply to their text config."""
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
          "sarvam_moe": "5.24", "lfm3": "5.24", "lara_mini": "5.24", "bailing_hybrid": "5.24",
-         "deepseek_vl": "5.24", "janus": "5.24"}  # fmt: skip
+         "deepseek_vl": "5.24", "janus": "5.24", "deepseek_vl_hybrid": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not)."""
@@ -475,6 +482,8 @@ def make_config(family: str, **overrides):
             top = {"insert_layer_id": 0}
         if family == "janus":  # its image-generation VQ-VAE, unused by the forward: as small as it goes
             top = {"vq_config": JANUS_VQ}
+        if family == "deepseek_vl_hybrid":
+            top = {"high_res_vision_config": SAM_HIGH_RES}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
@@ -560,7 +569,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
-    four = qwen or family in ("llava", "lfm2_vl", "minicpmv4_6", "video_llama_3", "deepseek_vl", "janus")
+    four = qwen or family in ("llava", "lfm2_vl", "minicpmv4_6", "video_llama_3", "janus")
+    four = four or family.startswith("deepseek_vl")
     four = four or family.startswith("paligemma")
     per_image = 4 if four else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
@@ -613,6 +623,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
             extra["video_merge_sizes"] = torch.tensor([2])
+    elif family == "deepseek_vl_hybrid":  # each image at two resolutions: SigLIP's, SAM's
+        extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
+        extra["high_res_pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)
     elif family == "minicpmv4_6":  # NaViT-packed: every image's 8 x 8 patches of 14 x 14 side by side in one row,
         # merged 2 x 2 twice (the window merger, the merger): 4 tokens each
         extra["pixel_values"] = torch.randn(1, 3, 14, 14 * 64 * len(spots), generator=g)

@@ -174,6 +174,7 @@ def _sub_configs(config) -> list:
     "family",
     [
         "deepseek_vl",
+        "deepseek_vl_hybrid",
         "gemma3",
         "gemma4",
         "idefics3",
@@ -204,7 +205,7 @@ def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
 
     made_text_only = family.endswith("-text-only")
     family = family.removesuffix("-text-only")
-    if not in_transformers(family):  # DeepSeek-VL, Janus before 5.24: the base model passes logits_to_keep on
+    if not in_transformers(family):  # DeepSeek-VL(-Hybrid), Janus before 5.24: logits_to_keep passed to the attention
         with pytest.raises(ValueError, match="passes logits_to_keep on to its text model's attention layers"):
             hf_ring.apply_ring_attention(make_model(family))
         return
@@ -283,6 +284,7 @@ def _text_only_batches_and_refused_images(family):
         ("video_llama_3", "video"),
         ("deepseek_vl", "images-padded"),
         ("janus", "images"),
+        ("deepseek_vl_hybrid", "images"),
         ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
         ("paligemma-gemma2", "images"),
     ],

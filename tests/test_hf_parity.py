@@ -208,6 +208,7 @@ CASES = {
     "video_llama_3-images-padded": ("video_llama_3", "images-padded", 40, {}),  # Qwen2 text: windows
     "video_llama_3-video": ("video_llama_3", "video", 45, {}),  # an image and a video of 2 frames
     "deepseek_vl-images-padded": ("deepseek_vl", "images-padded", 45, {}),  # SigLIP tower, Llama text
+    "deepseek_vl_hybrid-images-padded": ("deepseek_vl_hybrid", "images-padded", 40, {}),  # SigLIP + SAM features
     "janus-images-padded": ("janus", "images-padded", 40, {}),  # its image-generation parts unused (zero gradients)
     "minicpmv4_6-images-padded": ("minicpmv4_6", "images-padded", 40, {}),  # NaViT-packed images, Qwen3.5 text
     "internvl-images-padded": ("internvl", "images-padded", 45, {}),
