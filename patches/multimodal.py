@@ -24,14 +24,18 @@ and checks the text config.
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, ViP-LLaVA, Video-LLaVA,
 Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
-Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5). Their text model attends
+Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
+VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus). Their text model attends
 causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
 the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the
 ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still applying on sliding
-layers). What needs care is where the vision features land and how positions are numbered. ``shard_batch`` hands
+layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt (``token_type_ids`` 0)
+see each other both ways, one block per row, on every layer, the suffix causally; its text attention says
+``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch`` makes the ring
+causal while patched. What needs care is where the vision features land and how positions are numbered. ``shard_batch`` hands
 such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower on every image of
 the batch, merges the features into the embeddings of the whole sequence and numbers it (Qwen-VL's multimodal
 RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model (the outermost module
@@ -60,11 +64,12 @@ import functools
 
 import torch
 
-from ..hf_attention import RingBlocks
+from ..hf_attention import SHARD_INFO_KWARG, RingBlocks, ShardInfo
 from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch
 
-__all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "VisionLanguagePatch", "WRAPPERS"]
+__all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "PaliGemmaPatch", "VisionLanguagePatch",
+           "WRAPPERS"]  # fmt: skip
 
 MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_features", "input_values",
          "mm_encoder_outputs")  # fmt: skip
@@ -107,6 +112,12 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "minimax_m3_vl": ("minimax_m3_vl_text",),  # MiniMax M3 (dense attention layers: its sparse ones are refused)
     "lfm3_vl": ("lfm3",),  # LFM3-VL (Transformers 5.24)
     "apertus1p5": ("apertus1p5_text",),  # Apertus 1.5 (Transformers 5.24)
+    "paligemma": ("gemma", "gemma2"),  # PaliGemma (Gemma), PaliGemma 2 (Gemma 2)
+    "minicpmv4_6": ("qwen3_5_text",),  # MiniCPM-V 4.6
+    "video_llama_3": ("qwen2",),  # VideoLLaMA3
+    "deepseek_vl": ("llama",),  # DeepSeek-VL
+    "janus": ("llama",),  # Janus, Janus-Pro (understanding: images in, text out)
+    "deepseek_vl_hybrid": ("llama",),  # DeepSeek-VL 7B (SigLIP and SAM towers)
 }
 
 
@@ -145,6 +156,12 @@ IMAGES = (
     "minimax_m3_vl",
     "lfm3_vl",
     "apertus1p5",
+    "paligemma",
+    "minicpmv4_6",
+    "video_llama_3",
+    "deepseek_vl",
+    "janus",
+    "deepseek_vl_hybrid",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -179,13 +196,58 @@ def _gemma4_blocks(config, arguments: dict) -> RingBlocks | None:
     return None if ids is None else RingBlocks(ids, sliding_only=True)
 
 
-BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks}
+def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
+    """PaliGemma's prefix: every token with ``token_type_ids == 0`` (its images and prompt; the suffix, 1, is what
+    it learns to write) sees every other one both ways, as Transformers' ``block_sequence_ids`` (one block per row,
+    contiguous or not); padding (``attention_mask`` 0) sees nothing. Without ``token_type_ids`` every token attends
+    causally (Transformers' mask; ``PaliGemmaPatch`` makes the ring causal).
+
+    Refused (ValueError, alike on every rank: every rank derives this from the same whole batch), where the ring
+    would mask otherwise than Transformers: token types of input_ids that were sharded (a text-only batch over
+    several ranks: its prefix spans the whole sequence, which no rank holds), and on PaliGemma 2's sliding layers
+    a prefix longer than the window (Transformers lets the prefix see itself whatever the distance, OR-ing the
+    blocks onto the windowed causal mask; the ring applies the window after the blocks)."""
+    types = arguments.get("token_type_ids")
+    if not isinstance(types, torch.Tensor) or types.dim() != 2:
+        return None
+    info = arguments.get(SHARD_INFO_KWARG)
+    if isinstance(info, ShardInfo) and info.world_size > 1 and not info.whole_inputs:
+        raise ValueError(
+            "paligemma: token_type_ids of a batch without images, its input_ids sharded: PaliGemma's prefix "
+            "(token_type_ids 0) attends both ways across the whole sequence, which the ring cannot show on shards; "
+            "pass the images (shard_batch then keeps the batch whole), or drop token_type_ids for a causal batch"
+        )
+    prefix = types == 0
+    mask = arguments.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == types.shape:
+        prefix = prefix & mask.bool()
+    if not bool(prefix.any()):
+        return None
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    if window is not None and "sliding_attention" in (getattr(text, "layer_types", None) or ["sliding_attention"]):
+        index = torch.arange(types.shape[1], device=types.device)
+        span = torch.where(prefix, index, -1).amax(1) - torch.where(prefix, index, types.shape[1]).amin(1) + 1
+        if bool((span > window).any()):
+            raise ValueError(
+                f"paligemma: a prefix (token_type_ids 0) of {int(span.max())} tokens is longer than the sliding "
+                f"window ({window}): Transformers lets it attend both ways beyond the window on the sliding layers, "
+                "which ring attention does not reproduce (it applies the window to the prefix too); shorten the "
+                "prefix"
+            )
+    return RingBlocks(torch.where(prefix, 0, -1))
+
+
+BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "paligemma": _paligemma_blocks}
 """Wrappers whose image tokens see each other both ways: how to number their blocks from the forward's arguments."""
 
 
-LOGIT_TRANSFORMS = {"gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"]}
-"""What a vision-language head does to the logits, read from the text config (Gemma 4's head softcaps them as its
-text model's does; Gemma 3's does not)."""
+LOGIT_TRANSFORMS = {
+    "gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"],
+    "paligemma": generic.LOGIT_TRANSFORMS["gemma2"],  # (a Gemma text config has no softcap: none)
+}
+"""What a vision-language head does to the logits, read from the text config (Gemma 4's and PaliGemma 2's heads
+softcap them as their text models' do; Gemma 3's does not)."""
 
 
 DEDICATED = {t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types}
@@ -234,6 +296,35 @@ class VisionLanguagePatch(FamilyPatch):
         return self.text(model.config.get_text_config()).linear_modules(model)
 
 
+CAUSAL_ATTR = "hf_ring_original_is_causal"
+"""Attribute of a PaliGemma text attention module holding its own ``is_causal``, restored on revert."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PaliGemmaPatch(VisionLanguagePatch):
+    """PaliGemma's config sets ``use_bidirectional_attention=True`` on its text config, so its text attention modules
+    say ``is_causal=False``, yet the mask its model builds is causal (with the prefix block, ``_paligemma_blocks``):
+    eager attention applies that mask, and SDPA too whenever it is built (token types or padding given; without
+    either Transformers skips it and SDPA's flag makes every token attend both ways). The ring reads the flag, so
+    while patched the modules say ``is_causal=True``; revert restores theirs."""
+
+    def apply(self, model, cfg):
+        model = super().apply(model, cfg)
+        for m in self.attention_modules(model) if model is not None else ():
+            if not hasattr(m, CAUSAL_ATTR):  # (applied again: the first apply saved the module's own)
+                setattr(m, CAUSAL_ATTR, m.is_causal)
+            m.is_causal = True
+        return model
+
+    def revert(self, model):
+        model = super().revert(model)
+        for m in self.attention_modules(model):
+            if hasattr(m, CAUSAL_ATTR):
+                m.is_causal = getattr(m, CAUSAL_ATTR)
+                delattr(m, CAUSAL_ATTR)
+        return model
+
+
 def _check(config, *, wrapper: str) -> None:
     """The text family's check, on the text config."""
     patch = PATCHES[wrapper]
@@ -241,7 +332,7 @@ def _check(config, *, wrapper: str) -> None:
 
 
 PATCHES = {
-    model_type: VisionLanguagePatch(
+    model_type: (PaliGemmaPatch if model_type == "paligemma" else VisionLanguagePatch)(
         name=model_type,
         model_types=(model_type,),
         attention_class=text_patch(types[0]).attention_class,  # (for messages; the text config's family decides)

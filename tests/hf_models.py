@@ -42,8 +42,11 @@ DYNAMIC_FULL_LAYERS = {  # Gemma 3: RoPE per layer type, dynamic on the full-att
                         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
 }  # fmt: skip
 
-EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma")
-"""Families with attention logit softcapping or sinks: their reference is Transformers' eager attention."""
+EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma", "paligemma",
+                   "paligemma-gemma2")  # fmt: skip
+"""Families with attention logit softcapping or sinks: their reference is Transformers' eager attention. PaliGemma
+too: its text attention says ``is_causal=False``, so SDPA attends both ways where Transformers skips the causal mask
+(no token types, no padding); eager always applies the mask (``patches.multimodal.PaliGemmaPatch``)."""
 
 _SLIDE_FULL = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
 _LINEAR = {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
@@ -268,6 +271,16 @@ _COHERE2_TEXT = {"model_type": "cohere2", "sliding_window": 5, "layer_types": ["
                  "logit_scale": 0.5}  # fmt: skip
 _SIGLIP_PIXEL_SHUFFLE = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
                          "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+JANUS_VQ = {"embed_dim": 8, "num_embeddings": 16, "latent_channels": 32, "base_channels": 32,
+            "channel_multiplier": [1, 1], "num_res_blocks": 1, "projection_dim": 64,
+            "image_token_embed_dim": 64, "num_hidden_layers": 1}  # fmt: skip
+SAM_HIGH_RES = {"model_type": "sam_vision_model", "hidden_size": 32, "output_channels": 16, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "image_size": 64, "patch_size": 16, "window_size": 2, "mlp_dim": 48,
+                "global_attn_indexes": [0], "num_pos_feats": 16}  # fmt: skip
+"""DeepSeek-VL-Hybrid's SAM tower: 64 x 64 images in 4 x 4 patches, resized to 8 x 8, strided twice to 2 x 2: 4 tokens
+as its 28 x 28 SigLIP images' 2 x 2 patches."""
+_SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_use_head": False}  # fmt: skip
 
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
@@ -407,6 +420,27 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "aya_vision": ("AyaVisionConfig", "AyaVisionForConditionalGeneration", _COHERE2_TEXT, _SIGLIP_PIXEL_SHUFFLE),
     "cohere2_vision": ("Cohere2VisionConfig", "Cohere2VisionForConditionalGeneration", _COHERE2_TEXT,
                        _SIGLIP_PIXEL_SHUFFLE),
+    "minicpmv4_6": ("MiniCPMV4_6Config", "MiniCPMV4_6ForConditionalGeneration",  # a Qwen3.5 text model
+                    {"model_type": "qwen3_5_text", **_LINEAR, "rope_parameters": _MROPE_HALF},
+                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "image_size": 112, "patch_size": 14}),
+    "video_llama_3": ("VideoLlama3Config", "VideoLlama3ForConditionalGeneration",  # a Qwen2 text model, windows
+                      {"model_type": "qwen2", "num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 5,
+                       "max_window_layers": 1},
+                      {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "patch_size": 14}),
+    "deepseek_vl": ("DeepseekVLConfig", "DeepseekVLForConditionalGeneration", {"model_type": "llama"}, _SIGLIP),
+    "deepseek_vl_hybrid": ("DeepseekVLHybridConfig", "DeepseekVLHybridForConditionalGeneration",
+                           {"model_type": "llama"}, _SIGLIP),  # and a SAM high-resolution tower (SAM_HIGH_RES)
+    "janus": ("JanusConfig", "JanusForConditionalGeneration", {"model_type": "llama"},
+              {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+               "projection_dim": 64, "num_image_tokens": 4, "mlp_ratio": 1.5}),
+    "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
+                  _SIGLIP),
+    "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
+                         {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
+                          "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
+                          "layer_types": ["sliding_attention", "full_attention"]}, _SIGLIP),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -563,6 +597,14 @@ def make_config(family: str, **overrides):
             top = {"image_token_offset": 10, "audio_token_offset": 18,
                    "audio_config": {"model_type": "wavtokenizer_encoder", "num_filters": 32, "upsampling_ratios": [2, 2],
                                     "hidden_size": 32, "codebook_size": 8, "codebook_dim": 32, "num_lstm_layers": 1}}  # fmt: skip
+        if family.startswith("paligemma"):  # the projector maps the vision features to the text hidden size
+            top = {"projection_dim": common["hidden_size"]}
+        if family == "minicpmv4_6":  # the window merger after the vision tower's only layer
+            top = {"insert_layer_id": 0}
+        if family == "janus":  # its image-generation VQ-VAE, unused by the forward: as small as it goes
+            top = {"vq_config": JANUS_VQ}
+        if family == "deepseek_vl_hybrid":
+            top = {"high_res_vision_config": SAM_HIGH_RES}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
@@ -643,7 +685,8 @@ NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 
 
 
 _FOUR_TOKENS = ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
-                "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5")  # fmt: skip
+                "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5", "minicpmv4_6",
+                "video_llama_3", "janus", "deepseek_vl", "deepseek_vl_hybrid", "paligemma", "paligemma-gemma2")  # fmt: skip
 """Families whose test images give 4 tokens each (besides Qwen-VL's)."""
 
 
@@ -660,7 +703,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     "video", 4 frames pooled to 1 token each and a newline; InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Idefics3,
     SmolVLM, Aya Vision, Command A Vision and Ovis2 (between visual indicator tokens) one token per 28 x 28 image;
     Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
-    16 per image of 8 x 8 patches (``mm_token_type_ids``); Llama 4 4 per 56 x 56 image (pixel-shuffled 2 x 2)."""
+    16 per image of 8 x 8 patches (``mm_token_type_ids``); Llama 4 4 per 56 x 56 image (pixel-shuffled 2 x 2); PaliGemma 4 per 28 x 28
+    image, the images first in each row, then the prompt (the prefix: ``token_type_ids`` 0, 14 and 16 tokens), then the
+    suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
@@ -668,6 +713,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
+    if family.startswith("paligemma"):  # images at the start (row 1 after the padding of "images-padded")
+        spots = ((0, 0), (0, 4), (1, 6))
     tokens = (10, 14, 10)[: len(spots)] if family.startswith("llava_next") else (per_image,) * len(spots)
     if family == "llava_onevision":  # row 0's two images untiled (batch_num_images): 2 x 2 + a newline each
         tokens = (10,) if kind == "video" else (5, 5, 14)
@@ -745,6 +792,26 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["pixel_values"] = torch.randn(len(spots), 16, 3 * 16 * 16, generator=g)
         extra["pixel_attention_mask"] = torch.ones(len(spots), 16, dtype=torch.bool)
         extra["spatial_shapes"] = torch.tensor([[4, 4]] * len(spots))
+    elif family.startswith("paligemma"):  # images first, then the prompt: the prefix (token type 0); the suffix 1
+        extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
+        extra["token_type_ids"] = types
+    elif family == "video_llama_3":  # 4 x 4 patches of 14 x 14 x 3 per image, merged 2 x 2 (bilinear): 4 tokens
+        patch = 3 * 14 * 14
+        extra["pixel_values"] = torch.randn(16 * len(spots), patch, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+        extra["image_merge_sizes"] = torch.tensor([2] * len(spots))
+        if kind == "video":  # 2 frames of 4 x 4 patches, merged 2 x 2: 8 tokens
+            ids[1, 17:25] = MEDIA_TOKENS["video_token_id"]
+            extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
+            extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+            extra["video_merge_sizes"] = torch.tensor([2])
+    elif family == "deepseek_vl_hybrid":  # each image at two resolutions: SigLIP's, SAM's
+        extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
+        extra["high_res_pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)
+    elif family == "minicpmv4_6":  # NaViT-packed: every image's 8 x 8 patches of 14 x 14 side by side in one row,
+        # merged 2 x 2 twice (the window merger, the merger): 4 tokens each
+        extra["pixel_values"] = torch.randn(1, 3, 14, 14 * 64 * len(spots), generator=g)
+        extra["target_sizes"] = torch.tensor([[8, 8]] * len(spots))
     elif family == "gemma4":  # patches of 14 x 14 x 3 on an 8 x 8 grid with their (x, y), pooled 2 x 2: 16 tokens
         extra["pixel_values"] = torch.rand(len(spots), 64, 3 * 14 * 14, generator=g)
         grid = torch.stack(torch.meshgrid(torch.arange(8), torch.arange(8), indexing="xy"), -1).view(64, 2)
@@ -754,8 +821,14 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         if family in ("mistral3", "lighton_ocr"):
             extra["image_sizes"] = torch.tensor([[28, 28]] * len(spots))
+    if family.startswith("paligemma"):  # a prompt after the images; the rest, the suffix, is type 1 and learned
+        types[:] = 1
+        types[0, :14] = 0
+        types[1, :16] = 0  # (its first 6 tokens: padding in "images-padded", of type 0 as the tokenizer pads)
     labels = ids.masked_fill(ids >= VOCAB, -100)
     labels[:, :3] = -100
+    if family.startswith("paligemma"):  # the processor's labels: the suffix only
+        labels[types == 0] = -100
     batch = {"input_ids": ids, "labels": labels, **extra}
     if kind == "images-padded":
         mask = torch.ones_like(ids)

@@ -178,12 +178,15 @@ def _sub_configs(config) -> list:
         "cohere2_vision",
         "apertus1p5",
         "exaone4_5",
+        "deepseek_vl",
+        "deepseek_vl_hybrid",
         "gemma3",
         "gemma4",
         "got_ocr2",
         "idefics2",
         "idefics3",
         "kimi_k25",
+        "janus",
         "lfm2_vl",
         "lfm2_vl-text-only",  # (every wrapper takes images: a text-only one made by tests.hf_models.text_only)
         "lfm3_vl",
@@ -195,9 +198,12 @@ def _sub_configs(config) -> list:
         "llava_onevision",
         "minimax_m3_vl",
         "mistral3",
+        "minicpmv4_6",
         "mistral3-ministral3",
         "ovis2",
         "qianfan_ocr",
+        "paligemma",
+        "paligemma-gemma2",
         "qwen2_vl",
         "qwen2_5_vl",
         "qwen3_5",
@@ -208,6 +214,7 @@ def _sub_configs(config) -> list:
         "perception_lm",
         "video_llava",
         "vipllava",
+        "video_llama_3",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -318,6 +325,13 @@ def _text_only_batches_and_refused_images(family):
         ("apertus1p5", "images-padded"),  # images as discrete codes embedded by the text model
         ("kimi_k25", "images-padded"),  # latent attention (DeepSeek-V3 text)
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
+        ("minicpmv4_6", "images"),  # Gated DeltaNet layers
+        ("video_llama_3", "video"),
+        ("deepseek_vl", "images-padded"),
+        ("janus", "images"),
+        ("deepseek_vl_hybrid", "images"),
+        ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
+        ("paligemma-gemma2", "images"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
@@ -343,6 +357,32 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
     assert sum(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values()) == 1
     hf_ring.revert_ring_attention(model)
     assert not any(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values())
+
+
+def test_paligemma_attends_causally_with_its_prefix_and_refuses_what_the_ring_would_mask_otherwise():
+    """PaliGemma's text attention says is_causal=False (use_bidirectional_attention): patched, it attends causally
+    (its own mask), the prefix both ways; revert restores the flag. Refused on every rank alike: token types of a
+    sharded text batch (the prefix spans the whole sequence), and on PaliGemma 2's sliding layers a prefix longer
+    than the window (Transformers ignores the window there)."""
+    model = make_model("paligemma-gemma2", images=True).eval()
+    flags = [m.is_causal for m in get_patch("paligemma").attention_modules(model)]
+    assert flags and not any(flags)
+    batch, _ = make_batch("images", 40, family="paligemma-gemma2")
+    before = _logits(model, **batch)
+    hf_ring.apply_ring_attention(model)
+    assert all(m.is_causal for m in get_patch("paligemma").attention_modules(model))
+    torch.testing.assert_close(_logits(model, **hf_ring.shard_batch(batch)), before, atol=ATOL, rtol=0)
+    types = batch["token_type_ids"].clone()
+    types[0, :20] = 0  # a prefix of 20 tokens, the window 16
+    with pytest.raises(ValueError, match="prefix \\(token_type_ids 0\\) of 20 tokens is longer than the sliding"):
+        model(**hf_ring.shard_batch({**batch, "token_type_ids": types}))
+    ids = batch["input_ids"].masked_fill(batch["input_ids"] >= VOCAB, 5)[:, :20]  # rank 0's text, cut by hand
+    half = {hf_attention.SHARD_INFO_KWARG: hf_attention.ShardInfo(layout="zigzag", world_size=2, rank=0, seq_len=40)}
+    with pytest.raises(ValueError, match="token_type_ids of a batch without images, its input_ids sharded"):
+        model(input_ids=ids, token_type_ids=types[:, :20], **half)
+    hf_ring.revert_ring_attention(model)
+    assert not any(m.is_causal for m in get_patch("paligemma").attention_modules(model))
+    torch.testing.assert_close(_logits(model, **batch), before, atol=0, rtol=0)
 
 
 def test_shard_batch_with_images_refuses_packing_and_misshaped_token_types():

@@ -229,6 +229,12 @@ CASES = {
     "qwen3_vl-images-padded": ("qwen3_vl", "images-padded", 45, {}),  # deepstack: features added in layer 0
     "qwen3_vl_moe-images-ulysses": ("qwen3_vl_moe", "images", 40, {"ulysses": 2}),
     "qwen3_5-images-padded": ("qwen3_5", "images-padded", 40, {}),  # Gated DeltaNet layers
+    "video_llama_3-images-padded": ("video_llama_3", "images-padded", 40, {}),  # Qwen2 text: windows
+    "video_llama_3-video": ("video_llama_3", "video", 45, {}),  # an image and a video of 2 frames
+    "deepseek_vl-images-padded": ("deepseek_vl", "images-padded", 45, {}),  # SigLIP tower, Llama text
+    "deepseek_vl_hybrid-images-padded": ("deepseek_vl_hybrid", "images-padded", 40, {}),  # SigLIP + SAM features
+    "janus-images-padded": ("janus", "images-padded", 40, {}),  # its image-generation parts unused (zero gradients)
+    "minicpmv4_6-images-padded": ("minicpmv4_6", "images-padded", 40, {}),  # NaViT-packed images, Qwen3.5 text
     "internvl-images-padded": ("internvl", "images-padded", 45, {}),
     "mistral3-images-lora": ("mistral3", "images", 40, {"lora": True}),
     "idefics3-images-padded": ("idefics3", "images-padded", 40, {}),
@@ -281,6 +287,10 @@ CASES = {
     # Gemma 4: both ways on its sliding layers only (its full layers stay causal), KV-shared layers, per-layer inputs
     "gemma4-images-padded": ("gemma4", "images-padded", 45, {"config": {"use_bidirectional_attention": "vision"}}),
     "gemma4-images-causal-checkpointing": ("gemma4", "images", 40, {"checkpointing": True}),
+    # PaliGemma: the prefix (images and prompt, token_type_ids 0) sees itself both ways across the ranks' chunks, on
+    # every layer (Gemma; PaliGemma 2's Gemma 2 with its window longer than the prefix and softcaps)
+    "paligemma-images-padded": ("paligemma", "images-padded", 45, {}),
+    "paligemma-gemma2-images": ("paligemma-gemma2", "images", 40, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
