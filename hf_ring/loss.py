@@ -14,7 +14,8 @@ cross-entropy over ``shift_labels`` (or ``labels`` shifted by one), summed and d
 context-parallel loss contract of ``shard_batch`` holds unchanged. The output has ``logits=None``;
 without labels the model's own forward runs (logits as before).
 
-Works with any lm_head module (tied embeddings, LoRA on the head), gradient checkpointing,
+Works with any lm_head module (tied embeddings, LoRA on the head; Llama 4's vision-language wrapper, whose head
+belongs to the causal LM inside it: the wrapper's forward runs with that head set aside), gradient checkpointing,
 ``torch.compile`` and PEFT models. ``backend="liger"`` hands the projection and the loss to Liger-Kernel's
 fused linear cross-entropy instead (optional, ``pip install 'hf-ring[liger]'``; CUDA; the lm_head must be a
 plain ``nn.Linear``, not sharded on its own; the logit scale is folded into the hidden states and the final
@@ -210,12 +211,39 @@ def _check(target) -> None:
             f"{type(target).__name__} uses loss_type={loss_type!r}; hf_ring's chunked loss computes the causal-LM "
             "cross-entropy (ForCausalLM) only"
         )
+    if _inner_causal_lm(target) is not None:
+        return
     for name, module in (("lm_head", getattr(target, "lm_head", None)), ("base model", _base(target))):
         if not isinstance(module, torch.nn.Module):
             raise ValueError(
                 f"{type(target).__name__} has no {name} module: hf_ring's chunked loss applies to causal-LM "
                 "models (XForCausalLM) with a base model and an lm_head"
             )
+
+
+def _inner_causal_lm(target):
+    """The causal LM inside a vision-language wrapper that has no ``lm_head`` of its own (Llama 4: the wrapper takes
+    the logits of its ``language_model``, a ``Llama4ForCausalLM``), else None."""
+    inner = getattr(target, "language_model", None)
+    if getattr(target, "lm_head", None) is None and isinstance(getattr(inner, "lm_head", None), torch.nn.Module):
+        return inner
+    return None
+
+
+class _HeadAside:
+    """While inside, the causal LM's ``lm_head`` is an identity: the wrapper's forward then returns the last hidden
+    states where its logits would be, and the chunked loss projects them with the real head."""
+
+    def __init__(self, causal_lm):
+        self.causal_lm = causal_lm
+        self.head = causal_lm.lm_head
+
+    def __enter__(self):
+        self.causal_lm.lm_head = torch.nn.Identity()
+        return self.head
+
+    def __exit__(self, *exc):
+        self.causal_lm.lm_head = self.head
 
 
 def _base(target):
@@ -254,15 +282,25 @@ def _chunked_forward(
     return_dict = kwargs.pop("return_dict", None)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
-    outputs = _base(self)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
-    )  # fmt: skip
+    inner = _inner_causal_lm(self)
+    if inner is None:
+        outputs = _base(self)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
+        hidden, head = outputs.last_hidden_state, self.lm_head
+    else:  # the wrapper's own forward without labels, its causal LM's head set aside: hidden states for logits
+        with _HeadAside(inner) as head:
+            outputs = type(self).forward(
+                self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+            )  # fmt: skip
+        hidden = outputs.logits
     transform = _patch_of(self).logit_transform
     chunk_size, backend = getattr(self, _ATTR)
     loss = chunked_causal_lm_loss(
-        outputs.last_hidden_state,
-        self.lm_head,
+        hidden,
+        head,
         labels=labels,
         shift_labels=shift_labels,
         num_items_in_batch=kwargs.get("num_items_in_batch"),

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-__all__ = ["MORE_FAMILIES", "NO_CHUNKED_LOSS", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
+__all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
            "prepare", "reference_step", "rel", "ring_step", "text_only"]  # fmt: skip
 
 VOCAB = 96
@@ -488,11 +488,6 @@ BROKEN = {"llama4": ("5.24",)}
 """Families whose unmodified model fails in a Transformers release (major.minor), so not tested there: 5.24's
 ``Llama4ForConditionalGeneration.forward`` reads ``image_outputs`` from its causal LM's output, which has none (every
 call raises AttributeError, images or not)."""
-
-
-NO_CHUNKED_LOSS = ("llama4",)
-"""Families ``hf_ring.apply_chunked_loss`` refuses: Llama 4's wrapper has no ``lm_head`` of its own (its causal LM
-inside holds it, and the wrapper computes the loss from that model's logits)."""
 
 
 def in_transformers(model_type: str) -> bool:

@@ -20,7 +20,6 @@ from tests.hf_models import (
     DYNAMIC,
     DYNAMIC_FULL_LAYERS,
     LONGROPE,
-    NO_CHUNKED_LOSS,
     VOCAB,
     in_transformers,
     make_batch,
@@ -884,8 +883,7 @@ def test_plugin_prepares_every_supported_family(model_type):
         want = ref(**collate(data)).loss
     accelerator = Accelerator(cpu=True)
     try:
-        chunked = model_type not in NO_CHUNKED_LOSS  # (Llama 4's wrapper: refused by the chunked loss, see there)
-        model, dl = RingAttentionPlugin(cp_size=1, chunked_loss=chunked).prepare(
+        model, dl = RingAttentionPlugin(cp_size=1).prepare(
             accelerator, make_model(model_type), torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate)
         )
         switched = model.config.get_text_config()._attn_implementation == "hf_ring"
