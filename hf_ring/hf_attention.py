@@ -263,7 +263,7 @@ _HARMLESS_KWARGS = (
     "use_cache", "cache_position", "past_key_values", "past_key_value",  # a KV cache is refused by length
     "output_hidden_states", "return_dict", "position_embeddings", "layer_idx", "token_type_ids",
     "num_items_in_batch", "shift_labels", "labels",  # loss keywords the model's forward passes along (Gemma 4: labels)
-    "logits_to_keep",  # the head's slice, which some wrappers (GOT-OCR 2.0, LLaVA-OneVision) pass on to their language model
+    "logits_to_keep",  # the head's slice; some wrappers (GOT-OCR 2.0, LLaVA-OneVision) pass it to their text model
 )  # fmt: skip
 
 

@@ -35,9 +35,9 @@ ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, th
 layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt (``token_type_ids`` 0)
 see each other both ways, one block per row, on every layer, the suffix causally; its text attention says
 ``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch`` makes the ring
-causal while patched. What needs care is where the vision features land and how positions are numbered. ``shard_batch`` hands
-such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower on every image of
-the batch, merges the features into the embeddings of the whole sequence and numbers it (Qwen-VL's multimodal
+causal while patched. What needs care is where the vision features land and how positions are numbered.
+``shard_batch`` hands such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower
+on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it (Qwen-VL's multimodal
 RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model (the outermost module
 of the text config: Llama 4's causal LM, whose text model inside then receives the cut), cuts the embeddings,
 positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard. Gradients flow back through that cut, so each

@@ -270,7 +270,8 @@ _QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_
 _COHERE2_TEXT = {"model_type": "cohere2", "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
                  "logit_scale": 0.5}  # fmt: skip
 _SIGLIP_PIXEL_SHUFFLE = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
-                         "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+                         "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+                         "patch_size": 14}  # fmt: skip
 JANUS_VQ = {"embed_dim": 8, "num_embeddings": 16, "latent_channels": 32, "base_channels": 32,
             "channel_multiplier": [1, 1], "num_res_blocks": 1, "projection_dim": 64,
             "image_token_embed_dim": 64, "num_hidden_layers": 1}  # fmt: skip
@@ -590,8 +591,9 @@ def make_config(family: str, **overrides):
             top = {"projector_hidden_size": 64}
         if family == "apertus1p5":  # image codes map to ids 10..17 (text tokens), an audio codebook after them
             top = {"image_token_offset": 10, "audio_token_offset": 18,
-                   "audio_config": {"model_type": "wavtokenizer_encoder", "num_filters": 32, "upsampling_ratios": [2, 2],
-                                    "hidden_size": 32, "codebook_size": 8, "codebook_dim": 32, "num_lstm_layers": 1}}  # fmt: skip
+                   "audio_config": {"model_type": "wavtokenizer_encoder", "num_filters": 32,
+                                    "upsampling_ratios": [2, 2], "hidden_size": 32, "codebook_size": 8,
+                                    "codebook_dim": 32, "num_lstm_layers": 1}}  # fmt: skip
         if family.startswith("paligemma"):  # the projector maps the vision features to the text hidden size
             top = {"projection_dim": common["hidden_size"]}
         if family == "minicpmv4_6":  # the window merger after the vision tower's only layer
@@ -681,7 +683,8 @@ NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 
 
 _FOUR_TOKENS = ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
                 "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5", "minicpmv4_6",
-                "video_llama_3", "janus", "deepseek_vl", "deepseek_vl_hybrid", "paligemma", "paligemma-gemma2")  # fmt: skip
+                "video_llama_3", "janus", "deepseek_vl", "deepseek_vl_hybrid", "paligemma",
+                "paligemma-gemma2")  # fmt: skip
 """Families whose test images give 4 tokens each (besides Qwen-VL's)."""
 
 
@@ -698,9 +701,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     "video", 4 frames pooled to 1 token each and a newline; InternVL, Qianfan-OCR, Mistral 3, LightOnOCR, Idefics3,
     SmolVLM, Aya Vision, Command A Vision and Ovis2 (between visual indicator tokens) one token per 28 x 28 image;
     Gemma 3 16 tokens per 56 x 56 image marked by ``token_type_ids`` (two images in a row: two blocks), Gemma 4
-    16 per image of 8 x 8 patches (``mm_token_type_ids``); Llama 4 4 per 56 x 56 image (pixel-shuffled 2 x 2); PaliGemma 4 per 28 x 28
-    image, the images first in each row, then the prompt (the prefix: ``token_type_ids`` 0, 14 and 16 tokens), then the
-    suffix (1), the only tokens with labels."""
+    16 per image of 8 x 8 patches (``mm_token_type_ids``); Llama 4 4 per 56 x 56 image (pixel-shuffled 2 x 2);
+    PaliGemma 4 per 28 x 28 image, the images first in each row, then the prompt (the prefix: ``token_type_ids`` 0,
+    14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")

@@ -44,7 +44,7 @@ def test_harmless_and_unset_keywords_pass():
     out, (q, k, v) = _call(
         softcap=None, s_aux=None, use_cache=False, cache_position=torch.arange(12), position_ids=torch.arange(12)[None],
         output_hidden_states=False, max_length_q=12, max_length_k=12,
-        logits_to_keep=0,  # (GOT-OCR 2.0's and LLaVA-OneVision's heads pass it to their base model, and on to every layer)
+        logits_to_keep=0,  # (GOT-OCR 2.0's and LLaVA-OneVision's heads pass it on to every layer)
     )  # fmt: skip
     ref = reference_attention(q.double(), k.double(), v.double(), scale=0.25).transpose(1, 2)
     assert rel_err(out, ref) <= 1e-5
