@@ -41,10 +41,10 @@ on every image of the batch, merges the features into the embeddings of the whol
 (Qwen-VL's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model
 (the outermost module of the text config: Llama 4's causal LM, whose text model inside then receives the cut), cuts
 the embeddings, positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard.
-Gradients flow back through that cut, so each rank's vision tower gets the gradient of its own image tokens and the usual CP gradient sum makes it whole. The
-cost: every rank of a CP group runs the vision tower on all the batch's images and holds the whole sequence's
-input embeddings ([batch, seq, hidden], e.g. 0.9 GiB at 128K tokens and hidden 3584 in bf16) until the cut, and
-their gradient of that size in the backward.
+Gradients flow back through that cut, so each rank's vision tower gets the gradient of its own image tokens and the
+usual CP gradient sum makes it whole. The cost: every rank of a CP group runs the vision tower on all the batch's
+images and holds the whole sequence's input embeddings ([batch, seq, hidden], e.g. 0.9 GiB at 128K tokens and hidden
+3584 in bf16) until the cut, and their gradient of that size in the backward.
 
 A wrapper added text-only would refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
