@@ -50,13 +50,14 @@ __all__ = ["shard_batch", "shard_for", "reduce_loss", "carries", "multimodal", "
 
 IGNORE_INDEX = -100
 
-MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features", "pixel_values_images")
+MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features", "pixel_values_images", "input_values")
 """Keys whose presence makes a batch multimodal (its inputs go to the model whole, see the module docstring):
-images, video, and audio features (Gemma 4's ``input_features``); Video-LLaVA's processor names its images
-``pixel_values_images`` (on 5.17 always, later by default)."""
+images, video, and audio (Gemma 4's ``input_features``, Apertus 1.5's waveform ``input_values``); Video-LLaVA's
+processor names its images ``pixel_values_images`` (on 5.17 always, later by default)."""
 
 PER_IMAGE_KEYS = (*MEDIA_KEYS, "pixel_attention_mask", "spatial_shapes", "image_sizes", "image_grid_thw",
-                  "video_grid_thw", "image_position_ids", "input_features_mask")  # fmt: skip
+                  "video_grid_thw", "image_position_ids", "input_features_mask", "padding_mask",
+                  "high_res_pixel_values")  # fmt: skip
 """Keys processors give per image, video or clip, never per token, whatever their shape (LFM2-VL's patches
 ``[images, max patches, ...]`` may have the shape of ``input_ids`` in their first two dimensions): passed on whole."""
 

@@ -367,8 +367,8 @@ class _Before:
         mask = torch.ones_like(ids) if mask is None else mask
         pos = kwargs.get("position_ids")
         media = multimodal(kwargs)
-        if pos is None:
-            pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        if pos is None:  # as the model numbers a prompt given none (from its cache position: padding counted)
+            pos = torch.arange(s, device=ids.device).expand(b, -1)
         elif pos.dim() == 3 and not media:  # multimodal RoPE ([3 or 4, batch, prompt]): one row for text prompts
             pos = pos[0]
         full = {

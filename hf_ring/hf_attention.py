@@ -608,6 +608,13 @@ def ring_attention_forward(
             "with hf_ring.ring_generate(model, inputs, ...) (or hf_ring.revert_ring_attention(model) first)"
         )
     causal = _is_causal(module, kwargs)
+    if not causal and _masked_causally(module):  # (the same on every rank: before any collective)
+        raise ValueError(
+            f"{type(module).__name__} says is_causal=False (its config's use_bidirectional_attention) while its "
+            "model masks it causally: switch a PaliGemma model with hf_ring.apply_ring_attention(model), which makes "
+            "the ring causal there (not only attn_implementation='hf_ring'); for a Gemma model of its own set "
+            "config.use_bidirectional_attention=False, as Transformers masks it anyway"
+        )
     rank, world_size = group_rank_and_size(cfg.group)
     local_len = query.shape[2]
     error = _dropped_documents_error(module, kwargs, cfg)
@@ -730,6 +737,15 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
         **docs,
     )
     return out.transpose(1, 2).contiguous()
+
+
+def _masked_causally(module) -> bool:
+    """Gemma and Gemma 2 attention whose config asks for bidirectional attention (PaliGemma's text config): the
+    module says ``is_causal=False``, yet Transformers' mask for these families is causal whatever the config says."""
+    config = getattr(module, "config", None)
+    return getattr(config, "model_type", None) in ("gemma", "gemma2") and bool(
+        getattr(config, "use_bidirectional_attention", False)
+    )
 
 
 def _is_causal(module, kwargs) -> bool:

@@ -239,6 +239,11 @@ class _HeadAside:
         self.head = causal_lm.lm_head
 
     def __enter__(self):
+        if isinstance(self.head, torch.nn.Identity):
+            raise RuntimeError(
+                f"{type(self.causal_lm).__name__}.lm_head is already set aside by hf_ring's chunked loss (a call "
+                "nested in another, or from another thread): one forward at a time"
+            )
         self.causal_lm.lm_head = torch.nn.Identity()
         return self.head
 
@@ -293,7 +298,8 @@ def _chunked_forward(
         with _HeadAside(inner) as head:
             outputs = type(self).forward(
                 self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True,
+                **kwargs,
             )  # fmt: skip
         hidden = outputs.logits
     transform = _patch_of(self).logit_transform

@@ -293,10 +293,10 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
 
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     text = top.config.get_text_config() if text_only is not None and text_only.images else None
-    # the outermost module of the text config inside the wrapper cuts; a model inside it of the same config (Llama 4's
-    # text model inside its causal LM) then receives the cut embeddings
-    inner = (m for m in model.modules() if isinstance(m, PreTrainedModel) and m is not top)
-    cutter = next((m for m in inner if text is not None and m.config is text), None)
+    # the innermost module of the text config inside the wrapper cuts (Llama 4: the text model inside its causal LM,
+    # which passes the embeddings on by keyword), so the hidden states it returns are the shard's
+    inner = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m is not top and m.config is text]
+    cutter = inner[-1] if text is not None and inner else None
     for m in model.modules():
         if not isinstance(m, PreTrainedModel):
             continue

@@ -39,7 +39,7 @@ causal while patched. What needs care is where the vision features land and how 
 ``shard_batch`` hands such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower
 on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it
 (Qwen-VL's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model
-(the outermost module of the text config: Llama 4's causal LM, whose text model inside then receives the cut), cuts
+(the innermost module of the text config: for Llama 4 the text model inside its causal LM), cuts
 the embeddings, positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard.
 Gradients flow back through that cut, so each rank's vision tower gets the gradient of its own image tokens and the
 usual CP gradient sum makes it whole. The cost: every rank of a CP group runs the vision tower on all the batch's
@@ -233,7 +233,8 @@ def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
                 f"paligemma: a prefix (token_type_ids 0) of {int(span.max())} tokens is longer than the sliding "
                 f"window ({window}): Transformers lets it attend both ways beyond the window on the sliding layers, "
                 "which ring attention does not reproduce (it applies the window to the prefix too); shorten the "
-                "prefix"
+                "prefix (PaliGemma 2 at 896 px: its 4096 image tokens alone fill Gemma 2's window, so it cannot "
+                "train under the ring)"
             )
     return RingBlocks(torch.where(prefix, 0, -1))
 

@@ -58,6 +58,8 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     # Gemma 4: its last layers attend with the keys/values of earlier layers (no cache of their own)
     "gemma4_text-shared-kv": ("gemma4_text", 2, 14, 3, {}),
     "gemma4-vision-language": ("gemma4", 1, 13, 0, {}),
+    # EXAONE 4.5's generate passes no positions: the model numbers the prompt from its cache position, padding counted
+    "exaone4_5-vision-language": ("exaone4_5", 2, 14, 3, {"scores": True}),
     "gemma3n_text-shared-kv": ("gemma3n_text", 2, 14, 3, {"scores": True}),  # AltUp, per-layer inputs, KV-shared layers
     "qwen3_vl-vision-language": ("qwen3_vl", 2, 12, 3, {}),  # multimodal RoPE on text positions
     "qwen2_vl-vision-language": ("qwen2_vl", 1, 13, 0, {}),  # three position rows (Qwen3-VL: four)
@@ -226,7 +228,11 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "qwen2_5_vl-video": ("qwen2_5_vl", "video", {}),
     "gemma4-audio": ("gemma4-audio", "audio", {}),  # audio features merged on the whole prompt
     "lfm2_vl-images": ("lfm2_vl", "images-padded", {}),  # short convolutions (5.17's drop the keywords: refused)
+    "llama4-images": ("llama4", "images-padded", {}),  # its text model inside its causal LM keeps the last row
+    "paligemma-images": ("paligemma", "images-padded", {}),  # the prefix (images and prompt) both ways in the prefill
+    "exaone4_5-images": ("exaone4_5", "images-padded", {}),  # generate passes no positions
 }
+IMAGE_PROMPTS = {name: case for name, case in IMAGE_PROMPTS.items() if in_transformers(case[0])}
 
 
 def _image_prompt(family: str, kind: str = "images-padded") -> dict:

@@ -362,7 +362,8 @@ def test_paligemma_attends_causally_with_its_prefix_and_refuses_what_the_ring_wo
     """PaliGemma's text attention says is_causal=False (use_bidirectional_attention): patched, it attends causally
     (its own mask), the prefix both ways; revert restores the flag. Refused on every rank alike: token types of a
     sharded text batch (the prefix spans the whole sequence), and on PaliGemma 2's sliding layers a prefix longer
-    than the window (Transformers ignores the window there)."""
+    than the window (Transformers ignores the window there); and a model switched by name only (no apply), whose
+    modules still say is_causal=False."""
     model = make_model("paligemma-gemma2", images=True).eval()
     flags = [m.is_causal for m in get_patch("paligemma").attention_modules(model)]
     assert flags and not any(flags)
@@ -382,6 +383,10 @@ def test_paligemma_attends_causally_with_its_prefix_and_refuses_what_the_ring_wo
     hf_ring.revert_ring_attention(model)
     assert not any(m.is_causal for m in get_patch("paligemma").attention_modules(model))
     torch.testing.assert_close(_logits(model, **batch), before, atol=0, rtol=0)
+    # switched by name only, its modules still say is_causal=False: refused, not run both ways over every token
+    model.set_attn_implementation({"text_config": "hf_ring"})
+    with pytest.raises(ValueError, match="says is_causal=False .* while its model masks it causally"):
+        model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"], token_type_ids=batch["token_type_ids"])
 
 
 def test_shard_batch_with_images_refuses_packing_and_misshaped_token_types():
