@@ -660,6 +660,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.image_grid_pinpoints = NEXT_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
+        if family == "apertus1p5":  # its audio placeholder, inside the vocabulary
+            model.config.audio_token_id = AUDIO_TOKEN
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
         model.set_attn_implementation("eager")
     for m in model.modules():  # learned sinks start at zero: give each head its own, which the ring must keep apart
@@ -842,6 +844,21 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
     """``(batch for shard_batch, batch for the unmodified model)``; they differ only for padded batches. Kinds
     "images", "images-padded" and "video" are a vision-language ``family``'s (its model made with ``images=True``)."""
     g = torch.Generator().manual_seed(seed)
+    if kind == "audio" and family == "apertus1p5":  # waveforms of 64 and 48 samples (right-padded): 16 and 12 codes
+        ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
+        ids[0, 5:21] = AUDIO_TOKEN
+        ids[1, 9:21] = AUDIO_TOKEN
+        labels = ids.masked_fill(ids >= VOCAB, -100)
+        labels[:, :3] = -100
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        ids[mask == 0] = PAD_ID
+        labels[1, :4] = -100
+        samples = torch.ones(2, 64, dtype=torch.long)
+        samples[1, 48:] = 0
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask,
+                 "input_values": torch.randn(2, 1, 64, generator=g), "padding_mask": samples}  # fmt: skip
+        return batch, batch
     if kind == "audio":  # Gemma 4: three clips of 32 frames (8 tokens each), row 1 left-padded by 3
         ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
         for b, p in _IMAGE_SPOTS:

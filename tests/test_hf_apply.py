@@ -247,7 +247,7 @@ def _text_only_batches_and_refused_images(family):
         if family == "gemma4":  # audio too: beside input_ids that were sharded, refused
             with pytest.raises(ValueError, match="carries input_features but its input_ids were sharded"):
                 model(input_ids=ids, input_features=torch.zeros(1, 20, 128), **{hf_attention.SHARD_INFO_KWARG: sharded})
-        if family == "apertus1p5":  # its audio (input_values; shard_batch takes no audio-only batch of it) too
+        if family == "apertus1p5":  # its audio (input_values) too
             with pytest.raises(ValueError, match="carries input_values but its input_ids were sharded"):
                 model(input_ids=ids, input_values=torch.zeros(1, 1, 64), **{hf_attention.SHARD_INFO_KWARG: sharded})
         torch.testing.assert_close(_logits(model, input_ids=ids), before, atol=ATOL, rtol=0)
@@ -322,6 +322,7 @@ def _text_only_batches_and_refused_images(family):
         ("minimax_m3_vl", "images-padded"),  # partial rotary, experts (MiniMax M3 text, dense attention layers)
         ("lfm3_vl", "images-padded"),  # short convolutions, sliding and full layers (LFM3 text)
         ("apertus1p5", "images-padded"),  # images as discrete codes embedded by the text model
+        ("apertus1p5", "audio"),  # audio too (input_values: waveforms, their codes embedded)
         ("kimi_k25", "images-padded"),  # latent attention (DeepSeek-V3 text)
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
         ("minicpmv4_6", "images"),  # Gated DeltaNet layers
@@ -349,7 +350,7 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
     hf_ring.apply_ring_attention(model)
     local = hf_ring.shard_batch(batch)
     assert local[hf_attention.SHARD_INFO_KWARG].whole_inputs and "position_ids" not in local
-    media = next(k for k in ("pixel_values", "pixel_values_images", "input_features") if k in batch)
+    media = next(k for k in ("pixel_values", "pixel_values_images", "input_features", "input_values") if k in batch)
     assert torch.equal(local["input_ids"], batch["input_ids"]) and local[media] is batch[media]
     real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
     torch.testing.assert_close(_logits(model, **local)[real], before[real], atol=ATOL, rtol=0)

@@ -280,6 +280,7 @@ CASES = {
     "apertus1p5-images-padded": ("apertus1p5", "images-padded", 45, {}),
     "apertus1p5-images-lora": ("apertus1p5", "images", 40, {"lora": True}),
     "apertus1p5-packed": ("apertus1p5", "packed", 40, {}),
+    "apertus1p5-audio": ("apertus1p5", "audio", 40, {}),  # waveforms: their codes merged on the whole sequence
     # Gemma 3: each image's 16 tokens see each other both ways (blocks across the ranks' chunks; the sliding layers'
     # window of 6 cuts them), on sliding and full layers
     "gemma3-images-padded": ("gemma3", "images-padded", 45, {}),
