@@ -258,6 +258,12 @@ def _base(target):
     return module if isinstance(module, torch.nn.Module) else getattr(target, "model", None)
 
 
+def _cache(past_key_values) -> dict:
+    """``past_key_values`` as a keyword only when given: Transformers 5.24 names it ``cache`` and warns at the old
+    name even for None (a cache given by its new name arrives in the keywords and passes on as it came)."""
+    return {} if past_key_values is None else {"past_key_values": past_key_values}
+
+
 def _chunked_forward(
     self,
     input_ids=None,
@@ -274,7 +280,7 @@ def _chunked_forward(
     if labels is None:
         return type(self).forward(
             self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **_cache(past_key_values),
             logits_to_keep=logits_to_keep, **kwargs,
         )  # fmt: skip
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
@@ -291,14 +297,14 @@ def _chunked_forward(
     if inner is None:
         outputs = _base(self)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, **_cache(past_key_values), **kwargs,
         )  # fmt: skip
         hidden, head = outputs.last_hidden_state, self.lm_head
     else:  # the wrapper's own forward without labels, its causal LM's head set aside: hidden states for logits
         with _HeadAside(inner) as head:
             outputs = type(self).forward(
                 self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True,
+                inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **_cache(past_key_values),
                 **kwargs,
             )  # fmt: skip
         hidden = outputs.logits
