@@ -5,7 +5,7 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
 ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
-``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), InternVL 3 / 3.5 holds a Qwen2,
+``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), as is GLM-4.1V's, InternVL 3 / 3.5 holds a Qwen2,
 Qwen3, Qwen3-MoE or Llama text model, LLaVA, LLaVA-NeXT and LLaVA-NeXT-Video a Llama, Mistral or Qwen2 one,
 LLaVA-OneVision and FastVLM a Qwen2 one, ViP-LLaVA, Video-LLaVA, Perception LM, Idefics3 and SmolVLM a Llama one,
 Idefics2 a Mistral one, Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration`` and Llama 4 Scout / Maverick
@@ -25,7 +25,7 @@ Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVisi
 Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
-VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus). Their text model attends
+VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V). Their text model attends
 causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
@@ -38,7 +38,7 @@ see each other both ways, one block per row, on every layer, the suffix causally
 causal while patched. What needs care is where the vision features land and how positions are numbered.
 ``shard_batch`` hands such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower
 on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it
-(Qwen-VL's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model
+(Qwen-VL's and GLM-4.1V's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model
 (the innermost module of the text config: for Llama 4 the text model inside its causal LM), cuts
 the embeddings, positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard.
 Gradients flow back through that cut, so each rank's vision tower gets the gradient of its own image tokens and the
@@ -118,6 +118,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "deepseek_vl": ("llama",),  # DeepSeek-VL
     "janus": ("llama",),  # Janus, Janus-Pro (understanding: images in, text out)
     "deepseek_vl_hybrid": ("llama",),  # DeepSeek-VL 7B (SigLIP and SAM towers)
+    "glm4v": ("glm4v_text",),  # GLM-4.1V
 }
 
 
@@ -162,6 +163,7 @@ IMAGES = (
     "deepseek_vl",
     "janus",
     "deepseek_vl_hybrid",
+    "glm4v",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -264,6 +266,7 @@ INNER = {
         "qwen2_5_vl_text": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLAttention",
         "qwen3_vl_text": "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextAttention",
         "qwen3_vl_moe_text": "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextAttention",
+        "glm4v_text": "transformers.models.glm4v.modeling_glm4v.Glm4vTextAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

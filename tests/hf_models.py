@@ -283,6 +283,10 @@ as its 28 x 28 SigLIP images' 2 x 2 patches."""
 _SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
            "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_use_head": False}  # fmt: skip
 
+_GLM_ROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
+_GLM_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+               "patch_size": 14, "image_size": 28}  # fmt: skip
+
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -436,6 +440,8 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "janus": ("JanusConfig", "JanusForConditionalGeneration", {"model_type": "llama"},
               {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
                "projection_dim": 64, "num_image_tokens": 4, "mlp_ratio": 1.5}),
+    # GLM-4.1V: Qwen2-VL-like images of 4 x 4 patches merged 2 x 2 (4 tokens), multimodal RoPE on half of each head
+    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", {"rope_parameters": _GLM_ROPE}, _GLM_VISION),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
@@ -708,7 +714,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen = family.startswith("qwen")
+    qwen = family.startswith(("qwen", "glm4v"))  # (GLM-4.1V's images are laid out as Qwen-VL's)
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens

@@ -181,6 +181,7 @@ def _sub_configs(config) -> list:
         "deepseek_vl_hybrid",
         "gemma3",
         "gemma4",
+        "glm4v",
         "got_ocr2",
         "idefics2",
         "idefics3",
@@ -332,6 +333,7 @@ def _text_only_batches_and_refused_images(family):
         ("deepseek_vl_hybrid", "images"),
         ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
         ("paligemma-gemma2", "images"),
+        ("glm4v", "images-padded"),  # multimodal RoPE on half of each head
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -292,6 +292,10 @@ CASES = {
     # every layer (Gemma; PaliGemma 2's Gemma 2 with its window longer than the prefix and softcaps)
     "paligemma-images-padded": ("paligemma", "images-padded", 45, {}),
     "paligemma-gemma2-images": ("paligemma-gemma2", "images", 40, {}),
+    # GLM-4.1V: Qwen2-VL-like images and multimodal RoPE (on half of each head), its text model only inside it
+    "glm4v-images-padded": ("glm4v", "images-padded", 45, {}),
+    "glm4v-images-lora-checkpointing": ("glm4v", "images", 40, {"lora": True, "checkpointing": True}),
+    "glm4v-packed": ("glm4v", "packed", 40, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
