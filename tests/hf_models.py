@@ -442,6 +442,10 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                "projection_dim": 64, "num_image_tokens": 4, "mlp_ratio": 1.5}),
     # GLM-4.1V: Qwen2-VL-like images of 4 x 4 patches merged 2 x 2 (4 tokens), multimodal RoPE on half of each head
     "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", {"rope_parameters": _GLM_ROPE}, _GLM_VISION),
+    # GLM-4.5V / 4.6V: GLM-4.1V's images, a MoE text model (layer 0 dense, layer 1 routed and shared experts)
+    "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration",
+                  {"rope_parameters": _GLM_ROPE, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "first_k_dense_replace": 1}, _GLM_VISION),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps

@@ -182,6 +182,7 @@ def _sub_configs(config) -> list:
         "gemma3",
         "gemma4",
         "glm4v",
+        "glm4v_moe",
         "got_ocr2",
         "idefics2",
         "idefics3",
@@ -334,6 +335,7 @@ def _text_only_batches_and_refused_images(family):
         ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
         ("paligemma-gemma2", "images"),
         ("glm4v", "images-padded"),  # multimodal RoPE on half of each head
+        ("glm4v_moe", "images"),  # experts
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

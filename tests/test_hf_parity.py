@@ -296,6 +296,10 @@ CASES = {
     "glm4v-images-padded": ("glm4v", "images-padded", 45, {}),
     "glm4v-images-lora-checkpointing": ("glm4v", "images", 40, {"lora": True, "checkpointing": True}),
     "glm4v-packed": ("glm4v", "packed", 40, {}),
+    # GLM-4.5V / 4.6V: GLM-4.1V's images, a MoE text model (routed and shared experts)
+    "glm4v_moe-images-padded": ("glm4v_moe", "images-padded", 45, {}),
+    "glm4v_moe-images-ulysses": ("glm4v_moe", "images", 40, {"ulysses": 2}),
+    "glm4v_moe-padded": ("glm4v_moe", "padded", 40, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
