@@ -5,12 +5,12 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
 ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
-``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), as are GLM-4.1V (``glm4v``)
-and GLM-4.5V / 4.6V (``glm4v_moe``), InternVL 3 / 3.5 holds a Qwen2, Qwen3, Qwen3-MoE or Llama text model, LLaVA,
-LLaVA-NeXT and LLaVA-NeXT-Video a Llama, Mistral or Qwen2 one, LLaVA-OneVision and FastVLM a Qwen2 one, ViP-LLaVA,
-Video-LLaVA, Perception LM, Idefics3 and SmolVLM a Llama one, Idefics2 a Mistral one, Mistral Small 3.1 / 3.2 are
-``Mistral3ForConditionalGeneration`` and Llama 4 Scout / Maverick ``Llama4ForConditionalGeneration`` (a
-``llama4_text`` causal LM inside), Kimi K2.5 / K2.6
+``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``),
+as are GLM-4.1V (``glm4v``) and GLM-4.5V / 4.6V (``glm4v_moe``, ``glm46v``), InternVL 3 / 3.5 holds a Qwen2,
+Qwen3, Qwen3-MoE or Llama text model, LLaVA, LLaVA-NeXT and LLaVA-NeXT-Video a Llama, Mistral or Qwen2 one,
+LLaVA-OneVision and FastVLM a Qwen2 one, ViP-LLaVA, Video-LLaVA, Perception LM, Idefics3 and SmolVLM a Llama one,
+Idefics2 a Mistral one, Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration`` and Llama 4 Scout / Maverick
+``Llama4ForConditionalGeneration`` (a ``llama4_text`` causal LM inside), Kimi K2.5 / K2.6
 ``Kimi_K25ForConditionalGeneration`` (a DeepSeek-V3 text model), EXAONE 4.5 ``Exaone4_5_ForConditionalGeneration``
 (an EXAONE 4 one), MiniMax M3 ``MiniMaxM3SparseForConditionalGeneration`` (its text model's dense attention layers;
 the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration`` (an LFM3 one), Apertus 1.5
@@ -39,7 +39,8 @@ see each other both ways, one block per row, on every layer, the suffix causally
 causal while patched. What needs care is where the vision features land and how positions are numbered.
 ``shard_batch`` hands such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower
 on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it
-(Qwen-VL's and GLM-4.1V's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the text model
+(Qwen-VL's and GLM-4V's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the
+text model
 (the innermost module of the text config: for Llama 4 the text model inside its causal LM), cuts
 the embeddings, positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard.
 Gradients flow back through that cut, so each rank's vision tower gets the gradient of its own image tokens and the
@@ -121,6 +122,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "deepseek_vl_hybrid": ("llama",),  # DeepSeek-VL 7B (SigLIP and SAM towers)
     "glm4v": ("glm4v_text",),  # GLM-4.1V
     "glm4v_moe": ("glm4v_moe_text",),  # GLM-4.5V, GLM-4.6V
+    "glm46v": ("glm4v_text", "glm4v_moe_text"),  # GLM-4.6V's own class (any GLM-4V text model: AutoModel)
 }
 
 
@@ -167,6 +169,7 @@ IMAGES = (
     "deepseek_vl_hybrid",
     "glm4v",
     "glm4v_moe",
+    "glm46v",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

@@ -183,6 +183,8 @@ def _sub_configs(config) -> list:
         "gemma4",
         "glm4v",
         "glm4v_moe",
+        "glm46v",
+        "glm46v-moe",
         "got_ocr2",
         "idefics2",
         "idefics3",
@@ -336,6 +338,8 @@ def _text_only_batches_and_refused_images(family):
         ("paligemma-gemma2", "images"),
         ("glm4v", "images-padded"),  # multimodal RoPE on half of each head
         ("glm4v_moe", "images"),  # experts
+        ("glm46v", "images-padded"),
+        ("glm46v-moe", "images"),  # its text model GLM-4.5V's (AutoModel)
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

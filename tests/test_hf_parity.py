@@ -300,6 +300,10 @@ CASES = {
     "glm4v_moe-images-padded": ("glm4v_moe", "images-padded", 45, {}),
     "glm4v_moe-images-ulysses": ("glm4v_moe", "images", 40, {"ulysses": 2}),
     "glm4v_moe-padded": ("glm4v_moe", "padded", 40, {}),
+    # GLM-4.6V's class: its text model GLM-4.1V's, or GLM-4.5V's with experts
+    "glm46v-images-padded": ("glm46v", "images-padded", 45, {}),
+    "glm46v-moe-images-padded": ("glm46v-moe", "images-padded", 40, {}),
+    "glm46v-moe-packed": ("glm46v-moe", "packed", 45, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
