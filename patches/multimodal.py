@@ -5,8 +5,8 @@ Transformers loads some of the most fine-tuned checkpoints as vision-language mo
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
 ``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
 ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
-``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``),
-as are GLM-4.1V (``glm4v``) and GLM-4.5V / 4.6V (``glm4v_moe``, ``glm46v``), InternVL 3 / 3.5 holds a Qwen2,
+``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), as are GLM-4.1V (``glm4v``),
+GLM-4.5V / 4.6V (``glm4v_moe``, ``glm46v``) and GLM-OCR (``glm_ocr``), InternVL 3 / 3.5 holds a Qwen2,
 Qwen3, Qwen3-MoE or Llama text model, LLaVA, LLaVA-NeXT and LLaVA-NeXT-Video a Llama, Mistral or Qwen2 one,
 LLaVA-OneVision and FastVLM a Qwen2 one, ViP-LLaVA, Video-LLaVA, Perception LM, Idefics3 and SmolVLM a Llama one,
 Idefics2 a Mistral one, Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration`` and Llama 4 Scout / Maverick
@@ -26,7 +26,7 @@ Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVisi
 Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
-VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V). Their text model attends
+VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR). Their text model attends
 causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
@@ -123,6 +123,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "glm4v": ("glm4v_text",),  # GLM-4.1V
     "glm4v_moe": ("glm4v_moe_text",),  # GLM-4.5V, GLM-4.6V
     "glm46v": ("glm4v_text", "glm4v_moe_text"),  # GLM-4.6V's own class (any GLM-4V text model: AutoModel)
+    "glm_ocr": ("glm_ocr_text",),  # GLM-OCR
 }
 
 
@@ -170,6 +171,7 @@ IMAGES = (
     "glm4v",
     "glm4v_moe",
     "glm46v",
+    "glm_ocr",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -274,6 +276,7 @@ INNER = {
         "qwen3_vl_moe_text": "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextAttention",
         "glm4v_text": "transformers.models.glm4v.modeling_glm4v.Glm4vTextAttention",
         "glm4v_moe_text": "transformers.models.glm4v_moe.modeling_glm4v_moe.Glm4vMoeTextAttention",
+        "glm_ocr_text": "transformers.models.glm_ocr.modeling_glm_ocr.GlmOcrTextAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

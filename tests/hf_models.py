@@ -451,6 +451,8 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "glm46v-moe": ("Glm46VConfig", "Glm46VForConditionalGeneration",
                    {"model_type": "glm4v_moe_text", "rope_parameters": _GLM_ROPE, "n_routed_experts": 4,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1}, _GLM_VISION),
+    # GLM-OCR: GLM-4.1V's images and multimodal RoPE, a text model of its own (no biases in its attention)
+    "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", {"rope_parameters": _GLM_ROPE}, _GLM_VISION),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
@@ -723,7 +725,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen = family.startswith(("qwen", "glm4v", "glm46v"))  # (GLM-4.1V's images are laid out as Qwen-VL's)
+    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr"))  # (GLM-4V's images are laid out as Qwen-VL's)
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens

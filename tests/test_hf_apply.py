@@ -185,6 +185,7 @@ def _sub_configs(config) -> list:
         "glm4v_moe",
         "glm46v",
         "glm46v-moe",
+        "glm_ocr",
         "got_ocr2",
         "idefics2",
         "idefics3",
@@ -340,6 +341,7 @@ def _text_only_batches_and_refused_images(family):
         ("glm4v_moe", "images"),  # experts
         ("glm46v", "images-padded"),
         ("glm46v-moe", "images"),  # its text model GLM-4.5V's (AutoModel)
+        ("glm_ocr", "images-padded"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -304,6 +304,10 @@ CASES = {
     "glm46v-images-padded": ("glm46v", "images-padded", 45, {}),
     "glm46v-moe-images-padded": ("glm46v-moe", "images-padded", 40, {}),
     "glm46v-moe-packed": ("glm46v-moe", "packed", 45, {}),
+    # GLM-OCR: GLM-4.1V's images and multimodal RoPE, a text model of its own
+    "glm_ocr-images-padded": ("glm_ocr", "images-padded", 45, {}),
+    "glm_ocr-images-lora": ("glm_ocr", "images", 40, {"lora": True}),
+    "glm_ocr-plain": ("glm_ocr", "plain", 40, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
