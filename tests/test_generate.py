@@ -231,6 +231,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "llama4-images": ("llama4", "images-padded", {}),  # its text model inside its causal LM keeps the last row
     "paligemma-images": ("paligemma", "images-padded", {}),  # the prefix (images and prompt) both ways in the prefill
     "exaone4_5-images": ("exaone4_5", "images-padded", {}),  # generate passes no positions
+    "glm4v-images": ("glm4v", "images-padded", {}),  # GLM-4.1V's multimodal RoPE (four position rows in decoding)
     "apertus1p5-audio": ("apertus1p5", "audio", {}),  # waveforms (input_values): whole on every rank
 }
 IMAGE_PROMPTS = {name: case for name, case in IMAGE_PROMPTS.items() if in_transformers(case[0])}
