@@ -13,7 +13,8 @@ Idefics2 a Mistral one, Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGene
 ``Kimi_K25ForConditionalGeneration`` (a DeepSeek-V3 text model), EXAONE 4.5 ``Exaone4_5_ForConditionalGeneration``
 (an EXAONE 4 one), MiniMax M3 ``MiniMaxM3SparseForConditionalGeneration`` (its text model's dense attention layers;
 the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration`` (an LFM3 one), Apertus 1.5
-``Apertus1p5ForConditionalGeneration`` (images as discrete codes its text model embeds). Their
+``Apertus1p5ForConditionalGeneration`` (images as discrete codes its text model embeds), HunyuanOCR
+``HunYuanVLForConditionalGeneration`` (a HunYuan dense text model with multimodal RoPE: ``INNER``). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -25,7 +26,7 @@ Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVisi
 Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
-VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus). Their text model attends
+VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, HunyuanOCR). Their text model attends
 causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
@@ -118,6 +119,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "deepseek_vl": ("llama",),  # DeepSeek-VL
     "janus": ("llama",),  # Janus, Janus-Pro (understanding: images in, text out)
     "deepseek_vl_hybrid": ("llama",),  # DeepSeek-VL 7B (SigLIP and SAM towers)
+    "hunyuan_vl": ("hunyuan_vl_text",),  # HunyuanOCR (a HunYuan dense text model, multimodal RoPE)
 }
 
 
@@ -162,6 +164,7 @@ IMAGES = (
     "deepseek_vl",
     "janus",
     "deepseek_vl_hybrid",
+    "hunyuan_vl",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -264,6 +267,7 @@ INNER = {
         "qwen2_5_vl_text": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLAttention",
         "qwen3_vl_text": "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextAttention",
         "qwen3_vl_moe_text": "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextAttention",
+        "hunyuan_vl_text": "transformers.models.hunyuan_vl.modeling_hunyuan_vl.HunYuanVLDenseV1Attention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

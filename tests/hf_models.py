@@ -438,6 +438,14 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                "projection_dim": 64, "num_image_tokens": 4, "mlp_ratio": 1.5}),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
+    # HunyuanOCR: a HunYuan dense text model (QK norm) with 4-axis multimodal RoPE (position, width, height, image);
+    # images of 4 x 4 patches of 16 x 16 x 3, merged 2 x 2 by a convolution, a newline after each of the 2 rows and
+    # begin / end tokens: 8 tokens each
+    "hunyuan_vl": ("HunYuanVLConfig", "HunYuanVLForConditionalGeneration",
+                   {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                        "mrope_section": [2, 2, 2, 2]}},
+                   {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                    "patch_size": 16, "max_image_size": 64}),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
@@ -680,6 +688,7 @@ GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads"
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
+HUNYUAN_VL_IMAGE_TOKENS = 8  # a 4 x 4 patch grid merged 2 x 2, a newline after each row, begin and end: 2 * 3 + 2
 NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 28 x 28 vision tower
 
 
@@ -710,6 +719,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     types = torch.zeros_like(ids)
     qwen = family.startswith("qwen")
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
+    if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
+        per_image = HUNYUAN_VL_IMAGE_TOKENS
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
@@ -739,6 +750,10 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family in ("exaone4_5", "minimax_m3_vl"):  # as Qwen2.5-VL's: 4 x 4 patches of 2 x 14 x 14 x 3, merged 2 x 2
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+    elif family == "hunyuan_vl":  # 4 x 4 patches of 16 x 16 x 3 (one temporal patch); its image span's token types 1
+        extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 16 * 16, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+        extra["mm_token_type_ids"] = types
     elif family == "lfm3_vl":  # 4 x 4 patches of 2 x 16 x 16 x 3, merged 2 x 2: 4 tokens
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 16 * 16, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))

@@ -292,6 +292,9 @@ CASES = {
     # every layer (Gemma; PaliGemma 2's Gemma 2 with its window longer than the prefix and softcaps)
     "paligemma-images-padded": ("paligemma", "images-padded", 45, {}),
     "paligemma-gemma2-images": ("paligemma-gemma2", "images", 40, {}),
+    # HunyuanOCR: a HunYuan dense text model (QK norm), 4-axis multimodal RoPE; 8 tokens per image (row newlines,
+    # begin / end)
+    "hunyuan_vl-images-padded": ("hunyuan_vl", "images-padded", 45, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
