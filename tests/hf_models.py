@@ -438,6 +438,14 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                "projection_dim": 64, "num_image_tokens": 4, "mlp_ratio": 1.5}),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
+    # Granite 4 Vision: a Granite text model (attention, embedding, residual multipliers, logits scaling); a CLIP tower
+    # whose features go through window Q-Formers (deepstack: two vision layers' features added to the image tokens'
+    # hidden states before text layers 0 and 1, 4 spatial groups' before layers 2 to 5); LLaVA-NeXT tiles
+    "granite4_vision": ("Granite4VisionConfig", "Granite4VisionForConditionalGeneration",
+                        {"num_hidden_layers": 6, "attention_multiplier": 0.2, "embedding_multiplier": 3.0,
+                         "residual_multiplier": 0.5, "logits_scaling": 2.0},
+                        {"model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 48,
+                         "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}),
     # HunyuanOCR: a HunYuan dense text model (QK norm) with 4-axis multimodal RoPE (position, width, height, image);
     # images of 4 x 4 patches of 16 x 16 x 3, merged 2 x 2 by a convolution, a newline after each of the 2 rows and
     # begin / end tokens: 8 tokens each
@@ -610,6 +618,15 @@ def make_config(family: str, **overrides):
             top = {"vq_config": JANUS_VQ}
         if family == "deepseek_vl_hybrid":
             top = {"high_res_vision_config": SAM_HIGH_RES}
+        if family == "granite4_vision":  # 4 x 4 patches in one window of 4 x 4, its 2 x 2 queries: 2 x 2 tokens per
+            # tile; its Q-Former one layer (without dropout: random per rank); each text layer given one feature
+            top = {"downsample_rate": "2/4", "deepstack_layer_map": [[-2, 0], [-1, 1]], "spatial_vision_layer": -1,
+                   "spatial_target_layers": [2, 3, 4, 5], "projector_dropout": 0.0,
+                   "qformer_config": {"hidden_size": 64, "num_attention_heads": 1, "encoder_hidden_size": 64,  # (5.17
+                                      # takes them as given; 5.24 sets them from the vision tower's width)
+                                      "num_hidden_layers": 1, "cross_attention_frequency": 1, "intermediate_size": 48,
+                                      "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                                      "use_qformer_text_input": False}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
@@ -666,6 +683,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
         model.config.image_token_index = MEDIA_TOKENS["image_token_id"]  # LLaVA's name for it
         if family in ("llava_next", "llava_next_video", "llava_onevision"):
             model.config.image_grid_pinpoints = NEXT_PINPOINTS
+        if family == "granite4_vision":  # LLaVA-NeXT's tiles, of its 56 x 56 tower
+            model.config.image_grid_pinpoints = GRANITE4_VISION_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
         if family == "apertus1p5":  # its audio placeholder, inside the vocabulary
@@ -690,6 +709,7 @@ GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see e
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
 HUNYUAN_VL_IMAGE_TOKENS = 8  # a 4 x 4 patch grid merged 2 x 2, a newline after each row, begin and end: 2 * 3 + 2
 NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 28 x 28 vision tower
+GRANITE4_VISION_PINPOINTS = [[56, 56], [56, 112]]  # Granite 4 Vision's: a tile's 4 x 4 patches downsampled to 2 x 2
 
 
 _FOUR_TOKENS = ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
@@ -726,7 +746,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         spots = ((0, 3), (0, 21), (1, 17))
     if family.startswith("paligemma"):  # images at the start (row 1 after the padding of "images-padded")
         spots = ((0, 0), (0, 4), (1, 6))
-    tokens = (10, 14, 10)[: len(spots)] if family.startswith("llava_next") else (per_image,) * len(spots)
+    tiled = family.startswith("llava_next") or family == "granite4_vision"
+    tokens = (10, 14, 10)[: len(spots)] if tiled else (per_image,) * len(spots)
     if family == "llava_onevision":  # row 0's two images untiled (batch_num_images): 2 x 2 + a newline each
         tokens = (10,) if kind == "video" else (5, 5, 14)
     for (b, p), n in zip(spots, tokens):
@@ -775,6 +796,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         if kind == "video":  # row 1: 4 frames, each's 2 x 2 features pooled to 1 token (LLaVA-NeXT-Video)
             ids[1, 17:21] = MEDIA_TOKENS["video_token_id"]
             extra["pixel_values_videos"] = torch.randn(1, 4, 3, 28, 28, generator=g)
+    elif family == "granite4_vision":  # as LLaVA-NeXT's, tiles of 56 x 56 (each 2 x 2 tokens after its Q-Formers)
+        extra["pixel_values"] = torch.randn(len(spots), 3, 3, 56, 56, generator=g)
+        extra["image_sizes"] = torch.tensor([[56, 56], [56, 112], [56, 56]][: len(spots)])
     elif family == "ovis2":  # a 28 x 28 image, its 2 x 2 patches in one token, between indicator tokens
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         for b, p in spots:
@@ -1066,14 +1090,15 @@ RTOL_DECAY = 1e-3
 def errors(loss, grads, ref_loss, ref_grads) -> dict:
     names = [n for n in ref_grads if not n.endswith(DECAY_PARAMS)]
     decay = [n for n in ref_grads if n.endswith(DECAY_PARAMS)]
-    # a key bias before a softmax without RoPE (a vision tower's) has a gradient of zero but for rounding (the
-    # softmax does not see it; 7e-13 in Idefics3's), and HunYuan V4's hyper-connection scales one near it (2e-8 of
-    # the largest in its tiny model, measured): they are compared on the scale of the largest gradient
+    # a key bias before a softmax without RoPE (a vision tower's, a Q-Former's attention.key.bias) has a gradient of
+    # zero but for rounding (the softmax does not see it; 7e-13 in Idefics3's), and HunYuan V4's hyper-connection
+    # scales one near it (2e-8 of the largest in its tiny model, measured): they are compared on the scale of the
+    # largest gradient
     top = max(float(g.double().norm()) for g in ref_grads.values())
 
     def err(n):
         ref = ref_grads[n]
-        if n.endswith(("k_proj.bias", "hc.scale")) and float(ref.double().norm()) < 1e-6 * top:
+        if n.endswith(("k_proj.bias", "attention.key.bias", "hc.scale")) and float(ref.double().norm()) < 1e-6 * top:
             return float((grads[n].double() - ref.double()).norm()) / max(top, 1e-30)
         return rel(grads[n], ref)
 

@@ -182,6 +182,7 @@ def _sub_configs(config) -> list:
         "gemma3",
         "gemma4",
         "got_ocr2",
+        "granite4_vision",
         "hunyuan_vl",
         "idefics2",
         "idefics3",
@@ -334,6 +335,7 @@ def _text_only_batches_and_refused_images(family):
         ("paligemma", "images-padded"),  # the prefix (token_type_ids 0) sees itself both ways
         ("paligemma-gemma2", "images"),
         ("hunyuan_vl", "images-padded"),  # 4-axis multimodal RoPE, padding numbered 0
+        ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
