@@ -16,7 +16,8 @@ the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration``
 ``Apertus1p5ForConditionalGeneration`` (images as discrete codes its text model embeds), HunyuanOCR
 ``HunYuanVLForConditionalGeneration`` (a HunYuan dense text model with multimodal RoPE: ``INNER``), Granite 4
 Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision features added before several of its
-layers: ``_family.ShardEmbeddings`` cuts them too). Their
+layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
+ERNIE-4.5-like text model with multimodal RoPE: ``INNER``). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -28,8 +29,8 @@ Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVisi
 Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
-VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, HunyuanOCR, Granite 4 Vision). Their text model attends
-causally over image tokens as over text, so the
+VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, HunyuanOCR, Granite 4 Vision, PaddleOCR-VL). Their text
+model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -124,6 +125,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "deepseek_vl_hybrid": ("llama",),  # DeepSeek-VL 7B (SigLIP and SAM towers)
     "hunyuan_vl": ("hunyuan_vl_text",),  # HunyuanOCR (a HunYuan dense text model, multimodal RoPE)
     "granite4_vision": ("granite4_vision_text",),  # Granite 4 Vision (a Granite text model, deepstack features)
+    "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
 }
 
 
@@ -170,6 +172,7 @@ IMAGES = (
     "deepseek_vl_hybrid",
     "hunyuan_vl",
     "granite4_vision",
+    "paddleocr_vl",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -274,6 +277,7 @@ INNER = {
         "qwen3_vl_text": "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextAttention",
         "qwen3_vl_moe_text": "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextAttention",
         "hunyuan_vl_text": "transformers.models.hunyuan_vl.modeling_hunyuan_vl.HunYuanVLDenseV1Attention",
+        "paddleocr_vl_text": "transformers.models.paddleocr_vl.modeling_paddleocr_vl.PaddleOCRAttention",
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),

@@ -446,6 +446,13 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                          "residual_multiplier": 0.5, "logits_scaling": 2.0},
                         {"model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 48,
                          "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}),
+    # PaddleOCR-VL: an ERNIE-4.5-like text model with Qwen2-VL's multimodal RoPE; a NaViT SigLIP tower, 4 x 4 patches
+    # of 14 x 14 per image merged 2 x 2: 4 tokens between vision start / end
+    "paddleocr_vl": ("PaddleOCRVLConfig", "PaddleOCRVLForConditionalGeneration",
+                     {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                          "mrope_section": [2, 3, 3]}},
+                     {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "patch_size": 14, "image_size": 56}),
     # HunyuanOCR: a HunYuan dense text model (QK norm) with 4-axis multimodal RoPE (position, width, height, image);
     # images of 4 x 4 patches of 16 x 16 x 3, merged 2 x 2 by a convolution, a newline after each of the 2 rows and
     # begin / end tokens: 8 tokens each
@@ -737,7 +744,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen = family.startswith("qwen")
+    qwen = family.startswith("qwen") or family == "paddleocr_vl"  # (PaddleOCR-VL: Qwen2-VL's layout, its own pixels)
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
         per_image = HUNYUAN_VL_IMAGE_TOKENS
@@ -764,6 +771,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             spots = (*spots, (1, 17))
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+        if family == "paddleocr_vl":  # each patch 3 x 14 x 14 (no temporal patch)
+            extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
         extra["mm_token_type_ids"] = types
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]

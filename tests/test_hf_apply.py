@@ -202,6 +202,7 @@ def _sub_configs(config) -> list:
         "minicpmv4_6",
         "mistral3-ministral3",
         "ovis2",
+        "paddleocr_vl",
         "qianfan_ocr",
         "paligemma",
         "paligemma-gemma2",
@@ -336,6 +337,7 @@ def _text_only_batches_and_refused_images(family):
         ("paligemma-gemma2", "images"),
         ("hunyuan_vl", "images-padded"),  # 4-axis multimodal RoPE, padding numbered 0
         ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles
+        ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
