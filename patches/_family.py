@@ -228,7 +228,8 @@ class ShardEmbeddings:
     RoPE) there; this cuts ``inputs_embeds`` and ``position_ids`` (arange when the model passes None, 0 for the
     layout's padding) to the rank's shard, drops ``attention_mask`` (the padding reaches the attention as document
     ids), cuts Gemma 4's ``per_layer_inputs`` and, for Qwen3-VL's deepstack, cuts ``visual_pos_masks`` and picks the
-    rank's rows of ``deepstack_visual_embeds``.
+    rank's rows of ``deepstack_visual_embeds`` (Granite 4 Vision's: ``vision_mask`` and each layer's
+    ``deepstack_features``).
     The cut is an index (``layout.shard``), so gradients flow back to the embeddings and the vision tower."""
 
     def __call__(self, module, args, kwargs):
@@ -266,6 +267,14 @@ class ShardEmbeddings:
             kwargs["visual_pos_masks"] = mine
             take = cut(rows)[mine]
             kwargs["deepstack_visual_embeds"] = [e[take.to(e.device)] for e in kwargs["deepstack_visual_embeds"]]
+        deepstack = kwargs.get("deepstack_features")
+        if isinstance(deepstack, dict) and deepstack:  # Granite 4 Vision: {text layer: rows, one per image token}
+            mask = kwargs["vision_mask"]  # [batch, seq, 1]
+            tokens = mask[..., 0]
+            rows = (tokens.flatten().long().cumsum(0) - 1).view(tokens.shape)
+            take = cut(rows)[cut(tokens)]
+            kwargs["vision_mask"] = cut(mask, dim=1)
+            kwargs["deepstack_features"] = {layer: f[take.to(f.device)] for layer, f in deepstack.items()}
         return args, kwargs
 
 

@@ -14,7 +14,11 @@ Idefics2 a Mistral one, Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGene
 ``Kimi_K25ForConditionalGeneration`` (a DeepSeek-V3 text model), EXAONE 4.5 ``Exaone4_5_ForConditionalGeneration``
 (an EXAONE 4 one), MiniMax M3 ``MiniMaxM3SparseForConditionalGeneration`` (its text model's dense attention layers;
 the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration`` (an LFM3 one), Apertus 1.5
-``Apertus1p5ForConditionalGeneration`` (images as discrete codes its text model embeds). Their
+``Apertus1p5ForConditionalGeneration`` (images as discrete codes its text model embeds), HunyuanOCR
+``HunYuanVLForConditionalGeneration`` (a HunYuan dense text model with multimodal RoPE: ``INNER``), Granite 4
+Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision features added before several of its
+layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
+ERNIE-4.5-like text model with multimodal RoPE: ``INNER``). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -26,8 +30,8 @@ Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVisi
 Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
-VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR). Their text model attends
-causally over image tokens as over text, so the
+VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
+Vision, PaddleOCR-VL). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -54,7 +58,8 @@ A wrapper added text-only would refuse images: a call with them (``pixel_values`
 cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
 whole, the audio features merged on the whole sequence, its audio tokens attending causally.
 Gemma 4's head softcaps its
-logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss); Gemma 3's
+logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss), Granite 4
+Vision's divides them by its ``logits_scaling``; Gemma 3's
 and Mistral 3's apply nothing, nor do Aya Vision's and Command A Vision's (``cohere2_vision``), though their Cohere2
 text config has a ``logit_scale`` (which ``Cohere2ForCausalLM`` applies).
 """
@@ -124,6 +129,9 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "glm4v_moe": ("glm4v_moe_text",),  # GLM-4.5V, GLM-4.6V
     "glm46v": ("glm4v_text", "glm4v_moe_text"),  # GLM-4.6V's own class (any GLM-4V text model: AutoModel)
     "glm_ocr": ("glm_ocr_text",),  # GLM-OCR
+    "hunyuan_vl": ("hunyuan_vl_text",),  # HunyuanOCR (a HunYuan dense text model, multimodal RoPE)
+    "granite4_vision": ("granite4_vision_text",),  # Granite 4 Vision (a Granite text model, deepstack features)
+    "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
 }
 
 
@@ -172,6 +180,9 @@ IMAGES = (
     "glm4v_moe",
     "glm46v",
     "glm_ocr",
+    "hunyuan_vl",
+    "granite4_vision",
+    "paddleocr_vl",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -256,6 +267,7 @@ BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "paligemma": _pali
 LOGIT_TRANSFORMS = {
     "gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"],
     "paligemma": generic.LOGIT_TRANSFORMS["gemma2"],  # (a Gemma text config has no softcap: none)
+    "granite4_vision": generic.LOGIT_TRANSFORMS["granite"],  # its head divides by the text config's logits_scaling
 }
 """What a vision-language head does to the logits, read from the text config (Gemma 4's and PaliGemma 2's heads
 softcap them as their text models' do; Gemma 3's does not)."""
@@ -277,6 +289,11 @@ INNER = {
         "glm4v_text": "transformers.models.glm4v.modeling_glm4v.Glm4vTextAttention",
         "glm4v_moe_text": "transformers.models.glm4v_moe.modeling_glm4v_moe.Glm4vMoeTextAttention",
         "glm_ocr_text": "transformers.models.glm_ocr.modeling_glm_ocr.GlmOcrTextAttention",
+        "hunyuan_vl_text": "transformers.models.hunyuan_vl.modeling_hunyuan_vl.HunYuanVLDenseV1Attention",
+        "paddleocr_vl_text": "transformers.models.paddleocr_vl.modeling_paddleocr_vl.PaddleOCRAttention",
+        "granite4_vision_text": (
+            "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
+        ),
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

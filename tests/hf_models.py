@@ -455,6 +455,29 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", {"rope_parameters": _GLM_ROPE}, _GLM_VISION),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
                   _SIGLIP),
+    # Granite 4 Vision: a Granite text model (attention, embedding, residual multipliers, logits scaling); a CLIP tower
+    # whose features go through window Q-Formers (deepstack: two vision layers' features added to the image tokens'
+    # hidden states before text layers 0 and 1, 4 spatial groups' before layers 2 to 5); LLaVA-NeXT tiles
+    "granite4_vision": ("Granite4VisionConfig", "Granite4VisionForConditionalGeneration",
+                        {"num_hidden_layers": 6, "attention_multiplier": 0.2, "embedding_multiplier": 3.0,
+                         "residual_multiplier": 0.5, "logits_scaling": 2.0},
+                        {"model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 48,
+                         "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}),
+    # PaddleOCR-VL: an ERNIE-4.5-like text model with Qwen2-VL's multimodal RoPE; a NaViT SigLIP tower, 4 x 4 patches
+    # of 14 x 14 per image merged 2 x 2: 4 tokens between vision start / end
+    "paddleocr_vl": ("PaddleOCRVLConfig", "PaddleOCRVLForConditionalGeneration",
+                     {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                          "mrope_section": [2, 3, 3]}},
+                     {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "patch_size": 14, "image_size": 56}),
+    # HunyuanOCR: a HunYuan dense text model (QK norm) with 4-axis multimodal RoPE (position, width, height, image);
+    # images of 4 x 4 patches of 16 x 16 x 3, merged 2 x 2 by a convolution, a newline after each of the 2 rows and
+    # begin / end tokens: 8 tokens each
+    "hunyuan_vl": ("HunYuanVLConfig", "HunYuanVLForConditionalGeneration",
+                   {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                        "mrope_section": [2, 2, 2, 2]}},
+                   {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                    "patch_size": 16, "max_image_size": 64}),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
@@ -619,6 +642,15 @@ def make_config(family: str, **overrides):
             top = {"vq_config": JANUS_VQ}
         if family == "deepseek_vl_hybrid":
             top = {"high_res_vision_config": SAM_HIGH_RES}
+        if family == "granite4_vision":  # 4 x 4 patches in one window of 4 x 4, its 2 x 2 queries: 2 x 2 tokens per
+            # tile; its Q-Former one layer (without dropout: random per rank); each text layer given one feature
+            top = {"downsample_rate": "2/4", "deepstack_layer_map": [[-2, 0], [-1, 1]], "spatial_vision_layer": -1,
+                   "spatial_target_layers": [2, 3, 4, 5], "projector_dropout": 0.0,
+                   "qformer_config": {"hidden_size": 64, "num_attention_heads": 1, "encoder_hidden_size": 64,  # (5.17
+                                      # takes them as given; 5.24 sets them from the vision tower's width)
+                                      "num_hidden_layers": 1, "cross_attention_frequency": 1, "intermediate_size": 48,
+                                      "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                                      "use_qformer_text_input": False}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
@@ -675,6 +707,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
         model.config.image_token_index = MEDIA_TOKENS["image_token_id"]  # LLaVA's name for it
         if family in ("llava_next", "llava_next_video", "llava_onevision"):
             model.config.image_grid_pinpoints = NEXT_PINPOINTS
+        if family == "granite4_vision":  # LLaVA-NeXT's tiles, of its 56 x 56 tower
+            model.config.image_grid_pinpoints = GRANITE4_VISION_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
         if family == "apertus1p5":  # its audio placeholder, inside the vocabulary
@@ -697,7 +731,9 @@ GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads"
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
+HUNYUAN_VL_IMAGE_TOKENS = 8  # a 4 x 4 patch grid merged 2 x 2, a newline after each row, begin and end: 2 * 3 + 2
 NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 28 x 28 vision tower
+GRANITE4_VISION_PINPOINTS = [[56, 56], [56, 112]]  # Granite 4 Vision's: a tile's 4 x 4 patches downsampled to 2 x 2
 
 
 _FOUR_TOKENS = ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
@@ -725,14 +761,17 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr"))  # (GLM-4V's images are laid out as Qwen-VL's)
+    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family == "paddleocr_vl"  # (Qwen-VL's layout)
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
+    if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
+        per_image = HUNYUAN_VL_IMAGE_TOKENS
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
     if family.startswith("paligemma"):  # images at the start (row 1 after the padding of "images-padded")
         spots = ((0, 0), (0, 4), (1, 6))
-    tokens = (10, 14, 10)[: len(spots)] if family.startswith("llava_next") else (per_image,) * len(spots)
+    tiled = family.startswith("llava_next") or family == "granite4_vision"
+    tokens = (10, 14, 10)[: len(spots)] if tiled else (per_image,) * len(spots)
     if family == "llava_onevision":  # row 0's two images untiled (batch_num_images): 2 x 2 + a newline each
         tokens = (10,) if kind == "video" else (5, 5, 14)
     for (b, p), n in zip(spots, tokens):
@@ -749,6 +788,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             spots = (*spots, (1, 17))
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+        if family == "paddleocr_vl":  # each patch 3 x 14 x 14 (no temporal patch)
+            extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
         extra["mm_token_type_ids"] = types
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
@@ -756,6 +797,10 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family in ("exaone4_5", "minimax_m3_vl"):  # as Qwen2.5-VL's: 4 x 4 patches of 2 x 14 x 14 x 3, merged 2 x 2
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+    elif family == "hunyuan_vl":  # 4 x 4 patches of 16 x 16 x 3 (one temporal patch); its image span's token types 1
+        extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 16 * 16, generator=g)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+        extra["mm_token_type_ids"] = types
     elif family == "lfm3_vl":  # 4 x 4 patches of 2 x 16 x 16 x 3, merged 2 x 2: 4 tokens
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 16 * 16, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
@@ -777,6 +822,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         if kind == "video":  # row 1: 4 frames, each's 2 x 2 features pooled to 1 token (LLaVA-NeXT-Video)
             ids[1, 17:21] = MEDIA_TOKENS["video_token_id"]
             extra["pixel_values_videos"] = torch.randn(1, 4, 3, 28, 28, generator=g)
+    elif family == "granite4_vision":  # as LLaVA-NeXT's, tiles of 56 x 56 (each 2 x 2 tokens after its Q-Formers)
+        extra["pixel_values"] = torch.randn(len(spots), 3, 3, 56, 56, generator=g)
+        extra["image_sizes"] = torch.tensor([[56, 56], [56, 112], [56, 56]][: len(spots)])
     elif family == "ovis2":  # a 28 x 28 image, its 2 x 2 patches in one token, between indicator tokens
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         for b, p in spots:
@@ -1068,14 +1116,15 @@ RTOL_DECAY = 1e-3
 def errors(loss, grads, ref_loss, ref_grads) -> dict:
     names = [n for n in ref_grads if not n.endswith(DECAY_PARAMS)]
     decay = [n for n in ref_grads if n.endswith(DECAY_PARAMS)]
-    # a key bias before a softmax without RoPE (a vision tower's) has a gradient of zero but for rounding (the
-    # softmax does not see it; 7e-13 in Idefics3's), and HunYuan V4's hyper-connection scales one near it (2e-8 of
-    # the largest in its tiny model, measured): they are compared on the scale of the largest gradient
+    # a key bias before a softmax without RoPE (a vision tower's, a Q-Former's attention.key.bias) has a gradient of
+    # zero but for rounding (the softmax does not see it; 7e-13 in Idefics3's), and HunYuan V4's hyper-connection
+    # scales one near it (2e-8 of the largest in its tiny model, measured): they are compared on the scale of the
+    # largest gradient
     top = max(float(g.double().norm()) for g in ref_grads.values())
 
     def err(n):
         ref = ref_grads[n]
-        if n.endswith(("k_proj.bias", "hc.scale")) and float(ref.double().norm()) < 1e-6 * top:
+        if n.endswith(("k_proj.bias", "attention.key.bias", "hc.scale")) and float(ref.double().norm()) < 1e-6 * top:
             return float((grads[n].double() - ref.double()).norm()) / max(top, 1e-30)
         return rel(grads[n], ref)
 

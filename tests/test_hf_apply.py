@@ -187,6 +187,8 @@ def _sub_configs(config) -> list:
         "glm46v-moe",
         "glm_ocr",
         "got_ocr2",
+        "granite4_vision",
+        "hunyuan_vl",
         "idefics2",
         "idefics3",
         "kimi_k25",
@@ -205,6 +207,7 @@ def _sub_configs(config) -> list:
         "minicpmv4_6",
         "mistral3-ministral3",
         "ovis2",
+        "paddleocr_vl",
         "qianfan_ocr",
         "paligemma",
         "paligemma-gemma2",
@@ -342,6 +345,9 @@ def _text_only_batches_and_refused_images(family):
         ("glm46v", "images-padded"),
         ("glm46v-moe", "images"),  # its text model GLM-4.5V's (AutoModel)
         ("glm_ocr", "images-padded"),
+        ("hunyuan_vl", "images-padded"),  # 4-axis multimodal RoPE, padding numbered 0
+        ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles
+        ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -308,6 +308,15 @@ CASES = {
     "glm_ocr-images-padded": ("glm_ocr", "images-padded", 45, {}),
     "glm_ocr-images-lora": ("glm_ocr", "images", 40, {"lora": True}),
     "glm_ocr-plain": ("glm_ocr", "plain", 40, {}),
+    # HunyuanOCR: a HunYuan dense text model (QK norm), 4-axis multimodal RoPE; 8 tokens per image (row newlines,
+    # begin / end)
+    "hunyuan_vl-images-padded": ("hunyuan_vl", "images-padded", 45, {}),
+    # Granite 4 Vision: a Granite text model (multipliers, logits scaling); the image tokens' embeddings zeroed and
+    # window Q-Former features of several vision layers added before text layers 0 and 1 (deepstack), LLaVA-NeXT tiles
+    "granite4_vision-images-padded": ("granite4_vision", "images-padded", 45, {}),
+    "granite4_vision-images-lora": ("granite4_vision", "images", 40, {"lora": True}),
+    # PaddleOCR-VL: an ERNIE-4.5-like text model with Qwen2-VL's multimodal RoPE, a NaViT SigLIP tower
+    "paddleocr_vl-images-padded": ("paddleocr_vl", "images-padded", 45, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
