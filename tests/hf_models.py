@@ -890,54 +890,48 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         types[:] = 1
         types[0, :14] = 0
         types[1, :16] = 0  # (its first 6 tokens: padding in "images-padded", of type 0 as the tokenizer pads)
-    labels = ids.masked_fill(ids >= VOCAB, -100)
-    labels[:, :3] = -100
+    labels, mask = _labels_and_padding(ids, 6 if kind == "images-padded" else 0)
     if family.startswith("paligemma"):  # the processor's labels: the suffix only
         labels[types == 0] = -100
     batch = {"input_ids": ids, "labels": labels, **extra}
     if kind == "images-padded":
-        mask = torch.ones_like(ids)
-        mask[1, :6] = 0
-        ids[mask == 0] = PAD_ID
-        # the last pad would predict the first token: shard_batch ignores a prediction made at padding
-        labels[1, :7] = -100
         batch["attention_mask"] = mask
     return batch
+
+
+def _labels_and_padding(ids: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(labels, attention_mask)`` of a two-row batch with media: media tokens (ids >= VOCAB) and each row's first
+    3 tokens ignored, row 1 left-padded by ``pad`` tokens (their ids set to PAD_ID in place). The last pad would
+    predict the first token: shard_batch ignores a prediction made at padding, so that label is ignored too."""
+    labels = ids.masked_fill(ids >= VOCAB, -100)
+    labels[:, :3] = -100
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    ids[mask == 0] = PAD_ID
+    labels[1, : pad + 1] = -100
+    return labels, mask
 
 
 def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = None) -> tuple[dict, dict]:
     """``(batch for shard_batch, batch for the unmodified model)``; they differ only for padded batches. Kinds
     "images", "images-padded" and "video" are a vision-language ``family``'s (its model made with ``images=True``)."""
     g = torch.Generator().manual_seed(seed)
-    if kind == "audio" and family == "apertus1p5":  # waveforms of 64 and 48 samples (right-padded): 16 and 12 codes
+    if kind == "audio":  # row 1 left-padded by 3
         ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
-        ids[0, 5:21] = AUDIO_TOKEN
-        ids[1, 9:21] = AUDIO_TOKEN
-        labels = ids.masked_fill(ids >= VOCAB, -100)
-        labels[:, :3] = -100
-        mask = torch.ones_like(ids)
-        mask[1, :3] = 0
-        ids[mask == 0] = PAD_ID
-        labels[1, :4] = -100
-        samples = torch.ones(2, 64, dtype=torch.long)
-        samples[1, 48:] = 0
-        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask,
-                 "input_values": torch.randn(2, 1, 64, generator=g), "padding_mask": samples}  # fmt: skip
-        return batch, batch
-    if kind == "audio":  # Gemma 4: three clips of 32 frames (8 tokens each), row 1 left-padded by 3
-        ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
-        for b, p in _IMAGE_SPOTS:
-            ids[b, p : p + 8] = AUDIO_TOKEN
-        labels = ids.masked_fill(ids >= VOCAB, -100)
-        labels[:, :3] = -100
-        mask = torch.ones_like(ids)
-        mask[1, :3] = 0
-        ids[mask == 0] = PAD_ID
-        labels[1, :4] = -100
-        clips = len(_IMAGE_SPOTS)
-        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask,
-                 "input_features": torch.randn(clips, 32, 128, generator=g),
-                 "input_features_mask": torch.ones(clips, 32, dtype=torch.bool)}  # fmt: skip
+        apertus = family == "apertus1p5"  # waveforms of 64 and 48 samples (right-padded): 16 and 12 codes
+        spans = ((0, 5, 16), (1, 9, 12)) if apertus else [(b, p, 8) for b, p in _IMAGE_SPOTS]  # Gemma 4: 32 frames
+        for b, p, n in spans:
+            ids[b, p : p + n] = AUDIO_TOKEN
+        labels, mask = _labels_and_padding(ids, 3)
+        if apertus:
+            samples = torch.ones(2, 64, dtype=torch.long)
+            samples[1, 48:] = 0
+            media = {"input_values": torch.randn(2, 1, 64, generator=g), "padding_mask": samples}
+        else:  # three clips of 32 frames of 128 mel bins
+            clips = len(_IMAGE_SPOTS)
+            media = {"input_features": torch.randn(clips, 32, 128, generator=g),
+                     "input_features_mask": torch.ones(clips, 32, dtype=torch.bool)}  # fmt: skip
+        batch = {"input_ids": ids, "labels": labels, "attention_mask": mask, **media}
         return batch, batch
     if kind in ("images", "images-padded", "video"):
         batch = _media_batch(kind, seq_len, family, g)
