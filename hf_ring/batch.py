@@ -22,6 +22,9 @@ rank's shard (``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every
 is per image (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
 (``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys.
 A text batch's token types (a vision-language processor's, all zeros) are sharded as ``input_ids``.
+A batch whose images enter by cross-attention (Llama 3.2 Vision: it carries a ``cross_attention_mask`` per token,
+``CROSS_KEYS``) is sharded as text, its cross-attention mask with it; its images and their keys go whole to every
+rank, where the cross-attention layers attend to them locally.
 
 No communication happens here: every rank shards the same full batch (it must be identical on every
 rank of the group), so every error is raised on every rank before any collective.
@@ -46,7 +49,7 @@ from .layout import (
 )
 
 __all__ = ["shard_batch", "shard_for", "reduce_loss", "carries", "multimodal", "per_token_key", "IGNORE_INDEX",
-           "MEDIA_KEYS", "PER_IMAGE_KEYS"]  # fmt: skip
+           "CROSS_KEYS", "MEDIA_KEYS", "PER_IMAGE_KEYS"]  # fmt: skip
 
 IGNORE_INDEX = -100
 
@@ -61,6 +64,10 @@ PER_IMAGE_KEYS = (*MEDIA_KEYS, "pixel_attention_mask", "spatial_shapes", "image_
 """Keys processors give per image, video or clip, never per token, whatever their shape (LFM2-VL's patches
 ``[images, max patches, ...]`` may have the shape of ``input_ids`` in their first two dimensions): passed on whole."""
 
+CROSS_KEYS = ("cross_attention_mask",)
+"""Per-token keys of a batch whose images enter by cross-attention (Mllama's ``[batch, seq, images, tiles]``: which
+images each token sees): sharded with the sequence (padding sees no image), the batch's text too."""
+
 ENCODED_KEY = "mm_encoder_outputs"
 """Transformers' vision features computed ahead of the forward (``generate()`` passes them in place of the pixels
 since 5.24): a batch carrying them is multimodal too."""
@@ -69,7 +76,7 @@ since 5.24): a batch carrying them is multimodal too."""
 def per_token_key(key: str, value, shape: tuple) -> bool:
     """A key of a batch with images that looks per-token (a tensor with the shape of ``input_ids`` in its first two
     dimensions) and is neither a token type (padded as ``input_ids``) nor a per-image key (``PER_IMAGE_KEYS``)."""
-    known = key in _TOKEN_TYPE_KEYS or key in PER_IMAGE_KEYS
+    known = key in _TOKEN_TYPE_KEYS or key in PER_IMAGE_KEYS or key in CROSS_KEYS
     return not known and isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == shape
 
 
@@ -102,7 +109,7 @@ def _validate(batch) -> tuple:
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_batch expects a dict of tensors from a collator, got {type(batch).__name__}")
     media = multimodal(batch)
-    unknown = sorted(set(batch) - set(_SEQUENCE_KEYS) - set(_PACKING_KEYS))
+    unknown = sorted(set(batch) - set(_SEQUENCE_KEYS) - set(_PACKING_KEYS) - set(CROSS_KEYS))
     if not media:  # a vision-language processor's text batch carries its (all-zero) token types: sharded as input_ids
         unknown = [k for k in unknown if k not in _TOKEN_TYPE_KEYS]
     if unknown and not media:
@@ -143,6 +150,11 @@ def _validate(batch) -> tuple:
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"shard_batch: {name} must have the shape of input_ids {shape}, got {got}")
+    for name in CROSS_KEYS:
+        t = batch.get(name)
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"shard_batch: {name} must be [batch, seq_len, ...] as input_ids {shape}, got {got}")
     if pos is not None:
         if not isinstance(pos, torch.Tensor):
             raise ValueError(
@@ -170,6 +182,11 @@ def _validate(batch) -> tuple:
     return input_ids, labels, mask, pos, media
 
 
+def _pad_tokens(x: torch.Tensor, pad: int) -> torch.Tensor:
+    """``x`` [batch, seq, ...] with ``pad`` zeros after its tokens (dimension 1)."""
+    return torch.cat([x, x.new_zeros((x.shape[0], pad, *x.shape[2:]))], dim=1) if pad else x
+
+
 def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: bool = True) -> dict:
     """This rank's shard of a full-sequence batch, as keyword arguments for ``model(**local)``.
 
@@ -194,7 +211,8 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         ``ring_shard_info``: a ``ShardInfo`` (layout, group size, rank, padded length) that the
         attention checks against ``apply_ring_attention``'s settings; ``use_cache=False``. A batch with
         images or video keeps ``input_ids`` [batch, padded seq_len] whole (with ``attention_mask`` when
-        anything is padding), passes its media keys on and has no ``position_ids``; the labels are sharded.
+        anything is padding), passes its media keys on and has no ``position_ids``; the labels are sharded. One with
+        a ``cross_attention_mask`` (images by cross-attention) is sharded as text, that mask too, its media whole.
 
     Warning:
         ``labels`` in the output are ALREADY SHIFTED (``labels[:, i]`` is the target of token i, equal to
@@ -211,6 +229,7 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
     where no process group exists (a DataLoader worker started with ``spawn`` or ``forkserver``)."""
     check_layout(layout)
     input_ids, labels, mask, pos, media = _validate(batch)
+    whole = media and all(batch.get(k) is None for k in CROSS_KEYS)  # (images by cross-attention: the text sharded)
     b, s = input_ids.shape
     m = required_multiple(layout, world)
     pad = -s % m
@@ -243,7 +262,7 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
         local[name] = shard(x, dim=1, rank=rank, world_size=world, layout=layout)
 
     ids = torch.nn.functional.pad(input_ids, (0, pad), value=0) if pad else input_ids
-    if media:  # the whole inputs: the model's text model cuts its embeddings and positions (ShardInfo.whole_inputs)
+    if whole:  # the whole inputs: the model's text model cuts its embeddings and positions (ShardInfo.whole_inputs)
         local["input_ids"] = ids
         if padded:  # the model's multimodal positions skip padding as they do unsharded
             local["attention_mask"] = valid.to(device=dev, dtype=mask.dtype if mask is not None else torch.long)
@@ -254,9 +273,11 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
     else:
         put("input_ids", ids)
         put("position_ids", pos)
-        for key in _TOKEN_TYPE_KEYS:
+        for key in (*_TOKEN_TYPE_KEYS, *CROSS_KEYS):
             if batch.get(key) is not None:
-                put(key, torch.nn.functional.pad(batch[key], (0, pad), value=0))
+                put(key, _pad_tokens(batch[key], pad))
+        if media:  # images by cross-attention: every rank's layers attend to all of them
+            local.update((k, v) for k, v in batch.items() if k not in (*_SEQUENCE_KEYS, *_TOKEN_TYPE_KEYS, *CROSS_KEYS))
     if labels is not None:
         full = torch.full((b, s + pad), IGNORE_INDEX, dtype=torch.long, device=labels.device)
         full[:, : s - 1] = labels[:, 1:]
@@ -269,7 +290,7 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
     # present even when None: tells the attention function that packing and padding are resolved
     local[DOCUMENT_IDS_KWARG] = torch.where(valid, docs, -1).to(torch.int32) if packed or padded else None
     local[SHARD_INFO_KWARG] = ShardInfo(
-        layout=layout, world_size=world, rank=rank, seq_len=s + pad, whole_inputs=media, pad=pad
+        layout=layout, world_size=world, rank=rank, seq_len=s + pad, whole_inputs=whole, pad=pad
     )
     return local
 

@@ -64,6 +64,7 @@ __all__ = [
     "CONFIG_ATTR",
     "BLOCK_IDS_KWARG",
     "DOCUMENT_IDS_KWARG",
+    "LOCAL_ATTR",
     "RingBlocks",
     "RingConfig",
     "PACKED_WITH_MIXERS",
@@ -101,6 +102,10 @@ DECODE_KWARG = "ring_cache"
 
 CONFIG_ATTR = "hf_ring_config"
 """Attribute of each patched attention module holding its ``RingConfig``."""
+
+LOCAL_ATTR = "hf_ring_local_attention"
+"""Attribute of an attention module that attends locally, not through the ring (Mllama's cross-attention, whose keys
+are image features every rank holds whole), holding the implementation the model had before hf_ring, which runs it."""
 
 TEMPERATURE_ATTR = "hf_ring_temperature"
 """Attribute of a patched attention module whose queries this function scales by their global index
@@ -574,6 +579,9 @@ def ring_attention_forward(
     Returns:
         ``(out, None)``, out: [batch, local_seq, q_heads, v_head_dim] in query's dtype.
     """
+    local = getattr(module, LOCAL_ATTR, None)
+    if local is not None:
+        return _attend_locally(local, module, query, key, value, attention_mask, scaling, dropout, kwargs)
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
     unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"), cfg)
     if unknown:
@@ -688,6 +696,18 @@ def ring_attention_forward(
         timeout=cfg.timeout,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_locally(implementation: str, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """A cross-attention call: the rank's queries against keys that are not the sequence's (image features, the same
+    on every rank), as unsharded, by the implementation the model had (SDPA where that was eager: the same up to
+    rounding; its cross-attention mask comes per local token, cut with the batch)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    run = ALL_ATTENTION_FUNCTIONS["sdpa" if implementation not in ALL_ATTENTION_FUNCTIONS else implementation]
+    own = (DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, POSITIONS_KWARG, BLOCK_IDS_KWARG, DECODE_KWARG)
+    kwargs = {k: v for k, v in kwargs.items() if k not in own}
+    return run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_window, kwargs) -> torch.Tensor:

@@ -38,6 +38,7 @@ from ..hf_attention import (
     BATCH_DOCUMENT_KWARGS,
     BLOCK_IDS_KWARG,
     CONFIG_ATTR,
+    LOCAL_ATTR,
     POSITIONS_KWARG,
     SHARD_INFO_KWARG,
     RingConfig,
@@ -188,17 +189,31 @@ class TextOnly:
     tokens, or both ways within an image: ``BlockIds``; ``ShardEmbeddings``); a batch carrying them must then come
     whole from ``shard_batch`` (``ShardInfo.whole_inputs``) whenever ``group`` (the ring's) has more than one rank,
     else it raises: inputs cut some other way would leave each rank's image tokens and features unmatched, and only
-    some ranks would raise. Gemma 4's audio (``input_features``) goes the same way as its images."""
+    some ranks would raise. Gemma 4's audio (``input_features``) goes the same way as its images.
 
-    def __init__(self, name: str, media: tuple, images: bool = False, group=None):
+    ``cross``: the images reach the text model by cross-attention (Mllama), not as tokens, so the text is sharded
+    as any text (``shard_batch`` does so for a batch with a ``cross_attention_mask``) and the images go whole to
+    every rank; a batch made whole for the model to cut (``ShardInfo.whole_inputs``) raises."""
+
+    def __init__(self, name: str, media: tuple, images: bool = False, group=None, cross: bool = False):
         self.name = name
         self.media = media
         self.images = images
         self.group = group
+        self.cross = cross
 
     def __call__(self, module, args, kwargs) -> None:
         named = _named(module, args, kwargs)
         given = [k for k in self.media if carries(named.get(k))]
+        if self.images and self.cross:
+            info = named.get(SHARD_INFO_KWARG)
+            if given and isinstance(info, ShardInfo) and info.whole_inputs:
+                raise ValueError(
+                    f"{self.name}: the batch carries {', '.join(given)} without a cross_attention_mask, so shard_batch "
+                    "kept its input_ids whole; this model's images enter by cross-attention: pass the batch as its "
+                    "processor makes it, cross_attention_mask included, and shard_batch shards the text"
+                )
+            return
         if self.images:
             info = named.get(SHARD_INFO_KWARG)
             whole = info.whole_inputs if isinstance(info, ShardInfo) else group_rank_and_size(self.group)[1] == 1
@@ -301,7 +316,8 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
     from transformers import PreTrainedModel
 
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-    text = top.config.get_text_config() if text_only is not None and text_only.images else None
+    cuts = text_only is not None and text_only.images and not text_only.cross  # (cross-attention: the text sharded)
+    text = top.config.get_text_config() if cuts else None
     # the innermost module of the text config inside the wrapper cuts (Llama 4: the text model inside its causal LM,
     # which passes the embeddings on by keyword), so the hidden states it returns are the shard's
     inner = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m is not top and m.config is text]
@@ -390,6 +406,10 @@ class FamilyPatch:
     # DeepSeek sparse attention: the family's attention modules have an indexer, whose top-k the attention function
     # takes over the whole sequence (``patches._sparse``, ``hf_ring.sparse``)
     sparse: bool = False
+    # the family's cross-attention class (Mllama's, attending to image features that every rank holds whole): its
+    # modules attend locally, by the implementation the model had (``hf_attention.LOCAL_ATTR``); a vision-language
+    # family with one takes its images beside sharded text (``TextOnly.cross``); None: no cross-attention
+    local_attention_class: str | None = None
 
     def cache_type(self) -> type | None:
         return None if self.cache_class is None else _class(self.cache_class)
@@ -401,6 +421,13 @@ class FamilyPatch:
         if self.attention_class is None:
             return []
         cls = self.attention_type()
+        return [m for m in model.modules() if isinstance(m, cls)]
+
+    def local_modules(self, model: torch.nn.Module) -> list:
+        """The model's cross-attention modules (none for a family without ``local_attention_class``)."""
+        if self.local_attention_class is None:
+            return []
+        cls = _class(self.local_attention_class)
         return [m for m in model.modules() if isinstance(m, cls)]
 
     def linear_modules(self, model: torch.nn.Module) -> list:
@@ -457,6 +484,8 @@ class FamilyPatch:
             cfg = dataclasses.replace(cfg, plans=cfg.plans or PlanCache(), mixers=bool(mixers))
         for m in (*modules, *mixers):  # (ring_generate finds the config on any of them)
             setattr(m, CONFIG_ATTR, cfg)
+        for m in self.local_modules(model):
+            setattr(m, LOCAL_ATTR, original)
         _rope.remove(model)
         _rope.install(rotaries, cfg)
         _temperature.remove(model)
@@ -470,7 +499,8 @@ class FamilyPatch:
             _lend.install(model, modules)
         linear.remove(model)
         linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)  # (after _lend.remove: its hooks too)
-        text_only = TextOnly(self.name, self.media, self.images, cfg.group) if self.media else None
+        cross = bool(self.local_modules(model))
+        text_only = TextOnly(self.name, self.media, self.images, cfg.group, cross=cross) if self.media else None
         _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
         setattr(model, ORIGINAL_ATTR, original)
         return model
@@ -488,6 +518,9 @@ class FamilyPatch:
         for m in (*self.attention_modules(model), *self.linear_modules(model)):
             if hasattr(m, CONFIG_ATTR):
                 delattr(m, CONFIG_ATTR)
+        for m in self.local_modules(model):
+            if hasattr(m, LOCAL_ATTR):
+                delattr(m, LOCAL_ATTR)
         _rope.remove(model)
         _temperature.remove(model)
         _shared_kv.remove(model)

@@ -40,7 +40,7 @@ from __future__ import annotations
 from ._family import FamilyPatch, LogitTransform, check_layer_types, check_window
 
 __all__ = [
-    "ALIASES", "CACHE_CLASSES", "CHECKS", "FAMILIES", "LENDS_ATTENTION_KWARGS", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
+    "ALIASES", "CACHE_CLASSES", "CHECKS", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
     "check_llama4", "check_minimax", "check_sparse",
@@ -127,6 +127,7 @@ FAMILIES = {
     "minimax": "transformers.models.minimax.modeling_minimax.MiniMaxAttention",
     "minicpm3": "transformers.models.minicpm3.modeling_minicpm3.MiniCPM3Attention",
     "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2Attention",
+    "mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextSelfAttention",
     "minimax_m3_vl_text": "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLAttention",
     "ministral": "transformers.models.ministral.modeling_ministral.MinistralAttention",
     "ministral3": "transformers.models.ministral3.modeling_ministral3.Ministral3Attention",
@@ -325,8 +326,14 @@ LENDS_MIXER_KWARGS = {"jamba": "layer", "mamba": "model", "falcon_mamba": "model
 with the mask alone) beside the mask (``Lent``); Mamba2's causal LM to its backbone, which unpacks them and passes
 them on (``UnpackLent``)."""
 
+CROSS_ATTENTION = {"mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextCrossAttention"}
+"""Families with cross-attention layers (Llama 3.2 Vision's text model, attending to the image features every rank
+holds whole): their modules attend locally, by the model's own implementation (``FamilyPatch.local_attention_class``)."""
+
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
+    "mllama_text_model": "its cross-attention layers keep the image features' keys and values in the KV cache, which "
+    "the sharded cache does not hold",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 
@@ -374,6 +381,7 @@ PATCHES = {
         cache_class=CACHE_CLASSES.get(model_type),
         lend_mixer_kwargs=LENDS_MIXER_KWARGS.get(model_type),
         sparse=model_type in SPARSE,
+        local_attention_class=CROSS_ATTENTION.get(model_type),
     )
     for model_type, path in FAMILIES.items()
 }

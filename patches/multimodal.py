@@ -132,6 +132,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "hunyuan_vl": ("hunyuan_vl_text",),  # HunyuanOCR (a HunYuan dense text model, multimodal RoPE)
     "granite4_vision": ("granite4_vision_text",),  # Granite 4 Vision (a Granite text model, deepstack features)
     "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
+    "mllama": ("mllama_text_model",),  # Llama 3.2 Vision (images by cross-attention)
 }
 
 
@@ -183,6 +184,7 @@ IMAGES = (
     "hunyuan_vl",
     "granite4_vision",
     "paddleocr_vl",
+    "mllama",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -326,6 +328,9 @@ class VisionLanguagePatch(FamilyPatch):
     def linear_modules(self, model) -> list:
         return self.text(model.config.get_text_config()).linear_modules(model)
 
+    def local_modules(self, model) -> list:
+        return self.text(model.config.get_text_config()).local_modules(model)
+
 
 CAUSAL_ATTR = "hf_ring_original_is_causal"
 """Attribute of a PaliGemma text attention module holding its own ``is_causal``, restored on revert."""
@@ -373,6 +378,7 @@ PATCHES = {
         images=model_type in IMAGES,
         block_ids=BLOCKS.get(model_type),
         text_types=types,
+        no_generate=text_patch(types[0]).no_generate,  # (what its text model cannot, it cannot)
     )
     for model_type, types in WRAPPERS.items()
 }

@@ -105,6 +105,9 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {"head_dim": 16, "num_experts": 4, "moe_topk": 2}),
     "jais2": ("Jais2Config", "Jais2ForCausalLM", {"head_dim": 16}),
     "mellum": ("MellumConfig", "MellumForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **_SLIDE_FULL}),
+    # Llama 3.2 Vision's text model: a cross-attention layer (1 of 3; skipped without image features)
+    "mllama_text_model": ("MllamaTextConfig", "MllamaForCausalLM", {"num_hidden_layers": 3,
+                                                                    "cross_attention_layers": [1]}),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", {"head_dim": 16, "sliding_window": 6}),
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", {}),
@@ -482,6 +485,14 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
                           "layer_types": ["sliding_attention", "full_attention"]}, _SIGLIP),
+    # Llama 3.2 Vision: images by cross-attention (text layer 1 of 3), one <|image|> token each; 28 x 28 tiles of
+    # 2 x 2 patches and a CLS token, up to 2 tiles per image, its tower's layer 0 features beside its last
+    "mllama": ("MllamaConfig", "MllamaForConditionalGeneration",
+               {"model_type": "mllama_text_model", "num_hidden_layers": 3, "cross_attention_layers": [1]},
+               {"hidden_size": 32, "num_hidden_layers": 1, "num_global_layers": 1, "attention_heads": 2,
+                "intermediate_size": 48, "vision_output_dim": 64, "image_size": 28, "patch_size": 14,
+                "max_num_tiles": 2, "intermediate_layers_indices": [0],
+                "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]]}),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -715,6 +726,11 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.audio_token_id = AUDIO_TOKEN
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
         model.set_attn_implementation("eager")
+    for m in model.modules():  # Mllama's cross-attention gates start at 0 (tanh 0: the layer adds nothing): open them
+        if isinstance(getattr(m, "cross_attn_attn_gate", None), torch.nn.Parameter):
+            with torch.no_grad():
+                m.cross_attn_attn_gate.fill_(0.7)
+                m.cross_attn_mlp_gate.fill_(0.5)
     for m in model.modules():  # learned sinks start at zero: give each head its own, which the ring must keep apart
         if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
             with torch.no_grad():
@@ -877,6 +893,17 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         # merged 2 x 2 twice (the window merger, the merger): 4 tokens each
         extra["pixel_values"] = torch.randn(1, 3, 14, 14 * 64 * len(spots), generator=g)
         extra["target_sizes"] = torch.tensor([[8, 8]] * len(spots))
+    elif family == "mllama":  # [batch, images, tiles, 3, h, w]: row 0 an image of 2 tiles (aspect ratio 1 x 2), one
+        # of 1; row 1 one of 1 and a padding image; each token sees the images from its <|image|> token to the next
+        extra["pixel_values"] = torch.randn(2, 2, 2, 3, 28, 28, generator=g)
+        extra["aspect_ratio_ids"] = torch.tensor([[2, 1], [1, 0]])
+        tiles = torch.tensor([[[1, 1], [1, 0]], [[1, 0], [0, 0]]])
+        extra["aspect_ratio_mask"] = tiles
+        cross = torch.zeros(2, seq_len, 2, 2, dtype=torch.long)
+        for row, starts in ((0, (spots[0][1], spots[1][1], seq_len)), (1, (spots[2][1], seq_len))):
+            for image, (a, z) in enumerate(zip(starts[:-1], starts[1:])):
+                cross[row, a:z, image] = tiles[row, image]
+        extra["cross_attention_mask"] = cross
     elif family == "gemma4":  # patches of 14 x 14 x 3 on an 8 x 8 grid with their (x, y), pooled 2 x 2: 16 tokens
         extra["pixel_values"] = torch.rand(len(spots), 64, 3 * 14 * 14, generator=g)
         grid = torch.stack(torch.meshgrid(torch.arange(8), torch.arange(8), indexing="xy"), -1).view(64, 2)
@@ -1004,6 +1031,9 @@ def grads(model) -> dict:
     # a gradient
     unreached = set(outside_text_model(model))
     unreached |= {n for n, _ in model.named_parameters() if ".indexer." in n}
+    cross = getattr(model.config.get_text_config(), "cross_attention_layers", None) or ()  # (Mllama: text-only
+    # batches skip its cross-attention layers)
+    unreached |= {n for n, _ in model.named_parameters() if any(f".layers.{i}." in n for i in cross)}
     return {
         n: torch.zeros_like(p) if n in unreached and p.grad is None else p.grad.detach().clone()
         for n, p in model.named_parameters()

@@ -120,9 +120,13 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert AttentionMaskInterface._global_mapping["hf_ring"] is hf_attention.ring_mask_function
     modules = get_patch(family).attention_modules(model)
     linear = get_patch(family).linear_modules(model)  # hybrids: their Gated DeltaNet, convolution or Mamba2 layers
+    local = get_patch(family).local_modules(model)  # Mllama's cross-attention layers: local, by the model's own
+    assert all(getattr(m, hf_attention.LOCAL_ATTR) == original for m in local)
+    assert len(local) == len(getattr(text, "cross_attention_layers", None) or ())
     types = list(getattr(text, "layer_types", None) or [])
     mixing = [t for t in types if t not in ("mlp", "moe")] or [None] * text.num_hidden_layers  # (Nemotron-H: MLPs)
-    assert len(modules) + len(linear) == len(mixing) + types.count("hybrid")  # (Falcon-H1: attention and Mamba2)
+    assert len(modules) + len(linear) + len(local) == len(mixing) + types.count("hybrid")  # (Falcon-H1: attention and
+    # Mamba2 in one layer)
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
     assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
     if family == "jamba":  # its layers call their mixer without the batch's keywords: they lend theirs
@@ -145,6 +149,7 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert hf_ring.revert_ring_attention(model) is model
     assert all(c._attn_implementation == own[id(c)] for c in _sub_configs(model.config))
     assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in modules)
+    assert not any(hasattr(m, hf_attention.LOCAL_ATTR) for m in local)
     assert not any("forward" in m.__dict__ for m in linear)
     lending = (LendKeywords, UnpackLent)
     assert not any(isinstance(h, lending) for m in model.modules() for h in m._forward_pre_hooks.values())
@@ -404,6 +409,53 @@ def test_paligemma_attends_causally_with_its_prefix_and_refuses_what_the_ring_wo
     model.set_attn_implementation({"text_config": "hf_ring"})
     with pytest.raises(ValueError, match="says is_causal=False .* while its model masks it causally"):
         model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"], token_type_ids=batch["token_type_ids"])
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_mllama_takes_images_by_cross_attention_beside_sharded_text(implementation):
+    """Llama 3.2 Vision: a batch with a cross_attention_mask is sharded as text (positions, the mask's rows with it)
+    and its images go whole to every rank; its cross-attention modules attend locally by the implementation the
+    model had (SDPA for eager), its self-attention through the ring; the logits equal the unpatched model's, text
+    alone too. A batch with images but no cross_attention_mask (kept whole by shard_batch) and ring_generate are
+    refused; revert gives the model back bit for bit."""
+    from hf_ring.patches._family import ShardEmbeddings
+
+    from hf_ring.batch import shard_for
+
+    model = make_model("mllama", images=True).eval()
+    model.set_attn_implementation({"text_config": implementation})
+    batch, _ = make_batch("images-padded", 40, family="mllama")
+    before = _logits(model, **batch)
+    text_before = _logits(model, input_ids=batch["input_ids"])
+    hf_ring.apply_ring_attention(model)
+    patch = get_patch("mllama")
+    crosses, selves = patch.local_modules(model), patch.attention_modules(model)
+    assert len(crosses) == 1 and len(selves) == 2
+    assert all(getattr(m, hf_attention.LOCAL_ATTR) == implementation for m in crosses)
+    assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in crosses)
+    assert all(hasattr(m, hf_attention.CONFIG_ATTR) for m in selves)
+    assert not any(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values())
+    local = hf_ring.shard_batch(batch)
+    assert not local[hf_attention.SHARD_INFO_KWARG].whole_inputs and "position_ids" in local
+    assert all(local[k] is batch[k] for k in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask"))
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(_logits(model, **local)[real], before[real], atol=ATOL, rtol=0)
+    torch.testing.assert_close(_logits(model, input_ids=batch["input_ids"]), text_before, atol=ATOL, rtol=0)
+    # rank 1 of 2: the cross-attention mask's rows are those of its tokens (the zig-zag chunks 1 and 2 of 4)
+    half = shard_for(batch, 1, 2)
+    assert torch.equal(half["cross_attention_mask"], batch["cross_attention_mask"][:, 10:30])
+    assert torch.equal(half["input_ids"], batch["input_ids"][:, 10:30])
+    assert half["pixel_values"] is batch["pixel_values"]
+    whole = {k: v for k, v in batch.items() if k != "cross_attention_mask"}
+    with pytest.raises(ValueError, match="without a cross_attention_mask, so shard_batch kept its input_ids whole"):
+        model(**hf_ring.shard_batch(whole))
+    with pytest.raises(ValueError, match="cross_attention_mask must be \\[batch, seq_len, ...\\]"):
+        hf_ring.shard_batch({**batch, "cross_attention_mask": batch["cross_attention_mask"][:, :39]})
+    with pytest.raises(ValueError, match="cross-attention layers keep the image features' keys"):
+        hf_ring.ring_generate(model, {"input_ids": batch["input_ids"][:1, :8]}, max_new_tokens=2)
+    hf_ring.revert_ring_attention(model)
+    assert not any(hasattr(m, hf_attention.LOCAL_ATTR) for m in crosses)
+    torch.testing.assert_close(_logits(model, **batch), before, atol=0, rtol=0)
 
 
 def test_shard_batch_with_images_refuses_packing_and_misshaped_token_types():

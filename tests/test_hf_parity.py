@@ -124,6 +124,7 @@ CASES = {
     "jais2-packed": ("jais2", "packed", 45, {}),
     "mellum-padded": ("mellum", "padded", 40, {}),
     "minimax_m2-plain": ("minimax_m2", "plain", 45, {}),
+    "mllama_text_model-padded": ("mllama_text_model", "padded", 40, {}),  # its cross-attention layer skipped
     "ministral3-packed": ("ministral3", "packed", 40, {}),
     "persimmon-padded": ("persimmon", "padded", 45, {}),
     "solar_open-plain": ("solar_open", "plain", 40, {}),
@@ -292,6 +293,11 @@ CASES = {
     # every layer (Gemma; PaliGemma 2's Gemma 2 with its window longer than the prefix and softcaps)
     "paligemma-images-padded": ("paligemma", "images-padded", 45, {}),
     "paligemma-gemma2-images": ("paligemma-gemma2", "images", 40, {}),
+    # Llama 3.2 Vision: images by cross-attention (the text sharded, each rank's tokens attending to every image through
+    # their rows of the cross-attention mask), self-attention through the ring
+    "mllama-images-padded": ("mllama", "images-padded", 45, {}),
+    "mllama-images-lora-checkpointing": ("mllama", "images", 40, {"lora": True, "checkpointing": True}),
+    "mllama-padded": ("mllama", "padded", 40, {}),
     # GLM-4.1V: Qwen2-VL-like images and multimodal RoPE (on half of each head), its text model only inside it
     "glm4v-images-padded": ("glm4v", "images-padded", 45, {}),
     "glm4v-images-lora-checkpointing": ("glm4v", "images", 40, {"lora": True, "checkpointing": True}),
