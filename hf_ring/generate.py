@@ -26,7 +26,9 @@ processors, stopping criteria, streamers, sampling) with two differences:
   its position ids (Qwen-VL's multimodal rows as ``generate()`` computed them on the prompt, so the offsets it
   keeps for the decode steps stay its own), as a training batch with images goes (``ShardInfo.whole_inputs``): the
   model merges the features on the whole sequence and its text model cuts the embeddings and positions to the
-  rank's shard; Gemma's image tokens see each other both ways there. The decode steps are text.
+  rank's shard; Gemma's image tokens see each other both ways there. The decode steps are text. A prompt whose
+  images enter by cross-attention (Llama 3.2 Vision: a ``cross_attention_mask``) is sharded as text, that mask with
+  it, the images whole; the cross-attention layers' cache keeps every image's keys on every rank.
 
 A model called without a cache during ``generate()`` (Phi-3 drops it when its longrope factors switch, to compute
 every key anew) gets a new prefill of the whole sequence into the emptied sharded cache, as Transformers computes it.
@@ -49,10 +51,10 @@ import torch
 import torch.distributed as dist
 
 from .apply import unwrap_transformers_model
-from .batch import ENCODED_KEY, MEDIA_KEYS, carries, multimodal, per_token_key, shard_batch
+from .batch import CROSS_KEYS, ENCODED_KEY, MEDIA_KEYS, carries, multimodal, per_token_key, shard_batch
 from .comm import RingComm, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
-from .layout import positions, required_multiple
+from .layout import positions, required_multiple, shard
 from .preflight import check_everywhere, fingerprint
 
 __all__ = ["ring_generate"]
@@ -150,8 +152,9 @@ def _cache_classes():
 
         WHOLE_INDEXER_KEYS = True  # its update_indexer takes the whole sequence's (hf_ring.sparse)
 
-        def __init__(self, state: _State, num_layers: int):
-            Cache.__init__(self, layers=[ShardedLayer(state) for _ in range(num_layers)])  # (not a subclass's base)
+        def __init__(self, state: _State, num_layers: int, local_layers: frozenset = frozenset()):
+            self.local_layers = local_layers  # cross-attention layers (Mllama): the image keys, whole on every rank
+            Cache.__init__(self, layers=self._new_layers(state, num_layers))  # (not a subclass's base)
             self.state = state
             # hybrids: each recurrent layer's record (its convolution's last inputs, its state after the sequence),
             # the same on every rank: written by the prefill, carried on by every decode step (patches.linear)
@@ -159,6 +162,9 @@ def _cache_classes():
             # DeepSeek sparse attention: each layer's indexer keys of every token so far, the same on every rank
             # (hf_ring.sparse: the prefill's gathered, then each decode step's)
             self.indexer_keys = {}
+
+        def _new_layers(self, state: _State, num_layers: int) -> list:
+            return [DynamicLayer() if i in self.local_layers else ShardedLayer(state) for i in range(num_layers)]
 
         def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
             """Append ``keys`` [batch, tokens, dim] (the prefill's whole prompt, or a decode step's new tokens) to
@@ -170,13 +176,17 @@ def _cache_classes():
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             """The sequence's length so far, whatever ``layer_idx`` (a hybrid's first layer may hold no keys: the
-            longest layer's; Transformers asks before a forward, when every layer holds as many)."""
-            return max(layer.get_seq_length() for layer in self.layers)
+            longest layer's; Transformers asks before a forward, when every layer holds as many; a cross-attention
+            layer's image keys are not the sequence: asked for its own, it says how many it holds, as Transformers 5.17's
+            Mllama asks to learn whether it holds any)."""
+            if layer_idx in self.local_layers:
+                return self.layers[layer_idx].get_seq_length()
+            return max(layer.get_seq_length() for layer in self.layers if isinstance(layer, ShardedLayer))
 
         def restart(self) -> None:
             """Empty, for a new prefill of the whole sequence (the model was called without a cache)."""
             st = self.state
-            self.layers = [ShardedLayer(st) for _ in self.layers]
+            self.layers = self._new_layers(st, len(self.layers))
             self.mixer_records = {}
             self.indexer_keys = {}
             st.phase, st.offset, st.prompt, st.generated = "prefill", 0, 0, 0
@@ -258,7 +268,8 @@ def ring_generate(model, inputs, **generate_kwargs):
     from .patches.linear import conv_kernel_size
 
     state.halo = max((conv_kernel_size(m) - 1 for m in patch.linear_modules(target)), default=0)
-    cache = _sharded_cache_class(patch.cache_type())(state, target.config.get_text_config().num_hidden_layers)
+    local = frozenset(m.layer_idx for m in patch.local_modules(target))  # cross-attention layers
+    cache = _sharded_cache_class(patch.cache_type())(state, target.config.get_text_config().num_hidden_layers, local)
     name = _cache_name(target)
     hooks = [
         target.register_forward_pre_hook(_Before(state, cache, name), with_kwargs=True, prepend=True),
@@ -367,6 +378,7 @@ class _Before:
         mask = torch.ones_like(ids) if mask is None else mask
         pos = kwargs.get("position_ids")
         media = multimodal(kwargs)
+        cross = media and kwargs.get("cross_attention_mask") is not None  # images by cross-attention: text sharded
         if pos is None:  # as the model numbers a prompt given none (from its cache position: padding counted)
             pos = torch.arange(s, device=ids.device).expand(b, -1)
         elif pos.dim() == 3 and not media:  # multimodal RoPE ([3 or 4, batch, prompt]): one row for text prompts
@@ -379,12 +391,14 @@ class _Before:
         if media:  # images (or their features): the model takes the whole prompt
             positions_ = full.pop("position_ids")  # multimodal RoPE's too: the text model cuts them
             for key, value in kwargs.items():
-                if key in _TOKEN_TYPES and isinstance(value, torch.Tensor):
-                    full[key] = torch.nn.functional.pad(value, (pad, 0), value=0)
+                if key in (*_TOKEN_TYPES, *CROSS_KEYS) and isinstance(value, torch.Tensor):  # padding sees no image
+                    full[key] = torch.cat([value.new_zeros((b, pad, *value.shape[2:])), value], dim=1)
                 elif key not in full and key not in _PREFILL_OWN and value is not None:
                     full[key] = value  # the images and their per-image keys
             local = shard_batch(full, group=st.group, layout=st.layout, pad_to_multiple=False)
-            local["position_ids"] = positions_  # whole: the text model cuts them with the embeddings
+            # whole: the text model cuts them with the embeddings; with cross-attention, the text is sharded already
+            cut = functools.partial(shard, dim=-1, rank=st.rank, world_size=st.world, layout=st.layout)
+            local["position_ids"] = cut(positions_) if cross else positions_
         else:
             local = shard_batch(full, group=st.group, layout=st.layout, pad_to_multiple=False)
         st.offset, st.prompt = pad, s + pad
@@ -394,7 +408,8 @@ class _Before:
         # the logits of this rank's last token (the owner's is the prompt's last), as an index: an integer would
         # let Gemma 4 run its KV-shared layers on that token alone, and those layers see every rank's tokens here
         last = torch.tensor([st.local.numel() - 1])  # on the CPU: any device's hidden states take it
-        if media:  # the model's input_ids are whole, its hidden states a shard: the text model keeps the last row
+        if media and not cross:  # the model's input_ids are whole, its hidden states a shard: the text model keeps
+            # the last row
             from .patches._family import ShardEmbeddings
 
             last = 0  # (Gemma 4 slices by index only when the two lengths agree: all the shard's logits otherwise)

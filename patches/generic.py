@@ -332,8 +332,6 @@ holds whole): their modules attend locally, by the model's own implementation (`
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
-    "mllama_text_model": "its cross-attention layers keep the image features' keys and values in the KV cache, which "
-    "the sharded cache does not hold",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 

@@ -64,6 +64,8 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "qwen3_vl-vision-language": ("qwen3_vl", 2, 12, 3, {}),  # multimodal RoPE on text positions
     "qwen2_vl-vision-language": ("qwen2_vl", 1, 13, 0, {}),  # three position rows (Qwen3-VL: four)
     "internvl-vision-language": ("internvl", 2, 12, 2, {}),  # a Qwen3 text model (a dedicated patch)
+    # Llama 3.2 Vision, text only: its cross-attention layers skipped (5.17 asks the cache whether they hold keys)
+    "mllama-vision-language": ("mllama", 2, 14, 3, {"scores": True}),
     # RoPE frequencies chosen by the largest position: longrope past its threshold from the prompt on (rank 1's
     # shard alone stays below it); dynamic NTK growing with every new token past 32
     "phi3-longrope": ("phi3", 1, 38, 0, {"config": LONGROPE}),
@@ -233,6 +235,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "exaone4_5-images": ("exaone4_5", "images-padded", {}),  # generate passes no positions
     "glm4v-images": ("glm4v", "images-padded", {}),  # GLM-4.1V's multimodal RoPE (four position rows in decoding)
     "apertus1p5-audio": ("apertus1p5", "audio", {}),  # waveforms (input_values): whole on every rank
+    "mllama-images": ("mllama", "images-padded", {}),  # images by cross-attention: the prompt's text sharded
 }
 IMAGE_PROMPTS = {name: case for name, case in IMAGE_PROMPTS.items() if in_transformers(case[0])}
 
