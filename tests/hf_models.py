@@ -482,6 +482,8 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
                           "layer_types": ["sliding_attention", "full_attention"]}, _SIGLIP),
+    # audio-language models (no vision tower: None; their audio tower in make_config's ``top``)
+    "qwen2_audio": ("Qwen2AudioConfig", "Qwen2AudioForConditionalGeneration", {"model_type": "qwen2"}, None),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -659,8 +661,10 @@ def make_config(family: str, **overrides):
             top = {"vision_feature_layer": -1}
         if family == "vipllava":  # features of the one-layer tower's two hidden states (5.17 names the list ...layers)
             top = {"vision_feature_layer" if transformers_at_least("5.24") else "vision_feature_layers": [-2, -1]}
-        cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
-                                        image_token_index=VOCAB + 3, **top)  # fmt: skip
+        if family == "qwen2_audio":  # a Whisper-like tower: 32 frames of 16 mel bins -> 8 tokens (AUDIO_CLIPS)
+            top = {"audio_config": QWEN2_AUDIO, "audio_token_index": AUDIO_TOKEN}
+        towers = {"vision_config": vision, "image_token_index": VOCAB + 3} if vision is not None else {}
+        cfg = getattr(tf, config_class)(text_config={**common, **extra}, **towers, **top)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -728,6 +732,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
 _IMAGE_SPOTS = ((0, 5), (0, 25), (1, 17))  # (row, first image token) of each image
 GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "subsampling_conv_channels": [128, 4], "output_proj_dims": 32}  # fmt: skip
+QWEN2_AUDIO = {"model_type": "qwen2_audio_encoder", "num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
+               "encoder_ffn_dim": 48, "d_model": 32, "max_source_positions": 16}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
@@ -899,6 +905,21 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     return batch
 
 
+def _qwen2_audio_clips(g: torch.Generator) -> dict:
+    """Three clips of 16 mel bins x 32 frames (the tower's fixed length: ``max_source_positions`` x 2), the second
+    of 24 real frames (``feature_attention_mask``): 8, 6 and 8 tokens (two stride-2 stages: (n - 1) // 2 + 1, then
+    (n - 2) // 2 + 1)."""
+    frames = torch.ones(3, 32, dtype=torch.long)
+    frames[1, 24:] = 0
+    return {"input_features": torch.randn(3, 16, 32, generator=g), "feature_attention_mask": frames}
+
+
+AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips}
+"""Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
+AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8)}
+"""The audio tokens of each clip of ``AUDIO_CLIPS``, at ``_IMAGE_SPOTS``."""
+
+
 def _labels_and_padding(ids: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(labels, attention_mask)`` of a two-row batch with media: media tokens (ids >= VOCAB) and each row's first
     3 tokens ignored, row 1 left-padded by ``pad`` tokens (their ids set to PAD_ID in place). The last pad would
@@ -920,6 +941,8 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
         ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
         apertus = family == "apertus1p5"  # waveforms of 64 and 48 samples (right-padded): 16 and 12 codes
         spans = ((0, 5, 16), (1, 9, 12)) if apertus else [(b, p, 8) for b, p in _IMAGE_SPOTS]  # Gemma 4: 32 frames
+        if family in AUDIO_TOKENS:  # clip 1 shorter (its frames masked) where the family masks frames
+            spans = [(b, p, n) for (b, p), n in zip(_IMAGE_SPOTS, AUDIO_TOKENS[family])]
         for b, p, n in spans:
             ids[b, p : p + n] = AUDIO_TOKEN
         labels, mask = _labels_and_padding(ids, 3)
@@ -927,6 +950,8 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
             samples = torch.ones(2, 64, dtype=torch.long)
             samples[1, 48:] = 0
             media = {"input_values": torch.randn(2, 1, 64, generator=g), "padding_mask": samples}
+        elif family in AUDIO_CLIPS:  # the family's clips (mel frames first or last, their masks)
+            media = AUDIO_CLIPS[family](g)
         else:  # three clips of 32 frames of 128 mel bins
             clips = len(_IMAGE_SPOTS)
             media = {"input_features": torch.randn(clips, 32, 128, generator=g),

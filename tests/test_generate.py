@@ -233,6 +233,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "exaone4_5-images": ("exaone4_5", "images-padded", {}),  # generate passes no positions
     "glm4v-images": ("glm4v", "images-padded", {}),  # GLM-4.1V's multimodal RoPE (four position rows in decoding)
     "apertus1p5-audio": ("apertus1p5", "audio", {}),  # waveforms (input_values): whole on every rank
+    "qwen2_audio-audio": ("qwen2_audio", "audio", {}),  # clips of mel frames, one padded (feature_attention_mask)
 }
 IMAGE_PROMPTS = {name: case for name, case in IMAGE_PROMPTS.items() if in_transformers(case[0])}
 

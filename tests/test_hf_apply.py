@@ -17,6 +17,7 @@ from hf_ring.patches.linear import ShardedMixer
 import hf_ring
 from hf_ring import hf_attention
 from tests.hf_models import (
+    AUDIO_CLIPS,
     DYNAMIC,
     DYNAMIC_FULL_LAYERS,
     LONGROPE,
@@ -222,6 +223,7 @@ def _sub_configs(config) -> list:
         "video_llava",
         "vipllava",
         "video_llama_3",
+        "qwen2_audio",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -255,6 +257,11 @@ def _text_only_batches_and_refused_images(family):
         if family == "gemma4":  # audio too: beside input_ids that were sharded, refused
             with pytest.raises(ValueError, match="carries input_features but its input_ids were sharded"):
                 model(input_ids=ids, input_features=torch.zeros(1, 20, 128), **{hf_attention.SHARD_INFO_KWARG: sharded})
+        if family in AUDIO_CLIPS:  # an audio-language model: its clips (input_features), beside sharded input_ids
+            with pytest.raises(ValueError, match="carries input_features but its input_ids were sharded"):
+                model(
+                    input_ids=ids, **AUDIO_CLIPS[family](torch.Generator()), **{hf_attention.SHARD_INFO_KWARG: sharded}
+                )
         if family == "apertus1p5":  # its audio (input_values) too
             with pytest.raises(ValueError, match="carries input_values but its input_ids were sharded"):
                 model(input_ids=ids, input_values=torch.zeros(1, 1, 64), **{hf_attention.SHARD_INFO_KWARG: sharded})
@@ -348,6 +355,7 @@ def _text_only_batches_and_refused_images(family):
         ("hunyuan_vl", "images-padded"),  # 4-axis multimodal RoPE, padding numbered 0
         ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles
         ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
+        ("qwen2_audio", "audio"),  # a padded clip (feature_attention_mask); its head's own loss replaced
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

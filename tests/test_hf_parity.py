@@ -319,6 +319,9 @@ CASES = {
     "paddleocr_vl-images-padded": ("paddleocr_vl", "images-padded", 45, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
+    # Qwen2-Audio: a Whisper-like tower's clips (one padded: feature_attention_mask) merged whole, a Qwen2 text model;
+    # its head's own loss (labels shifted again, a mean) replaced by Transformers' causal-LM loss (multimodal.OWN_LOSS)
+    "qwen2_audio-audio": ("qwen2_audio", "audio", 45, {}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
     "flint-padded": ("flint", "padded", 40, {}),
     "flint-packed-lora": ("flint", "packed", 45, {"lora": True}),
