@@ -484,6 +484,8 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                           "layer_types": ["sliding_attention", "full_attention"]}, _SIGLIP),
     # audio-language models (no vision tower: None; their audio tower in make_config's ``top``)
     "qwen2_audio": ("Qwen2AudioConfig", "Qwen2AudioForConditionalGeneration", {"model_type": "qwen2"}, None),
+    # (its text config's defaults are a checkpoint's: head_dim 128 unless given)
+    "voxtral": ("VoxtralConfig", "VoxtralForConditionalGeneration", {"model_type": "llama", "head_dim": 16}, None),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -663,6 +665,8 @@ def make_config(family: str, **overrides):
             top = {"vision_feature_layer" if transformers_at_least("5.24") else "vision_feature_layers": [-2, -1]}
         if family == "qwen2_audio":  # a Whisper-like tower: 32 frames of 16 mel bins -> 8 tokens (AUDIO_CLIPS)
             top = {"audio_config": QWEN2_AUDIO, "audio_token_index": AUDIO_TOKEN}
+        if family == "voxtral":  # a Whisper-like tower: 32 frames of 16 mel bins -> 16 frames of 32, 2 per token: 8
+            top = {"audio_config": VOXTRAL_AUDIO, "audio_token_id": AUDIO_TOKEN}
         towers = {"vision_config": vision, "image_token_index": VOCAB + 3} if vision is not None else {}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, **towers, **top)
     else:
@@ -734,6 +738,8 @@ GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads"
                 "subsampling_conv_channels": [128, 4], "output_proj_dims": 32}  # fmt: skip
 QWEN2_AUDIO = {"model_type": "qwen2_audio_encoder", "num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
                "encoder_ffn_dim": 48, "d_model": 32, "max_source_positions": 16}  # fmt: skip
+VOXTRAL_AUDIO = {"model_type": "voxtral_encoder", "num_mel_bins": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "intermediate_size": 64, "hidden_size": 32, "max_source_positions": 16}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
@@ -914,9 +920,15 @@ def _qwen2_audio_clips(g: torch.Generator) -> dict:
     return {"input_features": torch.randn(3, 16, 32, generator=g), "feature_attention_mask": frames}
 
 
-AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips}
+def _voxtral_clips(g: torch.Generator) -> dict:
+    """Three clips of 16 mel bins x 32 frames (every clip padded to the tower's length, none masked): 8 tokens each
+    (the 16 frames after the stride-2 convolution, 2 frames' features per token)."""
+    return {"input_features": torch.randn(3, 16, 32, generator=g)}
+
+
+AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips}
 """Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
-AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8)}
+AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8)}
 """The audio tokens of each clip of ``AUDIO_CLIPS``, at ``_IMAGE_SPOTS``."""
 
 

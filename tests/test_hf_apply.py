@@ -224,6 +224,7 @@ def _sub_configs(config) -> list:
         "vipllava",
         "video_llama_3",
         "qwen2_audio",
+        "voxtral",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -356,6 +357,7 @@ def _text_only_batches_and_refused_images(family):
         ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles
         ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
         ("qwen2_audio", "audio"),  # a padded clip (feature_attention_mask); its head's own loss replaced
+        ("voxtral", "audio"),  # a Llama text model
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -322,6 +322,9 @@ CASES = {
     # Qwen2-Audio: a Whisper-like tower's clips (one padded: feature_attention_mask) merged whole, a Qwen2 text model;
     # its head's own loss (labels shifted again, a mean) replaced by Transformers' causal-LM loss (multimodal.OWN_LOSS)
     "qwen2_audio-audio": ("qwen2_audio", "audio", 45, {}),
+    # Voxtral: a Whisper-like tower (every clip of full length), 2 frames' features per token, a Llama text model
+    "voxtral-audio": ("voxtral", "audio", 40, {}),
+    "voxtral-audio-lora": ("voxtral", "audio", 45, {"lora": True}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
     "flint-padded": ("flint", "padded", 40, {}),
     "flint-packed-lora": ("flint", "packed", 45, {"lora": True}),
