@@ -20,7 +20,9 @@ Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision feature
 layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
 ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), and the audio-language Qwen2-Audio
 ``Qwen2AudioForConditionalGeneration`` (a Qwen2 one; its head's own loss replaced under the ring: ``OWN_LOSS``) and
-Voxtral ``VoxtralForConditionalGeneration`` (a Llama one). Their
+Voxtral ``VoxtralForConditionalGeneration`` (a Llama one), Granite Speech and Granite Speech Plus
+``GraniteSpeech(Plus)ForConditionalGeneration`` (a Granite one; their head applies no ``logits_scaling``, and
+computes its own loss: ``OWN_LOSS``). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -33,7 +35,7 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL; audio: Qwen2-Audio, Voxtral). Their text model attends causally over image tokens as over text, so the
+Vision, PaddleOCR-VL; audio: Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -59,7 +61,8 @@ A wrapper added text-only would refuse images: a call with them (``pixel_values`
 (``_family.TextOnly``): none of the wrappers above today (LFM2-VL takes images since its short convolutions run on the
 cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
 whole, the audio features merged on the whole sequence, its audio tokens attending causally; so do the clips of the
-audio-language models (``input_features``; Qwen2-Audio's with their ``feature_attention_mask``).
+audio-language models (``input_features``; Qwen2-Audio's with their ``feature_attention_mask``, Granite
+Speech's with ``input_features_mask``).
 Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss), Granite 4
 Vision's divides them by its ``logits_scaling``; Gemma 3's
@@ -137,6 +140,8 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
     "qwen2_audio": ("qwen2",),  # Qwen2-Audio (audio in, text out; its head's own loss: OWN_LOSS)
     "voxtral": ("llama",),  # Voxtral Mini / Small (audio in, text out)
+    "granite_speech": ("granite",),  # Granite Speech 3.x (its head's own loss: OWN_LOSS; no logits_scaling)
+    "granite_speech_plus": ("granite",),  # Granite Speech 4.1 Plus (as Granite Speech)
 }
 
 
@@ -190,6 +195,8 @@ IMAGES = (
     "paddleocr_vl",
     "qwen2_audio",
     "voxtral",
+    "granite_speech",
+    "granite_speech_plus",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -363,7 +370,7 @@ class PaliGemmaPatch(VisionLanguagePatch):
         return model
 
 
-OWN_LOSS = ("qwen2_audio",)
+OWN_LOSS = ("qwen2_audio", "granite_speech", "granite_speech_plus")
 """Wrappers whose head computes a loss of its own, not Transformers' causal-LM loss: the mean cross-entropy of
 ``labels`` it shifts itself (filtered by the whole batch's ``attention_mask``), blind to ``shift_labels`` and
 ``num_items_in_batch``. Under the ring that loss would shift ``shard_batch``'s labels, already shifted, once more

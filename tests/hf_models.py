@@ -287,6 +287,9 @@ _GLM_ROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 
 _GLM_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                "patch_size": 14, "image_size": 28}  # fmt: skip
 
+_GRANITE_TEXT = {"model_type": "granite", "attention_multiplier": 0.2, "embedding_multiplier": 3.0,
+                 "residual_multiplier": 0.5, "logits_scaling": 2.0}  # fmt: skip
+
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -486,6 +489,10 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "qwen2_audio": ("Qwen2AudioConfig", "Qwen2AudioForConditionalGeneration", {"model_type": "qwen2"}, None),
     # (its text config's defaults are a checkpoint's: head_dim 128 unless given)
     "voxtral": ("VoxtralConfig", "VoxtralForConditionalGeneration", {"model_type": "llama", "head_dim": 16}, None),
+    # Granite Speech (its head applies no logits_scaling), Granite Speech Plus (intermediate encoder layers too)
+    "granite_speech": ("GraniteSpeechConfig", "GraniteSpeechForConditionalGeneration", _GRANITE_TEXT, None),
+    "granite_speech_plus": ("GraniteSpeechPlusConfig", "GraniteSpeechPlusForConditionalGeneration", _GRANITE_TEXT,
+                            None),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -667,6 +674,13 @@ def make_config(family: str, **overrides):
             top = {"audio_config": QWEN2_AUDIO, "audio_token_index": AUDIO_TOKEN}
         if family == "voxtral":  # a Whisper-like tower: 32 frames of 16 mel bins -> 16 frames of 32, 2 per token: 8
             top = {"audio_config": VOXTRAL_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family.startswith("granite_speech"):  # a conformer (dropout off: random per rank), a window Q-Former:
+            # 16 frames of 16 bins in windows of 4, 2 queries each -> 8 tokens
+            plus = family == "granite_speech_plus"
+            encoder = {**GRANITE_SPEECH_ENCODER, "cat_hidden_layers": [1]} if plus else GRANITE_SPEECH_ENCODER
+            top = {"encoder_config": encoder, "window_size": 4, "downsample_rate": 2, "has_lora_adapter": False,
+                   "audio_token_index": AUDIO_TOKEN,
+                   "projector_config": {**GRANITE_SPEECH_QFORMER, "encoder_hidden_size": 64 if plus else 32}}  # fmt: skip
         towers = {"vision_config": vision, "image_token_index": VOCAB + 3} if vision is not None else {}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, **towers, **top)
     else:
@@ -740,6 +754,12 @@ QWEN2_AUDIO = {"model_type": "qwen2_audio_encoder", "num_mel_bins": 16, "encoder
                "encoder_ffn_dim": 48, "d_model": 32, "max_source_positions": 16}  # fmt: skip
 VOXTRAL_AUDIO = {"model_type": "voxtral_encoder", "num_mel_bins": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "intermediate_size": 64, "hidden_size": 32, "max_source_positions": 16}  # fmt: skip
+GRANITE_SPEECH_ENCODER = {"input_dim": 16, "num_layers": 2, "hidden_dim": 32, "feedforward_mult": 2, "num_heads": 2,
+                          "output_dim": 8, "context_size": 8, "max_pos_emb": 8, "dropout": 0.0, "conv_kernel_size": 3}  # fmt: skip
+GRANITE_SPEECH_QFORMER = {"model_type": "blip_2_qformer", "hidden_size": 32, "num_attention_heads": 2,
+                          "intermediate_size": 48, "num_hidden_layers": 1, "cross_attention_frequency": 1,
+                          "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                          "use_qformer_text_input": False}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
@@ -926,9 +946,19 @@ def _voxtral_clips(g: torch.Generator) -> dict:
     return {"input_features": torch.randn(3, 16, 32, generator=g)}
 
 
-AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips}
+def _granite_speech_clips(g: torch.Generator) -> dict:
+    """Three clips of 16 frames x 16 features: 8 tokens each (4 windows of 4 frames, 2 queries per window), the
+    second's last 2 dropped (``input_features_mask`` per token, as its processor marks a shorter clip): 8, 6, 8."""
+    tokens = torch.ones(3, 8, dtype=torch.bool)
+    tokens[1, 6:] = False
+    return {"input_features": torch.randn(3, 16, 16, generator=g), "input_features_mask": tokens}
+
+
+AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips, "granite_speech": _granite_speech_clips,
+               "granite_speech_plus": _granite_speech_clips}  # fmt: skip
 """Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
-AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8)}
+AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8), "granite_speech": (8, 6, 8),
+                "granite_speech_plus": (8, 6, 8)}  # fmt: skip
 """The audio tokens of each clip of ``AUDIO_CLIPS``, at ``_IMAGE_SPOTS``."""
 
 

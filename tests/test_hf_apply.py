@@ -225,6 +225,8 @@ def _sub_configs(config) -> list:
         "video_llama_3",
         "qwen2_audio",
         "voxtral",
+        "granite_speech",
+        "granite_speech_plus",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -358,6 +360,8 @@ def _text_only_batches_and_refused_images(family):
         ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
         ("qwen2_audio", "audio"),  # a padded clip (feature_attention_mask); its head's own loss replaced
         ("voxtral", "audio"),  # a Llama text model
+        ("granite_speech", "audio"),  # a conformer, window Q-Former; tokens of a shorter clip dropped (a mask)
+        ("granite_speech_plus", "audio"),  # its projector reads an intermediate encoder layer too
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -325,6 +325,10 @@ CASES = {
     # Voxtral: a Whisper-like tower (every clip of full length), 2 frames' features per token, a Llama text model
     "voxtral-audio": ("voxtral", "audio", 40, {}),
     "voxtral-audio-lora": ("voxtral", "audio", 45, {"lora": True}),
+    # Granite Speech (Plus): a conformer and a window Q-Former (a shorter clip's last tokens dropped by
+    # input_features_mask), a Granite text model (multipliers; its head without logits_scaling); its own loss replaced
+    "granite_speech-audio": ("granite_speech", "audio", 45, {}),
+    "granite_speech_plus-audio": ("granite_speech_plus", "audio", 40, {}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
     "flint-padded": ("flint", "padded", 40, {}),
     "flint-packed-lora": ("flint", "packed", 45, {"lora": True}),
