@@ -22,7 +22,8 @@ ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), and the audio-langua
 ``Qwen2AudioForConditionalGeneration`` (a Qwen2 one; its head's own loss replaced under the ring: ``OWN_LOSS``) and
 Voxtral ``VoxtralForConditionalGeneration`` (a Llama one), Granite Speech and Granite Speech Plus
 ``GraniteSpeech(Plus)ForConditionalGeneration`` (a Granite one; their head applies no ``logits_scaling``, and
-computes its own loss: ``OWN_LOSS``). Their
+computes its own loss: ``OWN_LOSS``), and Nemotron 3 Nano Omni ``NemotronH_Omni_Reasoning_V3`` (a Nemotron-H causal
+LM inside; audio tested, its RADIO images not). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -35,7 +36,7 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL; audio: Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus). Their text model attends causally over image tokens as over text, so the
+Vision, PaddleOCR-VL; audio: Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -142,6 +143,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "voxtral": ("llama",),  # Voxtral Mini / Small (audio in, text out)
     "granite_speech": ("granite",),  # Granite Speech 3.x (its head's own loss: OWN_LOSS; no logits_scaling)
     "granite_speech_plus": ("granite",),  # Granite Speech 4.1 Plus (as Granite Speech)
+    "nemotron_h_omni": ("nemotron_h",),  # Nemotron 3 Nano Omni (a Nemotron-H causal LM inside; 5.24)
 }
 
 
@@ -197,6 +199,7 @@ IMAGES = (
     "voxtral",
     "granite_speech",
     "granite_speech_plus",
+    "nemotron_h_omni",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

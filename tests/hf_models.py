@@ -493,6 +493,13 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "granite_speech": ("GraniteSpeechConfig", "GraniteSpeechForConditionalGeneration", _GRANITE_TEXT, None),
     "granite_speech_plus": ("GraniteSpeechPlusConfig", "GraniteSpeechPlusForConditionalGeneration", _GRANITE_TEXT,
                             None),
+    # Nemotron 3 Nano Omni (5.24): a Nemotron-H text model (Mamba2, attention and MoE layers) as a causal LM inside the
+    # wrapper; a RADIO vision tower (unused by the audio batches), a Parakeet audio tower (make_config's ``top``)
+    "nemotron_h_omni": ("NemotronH_Omni_Reasoning_V3_Config", "NemotronH_Omni_Reasoning_V3",
+                        {"model_type": "nemotron_h", **MORE_FAMILIES["nemotron_h"][2]},
+                        {"model_type": "radio", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "mlp_ratio": 1.5, "patch_size": 14, "image_size": 28, "max_img_size": 56, "num_cls_tokens": 1,
+                         "num_registers": 0, "video_temporal_patch_size": 2}),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -501,7 +508,7 @@ apply to their text config."""
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
          "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24",
-         "bailing_hybrid": "5.24", "perception_lm": "5.24"}  # fmt: skip
+         "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -681,6 +688,9 @@ def make_config(family: str, **overrides):
             top = {"encoder_config": encoder, "window_size": 4, "downsample_rate": 2, "has_lora_adapter": False,
                    "audio_token_index": AUDIO_TOKEN,
                    "projector_config": {**GRANITE_SPEECH_QFORMER, "encoder_hidden_size": 64 if plus else 32}}  # fmt: skip
+        if family == "nemotron_h_omni":  # Parakeet: 32 frames of 16 mel bins subsampled 4 times -> 8 tokens
+            top = {"audio_config": NEMOTRON_H_OMNI_AUDIO, "audio_token_id": AUDIO_TOKEN, "vision_hidden_size": 32,
+                   "projector_hidden_size": 64}  # fmt: skip
         towers = {"vision_config": vision, "image_token_index": VOCAB + 3} if vision is not None else {}
         cfg = getattr(tf, config_class)(text_config={**common, **extra}, **towers, **top)
     else:
@@ -760,6 +770,10 @@ GRANITE_SPEECH_QFORMER = {"model_type": "blip_2_qformer", "hidden_size": 32, "nu
                           "intermediate_size": 48, "num_hidden_layers": 1, "cross_attention_frequency": 1,
                           "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                           "use_qformer_text_input": False}  # fmt: skip
+NEMOTRON_H_OMNI_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 48,
+                         "conv_kernel_size": 3, "subsampling_factor": 4, "subsampling_conv_channels": 8,
+                         "num_mel_bins": 16, "dropout": 0.0, "layerdrop": 0.0, "activation_dropout": 0.0,
+                         "attention_dropout": 0.0, "projection_hidden_size": 48, "projection_bias": False}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
@@ -954,11 +968,19 @@ def _granite_speech_clips(g: torch.Generator) -> dict:
     return {"input_features": torch.randn(3, 16, 16, generator=g), "input_features_mask": tokens}
 
 
+def _nemotron_h_omni_clips(g: torch.Generator) -> dict:
+    """Three clips of 32 frames x 16 mel bins, the second of 24 real frames (``input_features_mask`` per frame): 8,
+    7 and 8 tokens (its wrapper keeps a padded clip's first (n + 1) subsampled twice: 7 of 24 frames)."""
+    frames = torch.ones(3, 32, dtype=torch.long)
+    frames[1, 24:] = 0
+    return {"input_features": torch.randn(3, 32, 16, generator=g), "input_features_mask": frames}
+
+
 AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips, "granite_speech": _granite_speech_clips,
-               "granite_speech_plus": _granite_speech_clips}  # fmt: skip
+               "granite_speech_plus": _granite_speech_clips, "nemotron_h_omni": _nemotron_h_omni_clips}  # fmt: skip
 """Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
 AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8), "granite_speech": (8, 6, 8),
-                "granite_speech_plus": (8, 6, 8)}  # fmt: skip
+                "granite_speech_plus": (8, 6, 8), "nemotron_h_omni": (8, 7, 8)}  # fmt: skip
 """The audio tokens of each clip of ``AUDIO_CLIPS``, at ``_IMAGE_SPOTS``."""
 
 
@@ -1179,13 +1201,17 @@ def errors(loss, grads, ref_loss, ref_grads) -> dict:
     decay = [n for n in ref_grads if n.endswith(DECAY_PARAMS)]
     # a key bias before a softmax without RoPE (a vision tower's, a Q-Former's attention.key.bias) has a gradient of
     # zero but for rounding (the softmax does not see it; 7e-13 in Idefics3's), and HunYuan V4's hyper-connection
-    # scales one near it (2e-8 of the largest in its tiny model, measured): they are compared on the scale of the
-    # largest gradient
+    # scales one near it (2e-8 of the largest in its tiny model, measured), and so has a bias before a training-mode
+    # BatchNorm, which subtracts it again (Parakeet's depthwise_conv.bias: 8e-8 of the largest in Nemotron 3 Nano
+    # Omni's tiny audio tower): they are compared on the scale of the largest gradient
     top = max(float(g.double().norm()) for g in ref_grads.values())
 
     def err(n):
         ref = ref_grads[n]
-        if n.endswith(("k_proj.bias", "attention.key.bias", "hc.scale")) and float(ref.double().norm()) < 1e-6 * top:
+        if (
+            n.endswith(("k_proj.bias", "attention.key.bias", "hc.scale", "depthwise_conv.bias"))
+            and float(ref.double().norm()) < 1e-6 * top
+        ):
             return float((grads[n].double() - ref.double()).norm()) / max(top, 1e-30)
         return rel(grads[n], ref)
 

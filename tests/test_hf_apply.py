@@ -227,6 +227,7 @@ def _sub_configs(config) -> list:
         "voxtral",
         "granite_speech",
         "granite_speech_plus",
+        "nemotron_h_omni",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -362,6 +363,7 @@ def _text_only_batches_and_refused_images(family):
         ("voxtral", "audio"),  # a Llama text model
         ("granite_speech", "audio"),  # a conformer, window Q-Former; tokens of a shorter clip dropped (a mask)
         ("granite_speech_plus", "audio"),  # its projector reads an intermediate encoder layer too
+        ("nemotron_h_omni", "audio"),  # Mamba2 layers; the text model inside its causal LM cuts
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

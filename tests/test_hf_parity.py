@@ -329,6 +329,10 @@ CASES = {
     # input_features_mask), a Granite text model (multipliers; its head without logits_scaling); its own loss replaced
     "granite_speech-audio": ("granite_speech", "audio", 45, {}),
     "granite_speech_plus-audio": ("granite_speech_plus", "audio", 40, {}),
+    # Nemotron 3 Nano Omni (5.24): a Parakeet tower's clips (one padded: input_features_mask), a Nemotron-H causal LM
+    # inside the wrapper (Mamba2, attention and MoE layers; its text model cuts the embeddings)
+    "nemotron_h_omni-audio": ("nemotron_h_omni", "audio", 45, {}),
+    "nemotron_h_omni-audio-checkpointing": ("nemotron_h_omni", "audio", 40, {"checkpointing": True}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
     "flint-padded": ("flint", "padded", 40, {}),
     "flint-packed-lora": ("flint", "packed", 45, {"lora": True}),
