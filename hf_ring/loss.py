@@ -308,7 +308,11 @@ def _chunked_forward(
                 **kwargs,
             )  # fmt: skip
         hidden = outputs.logits
-    transform = _patch_of(self).logit_transform
+    patch = _patch_of(self)
+    transform = patch.logit_transform
+    if patch.loss_skips_padding and shift_labels is None and isinstance(attention_mask, torch.Tensor):
+        # as the family's own loss: targets that are padding are not scored
+        labels = labels.masked_fill(attention_mask[:, -labels.shape[1] :].to(labels.device) == 0, ignore_index)
     chunk_size, backend = getattr(self, _ATTR)
     loss = chunked_causal_lm_loss(
         hidden,

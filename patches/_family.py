@@ -410,6 +410,10 @@ class FamilyPatch:
     # modules attend locally, by the implementation the model had (``hf_attention.LOCAL_ATTR``); a vision-language
     # family with one takes its images beside sharded text (``TextOnly.cross``); None: no cross-attention
     local_attention_class: str | None = None
+    # the family's head computes a loss of its own over the targets that are not padding (``attention_mask`` 0), a
+    # plain mean (Qwen2-Audio, Granite Speech): ``hf_ring.apply_chunked_loss`` skips those targets too when the call
+    # gives ``labels`` (``shard_batch``'s ``shift_labels`` have them ignored already)
+    loss_skips_padding: bool = False
 
     def cache_type(self) -> type | None:
         return None if self.cache_class is None else _class(self.cache_class)

@@ -18,7 +18,12 @@ the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration``
 ``HunYuanVLForConditionalGeneration`` (a HunYuan dense text model with multimodal RoPE: ``INNER``), Granite 4
 Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision features added before several of its
 layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
-ERNIE-4.5-like text model with multimodal RoPE: ``INNER``). Their
+ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), and the audio-language Qwen2-Audio
+``Qwen2AudioForConditionalGeneration`` (a Qwen2 one; its head's own loss replaced under the ring: ``OWN_LOSS``) and
+Voxtral ``VoxtralForConditionalGeneration`` (a Llama one), Granite Speech and Granite Speech Plus
+``GraniteSpeech(Plus)ForConditionalGeneration`` (a Granite one; their head applies no ``logits_scaling``, and
+computes its own loss: ``OWN_LOSS``), and Nemotron 3 Nano Omni ``NemotronH_Omni_Reasoning_V3`` (a Nemotron-H causal
+LM inside; audio tested, its RADIO images not). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -31,7 +36,7 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL). Their text model attends causally over image tokens as over text, so the
+Vision, PaddleOCR-VL; audio: Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -56,7 +61,9 @@ A wrapper added text-only would refuse images: a call with them (``pixel_values`
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
 (``_family.TextOnly``): none of the wrappers above today (LFM2-VL takes images since its short convolutions run on the
 cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
-whole, the audio features merged on the whole sequence, its audio tokens attending causally.
+whole, the audio features merged on the whole sequence, its audio tokens attending causally; so do the clips of the
+audio-language models (``input_features``; Qwen2-Audio's with their ``feature_attention_mask``, Granite
+Speech's with ``input_features_mask``).
 Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss), Granite 4
 Vision's divides them by its ``logits_scaling``; Gemma 3's
@@ -75,8 +82,8 @@ from ..hf_attention import SHARD_INFO_KWARG, RingBlocks, ShardInfo
 from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch
 
-__all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "PaliGemmaPatch", "VisionLanguagePatch",
-           "WRAPPERS"]  # fmt: skip
+__all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "OWN_LOSS", "OwnLossPatch", "PATCHES", "PaliGemmaPatch",
+           "VisionLanguagePatch", "WRAPPERS"]  # fmt: skip
 
 MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_features", "input_values",
          "mm_encoder_outputs")  # fmt: skip
@@ -133,6 +140,11 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "granite4_vision": ("granite4_vision_text",),  # Granite 4 Vision (a Granite text model, deepstack features)
     "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
     "mllama": ("mllama_text_model",),  # Llama 3.2 Vision (images by cross-attention)
+    "qwen2_audio": ("qwen2",),  # Qwen2-Audio (audio in, text out; its head's own loss: OWN_LOSS)
+    "voxtral": ("llama",),  # Voxtral Mini / Small (audio in, text out)
+    "granite_speech": ("granite",),  # Granite Speech 3.x (its head's own loss: OWN_LOSS; no logits_scaling)
+    "granite_speech_plus": ("granite",),  # Granite Speech 4.1 Plus (as Granite Speech)
+    "nemotron_h_omni": ("nemotron_h",),  # Nemotron 3 Nano Omni (a Nemotron-H causal LM inside; 5.24)
 }
 
 
@@ -185,6 +197,11 @@ IMAGES = (
     "granite4_vision",
     "paddleocr_vl",
     "mllama",
+    "qwen2_audio",
+    "voxtral",
+    "granite_speech",
+    "granite_speech_plus",
+    "nemotron_h_omni",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -361,6 +378,88 @@ class PaliGemmaPatch(VisionLanguagePatch):
         return model
 
 
+OWN_LOSS = ("qwen2_audio", "granite_speech", "granite_speech_plus")
+"""Wrappers whose head computes a loss of its own, not Transformers' causal-LM loss: the mean cross-entropy of
+``labels`` it shifts itself (filtered by the whole batch's ``attention_mask``), blind to ``shift_labels`` and
+``num_items_in_batch``. Under the ring that loss would shift ``shard_batch``'s labels, already shifted, once more
+(or fail on the mask of the whole sequence) and average over the rank's own targets: ``OwnLossPatch`` computes
+Transformers' causal-LM loss in its place whenever ``shift_labels`` are given."""
+
+
+class CausalLMLoss:
+    """Forward pre-hook and hook (with keywords) of a wrapper in ``OWN_LOSS``: a call with ``shift_labels`` (as
+    ``shard_batch`` gives them) runs without its labels, and its output's loss is Transformers' ``ForCausalLMLoss``
+    of its logits (the rank's shard of them), ``shift_labels`` and ``num_items_in_batch``: the unmodified model's
+    mean loss for one rank's whole batch, its share of it for a rank of the ring. A model under hf_ring's chunked
+    loss computes that loss itself: the hook leaves it alone."""
+
+    def __init__(self):
+        self.pending = []  # (shift_labels, num_items_in_batch, ignore_index) of each call running
+
+    def before(self, module, args, kwargs):
+        from ..loss import is_chunked
+
+        if kwargs.get("shift_labels") is None or is_chunked(module):
+            self.pending.append(None)
+            return None
+        kwargs = dict(kwargs)
+        shift = kwargs.pop("shift_labels")
+        kwargs.pop("labels", None)
+        count = kwargs.pop("num_items_in_batch", None)
+        self.pending.append((shift, count, kwargs.pop("ignore_index", -100)))
+        return args, kwargs
+
+    def after(self, module, args, kwargs, output):
+        saved = self.pending.pop() if self.pending else None
+        if saved is None or output is None:
+            return None
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        shift, count, ignore = saved
+        logits = output[0] if isinstance(output, tuple) else output.logits
+        loss = ForCausalLMLoss(logits, None, logits.shape[-1], num_items_in_batch=count, ignore_index=ignore,
+                               shift_labels=shift)  # fmt: skip
+        if isinstance(output, tuple):  # (return_dict=False: no loss in front without labels)
+            return (loss, *output)
+        return type(output)(**{"loss": loss, **{k: v for k, v in output.items() if k != "loss"}})
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnLossPatch(VisionLanguagePatch):
+    """A wrapper in ``OWN_LOSS``: its loss computed by ``CausalLMLoss`` while patched."""
+
+    def apply(self, model, cfg):
+        model = super().apply(model, cfg)
+        if model is not None:
+            _remove_loss_hooks(model)
+            hook = CausalLMLoss()
+            model.register_forward_pre_hook(hook.before, with_kwargs=True)
+            model.register_forward_hook(hook.after, with_kwargs=True, always_call=True)
+        return model
+
+    def revert(self, model):
+        model = super().revert(model)
+        _remove_loss_hooks(model)
+        return model
+
+
+def _remove_loss_hooks(model) -> None:
+    for hooks in (model._forward_pre_hooks, model._forward_hooks):
+        for hook_id, hook in list(hooks.items()):
+            if isinstance(getattr(hook, "__self__", None), CausalLMLoss):
+                del hooks[hook_id]
+                model._forward_hooks_always_called.pop(hook_id, None)
+                model._forward_hooks_with_kwargs.pop(hook_id, None)
+                model._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+
+
+INHERITED = ("lend_attention_kwargs", "no_generate", "cache_class", "sparse")
+"""What a wrapper's patch takes from its text family's (every text type it may hold agrees on them: tested): how its
+attention modules get the batch's keywords, whether ring_generate refuses it and which cache it takes, DeepSeek sparse
+attention. (The mixers' lending, which depends on the model's nesting, is not inherited: no wrapper's text family
+lends them.)"""
+
+
 def _check(config, *, wrapper: str) -> None:
     """The text family's check, on the text config."""
     patch = PATCHES[wrapper]
@@ -368,7 +467,9 @@ def _check(config, *, wrapper: str) -> None:
 
 
 PATCHES = {
-    model_type: (PaliGemmaPatch if model_type == "paligemma" else VisionLanguagePatch)(
+    model_type: (
+        PaliGemmaPatch if model_type == "paligemma" else OwnLossPatch if model_type in OWN_LOSS else VisionLanguagePatch
+    )(
         name=model_type,
         model_types=(model_type,),
         attention_class=text_patch(types[0]).attention_class,  # (for messages; the text config's family decides)
@@ -378,7 +479,8 @@ PATCHES = {
         images=model_type in IMAGES,
         block_ids=BLOCKS.get(model_type),
         text_types=types,
-        no_generate=text_patch(types[0]).no_generate,  # (what its text model cannot, it cannot)
+        loss_skips_padding=model_type in OWN_LOSS,
+        **{field: getattr(text_patch(types[0]), field) for field in INHERITED},
     )
     for model_type, types in WRAPPERS.items()
 }

@@ -290,6 +290,9 @@ _GLM_ROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 
 _GLM_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                "patch_size": 14, "image_size": 28}  # fmt: skip
 
+_GRANITE_TEXT = {"model_type": "granite", "attention_multiplier": 0.2, "embedding_multiplier": 3.0,
+                 "residual_multiplier": 0.5, "logits_scaling": 2.0}  # fmt: skip
+
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -493,6 +496,21 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                 "intermediate_size": 48, "vision_output_dim": 64, "image_size": 28, "patch_size": 14,
                 "max_num_tiles": 2, "intermediate_layers_indices": [0],
                 "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]]}),
+    # audio-language models (no vision tower: None; their audio tower in make_config's ``top``)
+    "qwen2_audio": ("Qwen2AudioConfig", "Qwen2AudioForConditionalGeneration", {"model_type": "qwen2"}, None),
+    # (its text config's defaults are a checkpoint's: head_dim 128 unless given)
+    "voxtral": ("VoxtralConfig", "VoxtralForConditionalGeneration", {"model_type": "llama", "head_dim": 16}, None),
+    # Granite Speech (its head applies no logits_scaling), Granite Speech Plus (intermediate encoder layers too)
+    "granite_speech": ("GraniteSpeechConfig", "GraniteSpeechForConditionalGeneration", _GRANITE_TEXT, None),
+    "granite_speech_plus": ("GraniteSpeechPlusConfig", "GraniteSpeechPlusForConditionalGeneration", _GRANITE_TEXT,
+                            None),
+    # Nemotron 3 Nano Omni (5.24): a Nemotron-H text model (Mamba2, attention and MoE layers) as a causal LM inside the
+    # wrapper; a RADIO vision tower (unused by the audio batches), a Parakeet audio tower (make_config's ``top``)
+    "nemotron_h_omni": ("NemotronH_Omni_Reasoning_V3_Config", "NemotronH_Omni_Reasoning_V3",
+                        {"model_type": "nemotron_h", **MORE_FAMILIES["nemotron_h"][2]},
+                        {"model_type": "radio", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "mlp_ratio": 1.5, "patch_size": 14, "image_size": 28, "max_img_size": 56, "num_cls_tokens": 1,
+                         "num_registers": 0, "video_temporal_patch_size": 2}),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -501,7 +519,7 @@ apply to their text config."""
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
          "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24",
-         "bailing_hybrid": "5.24", "perception_lm": "5.24"}  # fmt: skip
+         "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -670,8 +688,22 @@ def make_config(family: str, **overrides):
             top = {"vision_feature_layer": -1}
         if family == "vipllava":  # features of the one-layer tower's two hidden states (5.17 names the list ...layers)
             top = {"vision_feature_layer" if transformers_at_least("5.24") else "vision_feature_layers": [-2, -1]}
-        cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
-                                        image_token_index=VOCAB + 3, **top)  # fmt: skip
+        if family == "qwen2_audio":  # a Whisper-like tower: 32 frames of 16 mel bins -> 8 tokens (AUDIO_CLIPS)
+            top = {"audio_config": QWEN2_AUDIO, "audio_token_index": AUDIO_TOKEN}
+        if family == "voxtral":  # a Whisper-like tower: 32 frames of 16 mel bins -> 16 frames of 32, 2 per token: 8
+            top = {"audio_config": VOXTRAL_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family.startswith("granite_speech"):  # a conformer (dropout off: random per rank), a window Q-Former:
+            # 16 frames of 16 bins in windows of 4, 2 queries each -> 8 tokens
+            plus = family == "granite_speech_plus"
+            encoder = {**GRANITE_SPEECH_ENCODER, "cat_hidden_layers": [1]} if plus else GRANITE_SPEECH_ENCODER
+            top = {"encoder_config": encoder, "window_size": 4, "downsample_rate": 2, "has_lora_adapter": False,
+                   "audio_token_index": AUDIO_TOKEN,
+                   "projector_config": {**GRANITE_SPEECH_QFORMER, "encoder_hidden_size": 64 if plus else 32}}  # fmt: skip
+        if family == "nemotron_h_omni":  # Parakeet: 32 frames of 16 mel bins subsampled 4 times -> 8 tokens
+            top = {"audio_config": NEMOTRON_H_OMNI_AUDIO, "audio_token_id": AUDIO_TOKEN, "vision_hidden_size": 32,
+                   "projector_hidden_size": 64}  # fmt: skip
+        towers = {"vision_config": vision, "image_token_index": VOCAB + 3} if vision is not None else {}
+        cfg = getattr(tf, config_class)(text_config={**common, **extra}, **towers, **top)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -744,6 +776,20 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
 _IMAGE_SPOTS = ((0, 5), (0, 25), (1, 17))  # (row, first image token) of each image
 GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "subsampling_conv_channels": [128, 4], "output_proj_dims": 32}  # fmt: skip
+QWEN2_AUDIO = {"model_type": "qwen2_audio_encoder", "num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
+               "encoder_ffn_dim": 48, "d_model": 32, "max_source_positions": 16}  # fmt: skip
+VOXTRAL_AUDIO = {"model_type": "voxtral_encoder", "num_mel_bins": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "intermediate_size": 64, "hidden_size": 32, "max_source_positions": 16}  # fmt: skip
+GRANITE_SPEECH_ENCODER = {"input_dim": 16, "num_layers": 2, "hidden_dim": 32, "feedforward_mult": 2, "num_heads": 2,
+                          "output_dim": 8, "context_size": 8, "max_pos_emb": 8, "dropout": 0.0, "conv_kernel_size": 3}  # fmt: skip
+GRANITE_SPEECH_QFORMER = {"model_type": "blip_2_qformer", "hidden_size": 32, "num_attention_heads": 2,
+                          "intermediate_size": 48, "num_hidden_layers": 1, "cross_attention_frequency": 1,
+                          "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                          "use_qformer_text_input": False}  # fmt: skip
+NEMOTRON_H_OMNI_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 48,
+                         "conv_kernel_size": 3, "subsampling_factor": 4, "subsampling_conv_channels": 8,
+                         "num_mel_bins": 16, "dropout": 0.0, "layerdrop": 0.0, "activation_dropout": 0.0,
+                         "attention_dropout": 0.0, "projection_hidden_size": 48, "projection_bias": False}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
@@ -926,6 +972,45 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     return batch
 
 
+def _qwen2_audio_clips(g: torch.Generator) -> dict:
+    """Three clips of 16 mel bins x 32 frames (the tower's fixed length: ``max_source_positions`` x 2), the second
+    of 24 real frames (``feature_attention_mask``): 8, 6 and 8 tokens (two stride-2 stages: (n - 1) // 2 + 1, then
+    (n - 2) // 2 + 1)."""
+    frames = torch.ones(3, 32, dtype=torch.long)
+    frames[1, 24:] = 0
+    return {"input_features": torch.randn(3, 16, 32, generator=g), "feature_attention_mask": frames}
+
+
+def _voxtral_clips(g: torch.Generator) -> dict:
+    """Three clips of 16 mel bins x 32 frames (every clip padded to the tower's length, none masked): 8 tokens each
+    (the 16 frames after the stride-2 convolution, 2 frames' features per token)."""
+    return {"input_features": torch.randn(3, 16, 32, generator=g)}
+
+
+def _granite_speech_clips(g: torch.Generator) -> dict:
+    """Three clips of 16 frames x 16 features: 8 tokens each (4 windows of 4 frames, 2 queries per window), the
+    second's last 2 dropped (``input_features_mask`` per token, as its processor marks a shorter clip): 8, 6, 8."""
+    tokens = torch.ones(3, 8, dtype=torch.bool)
+    tokens[1, 6:] = False
+    return {"input_features": torch.randn(3, 16, 16, generator=g), "input_features_mask": tokens}
+
+
+def _nemotron_h_omni_clips(g: torch.Generator) -> dict:
+    """Three clips of 32 frames x 16 mel bins, the second of 24 real frames (``input_features_mask`` per frame): 8,
+    7 and 8 tokens (its wrapper keeps a padded clip's first (n + 1) subsampled twice: 7 of 24 frames)."""
+    frames = torch.ones(3, 32, dtype=torch.long)
+    frames[1, 24:] = 0
+    return {"input_features": torch.randn(3, 32, 16, generator=g), "input_features_mask": frames}
+
+
+AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips, "granite_speech": _granite_speech_clips,
+               "granite_speech_plus": _granite_speech_clips, "nemotron_h_omni": _nemotron_h_omni_clips}  # fmt: skip
+"""Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
+AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8), "granite_speech": (8, 6, 8),
+                "granite_speech_plus": (8, 6, 8), "nemotron_h_omni": (8, 7, 8)}  # fmt: skip
+"""The audio tokens of each clip of ``AUDIO_CLIPS``, at ``_IMAGE_SPOTS``."""
+
+
 def _labels_and_padding(ids: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(labels, attention_mask)`` of a two-row batch with media: media tokens (ids >= VOCAB) and each row's first
     3 tokens ignored, row 1 left-padded by ``pad`` tokens (their ids set to PAD_ID in place). The last pad would
@@ -947,6 +1032,8 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
         ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
         apertus = family == "apertus1p5"  # waveforms of 64 and 48 samples (right-padded): 16 and 12 codes
         spans = ((0, 5, 16), (1, 9, 12)) if apertus else [(b, p, 8) for b, p in _IMAGE_SPOTS]  # Gemma 4: 32 frames
+        if family in AUDIO_TOKENS:  # clip 1 shorter (its frames masked) where the family masks frames
+            spans = [(b, p, n) for (b, p), n in zip(_IMAGE_SPOTS, AUDIO_TOKENS[family])]
         for b, p, n in spans:
             ids[b, p : p + n] = AUDIO_TOKEN
         labels, mask = _labels_and_padding(ids, 3)
@@ -954,6 +1041,8 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
             samples = torch.ones(2, 64, dtype=torch.long)
             samples[1, 48:] = 0
             media = {"input_values": torch.randn(2, 1, 64, generator=g), "padding_mask": samples}
+        elif family in AUDIO_CLIPS:  # the family's clips (mel frames first or last, their masks)
+            media = AUDIO_CLIPS[family](g)
         else:  # three clips of 32 frames of 128 mel bins
             clips = len(_IMAGE_SPOTS)
             media = {"input_features": torch.randn(clips, 32, 128, generator=g),
@@ -1142,13 +1231,17 @@ def errors(loss, grads, ref_loss, ref_grads) -> dict:
     decay = [n for n in ref_grads if n.endswith(DECAY_PARAMS)]
     # a key bias before a softmax without RoPE (a vision tower's, a Q-Former's attention.key.bias) has a gradient of
     # zero but for rounding (the softmax does not see it; 7e-13 in Idefics3's), and HunYuan V4's hyper-connection
-    # scales one near it (2e-8 of the largest in its tiny model, measured): they are compared on the scale of the
-    # largest gradient
+    # scales one near it (2e-8 of the largest in its tiny model, measured), and so has a bias before a training-mode
+    # BatchNorm, which subtracts it again (Parakeet's depthwise_conv.bias: 8e-8 of the largest in Nemotron 3 Nano
+    # Omni's tiny audio tower): they are compared on the scale of the largest gradient
     top = max(float(g.double().norm()) for g in ref_grads.values())
 
     def err(n):
         ref = ref_grads[n]
-        if n.endswith(("k_proj.bias", "attention.key.bias", "hc.scale")) and float(ref.double().norm()) < 1e-6 * top:
+        if (
+            n.endswith(("k_proj.bias", "attention.key.bias", "hc.scale", "depthwise_conv.bias"))
+            and float(ref.double().norm()) < 1e-6 * top
+        ):
             return float((grads[n].double() - ref.double()).norm()) / max(top, 1e-30)
         return rel(grads[n], ref)
 

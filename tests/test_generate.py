@@ -236,6 +236,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "glm4v-images": ("glm4v", "images-padded", {}),  # GLM-4.1V's multimodal RoPE (four position rows in decoding)
     "apertus1p5-audio": ("apertus1p5", "audio", {}),  # waveforms (input_values): whole on every rank
     "mllama-images": ("mllama", "images-padded", {}),  # images by cross-attention: the prompt's text sharded
+    "qwen2_audio-audio": ("qwen2_audio", "audio", {}),  # clips of mel frames, one padded (feature_attention_mask)
 }
 IMAGE_PROMPTS = {name: case for name, case in IMAGE_PROMPTS.items() if in_transformers(case[0])}
 

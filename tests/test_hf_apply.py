@@ -17,6 +17,7 @@ from hf_ring.patches.linear import ShardedMixer
 import hf_ring
 from hf_ring import hf_attention
 from tests.hf_models import (
+    AUDIO_CLIPS,
     DYNAMIC,
     DYNAMIC_FULL_LAYERS,
     LONGROPE,
@@ -72,6 +73,10 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
             assert patch.text_types == multimodal.WRAPPERS[model_type]
             # the text family's own patch; or, for a text model with no causal-LM class of its own, an inner one
             assert all(multimodal.text_patch(t) is REGISTRY.get(t, multimodal.INNER.get(t)) for t in patch.text_types)
+            # what a wrapper inherits, its text families agree on (and it has it); none lends its mixers keywords
+            for field in multimodal.INHERITED:
+                assert {getattr(multimodal.text_patch(t), field) for t in patch.text_types} == {getattr(patch, field)}
+            assert not any(multimodal.text_patch(t).lend_mixer_kwargs for t in patch.text_types)
             continue
         mod = importlib.import_module(f"hf_ring.patches.{patch.name}")  # a dedicated module, Liger-style entry points
         assert mod.PATCH is patch
@@ -227,6 +232,11 @@ def _sub_configs(config) -> list:
         "video_llava",
         "vipllava",
         "video_llama_3",
+        "qwen2_audio",
+        "voxtral",
+        "granite_speech",
+        "granite_speech_plus",
+        "nemotron_h_omni",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -260,6 +270,11 @@ def _text_only_batches_and_refused_images(family):
         if family == "gemma4":  # audio too: beside input_ids that were sharded, refused
             with pytest.raises(ValueError, match="carries input_features but its input_ids were sharded"):
                 model(input_ids=ids, input_features=torch.zeros(1, 20, 128), **{hf_attention.SHARD_INFO_KWARG: sharded})
+        if family in AUDIO_CLIPS:  # an audio-language model: its clips (input_features), beside sharded input_ids
+            with pytest.raises(ValueError, match="carries input_features but its input_ids were sharded"):
+                model(
+                    input_ids=ids, **AUDIO_CLIPS[family](torch.Generator()), **{hf_attention.SHARD_INFO_KWARG: sharded}
+                )
         if family == "apertus1p5":  # its audio (input_values) too
             with pytest.raises(ValueError, match="carries input_values but its input_ids were sharded"):
                 model(input_ids=ids, input_values=torch.zeros(1, 1, 64), **{hf_attention.SHARD_INFO_KWARG: sharded})
@@ -353,6 +368,11 @@ def _text_only_batches_and_refused_images(family):
         ("hunyuan_vl", "images-padded"),  # 4-axis multimodal RoPE, padding numbered 0
         ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles
         ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
+        ("qwen2_audio", "audio"),  # a padded clip (feature_attention_mask); its head's own loss replaced
+        ("voxtral", "audio"),  # a Llama text model
+        ("granite_speech", "audio"),  # a conformer, window Q-Former; tokens of a shorter clip dropped (a mask)
+        ("granite_speech_plus", "audio"),  # its projector reads an intermediate encoder layer too
+        ("nemotron_h_omni", "audio"),  # Mamba2 layers; the text model inside its causal LM cuts
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

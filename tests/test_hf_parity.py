@@ -325,6 +325,20 @@ CASES = {
     "paddleocr_vl-images-padded": ("paddleocr_vl", "images-padded", 45, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
+    # Qwen2-Audio: a Whisper-like tower's clips (one padded: feature_attention_mask) merged whole, a Qwen2 text model;
+    # its head's own loss (labels shifted again, a mean) replaced by Transformers' causal-LM loss (multimodal.OWN_LOSS)
+    "qwen2_audio-audio": ("qwen2_audio", "audio", 45, {}),
+    # Voxtral: a Whisper-like tower (every clip of full length), 2 frames' features per token, a Llama text model
+    "voxtral-audio": ("voxtral", "audio", 40, {}),
+    "voxtral-audio-lora": ("voxtral", "audio", 45, {"lora": True}),
+    # Granite Speech (Plus): a conformer and a window Q-Former (a shorter clip's last tokens dropped by
+    # input_features_mask), a Granite text model (multipliers; its head without logits_scaling); its own loss replaced
+    "granite_speech-audio": ("granite_speech", "audio", 45, {}),
+    "granite_speech_plus-audio": ("granite_speech_plus", "audio", 40, {}),
+    # Nemotron 3 Nano Omni (5.24): a Parakeet tower's clips (one padded: input_features_mask), a Nemotron-H causal LM
+    # inside the wrapper (Mamba2, attention and MoE layers; its text model cuts the embeddings)
+    "nemotron_h_omni-audio": ("nemotron_h_omni", "audio", 45, {}),
+    "nemotron_h_omni-audio-checkpointing": ("nemotron_h_omni", "audio", 40, {"checkpointing": True}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
     "flint-padded": ("flint", "padded", 40, {}),
     "flint-packed-lora": ("flint", "packed", 45, {"lora": True}),
