@@ -517,11 +517,13 @@ def prepare_data_loader(ring: RingSetup, accelerator, dataloader: DataLoader, de
     return accelerator.prepare_data_loader(prepared)  # registers it for save_state / load_state
 
 
-def reshard_prepared_data_loader(ring: RingSetup, prepared):
+def reshard_prepared_data_loader(ring: RingSetup, prepared, *, shard_batches: bool = True):
     """Turn a loader that ``accelerator.prepare`` split over every process into one split over DP groups.
 
     For integrations that let Accelerate build the loader (the HF Trainer): the batch sampler (or
-    iterable-dataset shard) is re-pointed at ``dp_size`` / ``dp_rank`` and the collate function shards.
+    iterable-dataset shard) is re-pointed at ``dp_size`` / ``dp_rank`` and the collate function shards
+    (``shard_batches=False``: it does not, every rank of a CP group gets the whole batch: ``RingDPOTrainer`` shards in the
+    model's call).
     """
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 
@@ -546,7 +548,8 @@ def reshard_prepared_data_loader(ring: RingSetup, prepared):
             f"cannot re-split a {type(prepared).__name__} over the data-parallel groups (a sharded datasets "
             "IterableDataset?); use a map-style dataset or a torch IterableDataset"
         )
-    _set_collate(prepared, shard_collate(ring, prepared.collate_fn))
+    if shard_batches:
+        _set_collate(prepared, shard_collate(ring, prepared.collate_fn))
     return prepared
 
 

@@ -1,7 +1,8 @@
-"""Context parallelism for the Hugging Face ``Trainer`` and TRL's ``SFTTrainer``.
+"""Context parallelism for the Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` and ``DPOTrainer``.
 
-``RingAttentionTrainer`` (a ``transformers.Trainer``) and ``RingSFTTrainer`` (a ``trl.SFTTrainer``, when
-TRL is installed) are the stock trainers plus ``RingAttentionTrainerMixin``; mix it into your own
+``RingAttentionTrainer`` (a ``transformers.Trainer``), ``RingSFTTrainer`` (a ``trl.SFTTrainer``) and
+``RingDPOTrainer`` (a ``trl.DPOTrainer``; both when TRL is installed) are the stock trainers plus
+``RingAttentionTrainerMixin``; mix it into your own
 Trainer subclass the same way (``class MyTrainer(RingAttentionTrainerMixin, Trainer)``). Pass
 ``ring_plugin=RingAttentionPlugin(cp_size=...)`` (default: ``RingAttentionPlugin()``, configured from
 ``HF_RING_CP_SIZE`` / ``HF_RING_LAYOUT`` / ``HF_RING_BACKEND``, every process in one CP group).
@@ -23,6 +24,14 @@ Memory: the model computes its loss chunk by chunk (``hf_ring.apply_chunked_loss
 default ``chunked_loss=True``), never holding the ``[tokens, vocab]`` logits; under ``RingSFTTrainer``
 TRL's own fused LM head, installed by ``SFTTrainer``, stays in charge instead.
 
+Preference optimization (``RingDPOTrainer``) is a function of each sequence's summed log-probabilities, not a sum
+of token losses, so it goes another way: every rank of a CP group gets the whole batch (its DP group's), and the
+model's call (TRL's fused LM head, ``fused_lm_head=True``) shards it, runs the ring, and all-gathers the per-token
+log-probabilities (and TRL's per-token metrics) into the whole sequence's, in TRL's coordinates. Every rank then
+computes TRL's loss and metrics on them, the same on every rank of the group; the all-gather's backward sums every
+rank's gradient of its own tokens, so the average over all processes of DDP / FSDP2 / DeepSpeed gives the gradient of
+a plain ``dp_size``-process run. The reference model runs the same way.
+
 Caveats: evaluation returns the loss only (logits are sharded over the CP group, so
 ``compute_metrics`` on logits is not supported); ``average_tokens_across_devices`` must stay True;
 ``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP1 is refused
@@ -42,7 +51,7 @@ from .accelerate import RingAttentionPlugin, apply_to_model, reshard_prepared_da
 from .engines import check_ddp_reaches_every_parameter
 from .hf_attention import SHARD_INFO_KWARG, ShardInfo
 
-__all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer"]  # noqa: F822 - RingSFTTrainer is lazy
+__all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer", "RingDPOTrainer"]  # noqa: F822 - lazy
 
 
 class RingAttentionTrainerMixin:
@@ -61,16 +70,7 @@ class RingAttentionTrainerMixin:
                 f"parallelism inside the Trainer; leave parallelism_config out and pass "
                 f"ring_plugin=RingAttentionPlugin(cp_size={pc.cp_size}) (with fsdp_version: 2 for FSDP2)"
             )
-        if not self.args.average_tokens_across_devices:
-            raise ValueError(
-                "context parallelism needs TrainingArguments(average_tokens_across_devices=True): the loss of each "
-                "rank is its share of the global token-weighted loss"
-            )
-        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
-            raise ValueError(
-                f"{type(self.model).__name__}.forward takes no loss kwargs (num_items_in_batch), so the Trainer "
-                "cannot weight the CP shards by the global number of targets"
-            )
+        self._check_loss_contract()
         if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
             raise ValueError(
                 "train_sampling_strategy='batch_rebalance' splits batches over every process; use 'random', "
@@ -82,9 +82,37 @@ class RingAttentionTrainerMixin:
         self.ring_setup = plugin.setup(self.accelerator)  # the frozen RingSetup: groups, sizes, ranks
         apply_to_model(self.ring_setup, self.model)
 
+    def _check_loss_contract(self) -> None:
+        """ValueError unless the Trainer weights the CP shards' token losses by the global number of targets."""
+        if not self.args.average_tokens_across_devices:
+            raise ValueError(
+                "context parallelism needs TrainingArguments(average_tokens_across_devices=True): the loss of each "
+                "rank is its share of the global token-weighted loss"
+            )
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            raise ValueError(
+                f"{type(self.model).__name__}.forward takes no loss kwargs (num_items_in_batch), so the Trainer "
+                "cannot weight the CP shards by the global number of targets"
+            )
+
+    shards_batches = True
+    """The DataLoader shards each batch over the CP group (``RingDPOTrainer``: no, the model's call does)."""
+
     # data: split over DP groups, sharded over the CP group
     def _get_dataloader(self, *args, **kwargs):
-        return reshard_prepared_data_loader(self.ring_setup, super()._get_dataloader(*args, **kwargs))
+        loader = super()._get_dataloader(*args, **kwargs)
+        return reshard_prepared_data_loader(self.ring_setup, loader, shard_batches=self.shards_batches)
+
+    def _whole(self, inputs) -> ShardInfo | None:
+        """How a batch reaches the CP group whole (every rank holds it all), or None for a batch of shards: the
+        ``ShardInfo`` of a batch with images, or one of this rank's place for a batch the model's call shards."""
+        info = inputs.get(SHARD_INFO_KWARG)
+        if isinstance(info, ShardInfo) and info.whole_inputs:
+            return info
+        if not self.shards_batches:
+            ring = self.ring_setup
+            return ShardInfo(layout=ring.plugin.layout, world_size=ring.cp_size, rank=ring.cp_rank, seq_len=0)
+        return None
 
     def get_total_train_batch_size(self, args) -> int:
         """Samples per optimizer step: CP ranks share their samples, so divide the Trainer's count by cp_size."""
@@ -95,16 +123,16 @@ class RingAttentionTrainerMixin:
     def _track_num_input_tokens(self, inputs):
         """Only the CP group's first rank counts the tokens of a whole-input batch (its padded length, or with
         ``"non_padding"`` its attention mask's tokens)."""
-        info = inputs.get(SHARD_INFO_KWARG)
-        if isinstance(info, ShardInfo) and info.whole_inputs and info.rank != 0:
+        info = self._whole(inputs)
+        if info is not None and info.rank != 0:
             inputs = {k: v[:, :0] if k in ("input_ids", "attention_mask") else v for k, v in inputs.items()}
         return super()._track_num_input_tokens(inputs)
 
     def floating_point_ops(self, inputs) -> int:
         """A whole-input batch's FLOPs shared by its CP group's ranks, as a text batch's shards share them."""
-        info = inputs.get(SHARD_INFO_KWARG)
+        info = self._whole(inputs)
         flops = super().floating_point_ops(inputs)
-        return flops // info.world_size if isinstance(info, ShardInfo) and info.whole_inputs else flops
+        return flops // info.world_size if info is not None else flops
 
     # evaluation: the plain-DP loss of this rank's DP group, gathered over the DP group
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list | None = None):
@@ -188,8 +216,119 @@ def _ring_sft_trainer() -> type:
     return RingSFTTrainer
 
 
+_PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+"""The per-token fields of TRL's ``FusedCausalLMOutput``."""
+
+
+class ShardedFusedHead:
+    """The instance ``forward`` of a model carrying TRL's fused LM head, under ``RingDPOTrainer``: a call with
+    ``fused_lm_head=True`` brings the whole batch (the same on every rank of the CP group); it is sharded here as
+    ``shard_batch`` shards it (the labels shifted on the whole sequence), TRL's fused forward scores this rank's
+    tokens, and every per-token field is all-gathered into the whole sequence's ``[batch, seq_len - 1]`` (TRL's
+    coordinates: position i scores token i + 1). The log-probabilities keep their gradient (the all-gather's backward
+    sums every rank's gradient of this rank's tokens). Any other call goes to the model as it is."""
+
+    def __init__(self, fused, ring):
+        self.fused = fused  # TRL's fused forward, bound to the model
+        self.ring = ring
+
+    def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
+        if not fused_lm_head:
+            return self.fused(*args, **kwargs)
+        from .batch import multimodal, shard_for
+        from .comm import StateGather
+        from .layout import positions
+
+        ring = self.ring
+        names = ("input_ids", "attention_mask")
+        kwargs.update(zip(names, args))
+        if multimodal(kwargs) or kwargs.get("output_router_logits"):
+            raise ValueError(
+                "RingDPOTrainer: images and the MoE router's auxiliary loss are not supported under context "
+                "parallelism (each rank holds a shard of the tokens)"
+            )
+        batch = {k: kwargs.pop(k) for k in (*names, "labels") if kwargs.get(k) is not None}
+        seq_len = batch["input_ids"].shape[1]
+        local = shard_for(batch, ring.cp_rank, ring.cp_size, layout=ring.plugin.layout,
+                          pad_to_multiple=ring.plugin.pad_to_multiple)  # fmt: skip
+        shift = local.pop("shift_labels", None)
+        for key in ("labels", "num_items_in_batch"):
+            local.pop(key, None)
+        kwargs.pop("shift_labels", None)
+        out = self.fused(**{**kwargs, **local}, shift_labels=shift, fused_lm_head=True)
+        full = local["ring_shard_info"].seq_len
+        order = torch.cat([positions(full, rank=r, world_size=ring.cp_size, layout=ring.plugin.layout)
+                           for r in range(ring.cp_size)]).argsort()  # fmt: skip
+        gather = StateGather(ring.cp_group, timeout=ring.plugin.timeout, what="RingDPOTrainer's log-prob all-gather")
+        for name in _PER_TOKEN:
+            x = getattr(out, name, None)
+            if not isinstance(x, torch.Tensor):
+                continue
+            flag = x.dtype == torch.bool  # (gloo gathers no booleans)
+            x8 = x.to(torch.uint8) if flag else x
+            parts = gather.gather(x8) if x.requires_grad else gather._gather(x8)  # [cp, batch, local]
+            whole = parts.permute(1, 0, 2).reshape(x.shape[0], -1)[:, order.to(x.device)][:, : seq_len - 1]
+            setattr(out, name, whole.bool() if flag else whole)
+        if isinstance(out.log_probs, torch.Tensor) and isinstance(out.label_mask, torch.Tensor):
+            out.loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
+        return out
+
+
+def _ring_dpo_trainer() -> type:
+    try:
+        from trl import DPOTrainer
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("RingDPOTrainer needs TRL: pip install trl") from e
+    return _dpo_class(DPOTrainer)
+
+
+@functools.cache
+def _dpo_class(DPOTrainer) -> type:
+    class RingDPOTrainer(RingAttentionTrainerMixin, DPOTrainer):
+        """``trl.DPOTrainer`` with context parallelism (``ring_plugin=RingAttentionPlugin(...)``): each sequence's
+        log-probabilities are summed over the whole CP group before TRL's loss (see the module). Refused:
+        ``precompute_ref_log_probs`` (TRL's own loader splits over every process), the MoE router's auxiliary loss,
+        and images."""
+
+        shards_batches = False
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            ring = self.ring_setup
+            self._tp_size *= ring.cp_size  # TRL's token count: CP ranks are given the same batch, as TP ranks are
+            if self.ref_model is not None:
+                apply_to_model(ring, self.ref_model)
+            for model in (self.model, self.ref_model):
+                if model is None or ring.cp_size == 1:
+                    continue
+                from .apply import unwrap_transformers_model
+
+                target = unwrap_transformers_model(self.accelerator.unwrap_model(model))
+                fused = vars(target).get("forward")
+                if fused is None:
+                    raise ValueError(f"RingDPOTrainer: {type(target).__name__} has no fused LM head from TRL")
+                if not isinstance(fused, ShardedFusedHead):
+                    target.forward = ShardedFusedHead(fused, ring)
+
+        def _check_loss_contract(self) -> None:
+            args = self.args
+            refused = {
+                "precompute_ref_log_probs=True": args.precompute_ref_log_probs,
+                "the MoE router's auxiliary loss (output_router_logits)": self.aux_loss_enabled,
+                "a vision dataset": getattr(self, "_is_vision_dataset", False),
+            }
+            given = [what for what, on in refused.items() if on]
+            if given:
+                raise ValueError(f"RingDPOTrainer does not support {', '.join(given)} under context parallelism")
+
+    RingDPOTrainer.__module__, RingDPOTrainer.__qualname__ = __name__, "RingDPOTrainer"
+    return RingDPOTrainer
+
+
 def __getattr__(name: str):
-    # RingSFTTrainer is built on first use, so importing hf_ring.trainer does not import TRL
+    # RingSFTTrainer and RingDPOTrainer are built on first use, so importing hf_ring.trainer does not import TRL
     if name == "RingSFTTrainer":
         return _ring_sft_trainer()
+    if name == "RingDPOTrainer":
+        return _ring_dpo_trainer()
     raise AttributeError(f"module 'hf_ring.trainer' has no attribute {name!r}")

@@ -1,0 +1,138 @@
+"""``RingDPOTrainer`` (TRL's ``DPOTrainer`` with context parallelism) in real ``torchrun`` launches on CPU.
+
+Three launches of a tiny random Llama and its reference model (another random Llama), 3 steps of SGD with gradient
+accumulation 2, prompts and completions of unequal lengths (right padding):
+
+1. one process: TRL's own ``DPOTrainer``, the reference, for batches of 2 pairs (sigmoid + SFT losses: per-token
+   log-probabilities of the chosen completions) and of 4 pairs (sigmoid with WPO weighting: TRL's per-token
+   ``log_sum_sq_probs``); and the refusals of ``RingDPOTrainer``;
+2. two processes, CP = 2, batches of 2 pairs: the logged losses, every logged metric and the final weights equal
+   the reference's;
+3. four processes, DP = 2 x CP = 2, 2 pairs per DP group: equal to the single process on batches of 4 pairs
+   (the sigmoid loss is a mean over pairs: the mean over 2 replicas of their means is the mean over 4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train_utils import (
+    SFT_KEYS,
+    VOCAB,
+    logged_losses,
+    run_worker,
+    tiny_llama,
+    tiny_tokenizer,
+    torchrun,
+    trainer_args,
+)
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+RTOL = 1e-5  # fp32: ring attention and the gathered log-probabilities reorder sums, nothing else changes
+PAIRS = 2  # per DP group and micro-batch
+
+
+def _rows(n: int, seed: int = 7) -> list:
+    """Text preference pairs of the tiny tokenizer's words: prompts and completions of 4 to 11 tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def words(k):
+        return " ".join(f"t{int(i)}" for i in torch.randint(2, VOCAB, (k,), generator=g))
+
+    out = []
+    for _ in range(n):
+        lp, lc, lr = (int(x) for x in torch.randint(4, 12, (3,), generator=g))
+        out.append({"prompt": words(lp), "chosen": words(lc), "rejected": words(lr)})
+    return out
+
+
+def _trainer(cls, out: Path, name: str, dp: int, per_device: int, **extra):
+    from datasets import Dataset
+    from trl import DPOConfig
+
+    base = {k: v for k, v in trainer_args(out, name).to_dict().items() if k in SFT_KEYS}
+    base["per_device_train_batch_size"] = per_device
+    # one DP group: the SFT loss too (a mean over the batch's chosen tokens, which DP replicas would average per
+    # replica); two: the sigmoid loss with WPO's weights
+    losses = {"loss_type": ["sigmoid", "sft"]} if dp == 1 else {"loss_type": ["sigmoid"], "use_weighting": True}
+    cfg = DPOConfig(**base, bf16=False, beta=0.5, **losses, **extra.pop("config", {}))
+    rows = _rows(3 * 2 * PAIRS * dp)  # steps x accumulation x pairs x DP groups
+    return cls(model=tiny_llama(), ref_model=tiny_llama(seed=3), args=cfg, train_dataset=Dataset.from_list(rows),
+               processing_class=tiny_tokenizer(), **extra)  # fmt: skip
+
+
+def _run(trainer) -> dict:
+    trainer.train()
+    history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
+    state = {k: v.tolist() for k, v in trainer.model.state_dict().items()}
+    return {"losses": logged_losses(trainer), "history": [h for h in history if "loss" in h], "state": state}
+
+
+def worker(out: Path, world: int) -> None:
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.trainer import RingDPOTrainer
+
+    rank = int(os.environ.get("RANK", "0"))
+    if world == 1:
+        from trl import DPOTrainer
+
+        res = {f"dp{dp}": _run(_trainer(DPOTrainer, out, f"ref{dp}", dp, PAIRS * dp)) for dp in (1, 2)}
+        try:
+            _trainer(RingDPOTrainer, out, "refused", 1, PAIRS, config={"precompute_ref_log_probs": True},
+                     ring_plugin=RingAttentionPlugin(cp_size=1))  # fmt: skip
+            res["refused"] = "no error"
+        except ValueError as e:
+            res["refused"] = str(e)
+    else:
+        trainer = _trainer(RingDPOTrainer, out, "ring", world // 2, PAIRS, ring_plugin=RingAttentionPlugin(cp_size=2))
+        res = _run(trainer)
+    (out / f"w{world}rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dpo")
+    for world in (1, 2, 4):
+        torchrun(Path(__file__), world, out, world, timeout=420)
+    reference = json.loads((out / "w1rank0.json").read_text())
+    return reference, {w: [json.loads((out / f"w{w}rank{r}.json").read_text()) for r in range(w)] for w in (2, 4)}
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp2xcp2"])
+def test_ring_dpo_trainer_matches_trl_on_the_whole_sequences(runs, world):
+    """Losses, every metric TRL logs (rewards, margins, log-probabilities, logits, entropy, token accuracy, token
+    count) and the final weights of every rank equal TRL's own trainer on the whole sequences."""
+    reference, launches = runs
+    ref = reference[f"dp{world // 2}"]
+    for r in launches[world]:
+        assert max(_rel(a, b) for a, b in zip(r["losses"], ref["losses"], strict=True)) <= RTOL, (r["losses"], ref)
+        for got, want in zip(r["history"], ref["history"], strict=True):
+            assert got.keys() == want.keys()
+            for key in want:  # (margins near zero: their own scale, the rewards')
+                scale = max(abs(want[key]), abs(want.get("rewards/chosen", 0.0))) if key.endswith("margins") else None
+                err = abs(got[key] - want[key]) / scale if scale else _rel(got[key], want[key])
+                assert err <= RTOL, (world, key, got[key], want[key])
+        for name, value in ref["state"].items():
+            a, b = torch.tensor(r["state"][name]), torch.tensor(value)
+            assert float((a - b).norm() / b.norm()) <= RTOL, (world, name)
+
+
+def test_ring_dpo_trainer_refuses_what_it_cannot_compute(runs):
+    reference, _ = runs
+    assert "does not support precompute_ref_log_probs=True" in reference["refused"], reference["refused"]
+
+
+if __name__ == "__main__":
+    run_worker(worker, Path(sys.argv[1]), int(sys.argv[2]))
