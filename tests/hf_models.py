@@ -482,6 +482,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
                           "layer_types": ["sliding_attention", "full_attention"]}, _SIGLIP),
+    # Qwen2.5-Omni's thinker: Qwen2.5-VL's vision tower and multimodal RoPE, a Whisper-like audio tower (OMNI_AUDIO)
+    "qwen2_5_omni_thinker": ("Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration",
+                             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                  "mrope_section": [2, 3, 3]}},
+                             {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                              "out_hidden_size": 64, "patch_size": 14, "fullatt_block_indexes": [0]}),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -653,6 +659,8 @@ def make_config(family: str, **overrides):
                                       "use_qformer_text_input": False}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family in OMNI_AUDIO:  # its audio tower (always built): 32 frames of mel bins -> 8 tokens
+            top = {"audio_config": OMNI_AUDIO[family], "audio_token_index": AUDIO_TOKEN}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
             top = {"projector_pooling_ratio": 2}
         if family == "video_llava":  # features of the one-layer towers' last hidden states (not the embeddings)
@@ -729,6 +737,11 @@ _IMAGE_SPOTS = ((0, 5), (0, 25), (1, 17))  # (row, first image token) of each im
 GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "subsampling_conv_channels": [128, 4], "output_proj_dims": 32}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
+OMNI_AUDIO = {  # the Qwen-Omni thinkers' audio towers: 16 mel bins, two convolutions (one strided), pooled 2: 32 frames
+    # of a clip -> 8 tokens
+    "qwen2_5_omni_thinker": {"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
+                             "encoder_ffn_dim": 48, "d_model": 32, "output_dim": 64, "max_source_positions": 64},
+}  # fmt: skip
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
 HUNYUAN_VL_IMAGE_TOKENS = 8  # a 4 x 4 patch grid merged 2 x 2, a newline after each row, begin and end: 2 * 3 + 2
@@ -788,9 +801,12 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             spots = (*spots, (1, 17))
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+            if family in OMNI_AUDIO:  # the seconds each temporal patch spans (its processor's, from the fps)
+                extra["video_second_per_grid"] = torch.tensor([1.0])
         if family == "paddleocr_vl":  # each patch 3 x 14 x 14 (no temporal patch)
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
-        extra["mm_token_type_ids"] = types
+        if family not in OMNI_AUDIO:  # (the Omni thinkers' processors give no token types)
+            extra["mm_token_type_ids"] = types
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
@@ -920,6 +936,8 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
         ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
         apertus = family == "apertus1p5"  # waveforms of 64 and 48 samples (right-padded): 16 and 12 codes
         spans = ((0, 5, 16), (1, 9, 12)) if apertus else [(b, p, 8) for b, p in _IMAGE_SPOTS]  # Gemma 4: 32 frames
+        if family in OMNI_AUDIO:  # the last clip 24 frames (its feature_attention_mask): 6 tokens
+            spans[-1] = (*_IMAGE_SPOTS[-1], 6)
         for b, p, n in spans:
             ids[b, p : p + n] = AUDIO_TOKEN
         labels, mask = _labels_and_padding(ids, 3)
@@ -927,7 +945,12 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
             samples = torch.ones(2, 64, dtype=torch.long)
             samples[1, 48:] = 0
             media = {"input_values": torch.randn(2, 1, 64, generator=g), "padding_mask": samples}
-        else:  # three clips of 32 frames of 128 mel bins
+        elif family in OMNI_AUDIO:  # three clips of 16 mel bins x 32 frames, as its feature extractor lays them out
+            clips, bins = len(_IMAGE_SPOTS), OMNI_AUDIO[family]["num_mel_bins"]
+            media = {"input_features": torch.randn(clips, bins, 32, generator=g),
+                     "feature_attention_mask": torch.ones(clips, 32, dtype=torch.long)}  # fmt: skip
+            media["feature_attention_mask"][-1, 24:] = 0
+        else:  # three clips of 32 frames of 128 mel bins (Gemma 4)
             clips = len(_IMAGE_SPOTS)
             media = {"input_features": torch.randn(clips, 32, 128, generator=g),
                      "input_features_mask": torch.ones(clips, 32, dtype=torch.bool)}  # fmt: skip

@@ -222,6 +222,7 @@ def _sub_configs(config) -> list:
         "video_llava",
         "vipllava",
         "video_llama_3",
+        "qwen2_5_omni_thinker",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -249,6 +250,8 @@ def _text_only_batches_and_refused_images(family):
     if get_patch(model.config.model_type).images:
         sharded = hf_attention.ShardInfo(layout="zigzag", world_size=1, rank=0, seq_len=ids.shape[1])
         inner = getattr(model, "model", None)  # (Llama 4's wrapper has none: its vision tower and causal LM only)
+        if inner is not None and inner.config is not model.config:  # (5.17's Qwen2.5-Omni thinker: its text model)
+            inner = None
         for call in (model, inner) if inner is not None else (model,):  # the outer model, the inner one on its own
             with pytest.raises(ValueError, match="carries pixel_values but its input_ids were sharded"):
                 call(input_ids=ids, pixel_values=pixels, **{hf_attention.SHARD_INFO_KWARG: sharded})
@@ -348,6 +351,9 @@ def _text_only_batches_and_refused_images(family):
         ("hunyuan_vl", "images-padded"),  # 4-axis multimodal RoPE, padding numbered 0
         ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles
         ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
+        ("qwen2_5_omni_thinker", "images-padded"),  # Qwen2.5-VL's multimodal RoPE, no token types
+        ("qwen2_5_omni_thinker", "video"),  # the seconds per temporal patch
+        ("qwen2_5_omni_thinker", "audio"),  # a clip shorter than the others (feature_attention_mask)
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -317,6 +317,9 @@ CASES = {
     "granite4_vision-images-lora": ("granite4_vision", "images", 40, {"lora": True}),
     # PaddleOCR-VL: an ERNIE-4.5-like text model with Qwen2-VL's multimodal RoPE, a NaViT SigLIP tower
     "paddleocr_vl-images-padded": ("paddleocr_vl", "images-padded", 45, {}),
+    # Qwen2.5-Omni's thinker: images numbered by multimodal RoPE on the whole sequence; audio clips (one shorter)
+    "qwen2_5_omni_thinker-images-padded": ("qwen2_5_omni_thinker", "images-padded", 45, {}),
+    "qwen2_5_omni_thinker-audio": ("qwen2_5_omni_thinker", "audio", 45, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
