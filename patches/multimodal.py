@@ -20,7 +20,8 @@ Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision feature
 layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
 ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Qwen2.5-Omni's thinker
 ``Qwen2_5OmniThinkerForConditionalGeneration`` (``qwen2_5_omni_thinker``: a Qwen2.5-VL-like text model only inside it,
-``INNER``; images, video and audio; the whole Omni model with its talker has no training forward). Their
+``INNER``; images, video and audio; the whole Omni model with its talker has no training forward) and Qwen3-Omni-MoE's
+(``qwen3_omni_moe_thinker``: a Qwen3-VL-MoE-like text model with deepstack features, ``INNER``). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -33,13 +34,13 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL, Qwen2.5-Omni's thinker). Their text model attends causally over image tokens as over text, so the
-ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
-(``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
-``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
-the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the
-ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still applying on sliding
-layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt (``token_type_ids`` 0)
+Vision, PaddleOCR-VL, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers). Their text model attends causally over image
+tokens as over text, so the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each
+other both ways: their hook (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids``
+(Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and
+passes them to the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay
+causal), where the ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still
+applying on sliding layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt (``token_type_ids`` 0)
 see each other both ways, one block per row, on every layer, the suffix causally; its text attention says
 ``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch`` makes the ring
 causal while patched. What needs care is where the vision features land and how positions are numbered.
@@ -136,6 +137,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "granite4_vision": ("granite4_vision_text",),  # Granite 4 Vision (a Granite text model, deepstack features)
     "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
     "qwen2_5_omni_thinker": ("qwen2_5_omni_text",),  # Qwen2.5-Omni's thinker (images, video, audio; multimodal RoPE)
+    "qwen3_omni_moe_thinker": ("qwen3_omni_moe_text",),  # Qwen3-Omni-30B-A3B's thinker (experts, deepstack features)
 }
 
 
@@ -188,6 +190,7 @@ IMAGES = (
     "granite4_vision",
     "paddleocr_vl",
     "qwen2_5_omni_thinker",
+    "qwen3_omni_moe_thinker",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -297,6 +300,9 @@ INNER = {
         "hunyuan_vl_text": "transformers.models.hunyuan_vl.modeling_hunyuan_vl.HunYuanVLDenseV1Attention",
         "paddleocr_vl_text": "transformers.models.paddleocr_vl.modeling_paddleocr_vl.PaddleOCRAttention",
         "qwen2_5_omni_text": "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniAttention",
+        "qwen3_omni_moe_text": (
+            "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextAttention"
+        ),
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),

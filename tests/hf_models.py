@@ -488,6 +488,13 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                                                   "mrope_section": [2, 3, 3]}},
                              {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                               "out_hidden_size": 64, "patch_size": 14, "fullatt_block_indexes": [0]}),
+    # Qwen3-Omni-MoE's thinker: Qwen3-VL-MoE's text model (experts, interleaved multimodal RoPE) and deepstack features
+    "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerConfig", "Qwen3OmniMoeThinkerForConditionalGeneration",
+                               {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                    "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+                               {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                                "out_hidden_size": 64, "patch_size": 14, "deepstack_visual_indexes": [0]}),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -659,8 +666,8 @@ def make_config(family: str, **overrides):
                                       "use_qformer_text_input": False}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
-        if family in OMNI_AUDIO:  # its audio tower (always built): 32 frames of mel bins -> 8 tokens
-            top = {"audio_config": OMNI_AUDIO[family], "audio_token_index": AUDIO_TOKEN}
+        if family in OMNI_AUDIO:  # its audio tower (always built)
+            top = {"audio_config": OMNI_AUDIO[family]}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
             top = {"projector_pooling_ratio": 2}
         if family == "video_llava":  # features of the one-layer towers' last hidden states (not the embeddings)
@@ -719,7 +726,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.image_grid_pinpoints = GRANITE4_VISION_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
-        if family == "apertus1p5":  # its audio placeholder, inside the vocabulary
+        if family == "apertus1p5" or family in OMNI_AUDIO:  # its audio placeholder, inside the vocabulary
             model.config.audio_token_id = AUDIO_TOKEN
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
         model.set_attn_implementation("eager")
@@ -737,11 +744,16 @@ _IMAGE_SPOTS = ((0, 5), (0, 25), (1, 17))  # (row, first image token) of each im
 GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "subsampling_conv_channels": [128, 4], "output_proj_dims": 32}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
-OMNI_AUDIO = {  # the Qwen-Omni thinkers' audio towers: 16 mel bins, two convolutions (one strided), pooled 2: 32 frames
-    # of a clip -> 8 tokens
+OMNI_AUDIO = {  # the Qwen-Omni thinkers' audio towers, 16 mel bins: Qwen2.5-Omni's two convolutions (one strided) and
+    # pooling by 2 (32 frames of a clip -> 8 tokens), Qwen3-Omni's three strided 2-D convolutions (64 frames -> 8)
     "qwen2_5_omni_thinker": {"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
                              "encoder_ffn_dim": 48, "d_model": 32, "output_dim": 64, "max_source_positions": 64},
+    "qwen3_omni_moe_thinker": {"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
+                               "encoder_ffn_dim": 48, "d_model": 32, "output_dim": 64, "max_source_positions": 64,
+                               "downsample_hidden_size": 8},
 }  # fmt: skip
+OMNI_FRAMES = {"qwen2_5_omni_thinker": (32, 24), "qwen3_omni_moe_thinker": (64, 48)}
+"""The frames of an Omni thinker's test clips (the third one shorter): 8, 8 and 6 audio tokens."""
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
 HUNYUAN_VL_IMAGE_TOKENS = 8  # a 4 x 4 patch grid merged 2 x 2, a newline after each row, begin and end: 2 * 3 + 2
@@ -936,7 +948,7 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
         ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
         apertus = family == "apertus1p5"  # waveforms of 64 and 48 samples (right-padded): 16 and 12 codes
         spans = ((0, 5, 16), (1, 9, 12)) if apertus else [(b, p, 8) for b, p in _IMAGE_SPOTS]  # Gemma 4: 32 frames
-        if family in OMNI_AUDIO:  # the last clip 24 frames (its feature_attention_mask): 6 tokens
+        if family in OMNI_AUDIO:  # the last clip shorter (its feature_attention_mask, OMNI_FRAMES): 6 tokens
             spans[-1] = (*_IMAGE_SPOTS[-1], 6)
         for b, p, n in spans:
             ids[b, p : p + n] = AUDIO_TOKEN
@@ -945,11 +957,11 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
             samples = torch.ones(2, 64, dtype=torch.long)
             samples[1, 48:] = 0
             media = {"input_values": torch.randn(2, 1, 64, generator=g), "padding_mask": samples}
-        elif family in OMNI_AUDIO:  # three clips of 16 mel bins x 32 frames, as its feature extractor lays them out
-            clips, bins = len(_IMAGE_SPOTS), OMNI_AUDIO[family]["num_mel_bins"]
-            media = {"input_features": torch.randn(clips, bins, 32, generator=g),
-                     "feature_attention_mask": torch.ones(clips, 32, dtype=torch.long)}  # fmt: skip
-            media["feature_attention_mask"][-1, 24:] = 0
+        elif family in OMNI_AUDIO:  # three clips of 16 mel bins (the last shorter), as its feature extractor gives them
+            (frames, short), clips = OMNI_FRAMES[family], len(_IMAGE_SPOTS)
+            media = {"input_features": torch.randn(clips, OMNI_AUDIO[family]["num_mel_bins"], frames, generator=g),
+                     "feature_attention_mask": torch.ones(clips, frames, dtype=torch.long)}  # fmt: skip
+            media["feature_attention_mask"][-1, short:] = 0
         else:  # three clips of 32 frames of 128 mel bins (Gemma 4)
             clips = len(_IMAGE_SPOTS)
             media = {"input_features": torch.randn(clips, 32, 128, generator=g),

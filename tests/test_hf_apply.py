@@ -223,6 +223,7 @@ def _sub_configs(config) -> list:
         "vipllava",
         "video_llama_3",
         "qwen2_5_omni_thinker",
+        "qwen3_omni_moe_thinker",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -354,6 +355,9 @@ def _text_only_batches_and_refused_images(family):
         ("qwen2_5_omni_thinker", "images-padded"),  # Qwen2.5-VL's multimodal RoPE, no token types
         ("qwen2_5_omni_thinker", "video"),  # the seconds per temporal patch
         ("qwen2_5_omni_thinker", "audio"),  # a clip shorter than the others (feature_attention_mask)
+        ("qwen3_omni_moe_thinker", "images-padded"),  # deepstack features, experts
+        ("qwen3_omni_moe_thinker", "video"),
+        ("qwen3_omni_moe_thinker", "audio"),
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -320,6 +320,9 @@ CASES = {
     # Qwen2.5-Omni's thinker: images numbered by multimodal RoPE on the whole sequence; audio clips (one shorter)
     "qwen2_5_omni_thinker-images-padded": ("qwen2_5_omni_thinker", "images-padded", 45, {}),
     "qwen2_5_omni_thinker-audio": ("qwen2_5_omni_thinker", "audio", 45, {}),
+    # Qwen3-Omni-MoE's thinker: deepstack features cut with the embeddings, experts
+    "qwen3_omni_moe_thinker-images-padded": ("qwen3_omni_moe_thinker", "images-padded", 45, {}),
+    "qwen3_omni_moe_thinker-audio": ("qwen3_omni_moe_thinker", "audio", 45, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
