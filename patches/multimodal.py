@@ -21,7 +21,9 @@ layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLFo
 ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Qwen2.5-Omni's thinker
 ``Qwen2_5OmniThinkerForConditionalGeneration`` (``qwen2_5_omni_thinker``: a Qwen2.5-VL-like text model only inside it,
 ``INNER``; images, video and audio; the whole Omni model with its talker has no training forward) and Qwen3-Omni-MoE's
-(``qwen3_omni_moe_thinker``: a Qwen3-VL-MoE-like text model with deepstack features, ``INNER``). Their
+(``qwen3_omni_moe_thinker``: a Qwen3-VL-MoE-like text model with deepstack features, ``INNER``), Cosmos3's Reasoner
+``Cosmos3OmniForConditionalGeneration`` (``cosmos3_omni``: Qwen3-VL's architecture, a ``qwen3_vl_text`` text model;
+images and video, its generator, sound and action towers not part of it). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -34,16 +36,16 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers). Their text model attends causally over image
-tokens as over text, so the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each
-other both ways: their hook (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids``
-(Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and
+Vision, PaddleOCR-VL, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers, Cosmos3). Their text model attends causally
+over image tokens as over text, so the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also
+see each other both ways: their hook (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from
+``token_type_ids`` (Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and
 passes them to the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay
 causal), where the ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still
-applying on sliding layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt (``token_type_ids`` 0)
-see each other both ways, one block per row, on every layer, the suffix causally; its text attention says
-``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch`` makes the ring
-causal while patched. What needs care is where the vision features land and how positions are numbered.
+applying on sliding layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt
+(``token_type_ids`` 0) see each other both ways, one block per row, on every layer, the suffix causally; its text
+attention says ``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch``
+makes the ring causal while patched. What needs care is where the vision features land and how positions are numbered.
 ``shard_batch`` hands such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower
 on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it
 (Qwen-VL's and GLM-4V's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the
@@ -138,6 +140,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
     "qwen2_5_omni_thinker": ("qwen2_5_omni_text",),  # Qwen2.5-Omni's thinker (images, video, audio; multimodal RoPE)
     "qwen3_omni_moe_thinker": ("qwen3_omni_moe_text",),  # Qwen3-Omni-30B-A3B's thinker (experts, deepstack features)
+    "cosmos3_omni": ("qwen3_vl_text",),  # Cosmos3 Reasoner (Qwen3-VL's architecture; its other towers not loaded)
 }
 
 
@@ -191,6 +194,7 @@ IMAGES = (
     "paddleocr_vl",
     "qwen2_5_omni_thinker",
     "qwen3_omni_moe_thinker",
+    "cosmos3_omni",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting

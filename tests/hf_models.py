@@ -488,6 +488,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                                                   "mrope_section": [2, 3, 3]}},
                              {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                               "out_hidden_size": 64, "patch_size": 14, "fullatt_block_indexes": [0]}),
+    # Cosmos3 (its Reasoner): Qwen3-VL's architecture under a model type of its own
+    "cosmos3_omni": ("Cosmos3OmniConfig", "Cosmos3OmniForConditionalGeneration",
+                     {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                          "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+                     {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+                      "patch_size": 14, "deepstack_visual_indexes": [0]}),
     # Qwen3-Omni-MoE's thinker: Qwen3-VL-MoE's text model (experts, interleaved multimodal RoPE) and deepstack features
     "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerConfig", "Qwen3OmniMoeThinkerForConditionalGeneration",
                                {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -786,7 +792,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family == "paddleocr_vl"  # (Qwen-VL's layout)
+    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in ("paddleocr_vl", "cosmos3_omni")
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
         per_image = HUNYUAN_VL_IMAGE_TOKENS

@@ -224,6 +224,7 @@ def _sub_configs(config) -> list:
         "video_llama_3",
         "qwen2_5_omni_thinker",
         "qwen3_omni_moe_thinker",
+        "cosmos3_omni",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -358,6 +359,7 @@ def _text_only_batches_and_refused_images(family):
         ("qwen3_omni_moe_thinker", "images-padded"),  # deepstack features, experts
         ("qwen3_omni_moe_thinker", "video"),
         ("qwen3_omni_moe_thinker", "audio"),
+        ("cosmos3_omni", "images-padded"),  # Qwen3-VL's architecture (deepstack), a model type of its own
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

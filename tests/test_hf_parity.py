@@ -323,6 +323,7 @@ CASES = {
     # Qwen3-Omni-MoE's thinker: deepstack features cut with the embeddings, experts
     "qwen3_omni_moe_thinker-images-padded": ("qwen3_omni_moe_thinker", "images-padded", 45, {}),
     "qwen3_omni_moe_thinker-audio": ("qwen3_omni_moe_thinker", "audio", 45, {}),
+    "cosmos3_omni-images-padded": ("cosmos3_omni", "images-padded", 45, {}),  # Qwen3-VL's architecture (no audio)
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
