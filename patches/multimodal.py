@@ -37,9 +37,9 @@ Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, 
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
 Vision, PaddleOCR-VL, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers, Cosmos3). Their text model attends causally
-over image tokens as over text, so the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also
-see each other both ways: their hook (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from
-``token_type_ids`` (Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and
+over image tokens as over text, so the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see
+each other both ways: their hook (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids``
+(Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and
 passes them to the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay
 causal), where the ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still
 applying on sliding layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt
