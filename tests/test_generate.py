@@ -233,6 +233,10 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "exaone4_5-images": ("exaone4_5", "images-padded", {}),  # generate passes no positions
     "glm4v-images": ("glm4v", "images-padded", {}),  # GLM-4.1V's multimodal RoPE (four position rows in decoding)
     "apertus1p5-audio": ("apertus1p5", "audio", {}),  # waveforms (input_values): whole on every rank
+    "qwen2_5_omni_thinker-images": ("qwen2_5_omni_thinker", "images-padded", {}),  # multimodal RoPE, no token types
+    "qwen2_5_omni_thinker-audio": ("qwen2_5_omni_thinker", "audio", {}),  # clips of unequal lengths
+    "qwen3_omni_moe_thinker-images": ("qwen3_omni_moe_thinker", "images-padded", {}),  # deepstack features
+    "qwen3_omni_moe_thinker-audio": ("qwen3_omni_moe_thinker", "audio", {}),
 }
 IMAGE_PROMPTS = {name: case for name, case in IMAGE_PROMPTS.items() if in_transformers(case[0])}
 
