@@ -672,8 +672,9 @@ def make_config(family: str, **overrides):
                                       "use_qformer_text_input": False}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
-        if family in OMNI_AUDIO:  # its audio tower (always built)
-            top = {"audio_config": OMNI_AUDIO[family]}
+        if family in OMNI_AUDIO:  # its audio tower (always built); the vision start token its positions always read
+            # (its checkpoints' configs carry it, the config class does not define it)
+            top = {"audio_config": OMNI_AUDIO[family], "vision_start_token_id": MEDIA_TOKENS["vision_start_token_id"]}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
             top = {"projector_pooling_ratio": 2}
         if family == "video_llava":  # features of the one-layer towers' last hidden states (not the embeddings)
