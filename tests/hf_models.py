@@ -929,7 +929,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     if family.startswith("paligemma"):  # the processor's labels: the suffix only
         labels[types == 0] = -100
     batch = {"input_ids": ids, "labels": labels, **extra}
-    if kind == "images-padded":
+    # the Omni thinkers number multimodal positions only given an attention_mask (their processors always give one;
+    # without it they number the tokens as text, and shard_batch adds one wherever it pads)
+    if kind == "images-padded" or family in OMNI_AUDIO:
         batch["attention_mask"] = mask
     return batch
 
