@@ -18,8 +18,8 @@ Images and video (``pixel_values`` or ``pixel_values_videos`` in the batch): the
 the image tokens of the whole sequence and multimodal RoPE (Qwen-VL) numbers the whole sequence, so
 ``input_ids`` (padded to the layout's multiple, with an ``attention_mask`` when the batch has one or anything is
 padding) and the media keys go to the model whole, and the model's text model cuts its input embeddings and
-positions to the rank's shard (``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the sequence keys
-is per image (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
+positions to the rank's shard (``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the
+sequence keys is per image (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
 (``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys.
 A text batch's token types (a vision-language processor's, all zeros) are sharded as ``input_ids``.
 
@@ -194,7 +194,8 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         ``ring_shard_info``: a ``ShardInfo`` (layout, group size, rank, padded length) that the
         attention checks against ``apply_ring_attention``'s settings; ``use_cache=False``. A batch with
         images or video keeps ``input_ids`` [batch, padded seq_len] whole (with ``attention_mask`` when
-        the batch has one or anything is padding), passes its media keys on and has no ``position_ids``; the labels are sharded.
+        the batch has one or anything is padding), passes its media keys on and has no ``position_ids``; the
+        labels are sharded.
 
     Warning:
         ``labels`` in the output are ALREADY SHIFTED (``labels[:, i]`` is the target of token i, equal to
