@@ -19,8 +19,8 @@ the image tokens of the whole sequence and multimodal RoPE (Qwen-VL) numbers the
 ``input_ids`` (padded to the layout's multiple, with an ``attention_mask`` when the batch has one or anything is
 padding) and the media keys go to the model whole, and the model's text model cuts its input embeddings and
 positions to the rank's shard (``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the
-sequence keys is per image (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
-(``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys.
+sequence keys is per image (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token
+type ids (``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys.
 A text batch's token types (a vision-language processor's, all zeros) are sharded as ``input_ids``.
 
 No communication happens here: every rank shards the same full batch (it must be identical on every
