@@ -14,14 +14,14 @@ become global document ids of the unsharded sequence (``ring_document_ids``, -1 
 attention function hands to ``ring_attention``. They stay on the CPU: the ring classifies tiles on
 the host, so a device copy would only cost a sync per layer.
 
-Images and video (``pixel_values`` or ``pixel_values_videos`` in the batch): the vision features must land on
-the image tokens of the whole sequence and multimodal RoPE (Qwen-VL) numbers the whole sequence, so
-``input_ids`` (padded to the layout's multiple, with an ``attention_mask`` when the batch has one or anything is
-padding) and the media keys go to the model whole, and the model's text model cuts its input embeddings and
-positions to the rank's shard (``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the
-sequence keys is per image (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token
-type ids (``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys.
-A text batch's token types (a vision-language processor's, all zeros) are sharded as ``input_ids``.
+Images and video (``pixel_values`` or ``pixel_values_videos`` in the batch): the vision features must land on the
+image tokens of the whole sequence and multimodal RoPE (Qwen-VL) numbers the whole sequence, so ``input_ids`` (padded
+to the layout's multiple, with an ``attention_mask`` when the batch has one or anything is padding) and the media keys
+go to the model whole, and the model's text model cuts its input embeddings and positions to the rank's shard
+(``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the sequence keys is per image
+(``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
+(``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys. A
+text batch's token types (a vision-language processor's, all zeros) are sharded as ``input_ids``.
 
 No communication happens here: every rank shards the same full batch (it must be identical on every
 rank of the group), so every error is raised on every rank before any collective.
