@@ -14,14 +14,14 @@ become global document ids of the unsharded sequence (``ring_document_ids``, -1 
 attention function hands to ``ring_attention``. They stay on the CPU: the ring classifies tiles on
 the host, so a device copy would only cost a sync per layer.
 
-Images and video (``pixel_values`` or ``pixel_values_videos`` in the batch): the vision features must land on
-the image tokens of the whole sequence and multimodal RoPE (Qwen-VL) numbers the whole sequence, so
-``input_ids`` (padded to the layout's multiple, with an ``attention_mask`` when anything is padding) and the
-media keys go to the model whole, and the model's text model cuts its input embeddings and positions to the
-rank's shard (``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the sequence keys
-is per image (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
-(``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys.
-A text batch's token types (a vision-language processor's, all zeros) are sharded as ``input_ids``.
+Images and video (``pixel_values`` or ``pixel_values_videos`` in the batch): the vision features must land on the
+image tokens of the whole sequence and multimodal RoPE (Qwen-VL) numbers the whole sequence, so ``input_ids`` (padded
+to the layout's multiple, with an ``attention_mask`` when the batch has one or anything is padding) and the media keys
+go to the model whole, and the model's text model cuts its input embeddings and positions to the rank's shard
+(``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the sequence keys is per image
+(``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
+(``mm_token_type_ids``), padded as ``input_ids``. Such a batch is not packed: no ``position_ids`` or packing keys. A
+text batch's token types (a vision-language processor's, all zeros) are sharded as ``input_ids``.
 A batch whose images enter by cross-attention (Llama 3.2 Vision: it carries a ``cross_attention_mask`` per token,
 ``CROSS_KEYS``) is sharded as text, its cross-attention mask with it; its images and their keys go whole to every
 rank, where the cross-attention layers attend to them locally.
@@ -212,8 +212,9 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         ``ring_shard_info``: a ``ShardInfo`` (layout, group size, rank, padded length) that the
         attention checks against ``apply_ring_attention``'s settings; ``use_cache=False``. A batch with
         images or video keeps ``input_ids`` [batch, padded seq_len] whole (with ``attention_mask`` when
-        anything is padding), passes its media keys on and has no ``position_ids``; the labels are sharded. One with
-        a ``cross_attention_mask`` (images by cross-attention) is sharded as text, that mask too, its media whole.
+        the batch has one or anything is padding), passes its media keys on and has no ``position_ids``; the
+        labels are sharded. One with a
+        ``cross_attention_mask`` (images by cross-attention) is sharded as text, that mask too, its media whole.
 
     Warning:
         ``labels`` in the output are ALREADY SHIFTED (``labels[:, i]`` is the target of token i, equal to
@@ -265,7 +266,9 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
     ids = torch.nn.functional.pad(input_ids, (0, pad), value=0) if pad else input_ids
     if whole:  # the whole inputs: the model's text model cuts its embeddings and positions (ShardInfo.whole_inputs)
         local["input_ids"] = ids
-        if padded:  # the model's multimodal positions skip padding as they do unsharded
+        # the model's multimodal positions skip padding as they do unsharded; a batch's own mask passes on even when
+        # nothing is padding (the Qwen-Omni thinkers number multimodal positions only when given one)
+        if padded or mask is not None:
             local["attention_mask"] = valid.to(device=dev, dtype=mask.dtype if mask is not None else torch.long)
         for key, value in batch.items():
             if key not in _SEQUENCE_KEYS:

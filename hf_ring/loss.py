@@ -222,12 +222,17 @@ def _check(target) -> None:
 
 
 def _inner_causal_lm(target):
-    """The causal LM inside a vision-language wrapper that has no ``lm_head`` of its own (Llama 4: the wrapper takes
-    the logits of its ``language_model``, a ``Llama4ForCausalLM``), else None."""
+    """The module whose ``lm_head`` the chunked loss sets aside to run the wrapper's own forward, else None: the
+    causal LM inside a vision-language wrapper that has no ``lm_head`` of its own (Llama 4: the wrapper takes the
+    logits of its ``language_model``, a ``Llama4ForCausalLM``), or the wrapper itself where its base model is its text
+    model (Transformers 5.17's Qwen2.5-Omni and Qwen3-Omni thinkers merge images and audio and number positions in
+    their own forward: their text model alone would run without them)."""
     inner = getattr(target, "language_model", None)
     if getattr(target, "lm_head", None) is None and isinstance(getattr(inner, "lm_head", None), torch.nn.Module):
         return inner
-    return None
+    text = target.config.get_text_config()
+    own = text is not target.config and getattr(_base(target), "config", None) is text
+    return target if own and isinstance(getattr(target, "lm_head", None), torch.nn.Module) else None
 
 
 class _HeadAside:

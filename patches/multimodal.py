@@ -18,7 +18,12 @@ the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration``
 ``HunYuanVLForConditionalGeneration`` (a HunYuan dense text model with multimodal RoPE: ``INNER``), Granite 4
 Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision features added before several of its
 layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
-ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), and the audio-language Qwen2-Audio
+ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Qwen2.5-Omni's thinker
+``Qwen2_5OmniThinkerForConditionalGeneration`` (``qwen2_5_omni_thinker``: a Qwen2.5-VL-like text model only inside it,
+``INNER``; images, video and audio; the whole Omni model with its talker has no training forward) and Qwen3-Omni-MoE's
+(``qwen3_omni_moe_thinker``: a Qwen3-VL-MoE-like text model with deepstack features, ``INNER``), Cosmos3's Reasoner
+``Cosmos3OmniForConditionalGeneration`` (``cosmos3_omni``: Qwen3-VL's architecture, a ``qwen3_vl_text`` text model;
+images and video, its generator, sound and action towers not part of it), and the audio-language Qwen2-Audio
 ``Qwen2AudioForConditionalGeneration`` (a Qwen2 one; its head's own loss replaced under the ring: ``OWN_LOSS``) and
 Voxtral ``VoxtralForConditionalGeneration`` (a Llama one), Granite Speech and Granite Speech Plus
 ``GraniteSpeech(Plus)ForConditionalGeneration`` (a Granite one; their head applies no ``logits_scaling``, and
@@ -36,16 +41,17 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL; audio: Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model attends causally over image tokens as over text, so the
-ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
-(``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
-``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
-the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the
-ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still applying on sliding
-layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt (``token_type_ids`` 0)
-see each other both ways, one block per row, on every layer, the suffix causally; its text attention says
-``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch`` makes the ring
-causal while patched. What needs care is where the vision features land and how positions are numbered.
+Vision, PaddleOCR-VL, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers, Cosmos3; audio: Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text
+model attends causally
+over image tokens as over text, so the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see
+each other both ways: their hook (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids``
+(Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and
+passes them to the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay
+causal), where the ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still
+applying on sliding layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt
+(``token_type_ids`` 0) see each other both ways, one block per row, on every layer, the suffix causally; its text
+attention says ``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch``
+makes the ring causal while patched. What needs care is where the vision features land and how positions are numbered.
 ``shard_batch`` hands such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower
 on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it
 (Qwen-VL's and GLM-4V's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the
@@ -63,7 +69,7 @@ A wrapper added text-only would refuse images: a call with them (``pixel_values`
 cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
 whole, the audio features merged on the whole sequence, its audio tokens attending causally; so do the clips of the
 audio-language models (``input_features``; Qwen2-Audio's with their ``feature_attention_mask``, Granite
-Speech's with ``input_features_mask``).
+Speech's with ``input_features_mask``; the Qwen-Omni thinkers' with a ``feature_attention_mask``).
 Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss), Granite 4
 Vision's divides them by its ``logits_scaling``; Gemma 3's
@@ -145,6 +151,9 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "granite_speech": ("granite",),  # Granite Speech 3.x (its head's own loss: OWN_LOSS; no logits_scaling)
     "granite_speech_plus": ("granite",),  # Granite Speech 4.1 Plus (as Granite Speech)
     "nemotron_h_omni": ("nemotron_h",),  # Nemotron 3 Nano Omni (a Nemotron-H causal LM inside; 5.24)
+    "qwen2_5_omni_thinker": ("qwen2_5_omni_text",),  # Qwen2.5-Omni's thinker (images, video, audio; multimodal RoPE)
+    "qwen3_omni_moe_thinker": ("qwen3_omni_moe_text",),  # Qwen3-Omni-30B-A3B's thinker (experts, deepstack features)
+    "cosmos3_omni": ("qwen3_vl_text",),  # Cosmos3 Reasoner (Qwen3-VL's architecture; its other towers not loaded)
 }
 
 
@@ -202,6 +211,9 @@ IMAGES = (
     "granite_speech",
     "granite_speech_plus",
     "nemotron_h_omni",
+    "qwen2_5_omni_thinker",
+    "qwen3_omni_moe_thinker",
+    "cosmos3_omni",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -310,6 +322,10 @@ INNER = {
         "glm_ocr_text": "transformers.models.glm_ocr.modeling_glm_ocr.GlmOcrTextAttention",
         "hunyuan_vl_text": "transformers.models.hunyuan_vl.modeling_hunyuan_vl.HunYuanVLDenseV1Attention",
         "paddleocr_vl_text": "transformers.models.paddleocr_vl.modeling_paddleocr_vl.PaddleOCRAttention",
+        "qwen2_5_omni_text": "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniAttention",
+        "qwen3_omni_moe_text": (
+            "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextAttention"
+        ),
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),

@@ -511,6 +511,25 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                         {"model_type": "radio", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                          "mlp_ratio": 1.5, "patch_size": 14, "image_size": 28, "max_img_size": 56, "num_cls_tokens": 1,
                          "num_registers": 0, "video_temporal_patch_size": 2}),
+    # Qwen2.5-Omni's thinker: Qwen2.5-VL's vision tower and multimodal RoPE, a Whisper-like audio tower (OMNI_AUDIO)
+    "qwen2_5_omni_thinker": ("Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration",
+                             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                  "mrope_section": [2, 3, 3]}},
+                             {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                              "out_hidden_size": 64, "patch_size": 14, "fullatt_block_indexes": [0]}),
+    # Cosmos3 (its Reasoner): Qwen3-VL's architecture under a model type of its own
+    "cosmos3_omni": ("Cosmos3OmniConfig", "Cosmos3OmniForConditionalGeneration",
+                     {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                          "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+                     {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+                      "patch_size": 14, "deepstack_visual_indexes": [0]}),
+    # Qwen3-Omni-MoE's thinker: Qwen3-VL-MoE's text model (experts, interleaved multimodal RoPE) and deepstack features
+    "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerConfig", "Qwen3OmniMoeThinkerForConditionalGeneration",
+                               {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                    "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+                               {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                                "out_hidden_size": 64, "patch_size": 14, "deepstack_visual_indexes": [0]}),
 }  # fmt: skip
 """Vision-language models whose text model hf_ring patches (text-only batches); ``overrides`` of ``make_config``
 apply to their text config."""
@@ -682,6 +701,9 @@ def make_config(family: str, **overrides):
                                       "use_qformer_text_input": False}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family in OMNI_AUDIO:  # its audio tower (always built); the vision start token its positions always read
+            # (its checkpoints' configs carry it, the config class does not define it)
+            top = {"audio_config": OMNI_AUDIO[family], "vision_start_token_id": MEDIA_TOKENS["vision_start_token_id"]}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
             top = {"projector_pooling_ratio": 2}
         if family == "video_llava":  # features of the one-layer towers' last hidden states (not the embeddings)
@@ -754,7 +776,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.image_grid_pinpoints = GRANITE4_VISION_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
-        if family == "apertus1p5":  # its audio placeholder, inside the vocabulary
+        if family == "apertus1p5" or family in OMNI_AUDIO:  # its audio placeholder, inside the vocabulary
             model.config.audio_token_id = AUDIO_TOKEN
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
         model.set_attn_implementation("eager")
@@ -791,6 +813,16 @@ NEMOTRON_H_OMNI_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attenti
                          "num_mel_bins": 16, "dropout": 0.0, "layerdrop": 0.0, "activation_dropout": 0.0,
                          "attention_dropout": 0.0, "projection_hidden_size": 48, "projection_bias": False}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
+OMNI_AUDIO = {  # the Qwen-Omni thinkers' audio towers, 16 mel bins: Qwen2.5-Omni's two convolutions (one strided) and
+    # pooling by 2 (32 frames of a clip -> 8 tokens), Qwen3-Omni's three strided 2-D convolutions (64 frames -> 8)
+    "qwen2_5_omni_thinker": {"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
+                             "encoder_ffn_dim": 48, "d_model": 32, "output_dim": 64, "max_source_positions": 64},
+    "qwen3_omni_moe_thinker": {"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
+                               "encoder_ffn_dim": 48, "d_model": 32, "output_dim": 64, "max_source_positions": 64,
+                               "downsample_hidden_size": 8},
+}  # fmt: skip
+OMNI_FRAMES = {"qwen2_5_omni_thinker": (32, 24), "qwen3_omni_moe_thinker": (64, 48)}
+"""The frames of an Omni thinker's test clips (the third one shorter): 8, 8 and 6 audio tokens."""
 GEMMA3_IMAGE_TOKENS = 16  # a 56 x 56 image in 14 x 14 patches: its tokens see each other both ways, across rank edges
 IDEFICS2_IMAGE_TOKENS = 4  # the perceiver's latents per image (64 in checkpoints)
 HUNYUAN_VL_IMAGE_TOKENS = 8  # a 4 x 4 patch grid merged 2 x 2, a newline after each row, begin and end: 2 * 3 + 2
@@ -823,7 +855,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family == "paddleocr_vl"  # (Qwen-VL's layout)
+    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in ("paddleocr_vl", "cosmos3_omni")
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
         per_image = HUNYUAN_VL_IMAGE_TOKENS
@@ -850,9 +882,12 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             spots = (*spots, (1, 17))
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+            if family in OMNI_AUDIO:  # the seconds each temporal patch spans (its processor's, from the fps)
+                extra["video_second_per_grid"] = torch.tensor([1.0])
         if family == "paddleocr_vl":  # each patch 3 x 14 x 14 (no temporal patch)
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
-        extra["mm_token_type_ids"] = types
+        if family not in OMNI_AUDIO:  # (the Omni thinkers' processors give no token types)
+            extra["mm_token_type_ids"] = types
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
@@ -967,7 +1002,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     if family.startswith("paligemma"):  # the processor's labels: the suffix only
         labels[types == 0] = -100
     batch = {"input_ids": ids, "labels": labels, **extra}
-    if kind == "images-padded":
+    # the Omni thinkers number multimodal positions only given an attention_mask (their processors always give one;
+    # without it they number the tokens as text, and shard_batch adds one wherever it pads)
+    if kind == "images-padded" or family in OMNI_AUDIO:
         batch["attention_mask"] = mask
     return batch
 
@@ -1034,6 +1071,8 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
         spans = ((0, 5, 16), (1, 9, 12)) if apertus else [(b, p, 8) for b, p in _IMAGE_SPOTS]  # Gemma 4: 32 frames
         if family in AUDIO_TOKENS:  # clip 1 shorter (its frames masked) where the family masks frames
             spans = [(b, p, n) for (b, p), n in zip(_IMAGE_SPOTS, AUDIO_TOKENS[family])]
+        if family in OMNI_AUDIO:  # the last clip shorter (its feature_attention_mask, OMNI_FRAMES): 6 tokens
+            spans[-1] = (*_IMAGE_SPOTS[-1], 6)
         for b, p, n in spans:
             ids[b, p : p + n] = AUDIO_TOKEN
         labels, mask = _labels_and_padding(ids, 3)
@@ -1043,7 +1082,12 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
             media = {"input_values": torch.randn(2, 1, 64, generator=g), "padding_mask": samples}
         elif family in AUDIO_CLIPS:  # the family's clips (mel frames first or last, their masks)
             media = AUDIO_CLIPS[family](g)
-        else:  # three clips of 32 frames of 128 mel bins
+        elif family in OMNI_AUDIO:  # three clips of 16 mel bins (the last shorter), as its feature extractor gives them
+            (frames, short), clips = OMNI_FRAMES[family], len(_IMAGE_SPOTS)
+            media = {"input_features": torch.randn(clips, OMNI_AUDIO[family]["num_mel_bins"], frames, generator=g),
+                     "feature_attention_mask": torch.ones(clips, frames, dtype=torch.long)}  # fmt: skip
+            media["feature_attention_mask"][-1, short:] = 0
+        else:  # three clips of 32 frames of 128 mel bins (Gemma 4)
             clips = len(_IMAGE_SPOTS)
             media = {"input_features": torch.randn(clips, 32, 128, generator=g),
                      "input_features_mask": torch.ones(clips, 32, dtype=torch.bool)}  # fmt: skip

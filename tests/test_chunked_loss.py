@@ -66,6 +66,25 @@ def test_every_family_matches_the_unmodified_loss_and_gradients(family):
             assert _rel(grads[name], ref_grads[name]) <= bound, (family, kind, name)
 
 
+@pytest.mark.parametrize("family, kind", [("qwen2_5_omni_thinker", "images-padded"),
+                                          ("qwen3_omni_moe_thinker", "audio")])  # fmt: skip
+def test_a_wrapper_merging_media_in_its_own_forward_keeps_them(family, kind):
+    """Transformers 5.17's Qwen-Omni thinkers merge images and audio and number positions in their own forward, their
+    base model the text model: the chunked loss runs that forward (its head set aside), not the text model alone,
+    which would drop the media and the positions. The unmodified loss and gradients, the towers' too."""
+    model = make_model(family, images=True)
+    batch, _ = make_batch(kind, 40, family=family)
+    ref, ref_grads = _loss_and_grads(model, batch)
+    hf_ring.apply_chunked_loss(model, chunk_size=CHUNK)
+    out, grads = _loss_and_grads(model, batch)
+    hf_ring.revert_chunked_loss(model)
+    assert out.logits is None and _rel(out.loss, ref.loss) <= RTOL
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:  # (an attention's key bias: a gradient of zero in exact arithmetic, rounding noise of 1e-13)
+        got, want = grads[name].double(), ref_grads[name].double()
+        assert (got - want).norm() <= RTOL * want.norm() + 1e-10, name
+
+
 def test_a_logit_scale_left_unset_is_none():
     """Cohere Compass's config may leave ``logit_scale`` None (its head then scales by nothing): the chunked loss
     reads it as 1.0, the same loss and gradients as the unmodified model."""

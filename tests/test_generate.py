@@ -237,6 +237,10 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "apertus1p5-audio": ("apertus1p5", "audio", {}),  # waveforms (input_values): whole on every rank
     "mllama-images": ("mllama", "images-padded", {}),  # images by cross-attention: the prompt's text sharded
     "qwen2_audio-audio": ("qwen2_audio", "audio", {}),  # clips of mel frames, one padded (feature_attention_mask)
+    "qwen2_5_omni_thinker-images": ("qwen2_5_omni_thinker", "images-padded", {}),  # multimodal RoPE, no token types
+    "qwen2_5_omni_thinker-audio": ("qwen2_5_omni_thinker", "audio", {}),  # clips of unequal lengths
+    "qwen3_omni_moe_thinker-images": ("qwen3_omni_moe_thinker", "images-padded", {}),  # deepstack features
+    "qwen3_omni_moe_thinker-audio": ("qwen3_omni_moe_thinker", "audio", {}),
 }
 IMAGE_PROMPTS = {name: case for name, case in IMAGE_PROMPTS.items() if in_transformers(case[0])}
 

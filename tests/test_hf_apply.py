@@ -237,6 +237,9 @@ def _sub_configs(config) -> list:
         "granite_speech",
         "granite_speech_plus",
         "nemotron_h_omni",
+        "qwen2_5_omni_thinker",
+        "qwen3_omni_moe_thinker",
+        "cosmos3_omni",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -264,6 +267,8 @@ def _text_only_batches_and_refused_images(family):
     if get_patch(model.config.model_type).images:
         sharded = hf_attention.ShardInfo(layout="zigzag", world_size=1, rank=0, seq_len=ids.shape[1])
         inner = getattr(model, "model", None)  # (Llama 4's wrapper has none: its vision tower and causal LM only)
+        if inner is not None and inner.config is not model.config:  # (5.17's Qwen2.5-Omni thinker: its text model)
+            inner = None
         for call in (model, inner) if inner is not None else (model,):  # the outer model, the inner one on its own
             with pytest.raises(ValueError, match="carries pixel_values but its input_ids were sharded"):
                 call(input_ids=ids, pixel_values=pixels, **{hf_attention.SHARD_INFO_KWARG: sharded})
@@ -373,6 +378,13 @@ def _text_only_batches_and_refused_images(family):
         ("granite_speech", "audio"),  # a conformer, window Q-Former; tokens of a shorter clip dropped (a mask)
         ("granite_speech_plus", "audio"),  # its projector reads an intermediate encoder layer too
         ("nemotron_h_omni", "audio"),  # Mamba2 layers; the text model inside its causal LM cuts
+        ("qwen2_5_omni_thinker", "images-padded"),  # Qwen2.5-VL's multimodal RoPE, no token types
+        ("qwen2_5_omni_thinker", "video"),  # the seconds per temporal patch
+        ("qwen2_5_omni_thinker", "audio"),  # a clip shorter than the others (feature_attention_mask)
+        ("qwen3_omni_moe_thinker", "images-padded"),  # deepstack features, experts
+        ("qwen3_omni_moe_thinker", "video"),
+        ("qwen3_omni_moe_thinker", "audio"),
+        ("cosmos3_omni", "images-padded"),  # Qwen3-VL's architecture (deepstack), a model type of its own
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -323,6 +323,15 @@ CASES = {
     "granite4_vision-images-lora": ("granite4_vision", "images", 40, {"lora": True}),
     # PaddleOCR-VL: an ERNIE-4.5-like text model with Qwen2-VL's multimodal RoPE, a NaViT SigLIP tower
     "paddleocr_vl-images-padded": ("paddleocr_vl", "images-padded", 45, {}),
+    # Qwen2.5-Omni's thinker: images numbered by multimodal RoPE on the whole sequence; audio clips (one shorter)
+    "qwen2_5_omni_thinker-images-padded": ("qwen2_5_omni_thinker", "images-padded", 45, {}),
+    "qwen2_5_omni_thinker-audio": ("qwen2_5_omni_thinker", "audio", 45, {}),
+    "qwen2_5_omni_thinker-video": ("qwen2_5_omni_thinker", "video", 45, {}),  # an image and a 2-frame video
+    # Qwen3-Omni-MoE's thinker: deepstack features cut with the embeddings, experts
+    "qwen3_omni_moe_thinker-images-padded": ("qwen3_omni_moe_thinker", "images-padded", 45, {}),
+    "qwen3_omni_moe_thinker-audio": ("qwen3_omni_moe_thinker", "audio", 45, {}),
+    "qwen3_omni_moe_thinker-video": ("qwen3_omni_moe_thinker", "video", 40, {}),  # nothing padded: its own mask
+    "cosmos3_omni-images-padded": ("cosmos3_omni", "images-padded", 45, {}),  # Qwen3-VL's architecture (no audio)
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     # Qwen2-Audio: a Whisper-like tower's clips (one padded: feature_attention_mask) merged whole, a Qwen2 text model;
