@@ -478,6 +478,13 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                                                         "mrope_section": [2, 2, 2, 2]}},
                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                     "patch_size": 16, "max_image_size": 64}),
+    # Aria: its MoE text model (routed and shared experts); an Idefics3 tower of 2 x 2 patches per 28 x 28 image, whose
+    # cross-attention projector reads them with 4 learned queries (projector_patch_to_query_dict): 4 tokens (its text
+    # config's model_type given: 5.17 builds a text config only from a dict that names it, else keeps the dict)
+    "aria": ("AriaConfig", "AriaForConditionalGeneration",
+             {"model_type": "aria_text", **MORE_FAMILIES["aria_text"][2]},
+             {"model_type": "idefics3_vision", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
@@ -653,6 +660,8 @@ def make_config(family: str, **overrides):
                                       "use_qformer_text_input": False}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family == "aria":  # its projector's learned queries per image, by the number of patches
+            top = {"projector_patch_to_query_dict": {4: 4}}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
             top = {"projector_pooling_ratio": 2}
         if family == "video_llava":  # features of the one-layer towers' last hidden states (not the embeddings)
@@ -739,7 +748,7 @@ GRANITE4_VISION_PINPOINTS = [[56, 56], [56, 112]]  # Granite 4 Vision's: a tile'
 _FOUR_TOKENS = ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
                 "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5", "minicpmv4_6",
                 "video_llama_3", "janus", "deepseek_vl", "deepseek_vl_hybrid", "paligemma",
-                "paligemma-gemma2")  # fmt: skip
+                "paligemma-gemma2", "aria")  # fmt: skip
 """Families whose test images give 4 tokens each (besides Qwen-VL's)."""
 
 
@@ -886,6 +895,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         if family in ("mistral3", "lighton_ocr"):
             extra["image_sizes"] = torch.tensor([[28, 28]] * len(spots))
+        if family == "aria":  # its processor's mask of each image's real pixels (all of them here)
+            extra["pixel_mask"] = torch.ones(len(spots), 28, 28, dtype=torch.bool)
     if family.startswith("paligemma"):  # a prompt after the images; the rest, the suffix, is type 1 and learned
         types[:] = 1
         types[0, :14] = 0

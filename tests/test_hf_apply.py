@@ -173,6 +173,7 @@ def _sub_configs(config) -> list:
 @pytest.mark.parametrize(
     "family",
     [
+        "aria",
         "aya_vision",
         "cohere2_vision",
         "apertus1p5",
@@ -348,6 +349,7 @@ def _text_only_batches_and_refused_images(family):
         ("hunyuan_vl", "images-padded"),  # 4-axis multimodal RoPE, padding numbered 0
         ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles
         ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
+        ("aria", "images-padded"),  # a cross-attention projector, MoE text (Aria)
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -317,6 +317,8 @@ CASES = {
     "granite4_vision-images-lora": ("granite4_vision", "images", 40, {"lora": True}),
     # PaddleOCR-VL: an ERNIE-4.5-like text model with Qwen2-VL's multimodal RoPE, a NaViT SigLIP tower
     "paddleocr_vl-images-padded": ("paddleocr_vl", "images-padded", 45, {}),
+    # Aria: its MoE text model (routed and shared experts); a cross-attention projector's learned queries per image
+    "aria-images-padded": ("aria", "images-padded", 45, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
