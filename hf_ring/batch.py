@@ -57,10 +57,12 @@ processor names its images ``pixel_values_images`` (on 5.17 always, later by def
 
 PER_IMAGE_KEYS = (*MEDIA_KEYS, "pixel_attention_mask", "spatial_shapes", "image_sizes", "image_grid_thw",
                   "video_grid_thw", "image_position_ids", "input_features_mask", "padding_mask",
-                  "high_res_pixel_values", "pixel_mask")  # fmt: skip
+                  "high_res_pixel_values", "pixel_mask", "image_token_pooling", "image_grids", "image_num_crops",
+                  "video_token_pooling", "video_grids")  # fmt: skip
 """Keys processors give per image, video or clip, never per token, whatever their shape (LFM2-VL's patches
 ``[images, max patches, ...]`` may have the shape of ``input_ids`` in their first two dimensions; Aria's
-``pixel_mask`` ``[images, height, width]``): passed on whole."""
+``pixel_mask`` ``[images, height, width]``, Molmo2's ``image_token_pooling`` ``[image tokens, pooled patches]``):
+passed on whole."""
 
 ENCODED_KEY = "mm_encoder_outputs"
 """Transformers' vision features computed ahead of the forward (``generate()`` passes them in place of the pixels

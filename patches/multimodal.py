@@ -19,7 +19,7 @@ the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration``
 Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision features added before several of its
 layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
 ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Aria ``AriaForConditionalGeneration`` (its MoE
-text model, ``aria_text``). Their
+text model, ``aria_text``), Molmo2 ``Molmo2ForConditionalGeneration`` (its own text model: ``INNER``). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -32,7 +32,7 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL, Aria). Their text model attends causally over image tokens as over text, so the
+Vision, PaddleOCR-VL, Aria, Molmo2). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -41,7 +41,8 @@ ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, th
 layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt (``token_type_ids`` 0)
 see each other both ways, one block per row, on every layer, the suffix causally; its text attention says
 ``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch`` makes the ring
-causal while patched. What needs care is where the vision features land and how positions are numbered.
+causal while patched. Molmo2's image tokens (``mm_token_type_ids`` 1) all see each other both ways, one block per
+row (``_molmo2_blocks``), on every layer. What needs care is where the vision features land and how positions are numbered.
 ``shard_batch`` hands such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower
 on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it
 (Qwen-VL's and GLM-4V's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the
@@ -134,6 +135,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "granite4_vision": ("granite4_vision_text",),  # Granite 4 Vision (a Granite text model, deepstack features)
     "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
     "aria": ("aria_text",),  # Aria (its MoE text model; images through a cross-attention projector)
+    "molmo2": ("molmo2_text",),  # Molmo2 (Transformers 5.24; its image tokens see each other both ways)
 }
 
 
@@ -186,6 +188,7 @@ IMAGES = (
     "granite4_vision",
     "paddleocr_vl",
     "aria",
+    "molmo2",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -263,7 +266,29 @@ def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
     return RingBlocks(torch.where(prefix, 0, -1))
 
 
-BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "paligemma": _paligemma_blocks}
+def _molmo2_blocks(config, arguments: dict) -> RingBlocks | None:
+    """Molmo2's image tokens (``mm_token_type_ids == 1``; its video frames share the image token, so its processor
+    marks them 1 too) see each other both ways, all of a row's one block whether contiguous or not (Transformers'
+    ``block_sequence_ids``), on every layer.
+
+    Refused (ValueError, alike on every rank), where the ring would mask otherwise: token types marking image tokens
+    in a batch whose input_ids were sharded (no pixels, so ``shard_batch`` cut it: the block spans the whole
+    sequence, which no rank holds)."""
+    types = arguments.get("mm_token_type_ids")
+    if not isinstance(types, torch.Tensor) or types.dim() != 2 or not bool((types == 1).any()):
+        return None
+    info = arguments.get(SHARD_INFO_KWARG)
+    if isinstance(info, ShardInfo) and info.world_size > 1 and not info.whole_inputs:
+        raise ValueError(
+            "molmo2: mm_token_type_ids marking image tokens in a batch without images, its input_ids sharded: "
+            "Molmo2's image tokens attend both ways across the whole sequence, which the ring cannot show on shards; "
+            "pass the images (shard_batch then keeps the batch whole)"
+        )
+    return RingBlocks(torch.where(types == 1, 0, -1))
+
+
+BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "paligemma": _paligemma_blocks,
+          "molmo2": _molmo2_blocks}  # fmt: skip
 """Wrappers whose image tokens see each other both ways: how to number their blocks from the forward's arguments."""
 
 
@@ -294,6 +319,7 @@ INNER = {
         "glm_ocr_text": "transformers.models.glm_ocr.modeling_glm_ocr.GlmOcrTextAttention",
         "hunyuan_vl_text": "transformers.models.hunyuan_vl.modeling_hunyuan_vl.HunYuanVLDenseV1Attention",
         "paddleocr_vl_text": "transformers.models.paddleocr_vl.modeling_paddleocr_vl.PaddleOCRAttention",
+        "molmo2_text": "transformers.models.molmo2.modeling_molmo2.Molmo2Attention",
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),

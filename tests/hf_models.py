@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 __all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
-           "prepare", "reference_step", "rel", "ring_step", "text_only"]  # fmt: skip
+           "prepare", "reference_step", "rel", "ring_step", "text_only", "with_token_types"]  # fmt: skip
 
 VOCAB = 96
 PAD_ID = 0
@@ -485,6 +485,14 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
              {"model_type": "aria_text", **MORE_FAMILIES["aria_text"][2]},
              {"model_type": "idefics3_vision", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
               "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    # Molmo2 (5.24): its text model (QK norm per head; layer 0 with linearly scaled RoPE, layer 1 without), image tokens
+    # seeing each other both ways (mm_token_type_ids); a ViT of 2 x 2 patches per 28 x 28 crop, pooled by its adapter's
+    # cross-attention (image_token_pooling: the patches each token pools): 4 tokens
+    "molmo2": ("Molmo2Config", "Molmo2ForConditionalGeneration",
+               {"model_type": "molmo2_text", "head_dim": 16, "rope_scaling_layers": [0],
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+               {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "head_dim": 16, "image_size": [28, 28], "patch_size": 14}),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
@@ -497,7 +505,7 @@ apply to their text config."""
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
          "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24",
-         "bailing_hybrid": "5.24", "perception_lm": "5.24"}  # fmt: skip
+         "bailing_hybrid": "5.24", "perception_lm": "5.24", "molmo2": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -513,6 +521,18 @@ at a zero embedding is NaN (in the unmodified model too), and ``shard_batch`` pa
 SAMPLES_IN_TRAINING = ("phimoe",)
 """Families whose training-mode forward draws random numbers (Phi-3.5-MoE's router samples its experts):
 ``make_model`` returns them in eval mode, where they are deterministic."""
+
+
+TOKEN_TYPES_IN_TRAINING = ("molmo2",)
+"""Families whose training-mode forward requires ``mm_token_type_ids`` even for text (Molmo2's; all zero there, as
+its processor gives them): ``with_token_types`` adds them to a text batch."""
+
+
+def with_token_types(family: str, batch: dict) -> dict:
+    """``batch`` with all-zero ``mm_token_type_ids`` for a family of ``TOKEN_TYPES_IN_TRAINING`` (else as given)."""
+    if family not in TOKEN_TYPES_IN_TRAINING:
+        return batch
+    return {**batch, "mm_token_type_ids": torch.zeros_like(batch["input_ids"])}
 
 
 @contextlib.contextmanager
@@ -660,6 +680,10 @@ def make_config(family: str, **overrides):
                                       "use_qformer_text_input": False}}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family == "molmo2":  # its adapter: pools the vision tower's last layer into the text width
+            top = {"adapter_config": {"vision_feature_layer": [-1], "hidden_size": 32, "num_attention_heads": 2,
+                                      "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48,
+                                      "text_hidden_size": common["hidden_size"]}}  # fmt: skip
         if family == "aria":  # its projector's learned queries per image, by the number of patches
             top = {"projector_patch_to_query_dict": {4: 4}}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
@@ -720,6 +744,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.image_grid_pinpoints = GRANITE4_VISION_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
+        if family == "molmo2":  # its image and video token one (both names map to image_patch_id): the image one
+            model.config.image_patch_id = MEDIA_TOKENS["image_token_id"]
         if family == "apertus1p5":  # its audio placeholder, inside the vocabulary
             model.config.audio_token_id = AUDIO_TOKEN
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
@@ -748,7 +774,7 @@ GRANITE4_VISION_PINPOINTS = [[56, 56], [56, 112]]  # Granite 4 Vision's: a tile'
 _FOUR_TOKENS = ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
                 "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5", "minicpmv4_6",
                 "video_llama_3", "janus", "deepseek_vl", "deepseek_vl_hybrid", "paligemma",
-                "paligemma-gemma2", "aria")  # fmt: skip
+                "paligemma-gemma2", "aria", "molmo2")  # fmt: skip
 """Families whose test images give 4 tokens each (besides Qwen-VL's)."""
 
 
@@ -879,6 +905,13 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
             extra["video_merge_sizes"] = torch.tensor([2])
+    elif family == "molmo2":  # one crop of 2 x 2 patches of 14 x 14 x 3 per image, 2 x 2 tokens (image_grids), each
+        # pooling two of its patches (image_token_pooling: indices into all crops' patches); the image tokens type 1
+        extra["pixel_values"] = torch.randn(len(spots), 4, 3 * 14 * 14, generator=g)
+        index = torch.arange(4 * len(spots)).view(-1, 4)
+        extra["image_token_pooling"] = torch.stack([index, index.roll(-1, 1)], -1).view(-1, 2)
+        extra["image_grids"] = torch.tensor([[2, 2, 0, 0]] * len(spots))
+        extra["mm_token_type_ids"] = types
     elif family == "deepseek_vl_hybrid":  # each image at two resolutions: SigLIP's, SAM's
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         extra["high_res_pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)

@@ -26,6 +26,7 @@ from tests.hf_models import (
     make_model,
     text_only,
     transformers_at_least,
+    with_token_types,
 )
 
 FAMILIES = sorted({p.name for p in REGISTRY.values()})
@@ -206,6 +207,7 @@ def _sub_configs(config) -> list:
         "minimax_m3_vl",
         "mistral3",
         "minicpmv4_6",
+        "molmo2",
         "mistral3-ministral3",
         "ovis2",
         "paddleocr_vl",
@@ -350,6 +352,7 @@ def _text_only_batches_and_refused_images(family):
         ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles
         ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
         ("aria", "images-padded"),  # a cross-attention projector, MoE text (Aria)
+        ("molmo2", "images-padded"),  # image tokens attending both ways (one block per row), pooled patches
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
@@ -375,6 +378,25 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
     assert sum(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values()) == 1
     hf_ring.revert_ring_attention(model)
     assert not any(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values())
+
+
+def test_molmo2_refuses_image_token_types_of_a_sharded_batch():
+    """Molmo2's image tokens see each other both ways across the whole sequence: token types marking them in a batch
+    whose input_ids were sharded (no pixels) are refused, before anything runs; all-zero ones (its processor's for
+    text, which its forward requires in training) change nothing."""
+    if not in_transformers("molmo2"):
+        pytest.skip("molmo2: not in this Transformers release")
+    model = make_model("molmo2", images=True).eval()
+    ids = _ids()
+    types = torch.zeros_like(ids)
+    before = _logits(model, input_ids=ids, mm_token_type_ids=types)
+    hf_ring.apply_ring_attention(model)
+    torch.testing.assert_close(_logits(model, input_ids=ids, mm_token_type_ids=types), before, atol=ATOL, rtol=0)
+    types[:, 2:6] = 1
+    sharded = hf_attention.ShardInfo(layout="zigzag", world_size=2, rank=0, seq_len=2 * ids.shape[1])
+    with pytest.raises(ValueError, match="molmo2: mm_token_type_ids marking image tokens in a batch without images"):
+        model(input_ids=ids, mm_token_type_ids=types, **{hf_attention.SHARD_INFO_KWARG: sharded})
+    hf_ring.revert_ring_attention(model)
 
 
 def test_paligemma_attends_causally_with_its_prefix_and_refuses_what_the_ring_would_mask_otherwise():
@@ -902,6 +924,7 @@ def test_plugin_prepares_every_supported_family(model_type):
 
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(1, VOCAB, (2, 21), generator=g)]
+    data = [with_token_types(model_type, d) for d in data]  # (Molmo2 requires its token types in training)
     ref = make_model(model_type)
     with torch.no_grad():
         want = ref(**collate(data)).loss

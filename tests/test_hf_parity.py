@@ -319,6 +319,10 @@ CASES = {
     "paddleocr_vl-images-padded": ("paddleocr_vl", "images-padded", 45, {}),
     # Aria: its MoE text model (routed and shared experts); a cross-attention projector's learned queries per image
     "aria-images-padded": ("aria", "images-padded", 45, {}),
+    # Molmo2 (5.24): all image tokens of a row one block, seeing each other both ways across rank edges; RoPE scaled
+    # on layer 0 only
+    "molmo2-images-padded": ("molmo2", "images-padded", 45, {}),
+    "molmo2-images-checkpointing": ("molmo2", "images", 40, {"checkpointing": True}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
