@@ -493,6 +493,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                 "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "num_key_value_heads": 2, "head_dim": 16, "image_size": [28, 28], "patch_size": 14}),
+    # Emu3: images tokenized by a VQ-VAE into discrete codes (4 x 4 pixels, downsampled 2 x 2: 2 x 2 codes, an end of
+    # line after each row: 6 tokens), embedded by its text model's embeddings; the VQ-VAE as small as it goes
+    "emu3": ("Emu3Config", "Emu3ForConditionalGeneration", {"model_type": "emu3_text_model", "attention_dropout": 0.0},
+             {"codebook_size": 8, "embed_dim": 8, "latent_channels": 8, "base_channels": 32, "channel_multiplier": [1, 1],
+              "num_res_blocks": 1, "attn_resolutions": [], "temporal_downsample_factor": 2, "hidden_size": 32}),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
@@ -684,6 +689,9 @@ def make_config(family: str, **overrides):
             top = {"adapter_config": {"vision_feature_layer": [-1], "hidden_size": 32, "num_attention_heads": 2,
                                       "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48,
                                       "text_hidden_size": common["hidden_size"]}}  # fmt: skip
+        if family == "emu3":  # its VQ-VAE; the image token, the end of line and the 8 codes' tokens (ids 10..17)
+            top = {"vq_config": vision, "vocabulary_map": {"<image>": MEDIA_TOKENS["image_token_id"], "<|extra_200|>": 9,
+                                                           **{f"<|visual token{i:06d}|>": 10 + i for i in range(8)}}}
         if family == "aria":  # its projector's learned queries per image, by the number of patches
             top = {"projector_patch_to_query_dict": {4: 4}}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
@@ -800,6 +808,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
         per_image = HUNYUAN_VL_IMAGE_TOKENS
+    if family == "emu3":  # 2 x 2 codes, an end of line after each row
+        per_image = 6
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
@@ -905,6 +915,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
             extra["video_merge_sizes"] = torch.tensor([2])
+    elif family == "emu3":  # images of 4 x 4 pixels (their sizes)
+        extra["pixel_values"] = torch.randn(len(spots), 3, 4, 4, generator=g)
+        extra["image_sizes"] = torch.tensor([[4, 4]] * len(spots))
     elif family == "molmo2":  # one crop of 2 x 2 patches of 14 x 14 x 3 per image, 2 x 2 tokens (image_grids), each
         # pooling two of its patches (image_token_pooling: indices into all crops' patches); the image tokens type 1
         extra["pixel_values"] = torch.randn(len(spots), 4, 3 * 14 * 14, generator=g)

@@ -181,6 +181,7 @@ def _sub_configs(config) -> list:
         "exaone4_5",
         "deepseek_vl",
         "deepseek_vl_hybrid",
+        "emu3",
         "gemma3",
         "gemma4",
         "glm4v",
@@ -353,6 +354,7 @@ def _text_only_batches_and_refused_images(family):
         ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
         ("aria", "images-padded"),  # a cross-attention projector, MoE text (Aria)
         ("molmo2", "images-padded"),  # image tokens attending both ways (one block per row), pooled patches
+        ("emu3", "images-padded"),  # images as VQ codes embedded by the text model
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

@@ -323,6 +323,8 @@ CASES = {
     # on layer 0 only
     "molmo2-images-padded": ("molmo2", "images-padded", 45, {}),
     "molmo2-images-checkpointing": ("molmo2", "images", 40, {"checkpointing": True}),
+    # Emu3: images tokenized by its VQ-VAE into codes (rows ended by an end-of-line token) its text model embeds
+    "emu3-images-padded": ("emu3", "images-padded", 45, {}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
