@@ -690,8 +690,9 @@ def make_config(family: str, **overrides):
                                       "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48,
                                       "text_hidden_size": common["hidden_size"]}}  # fmt: skip
         if family == "emu3":  # its VQ-VAE; the image token, the end of line and the 8 codes' tokens (ids 10..17)
-            top = {"vq_config": vision, "vocabulary_map": {"<image>": MEDIA_TOKENS["image_token_id"], "<|extra_200|>": 9,
-                                                           **{f"<|visual token{i:06d}|>": 10 + i for i in range(8)}}}
+            codes = {f"<|visual token{i:06d}|>": 10 + i for i in range(8)}
+            top = {"vq_config": vision,
+                   "vocabulary_map": {"<image>": MEDIA_TOKENS["image_token_id"], "<|extra_200|>": 9, **codes}}  # fmt: skip
         if family == "aria":  # its projector's learned queries per image, by the number of patches
             top = {"projector_patch_to_query_dict": {4: 4}}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
