@@ -20,7 +20,9 @@ Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision feature
 layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
 ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Aria ``AriaForConditionalGeneration`` (its MoE
 text model, ``aria_text``), Molmo2 ``Molmo2ForConditionalGeneration`` (its own text model: ``INNER``), Emu3
-``Emu3ForConditionalGeneration`` (images as discrete codes its ``emu3_text_model`` embeds). Their
+``Emu3ForConditionalGeneration`` (images as discrete codes its ``emu3_text_model`` embeds), Phi-4-multimodal
+``Phi4MultimodalForCausalLM`` (text-only: its text model is the top model and merges images and audio in its own
+forward; ``INNER``). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -57,8 +59,8 @@ images and holds the whole sequence's input embeddings ([batch, seq, hidden], e.
 
 A wrapper added text-only would refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
-(``_family.TextOnly``): none of the wrappers above today (LFM2-VL takes images since its short convolutions run on the
-cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
+(``_family.TextOnly``): Phi-4-multimodal (``image_pixel_values``, ``audio_input_features``), none of the others
+(LFM2-VL takes images since its short convolutions run on the cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
 whole, the audio features merged on the whole sequence, its audio tokens attending causally.
 Gemma 4's head softcaps its
 logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss), Granite 4
@@ -82,10 +84,10 @@ __all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "PATCHES", "PaliGe
            "WRAPPERS"]  # fmt: skip
 
 MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_features", "input_values",
-         "mm_encoder_outputs")  # fmt: skip
+         "mm_encoder_outputs", "image_pixel_values", "audio_input_features")  # fmt: skip
 """Keywords that carry images, video or audio into these models' forward (Video-LLaVA's images
 ``pixel_values_images``, the name its processor gives them; Gemma 4's audio ``input_features``, Apertus 1.5's
-``input_values``)."""
+``input_values``; Phi-4-multimodal's ``image_pixel_values`` and ``audio_input_features``)."""
 
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
@@ -138,6 +140,9 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "aria": ("aria_text",),  # Aria (its MoE text model; images through a cross-attention projector)
     "molmo2": ("molmo2_text",),  # Molmo2 (Transformers 5.24; its image tokens see each other both ways)
     "emu3": ("emu3_text_model",),  # Emu3 (understanding: images in as VQ codes its text model embeds, text out)
+    # Phi-4-multimodal, text-only: its phi3-like text model is the top model (its config the text config), and merges
+    # the image and audio features inside its own forward, from the whole input_ids, where no hook can cut them
+    "phi4_multimodal": ("phi4_multimodal",),
 }
 
 
@@ -323,6 +328,7 @@ INNER = {
         "hunyuan_vl_text": "transformers.models.hunyuan_vl.modeling_hunyuan_vl.HunYuanVLDenseV1Attention",
         "paddleocr_vl_text": "transformers.models.paddleocr_vl.modeling_paddleocr_vl.PaddleOCRAttention",
         "molmo2_text": "transformers.models.molmo2.modeling_molmo2.Molmo2Attention",
+        "phi4_multimodal": "transformers.models.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention",
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),

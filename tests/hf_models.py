@@ -498,6 +498,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "emu3": ("Emu3Config", "Emu3ForConditionalGeneration", {"model_type": "emu3_text_model", "attention_dropout": 0.0},
              {"codebook_size": 8, "embed_dim": 8, "latent_channels": 8, "base_channels": 32, "channel_multiplier": [1, 1],
               "num_res_blocks": 1, "attn_resolutions": [], "temporal_downsample_factor": 2, "hidden_size": 32}),
+    # Phi-4-multimodal (text-only): its phi3-like text model is the top model (the image and audio embeddings merge inside
+    # it: no images under the ring); its vision and audio towers as small as they go, never run
+    "phi4_multimodal": ("Phi4MultimodalConfig", "Phi4MultimodalForCausalLM", {"sliding_window": 7},
+                        {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "image_size": 28, "crop_size": 28, "patch_size": 14}),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
@@ -701,8 +706,13 @@ def make_config(family: str, **overrides):
             top = {"vision_feature_layer": -1}
         if family == "vipllava":  # features of the one-layer tower's two hidden states (5.17 names the list ...layers)
             top = {"vision_feature_layer" if transformers_at_least("5.24") else "vision_feature_layers": [-2, -1]}
-        cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
-                                        image_token_index=VOCAB + 3, **top)  # fmt: skip
+        if family == "phi4_multimodal":  # its text config the top one, the towers' sub-configs beside it
+            audio = {"hidden_size": 32, "intermediate_size": 48, "num_blocks": 1, "num_attention_heads": 2,
+                     "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32}  # fmt: skip
+            cfg = getattr(tf, config_class)(**common, **extra, vision_config=vision, audio_config=audio)
+        else:
+            cfg = getattr(tf, config_class)(text_config={**common, **extra}, vision_config=vision,
+                                            image_token_index=VOCAB + 3, **top)  # fmt: skip
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -1062,6 +1072,9 @@ def grads(model) -> dict:
     # a gradient
     unreached = set(outside_text_model(model))
     unreached |= {n for n, _ in model.named_parameters() if ".indexer." in n}
+    # Phi-4-multimodal's image and audio embedding lies inside its text model (the top model), which
+    # outside_text_model takes as reached whole
+    unreached |= {n for n, _ in model.named_parameters() if ".embed_tokens_extend." in n}
     return {
         n: torch.zeros_like(p) if n in unreached and p.grad is None else p.grad.detach().clone()
         for n, p in model.named_parameters()

@@ -71,8 +71,11 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
         if patch.name in multimodal.WRAPPERS:  # a vision-language model: its text config's family does the work
             assert multimodal.PATCHES[model_type] is patch and patch.media == multimodal.MEDIA
             assert patch.text_types == multimodal.WRAPPERS[model_type]
-            # the text family's own patch; or, for a text model with no causal-LM class of its own, an inner one
-            assert all(multimodal.text_patch(t) is REGISTRY.get(t, multimodal.INNER.get(t)) for t in patch.text_types)
+            # the text family's own patch; or, for a text model with no causal-LM class of its own, an inner one (and for
+            # Phi-4-multimodal, whose top model is its text model: the wrapper's type, an inner patch)
+            inner = {t: multimodal.INNER[t] for t in patch.text_types if t == model_type}
+            assert all(multimodal.text_patch(t) is inner.get(t, REGISTRY.get(t, multimodal.INNER.get(t)))
+                       for t in patch.text_types)  # fmt: skip
             continue
         mod = importlib.import_module(f"hf_ring.patches.{patch.name}")  # a dedicated module, Liger-style entry points
         assert mod.PATCH is patch
@@ -223,6 +226,7 @@ def _sub_configs(config) -> list:
         "smolvlm",
         "fast_vlm",
         "perception_lm",
+        "phi4_multimodal",  # text-only (its images merge inside its text model)
         "video_llava",
         "vipllava",
         "video_llama_3",
@@ -266,14 +270,15 @@ def _text_only_batches_and_refused_images(family):
         hf_ring.revert_ring_attention(model)
         assert not any(isinstance(h, TextOnly) for m in model.modules() for h in m._forward_pre_hooks.values())
         return
+    key = "image_pixel_values" if family == "phi4_multimodal" else "pixel_values"  # (Phi-4-multimodal's name)
     for call in (
-        lambda: model(input_ids=ids, pixel_values=pixels),
+        lambda: model(input_ids=ids, **{key: pixels}),
         lambda: model(
-            ids, *[None] * (list(inspect.signature(type(model).forward).parameters).index("pixel_values") - 2), pixels
+            ids, *[None] * (list(inspect.signature(type(model).forward).parameters).index(key) - 2), pixels
         ),  # positional (Qwen-VL takes attention_mask, ... before pixel_values)
-        lambda: model.model(input_ids=ids, pixel_values=pixels),  # the inner model, called on its own
+        lambda: model.model(input_ids=ids, **{key: pixels}),  # the inner model, called on its own
     ):
-        with pytest.raises(ValueError, match="carries pixel_values: images, video or audio are not supported"):
+        with pytest.raises(ValueError, match=f"carries {key}: images, video or audio are not supported"):
             call()
     # an empty mm_encoder_outputs (Transformers 5.23's generate passes one; 5.17 has no such argument) carries nothing
     if "mm_encoder_outputs" in inspect.signature(type(model).forward).parameters:

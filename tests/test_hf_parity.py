@@ -325,6 +325,10 @@ CASES = {
     "molmo2-images-checkpointing": ("molmo2", "images", 40, {"checkpointing": True}),
     # Emu3: images tokenized by its VQ-VAE into codes (rows ended by an end-of-line token) its text model embeds
     "emu3-images-padded": ("emu3", "images-padded", 45, {}),
+    # Phi-4-multimodal, text-only: its phi3-like text model (fused qkv, every layer sliding; LongRoPE); LoRA on the fused
+    # projections (its checkpoints' vision and speech adapters are PEFT LoRA of these)
+    "phi4_multimodal-padded": ("phi4_multimodal", "padded", 45, {}),
+    "phi4_multimodal-lora": ("phi4_multimodal", "plain", 40, {"config": LONGROPE, "lora": ["qkv_proj", "o_proj"]}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     "apertus1p5_text-packed": ("apertus1p5_text", "packed", 45, {}),
