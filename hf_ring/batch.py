@@ -89,7 +89,8 @@ def multimodal(batch: Mapping) -> bool:
 
 _SEQUENCE_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-_TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # per token in a multimodal batch: padded as input_ids
+# per token in a multimodal batch: padded as input_ids (ERNIE-4.5-VL's moe_mm_token_type_ids route its experts)
+_TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")
 
 
 def _group(group) -> tuple[int, int]:

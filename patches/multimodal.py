@@ -22,7 +22,9 @@ ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Aria ``AriaForCondit
 text model, ``aria_text``), Molmo2 ``Molmo2ForConditionalGeneration`` (its own text model: ``INNER``), Emu3
 ``Emu3ForConditionalGeneration`` (images as discrete codes its ``emu3_text_model`` embeds), Phi-4-multimodal
 ``Phi4MultimodalForCausalLM`` (text-only: its text model is the top model and merges images and audio in its own
-forward; ``INNER``). Their
+forward; ``INNER``), ERNIE-4.5-VL ``Ernie4_5_VLMoeForConditionalGeneration`` (its MoE text model routes each token
+to text or vision experts by ``moe_mm_token_type_ids``, which ``_family.ShardEmbeddings`` cuts with the embeddings;
+``INNER``). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -35,7 +37,7 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL, Aria, Molmo2, Emu3). Their text model attends causally over image tokens as over text, so the
+Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, ERNIE-4.5-VL). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -143,6 +145,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     # Phi-4-multimodal, text-only: its phi3-like text model is the top model (its config the text config), and merges
     # the image and audio features inside its own forward, from the whole input_ids, where no hook can cut them
     "phi4_multimodal": ("phi4_multimodal",),
+    "ernie4_5_vl_moe": ("ernie4_5_vl_moe_text",),  # ERNIE-4.5-VL (experts by token type: text or vision)
 }
 
 
@@ -197,6 +200,7 @@ IMAGES = (
     "aria",
     "molmo2",
     "emu3",
+    "ernie4_5_vl_moe",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -329,6 +333,7 @@ INNER = {
         "paddleocr_vl_text": "transformers.models.paddleocr_vl.modeling_paddleocr_vl.PaddleOCRAttention",
         "molmo2_text": "transformers.models.molmo2.modeling_molmo2.Molmo2Attention",
         "phi4_multimodal": "transformers.models.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention",
+        "ernie4_5_vl_moe_text": "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeTextAttention",
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),

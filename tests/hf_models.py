@@ -503,6 +503,14 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "phi4_multimodal": ("Phi4MultimodalConfig", "Phi4MultimodalForCausalLM", {"sliding_window": 7},
                         {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                          "image_size": 28, "crop_size": 28, "patch_size": 14}),
+    # ERNIE-4.5-VL: its MoE text model (layer 0 dense, layer 1 experts: text tokens routed to text experts, image tokens
+    # and their start / end to vision ones: moe_mm_token_type_ids; shared experts), 3-D multimodal RoPE; Qwen-VL-like
+    # images of 4 x 4 patches merged 2 x 2: 4 tokens between image start / end
+    "ernie4_5_vl_moe": ("Ernie4_5_VLMoeConfig", "Ernie4_5_VLMoeForConditionalGeneration",
+                        {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": [32, 24],
+                         "mlp_layer_types": ["dense", "sparse"], "tie_word_embeddings": False,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]}},
+                        {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "patch_size": 14}),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
@@ -763,6 +771,9 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.image_grid_pinpoints = GRANITE4_VISION_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
+        if family == "ernie4_5_vl_moe":  # its image start / end tokens (other names than Qwen-VL's)
+            model.config.image_start_token_id = MEDIA_TOKENS["vision_start_token_id"]
+            model.config.image_end_token_id = MEDIA_TOKENS["vision_end_token_id"]
         if family == "molmo2":  # its image and video token one (both names map to image_patch_id): the image one
             model.config.image_patch_id = MEDIA_TOKENS["image_token_id"]
         if family == "apertus1p5":  # its audio placeholder, inside the vocabulary
@@ -815,7 +826,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family == "paddleocr_vl"  # (Qwen-VL's layout)
+    qwen_like = ("paddleocr_vl", "ernie4_5_vl_moe")
+    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
         per_image = HUNYUAN_VL_IMAGE_TOKENS
@@ -846,10 +858,15 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
         if family == "paddleocr_vl":  # each patch 3 x 14 x 14 (no temporal patch)
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
+        if family == "ernie4_5_vl_moe":  # each patch 3 x 14 x 14 flat
+            extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 14 * 14, generator=g)
         extra["mm_token_type_ids"] = types
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
+        if family == "ernie4_5_vl_moe":  # its vision experts take the images' start and end tokens too
+            ends = torch.tensor([MEDIA_TOKENS["vision_start_token_id"], MEDIA_TOKENS["vision_end_token_id"]])
+            extra["moe_mm_token_type_ids"] = ((types != 0) | torch.isin(ids, ends)).long()
     elif family in ("exaone4_5", "minimax_m3_vl"):  # as Qwen2.5-VL's: 4 x 4 patches of 2 x 14 x 14 x 3, merged 2 x 2
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))

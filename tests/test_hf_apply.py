@@ -185,6 +185,7 @@ def _sub_configs(config) -> list:
         "deepseek_vl",
         "deepseek_vl_hybrid",
         "emu3",
+        "ernie4_5_vl_moe",
         "gemma3",
         "gemma4",
         "glm4v",
@@ -360,6 +361,7 @@ def _text_only_batches_and_refused_images(family):
         ("aria", "images-padded"),  # a cross-attention projector, MoE text (Aria)
         ("molmo2", "images-padded"),  # image tokens attending both ways (one block per row), pooled patches
         ("emu3", "images-padded"),  # images as VQ codes embedded by the text model
+        ("ernie4_5_vl_moe", "images-padded"),  # experts by token type (moe_mm_token_type_ids), 3-D multimodal RoPE
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):

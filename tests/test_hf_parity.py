@@ -328,6 +328,9 @@ CASES = {
     # Phi-4-multimodal, text-only: its phi3-like text model (fused qkv, every layer sliding; LongRoPE); LoRA on the fused
     # projections (its checkpoints' vision and speech adapters are PEFT LoRA of these)
     "phi4_multimodal-padded": ("phi4_multimodal", "padded", 45, {}),
+    # ERNIE-4.5-VL: text and vision experts chosen per token by moe_mm_token_type_ids (cut with the embeddings)
+    "ernie4_5_vl_moe-images-padded": ("ernie4_5_vl_moe", "images-padded", 45, {}),
+    "ernie4_5_vl_moe-images-lora": ("ernie4_5_vl_moe", "images", 40, {"lora": True}),
     "phi4_multimodal-lora": ("phi4_multimodal", "plain", 40, {"config": LONGROPE, "lora": ["qkv_proj", "o_proj"]}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
