@@ -24,7 +24,8 @@ text model, ``aria_text``), Molmo2 ``Molmo2ForConditionalGeneration`` (its own t
 ``Phi4MultimodalForCausalLM`` (text-only: its text model is the top model and merges images and audio in its own
 forward; ``INNER``), ERNIE-4.5-VL ``Ernie4_5_VLMoeForConditionalGeneration`` (its MoE text model routes each token
 to text or vision experts by ``moe_mm_token_type_ids``, which ``_family.ShardEmbeddings`` cuts with the embeddings;
-``INNER``). Their
+``INNER``), Step 3.7 ``Step3p7ForConditionalGeneration`` (its ``step3p5`` text model, layers of their own query head
+counts: ``INNER``). Their
 language model is a plain decoder of a family hf_ring supports (``gemma3_text``; ``gemma4_text``; ``mistral`` or
 ``ministral3``); the vision (and audio) towers and projectors only run when images (or audio) are given.
 
@@ -37,7 +38,7 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, ERNIE-4.5-VL). Their text model attends causally over image tokens as over text, so the
+Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, ERNIE-4.5-VL, Step 3.7). Their text model attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
 ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
@@ -146,6 +147,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     # the image and audio features inside its own forward, from the whole input_ids, where no hook can cut them
     "phi4_multimodal": ("phi4_multimodal",),
     "ernie4_5_vl_moe": ("ernie4_5_vl_moe_text",),  # ERNIE-4.5-VL (experts by token type: text or vision)
+    "step3p7": ("step3p5",),  # Step 3.7 (its text model: sliding and full layers of their own head counts, gates)
 }
 
 
@@ -201,6 +203,7 @@ IMAGES = (
     "molmo2",
     "emu3",
     "ernie4_5_vl_moe",
+    "step3p7",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -317,9 +320,27 @@ DEDICATED = {t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH
 """The families with a module of their own (``config.model_type`` -> patch): text models of some wrappers here, and
 the first part of ``hf_ring.patches.REGISTRY``."""
 
+
+def _check_step3p5(config) -> None:
+    """``generic.check`` (its sparse-indexer layer types refused), and no ``use_bidirectional_attention`` (every token
+    attending both ways on full layers, within the window both ways on sliding ones: not causal)."""
+    generic.check(config)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(
+            "step3p5: use_bidirectional_attention=True (tokens attending both ways) is not supported by ring attention, "
+            "which is causal; set it to False"
+        )
+
+
+INNER_CHECKS = {"step3p5": _check_step3p5}
+"""Inner text models with a check of their own (else ``generic.check``)."""
+
 INNER = {
     model_type: FamilyPatch(
-        name=model_type, model_types=(model_type,), attention_class=path, check_config=generic.check
+        name=model_type,
+        model_types=(model_type,),
+        attention_class=path,
+        check_config=INNER_CHECKS.get(model_type, generic.check),
     )
     for model_type, path in {
         "qwen2_vl_text": "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLAttention",
@@ -333,6 +354,7 @@ INNER = {
         "paddleocr_vl_text": "transformers.models.paddleocr_vl.modeling_paddleocr_vl.PaddleOCRAttention",
         "molmo2_text": "transformers.models.molmo2.modeling_molmo2.Molmo2Attention",
         "phi4_multimodal": "transformers.models.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention",
+        "step3p5": "transformers.models.step3p7.modeling_step3p7.Step3p7Attention",
         "ernie4_5_vl_moe_text": "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeTextAttention",
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"

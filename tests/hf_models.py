@@ -511,6 +511,16 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                          "mlp_layer_types": ["dense", "sparse"], "tie_word_embeddings": False,
                          "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]}},
                         {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "patch_size": 14}),
+    # Step 3.7: its text model (step3p5: sliding and full layers, the sliding ones with 2 query heads, the full one with
+    # 4; head-wise output gates, QK norm, partial RoPE per layer type, layer 1 routed and shared experts); a ViT of
+    # 2 x 2 patches per 28 x 28 image, downsampled twice by strided convolutions: 1 token
+    "step3p7": ("Step3p7Config", "Step3p7ForConditionalGeneration",
+                {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
+                 "num_sliding_attention_heads": 2, "mlp_layer_types": ["dense", "sparse"], "moe_num_experts": 4,
+                 "moe_top_k": 2, "moe_intermediate_size": 32, "share_expert_dim": 32,
+                 "partial_rotary_factors": [0.5, 1.0]},
+                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "image_size": 28, "patch_size": 14, "max_position_embeddings": 4}),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,

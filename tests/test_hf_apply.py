@@ -225,6 +225,7 @@ def _sub_configs(config) -> list:
         "qwen3_vl",
         "qwen3_vl_moe",
         "smolvlm",
+        "step3p7",
         "fast_vlm",
         "perception_lm",
         "phi4_multimodal",  # text-only (its images merge inside its text model)
@@ -362,6 +363,7 @@ def _text_only_batches_and_refused_images(family):
         ("molmo2", "images-padded"),  # image tokens attending both ways (one block per row), pooled patches
         ("emu3", "images-padded"),  # images as VQ codes embedded by the text model
         ("ernie4_5_vl_moe", "images-padded"),  # experts by token type (moe_mm_token_type_ids), 3-D multimodal RoPE
+        ("step3p7", "images-padded"),  # sliding and full layers of their own head counts, head-wise gates
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
@@ -406,6 +408,20 @@ def test_molmo2_refuses_image_token_types_of_a_sharded_batch():
     with pytest.raises(ValueError, match="molmo2: mm_token_type_ids marking image tokens in a batch without images"):
         model(input_ids=ids, mm_token_type_ids=types, **{hf_attention.SHARD_INFO_KWARG: sharded})
     hf_ring.revert_ring_attention(model)
+
+
+def test_step3p7_refuses_bidirectional_attention_and_takes_every_layers_heads_for_ulysses():
+    """Step 3.7's text model attending both ways (use_bidirectional_attention) is refused; its layers' query head
+    counts differ (2 sliding, 4 full), so Ulysses' divisor is their gcd (Transformers refuses a global count)."""
+    from hf_ring.apply import _query_heads
+
+    model = make_model("step3p7", images=True)
+    assert _query_heads(model.config.get_text_config()) == 2
+    with pytest.raises(ValueError, match="ulysses_size=4 does not divide the model's 2 query heads"):
+        hf_ring.apply_ring_attention(model, ulysses_size=4)
+    model.config.get_text_config().use_bidirectional_attention = True
+    with pytest.raises(ValueError, match="step3p5: use_bidirectional_attention=True"):
+        hf_ring.apply_ring_attention(model)
 
 
 def test_paligemma_attends_causally_with_its_prefix_and_refuses_what_the_ring_would_mask_otherwise():

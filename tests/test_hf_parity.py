@@ -331,6 +331,10 @@ CASES = {
     # ERNIE-4.5-VL: text and vision experts chosen per token by moe_mm_token_type_ids (cut with the embeddings)
     "ernie4_5_vl_moe-images-padded": ("ernie4_5_vl_moe", "images-padded", 45, {}),
     "ernie4_5_vl_moe-images-lora": ("ernie4_5_vl_moe", "images", 40, {"lora": True}),
+    # Step 3.7: its text model's sliding layers with fewer query heads than its full ones, head-wise output gates
+    "step3p7-images-padded": ("step3p7", "images-padded", 45, {}),
+    "step3p7-images-lora": ("step3p7", "images", 40, {"lora": True}),
+    "step3p7-images-ulysses": ("step3p7", "images", 40, {"ulysses": 2}),  # (2 and 4 query heads: each split 2 ways)
     "phi4_multimodal-lora": ("phi4_multimodal", "plain", 40, {"config": LONGROPE, "lora": ["qkv_proj", "o_proj"]}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
