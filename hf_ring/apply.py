@@ -9,6 +9,7 @@ registry in ``hf_ring.patches``. ``register_attention`` only registers ``"hf_rin
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .comm import auto_ulysses_size, group_rank_and_size, ulysses_groups
 from .hf_attention import RingConfig, register
@@ -91,11 +92,22 @@ def apply_ring_attention(
     return model
 
 
+def _query_heads(text) -> int | None:
+    """The query heads of every attention layer of the text config ``text``; for a config whose layers differ in
+    them (Step 3.7's ``per_layer_config``: Transformers then refuses to read one global count) their gcd, which
+    every layer's count is a multiple of."""
+    layers = getattr(text, "per_layer_config", None)
+    if layers is None or not len(layers):
+        return getattr(text, "num_attention_heads", None)
+    counts = [getattr(layers[i], "num_attention_heads", None) for i in range(len(layers))]
+    return math.gcd(*counts) if all(isinstance(c, int) for c in counts) else None
+
+
 def _ulysses_size(value, group, config) -> int:
     """U for ``ulysses_size`` (None, ``"auto"`` or an int) on this group and model; ValueError naming the fix."""
     if value is None:
         return 1
-    heads = getattr(config.get_text_config(), "num_attention_heads", None)
+    heads = _query_heads(config.get_text_config())
     if value == "auto":
         return auto_ulysses_size(group_rank_and_size(group)[1], heads) if heads else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -60,10 +60,12 @@ processor names its images ``pixel_values_images`` (on 5.17 always, later by def
 
 PER_IMAGE_KEYS = (*MEDIA_KEYS, "pixel_attention_mask", "spatial_shapes", "image_sizes", "image_grid_thw",
                   "video_grid_thw", "image_position_ids", "input_features_mask", "padding_mask",
-                  "high_res_pixel_values", "feature_attention_mask")  # fmt: skip
+                  "high_res_pixel_values", "feature_attention_mask", "pixel_mask", "image_token_pooling", "image_grids",
+                  "image_num_crops", "video_token_pooling", "video_grids")  # fmt: skip
 """Keys processors give per image, video or clip, never per token, whatever their shape (LFM2-VL's patches
 ``[images, max patches, ...]`` may have the shape of ``input_ids`` in their first two dimensions; Qwen2-Audio's
-``feature_attention_mask`` ``[clips, frames]`` too): passed on whole."""
+``feature_attention_mask`` ``[clips, frames]``, Aria's ``pixel_mask`` ``[images, height, width]``, Molmo2's
+``image_token_pooling`` ``[image tokens, pooled patches]``): passed on whole."""
 
 CROSS_KEYS = ("cross_attention_mask",)
 """Per-token keys of a batch whose images enter by cross-attention (Mllama's ``[batch, seq, images, tiles]``: which
@@ -94,7 +96,8 @@ def multimodal(batch: Mapping) -> bool:
 
 _SEQUENCE_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-_TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # per token in a multimodal batch: padded as input_ids
+# per token in a multimodal batch: padded as input_ids (ERNIE-4.5-VL's moe_mm_token_type_ids route its experts)
+_TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")
 
 
 def _group(group) -> tuple[int, int]:

@@ -242,7 +242,8 @@ class ShardEmbeddings:
     merged the vision features into the embeddings of the whole sequence and computed its positions (multimodal
     RoPE) there; this cuts ``inputs_embeds`` and ``position_ids`` (arange when the model passes None, 0 for the
     layout's padding) to the rank's shard, drops ``attention_mask`` (the padding reaches the attention as document
-    ids), cuts Gemma 4's ``per_layer_inputs`` and, for Qwen3-VL's deepstack, cuts ``visual_pos_masks`` and picks the
+    ids), cuts Gemma 4's ``per_layer_inputs``, ERNIE-4.5-VL's ``moe_mm_token_type_ids`` (which experts each
+    token goes to) and, for Qwen3-VL's deepstack, cuts ``visual_pos_masks`` and picks the
     rank's rows of ``deepstack_visual_embeds`` (Granite 4 Vision's: ``vision_mask`` and each layer's
     ``deepstack_features``).
     The cut is an index (``layout.shard``), so gradients flow back to the embeddings and the vision tower."""
@@ -272,6 +273,9 @@ class ShardEmbeddings:
         kwargs["position_ids"] = cut(pos)  # [batch, seq] or multimodal [3 or 4, batch, seq]
         kwargs["inputs_embeds"] = cut(embeds, dim=1)
         kwargs["attention_mask"] = None
+        routes = kwargs.get("moe_mm_token_type_ids")
+        if isinstance(routes, torch.Tensor) and routes.dim() == 2:  # ERNIE-4.5-VL: each token's experts (text, vision)
+            kwargs["moe_mm_token_type_ids"] = cut(routes)
         per_layer = kwargs.get("per_layer_inputs")
         if isinstance(per_layer, torch.Tensor):  # Gemma 4: [batch, seq, layers, dim], from the whole input_ids
             kwargs["per_layer_inputs"] = cut(per_layer, dim=1)

@@ -18,7 +18,14 @@ the sparse-indexer ones are refused), LFM3-VL ``Lfm3VlForConditionalGeneration``
 ``HunYuanVLForConditionalGeneration`` (a HunYuan dense text model with multimodal RoPE: ``INNER``), Granite 4
 Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision features added before several of its
 layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
-ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Qwen2.5-Omni's thinker
+ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Aria ``AriaForConditionalGeneration`` (its MoE
+text model, ``aria_text``), Molmo2 ``Molmo2ForConditionalGeneration`` (its own text model: ``INNER``), Emu3
+``Emu3ForConditionalGeneration`` (images as discrete codes its ``emu3_text_model`` embeds), Phi-4-multimodal
+``Phi4MultimodalForCausalLM`` (text-only: its text model is the top model and merges images and audio in its own
+forward; ``INNER``), ERNIE-4.5-VL ``Ernie4_5_VLMoeForConditionalGeneration`` (its MoE text model routes each token
+to text or vision experts by ``moe_mm_token_type_ids``, which ``_family.ShardEmbeddings`` cuts with the embeddings;
+``INNER``), Step 3.7 ``Step3p7ForConditionalGeneration`` (its ``step3p5`` text model, layers of their own query head
+counts: ``INNER``), Qwen2.5-Omni's thinker
 ``Qwen2_5OmniThinkerForConditionalGeneration`` (``qwen2_5_omni_thinker``: a Qwen2.5-VL-like text model only inside it,
 ``INNER``; images, video and audio; the whole Omni model with its talker has no training forward) and Qwen3-Omni-MoE's
 (``qwen3_omni_moe_thinker``: a Qwen3-VL-MoE-like text model with deepstack features, ``INNER``), Cosmos3's Reasoner
@@ -41,17 +48,19 @@ Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Q
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
 Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers, Cosmos3; audio: Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text
-model attends causally
-over image tokens as over text, so the ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see
-each other both ways: their hook (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids``
-(Gemma 3) or ``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and
-passes them to the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay
-causal), where the ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still
-applying on sliding layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt
-(``token_type_ids`` 0) see each other both ways, one block per row, on every layer, the suffix causally; its text
-attention says ``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch``
-makes the ring causal while patched. What needs care is where the vision features land and how positions are numbered.
+Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, ERNIE-4.5-VL, Step 3.7, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers,
+Cosmos3; audio: Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model
+attends causally over image tokens as over text, so the
+ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
+(``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
+``mm_token_type_ids`` (Gemma 4, with ``use_bidirectional_attention="vision"``) as Transformers does and passes them to
+the attention layers (every layer for Gemma 3; Gemma 4's sliding layers only, its full layers stay causal), where the
+ring adds those pairs to its causal masks (``ring_attention(block_ids=...)``, the window still applying on sliding
+layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images and prompt (``token_type_ids`` 0)
+see each other both ways, one block per row, on every layer, the suffix causally; its text attention says
+``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch`` makes the ring
+causal while patched. Molmo2's image tokens (``mm_token_type_ids`` 1) all see each other both ways, one block per
+row (``_molmo2_blocks``), on every layer. What needs care is where the vision features land and how positions are numbered.
 ``shard_batch`` hands such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower
 on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it
 (Qwen-VL's and GLM-4V's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the
@@ -65,8 +74,8 @@ images and holds the whole sequence's input embeddings ([batch, seq, hidden], e.
 
 A wrapper added text-only would refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
-(``_family.TextOnly``): none of the wrappers above today (LFM2-VL takes images since its short convolutions run on the
-cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
+(``_family.TextOnly``): Phi-4-multimodal (``image_pixel_values``, ``audio_input_features``), none of the others
+(LFM2-VL takes images since its short convolutions run on the cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
 whole, the audio features merged on the whole sequence, its audio tokens attending causally; so do the clips of the
 audio-language models (``input_features``; Qwen2-Audio's with their ``feature_attention_mask``, Granite
 Speech's with ``input_features_mask``; the Qwen-Omni thinkers' with a ``feature_attention_mask``).
@@ -92,10 +101,10 @@ __all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "OWN_LOSS", "OwnLo
            "VisionLanguagePatch", "WRAPPERS"]  # fmt: skip
 
 MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_features", "input_values",
-         "mm_encoder_outputs")  # fmt: skip
+         "mm_encoder_outputs", "image_pixel_values", "audio_input_features")  # fmt: skip
 """Keywords that carry images, video or audio into these models' forward (Video-LLaVA's images
 ``pixel_values_images``, the name its processor gives them; Gemma 4's audio ``input_features``, Apertus 1.5's
-``input_values``)."""
+``input_values``; Phi-4-multimodal's ``image_pixel_values`` and ``audio_input_features``)."""
 
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
@@ -154,6 +163,14 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "qwen2_5_omni_thinker": ("qwen2_5_omni_text",),  # Qwen2.5-Omni's thinker (images, video, audio; multimodal RoPE)
     "qwen3_omni_moe_thinker": ("qwen3_omni_moe_text",),  # Qwen3-Omni-30B-A3B's thinker (experts, deepstack features)
     "cosmos3_omni": ("qwen3_vl_text",),  # Cosmos3 Reasoner (Qwen3-VL's architecture; its other towers not loaded)
+    "aria": ("aria_text",),  # Aria (its MoE text model; images through a cross-attention projector)
+    "molmo2": ("molmo2_text",),  # Molmo2 (Transformers 5.24; its image tokens see each other both ways)
+    "emu3": ("emu3_text_model",),  # Emu3 (understanding: images in as VQ codes its text model embeds, text out)
+    # Phi-4-multimodal, text-only: its phi3-like text model is the top model (its config the text config), and merges
+    # the image and audio features inside its own forward, from the whole input_ids, where no hook can cut them
+    "phi4_multimodal": ("phi4_multimodal",),
+    "ernie4_5_vl_moe": ("ernie4_5_vl_moe_text",),  # ERNIE-4.5-VL (experts by token type: text or vision)
+    "step3p7": ("step3p5",),  # Step 3.7 (its text model: sliding and full layers of their own head counts, gates)
 }
 
 
@@ -214,6 +231,11 @@ IMAGES = (
     "qwen2_5_omni_thinker",
     "qwen3_omni_moe_thinker",
     "cosmos3_omni",
+    "aria",
+    "molmo2",
+    "emu3",
+    "ernie4_5_vl_moe",
+    "step3p7",
 )
 """Wrappers that take images and video under the ring: their text model attends causally over image tokens (as
 over text; Gemma 3's and Gemma 4's also within each image both ways: ``BLOCKS``), so only the embeddings need cutting
@@ -291,7 +313,29 @@ def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
     return RingBlocks(torch.where(prefix, 0, -1))
 
 
-BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "paligemma": _paligemma_blocks}
+def _molmo2_blocks(config, arguments: dict) -> RingBlocks | None:
+    """Molmo2's image tokens (``mm_token_type_ids == 1``; its video frames share the image token, so its processor
+    marks them 1 too) see each other both ways, all of a row's one block whether contiguous or not (Transformers'
+    ``block_sequence_ids``), on every layer.
+
+    Refused (ValueError, alike on every rank), where the ring would mask otherwise: token types marking image tokens
+    in a batch whose input_ids were sharded (no pixels, so ``shard_batch`` cut it: the block spans the whole
+    sequence, which no rank holds)."""
+    types = arguments.get("mm_token_type_ids")
+    if not isinstance(types, torch.Tensor) or types.dim() != 2 or not bool((types == 1).any()):
+        return None
+    info = arguments.get(SHARD_INFO_KWARG)
+    if isinstance(info, ShardInfo) and info.world_size > 1 and not info.whole_inputs:
+        raise ValueError(
+            "molmo2: mm_token_type_ids marking image tokens in a batch without images, its input_ids sharded: "
+            "Molmo2's image tokens attend both ways across the whole sequence, which the ring cannot show on shards; "
+            "pass the images (shard_batch then keeps the batch whole)"
+        )
+    return RingBlocks(torch.where(types == 1, 0, -1))
+
+
+BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "paligemma": _paligemma_blocks,
+          "molmo2": _molmo2_blocks}  # fmt: skip
 """Wrappers whose image tokens see each other both ways: how to number their blocks from the forward's arguments."""
 
 
@@ -308,9 +352,27 @@ DEDICATED = {t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH
 """The families with a module of their own (``config.model_type`` -> patch): text models of some wrappers here, and
 the first part of ``hf_ring.patches.REGISTRY``."""
 
+
+def _check_step3p5(config) -> None:
+    """``generic.check`` (its sparse-indexer layer types refused), and no ``use_bidirectional_attention`` (every token
+    attending both ways on full layers, within the window both ways on sliding ones: not causal)."""
+    generic.check(config)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(
+            "step3p5: use_bidirectional_attention=True (tokens attending both ways) is not supported by ring attention, "
+            "which is causal; set it to False"
+        )
+
+
+INNER_CHECKS = {"step3p5": _check_step3p5}
+"""Inner text models with a check of their own (else ``generic.check``)."""
+
 INNER = {
     model_type: FamilyPatch(
-        name=model_type, model_types=(model_type,), attention_class=path, check_config=generic.check
+        name=model_type,
+        model_types=(model_type,),
+        attention_class=path,
+        check_config=INNER_CHECKS.get(model_type, generic.check),
     )
     for model_type, path in {
         "qwen2_vl_text": "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLAttention",
@@ -326,6 +388,10 @@ INNER = {
         "qwen3_omni_moe_text": (
             "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextAttention"
         ),
+        "molmo2_text": "transformers.models.molmo2.modeling_molmo2.Molmo2Attention",
+        "phi4_multimodal": "transformers.models.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention",
+        "step3p5": "transformers.models.step3p7.modeling_step3p7.Step3p7Attention",
+        "ernie4_5_vl_moe_text": "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeTextAttention",
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),

@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 __all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
-           "prepare", "reference_step", "rel", "ring_step", "text_only"]  # fmt: skip
+           "prepare", "reference_step", "rel", "ring_step", "text_only", "with_token_types"]  # fmt: skip
 
 VOCAB = 96
 PAD_ID = 0
@@ -484,6 +484,49 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                                                         "mrope_section": [2, 2, 2, 2]}},
                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                     "patch_size": 16, "max_image_size": 64}),
+    # Aria: its MoE text model (routed and shared experts); an Idefics3 tower of 2 x 2 patches per 28 x 28 image, whose
+    # cross-attention projector reads them with 4 learned queries (projector_patch_to_query_dict): 4 tokens (its text
+    # config's model_type given: 5.17 builds a text config only from a dict that names it, else keeps the dict)
+    "aria": ("AriaConfig", "AriaForConditionalGeneration",
+             {"model_type": "aria_text", **MORE_FAMILIES["aria_text"][2]},
+             {"model_type": "idefics3_vision", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    # Molmo2 (5.24): its text model (QK norm per head; layer 0 with linearly scaled RoPE, layer 1 without), image tokens
+    # seeing each other both ways (mm_token_type_ids); a ViT of 2 x 2 patches per 28 x 28 crop, pooled by its adapter's
+    # cross-attention (image_token_pooling: the patches each token pools): 4 tokens
+    "molmo2": ("Molmo2Config", "Molmo2ForConditionalGeneration",
+               {"model_type": "molmo2_text", "head_dim": 16, "rope_scaling_layers": [0],
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+               {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "head_dim": 16, "image_size": [28, 28], "patch_size": 14}),
+    # Emu3: images tokenized by a VQ-VAE into discrete codes (4 x 4 pixels, downsampled 2 x 2: 2 x 2 codes, an end of
+    # line after each row: 6 tokens), embedded by its text model's embeddings; the VQ-VAE as small as it goes
+    "emu3": ("Emu3Config", "Emu3ForConditionalGeneration", {"model_type": "emu3_text_model", "attention_dropout": 0.0},
+             {"codebook_size": 8, "embed_dim": 8, "latent_channels": 8, "base_channels": 32, "channel_multiplier": [1, 1],
+              "num_res_blocks": 1, "attn_resolutions": [], "temporal_downsample_factor": 2, "hidden_size": 32}),
+    # Phi-4-multimodal (text-only): its phi3-like text model is the top model (the image and audio embeddings merge inside
+    # it: no images under the ring); its vision and audio towers as small as they go, never run
+    "phi4_multimodal": ("Phi4MultimodalConfig", "Phi4MultimodalForCausalLM", {"sliding_window": 7},
+                        {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "image_size": 28, "crop_size": 28, "patch_size": 14}),
+    # ERNIE-4.5-VL: its MoE text model (layer 0 dense, layer 1 experts: text tokens routed to text experts, image tokens
+    # and their start / end to vision ones: moe_mm_token_type_ids; shared experts), 3-D multimodal RoPE; Qwen-VL-like
+    # images of 4 x 4 patches merged 2 x 2: 4 tokens between image start / end
+    "ernie4_5_vl_moe": ("Ernie4_5_VLMoeConfig", "Ernie4_5_VLMoeForConditionalGeneration",
+                        {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": [32, 24],
+                         "mlp_layer_types": ["dense", "sparse"], "tie_word_embeddings": False,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]}},
+                        {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "patch_size": 14}),
+    # Step 3.7: its text model (step3p5: sliding and full layers, the sliding ones with 2 query heads, the full one with
+    # 4; head-wise output gates, QK norm, partial RoPE per layer type, layer 1 routed and shared experts); a ViT of
+    # 2 x 2 patches per 28 x 28 image, downsampled twice by strided convolutions: 1 token
+    "step3p7": ("Step3p7Config", "Step3p7ForConditionalGeneration",
+                {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
+                 "num_sliding_attention_heads": 2, "mlp_layer_types": ["dense", "sparse"], "moe_num_experts": 4,
+                 "moe_top_k": 2, "moe_intermediate_size": 32, "share_expert_dim": 32,
+                 "partial_rotary_factors": [0.5, 1.0]},
+                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "image_size": 28, "patch_size": 14, "max_position_embeddings": 4}),
     "paligemma-gemma2": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration",  # PaliGemma 2: window, softcaps
                          {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 20,
                           "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0, "sliding_window": 16,
@@ -538,7 +581,8 @@ apply to their text config."""
 SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1": "5.24", "codegen": "5.24",
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
          "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24",
-         "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24"}  # fmt: skip
+         "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24",
+         "molmo2": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -554,6 +598,18 @@ at a zero embedding is NaN (in the unmodified model too), and ``shard_batch`` pa
 SAMPLES_IN_TRAINING = ("phimoe",)
 """Families whose training-mode forward draws random numbers (Phi-3.5-MoE's router samples its experts):
 ``make_model`` returns them in eval mode, where they are deterministic."""
+
+
+TOKEN_TYPES_IN_TRAINING = ("molmo2",)
+"""Families whose training-mode forward requires ``mm_token_type_ids`` even for text (Molmo2's; all zero there, as
+its processor gives them): ``with_token_types`` adds them to a text batch."""
+
+
+def with_token_types(family: str, batch: dict) -> dict:
+    """``batch`` with all-zero ``mm_token_type_ids`` for a family of ``TOKEN_TYPES_IN_TRAINING`` (else as given)."""
+    if family not in TOKEN_TYPES_IN_TRAINING:
+        return batch
+    return {**batch, "mm_token_type_ids": torch.zeros_like(batch["input_ids"])}
 
 
 @contextlib.contextmanager
@@ -704,6 +760,16 @@ def make_config(family: str, **overrides):
         if family in OMNI_AUDIO:  # its audio tower (always built); the vision start token its positions always read
             # (its checkpoints' configs carry it, the config class does not define it)
             top = {"audio_config": OMNI_AUDIO[family], "vision_start_token_id": MEDIA_TOKENS["vision_start_token_id"]}
+        if family == "molmo2":  # its adapter: pools the vision tower's last layer into the text width
+            top = {"adapter_config": {"vision_feature_layer": [-1], "hidden_size": 32, "num_attention_heads": 2,
+                                      "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48,
+                                      "text_hidden_size": common["hidden_size"]}}  # fmt: skip
+        if family == "emu3":  # its VQ-VAE; the image token, the end of line and the 8 codes' tokens (ids 10..17)
+            codes = {f"<|visual token{i:06d}|>": 10 + i for i in range(8)}
+            top = {"vq_config": vision,
+                   "vocabulary_map": {"<image>": MEDIA_TOKENS["image_token_id"], "<|extra_200|>": 9, **codes}}  # fmt: skip
+        if family == "aria":  # its projector's learned queries per image, by the number of patches
+            top = {"projector_patch_to_query_dict": {4: 4}}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
             top = {"projector_pooling_ratio": 2}
         if family == "video_llava":  # features of the one-layer towers' last hidden states (not the embeddings)
@@ -724,8 +790,13 @@ def make_config(family: str, **overrides):
         if family == "nemotron_h_omni":  # Parakeet: 32 frames of 16 mel bins subsampled 4 times -> 8 tokens
             top = {"audio_config": NEMOTRON_H_OMNI_AUDIO, "audio_token_id": AUDIO_TOKEN, "vision_hidden_size": 32,
                    "projector_hidden_size": 64}  # fmt: skip
-        towers = {"vision_config": vision, "image_token_index": VOCAB + 3} if vision is not None else {}
-        cfg = getattr(tf, config_class)(text_config={**common, **extra}, **towers, **top)
+        if family == "phi4_multimodal":  # its text config the top one, the towers' sub-configs beside it
+            audio = {"hidden_size": 32, "intermediate_size": 48, "num_blocks": 1, "num_attention_heads": 2,
+                     "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32}  # fmt: skip
+            cfg = getattr(tf, config_class)(**common, **extra, vision_config=vision, audio_config=audio)
+        else:
+            towers = {"vision_config": vision, "image_token_index": VOCAB + 3} if vision is not None else {}
+            cfg = getattr(tf, config_class)(text_config={**common, **extra}, **towers, **top)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -776,6 +847,11 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.image_grid_pinpoints = GRANITE4_VISION_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
+        if family == "ernie4_5_vl_moe":  # its image start / end tokens (other names than Qwen-VL's)
+            model.config.image_start_token_id = MEDIA_TOKENS["vision_start_token_id"]
+            model.config.image_end_token_id = MEDIA_TOKENS["vision_end_token_id"]
+        if family == "molmo2":  # its image and video token one (both names map to image_patch_id): the image one
+            model.config.image_patch_id = MEDIA_TOKENS["image_token_id"]
         if family == "apertus1p5" or family in OMNI_AUDIO:  # its audio placeholder, inside the vocabulary
             model.config.audio_token_id = AUDIO_TOKEN
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
@@ -833,7 +909,7 @@ GRANITE4_VISION_PINPOINTS = [[56, 56], [56, 112]]  # Granite 4 Vision's: a tile'
 _FOUR_TOKENS = ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
                 "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5", "minicpmv4_6",
                 "video_llama_3", "janus", "deepseek_vl", "deepseek_vl_hybrid", "paligemma",
-                "paligemma-gemma2")  # fmt: skip
+                "paligemma-gemma2", "aria", "molmo2")  # fmt: skip
 """Families whose test images give 4 tokens each (besides Qwen-VL's)."""
 
 
@@ -855,10 +931,13 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in ("paddleocr_vl", "cosmos3_omni")
+    qwen_like = ("paddleocr_vl", "cosmos3_omni", "ernie4_5_vl_moe")
+    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
     if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
         per_image = HUNYUAN_VL_IMAGE_TOKENS
+    if family == "emu3":  # 2 x 2 codes, an end of line after each row
+        per_image = 6
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
@@ -886,11 +965,16 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
                 extra["video_second_per_grid"] = torch.tensor([1.0])
         if family == "paddleocr_vl":  # each patch 3 x 14 x 14 (no temporal patch)
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
+        if family == "ernie4_5_vl_moe":  # each patch 3 x 14 x 14 flat
+            extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 14 * 14, generator=g)
         if family not in OMNI_AUDIO:  # (the Omni thinkers' processors give no token types)
             extra["mm_token_type_ids"] = types
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
             ids[b, p + (8 if b == 1 and kind == "video" else per_image)] = MEDIA_TOKENS["vision_end_token_id"]
+        if family == "ernie4_5_vl_moe":  # its vision experts take the images' start and end tokens too
+            ends = torch.tensor([MEDIA_TOKENS["vision_start_token_id"], MEDIA_TOKENS["vision_end_token_id"]])
+            extra["moe_mm_token_type_ids"] = ((types != 0) | torch.isin(ids, ends)).long()
     elif family in ("exaone4_5", "minimax_m3_vl"):  # as Qwen2.5-VL's: 4 x 4 patches of 2 x 14 x 14 x 3, merged 2 x 2
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
@@ -967,6 +1051,16 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
             extra["video_merge_sizes"] = torch.tensor([2])
+    elif family == "emu3":  # images of 4 x 4 pixels (their sizes)
+        extra["pixel_values"] = torch.randn(len(spots), 3, 4, 4, generator=g)
+        extra["image_sizes"] = torch.tensor([[4, 4]] * len(spots))
+    elif family == "molmo2":  # one crop of 2 x 2 patches of 14 x 14 x 3 per image, 2 x 2 tokens (image_grids), each
+        # pooling two of its patches (image_token_pooling: indices into all crops' patches); the image tokens type 1
+        extra["pixel_values"] = torch.randn(len(spots), 4, 3 * 14 * 14, generator=g)
+        index = torch.arange(4 * len(spots)).view(-1, 4)
+        extra["image_token_pooling"] = torch.stack([index, index.roll(-1, 1)], -1).view(-1, 2)
+        extra["image_grids"] = torch.tensor([[2, 2, 0, 0]] * len(spots))
+        extra["mm_token_type_ids"] = types
     elif family == "deepseek_vl_hybrid":  # each image at two resolutions: SigLIP's, SAM's
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         extra["high_res_pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)
@@ -994,6 +1088,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         if family in ("mistral3", "lighton_ocr"):
             extra["image_sizes"] = torch.tensor([[28, 28]] * len(spots))
+        if family == "aria":  # its processor's mask of each image's real pixels (all of them here)
+            extra["pixel_mask"] = torch.ones(len(spots), 28, 28, dtype=torch.bool)
     if family.startswith("paligemma"):  # a prompt after the images; the rest, the suffix, is type 1 and learned
         types[:] = 1
         types[0, :14] = 0
@@ -1167,6 +1263,9 @@ def grads(model) -> dict:
     cross = getattr(model.config.get_text_config(), "cross_attention_layers", None) or ()  # (Mllama: text-only
     # batches skip its cross-attention layers)
     unreached |= {n for n, _ in model.named_parameters() if any(f".layers.{i}." in n for i in cross)}
+    # Phi-4-multimodal's image and audio embedding lies inside its text model (the top model), which
+    # outside_text_model takes as reached whole
+    unreached |= {n for n, _ in model.named_parameters() if ".embed_tokens_extend." in n}
     return {
         n: torch.zeros_like(p) if n in unreached and p.grad is None else p.grad.detach().clone()
         for n, p in model.named_parameters()

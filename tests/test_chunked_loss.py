@@ -18,7 +18,7 @@ import hf_ring
 from hf_ring.loss import default_chunk_size, is_chunked, liger_unavailable
 
 from .dist_utils import run_distributed
-from .hf_models import DECAY_PARAMS, RTOL_DECAY, in_transformers, make_batch, make_model, prepare
+from .hf_models import DECAY_PARAMS, RTOL_DECAY, in_transformers, make_batch, make_model, prepare, with_token_types
 
 RTOL = 1e-5  # fp32: the chunked sum reorders the additions of the loss, nothing else
 CHUNK = 7  # tokens per chunk: many chunks, a ragged last one
@@ -54,6 +54,7 @@ def test_every_family_matches_the_unmodified_loss_and_gradients(family):
         batch, masked = make_batch(kind, 40)
         if family in NAN_AT_PADDING:
             batch = masked
+        batch = with_token_types(family, batch)  # (Molmo2 requires its token types in training)
         ref, ref_grads = _loss_and_grads(model, batch)
         assert hf_ring.apply_chunked_loss(model, chunk_size=CHUNK) is model and is_chunked(model)
         out, grads = _loss_and_grads(model, batch)

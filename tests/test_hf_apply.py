@@ -27,6 +27,7 @@ from tests.hf_models import (
     make_model,
     text_only,
     transformers_at_least,
+    with_token_types,
 )
 
 FAMILIES = sorted({p.name for p in REGISTRY.values()})
@@ -71,8 +72,11 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
         if patch.name in multimodal.WRAPPERS:  # a vision-language model: its text config's family does the work
             assert multimodal.PATCHES[model_type] is patch and patch.media == multimodal.MEDIA
             assert patch.text_types == multimodal.WRAPPERS[model_type]
-            # the text family's own patch; or, for a text model with no causal-LM class of its own, an inner one
-            assert all(multimodal.text_patch(t) is REGISTRY.get(t, multimodal.INNER.get(t)) for t in patch.text_types)
+            # the text family's own patch; or, for a text model with no causal-LM class of its own, an inner one (and for
+            # Phi-4-multimodal, whose top model is its text model: the wrapper's type, an inner patch)
+            inner = {t: multimodal.INNER[t] for t in patch.text_types if t == model_type}
+            assert all(multimodal.text_patch(t) is inner.get(t, REGISTRY.get(t, multimodal.INNER.get(t)))
+                       for t in patch.text_types)  # fmt: skip
             # what a wrapper inherits, its text families agree on (and it has it); none lends its mixers keywords
             for field in multimodal.INHERITED:
                 assert {getattr(multimodal.text_patch(t), field) for t in patch.text_types} == {getattr(patch, field)}
@@ -183,12 +187,15 @@ def _sub_configs(config) -> list:
 @pytest.mark.parametrize(
     "family",
     [
+        "aria",
         "aya_vision",
         "cohere2_vision",
         "apertus1p5",
         "exaone4_5",
         "deepseek_vl",
         "deepseek_vl_hybrid",
+        "emu3",
+        "ernie4_5_vl_moe",
         "gemma3",
         "gemma4",
         "glm4v",
@@ -215,6 +222,7 @@ def _sub_configs(config) -> list:
         "minimax_m3_vl",
         "mistral3",
         "minicpmv4_6",
+        "molmo2",
         "mistral3-ministral3",
         "ovis2",
         "paddleocr_vl",
@@ -227,8 +235,10 @@ def _sub_configs(config) -> list:
         "qwen3_vl",
         "qwen3_vl_moe",
         "smolvlm",
+        "step3p7",
         "fast_vlm",
         "perception_lm",
+        "phi4_multimodal",  # text-only (its images merge inside its text model)
         "video_llava",
         "vipllava",
         "video_llama_3",
@@ -287,14 +297,15 @@ def _text_only_batches_and_refused_images(family):
         hf_ring.revert_ring_attention(model)
         assert not any(isinstance(h, TextOnly) for m in model.modules() for h in m._forward_pre_hooks.values())
         return
+    key = "image_pixel_values" if family == "phi4_multimodal" else "pixel_values"  # (Phi-4-multimodal's name)
     for call in (
-        lambda: model(input_ids=ids, pixel_values=pixels),
+        lambda: model(input_ids=ids, **{key: pixels}),
         lambda: model(
-            ids, *[None] * (list(inspect.signature(type(model).forward).parameters).index("pixel_values") - 2), pixels
+            ids, *[None] * (list(inspect.signature(type(model).forward).parameters).index(key) - 2), pixels
         ),  # positional (Qwen-VL takes attention_mask, ... before pixel_values)
-        lambda: model.model(input_ids=ids, pixel_values=pixels),  # the inner model, called on its own
+        lambda: model.model(input_ids=ids, **{key: pixels}),  # the inner model, called on its own
     ):
-        with pytest.raises(ValueError, match="carries pixel_values: images, video or audio are not supported"):
+        with pytest.raises(ValueError, match=f"carries {key}: images, video or audio are not supported"):
             call()
     # an empty mm_encoder_outputs (Transformers 5.23's generate passes one; 5.17 has no such argument) carries nothing
     if "mm_encoder_outputs" in inspect.signature(type(model).forward).parameters:
@@ -385,6 +396,11 @@ def _text_only_batches_and_refused_images(family):
         ("qwen3_omni_moe_thinker", "video"),
         ("qwen3_omni_moe_thinker", "audio"),
         ("cosmos3_omni", "images-padded"),  # Qwen3-VL's architecture (deepstack), a model type of its own
+        ("aria", "images-padded"),  # a cross-attention projector, MoE text (Aria)
+        ("molmo2", "images-padded"),  # image tokens attending both ways (one block per row), pooled patches
+        ("emu3", "images-padded"),  # images as VQ codes embedded by the text model
+        ("ernie4_5_vl_moe", "images-padded"),  # experts by token type (moe_mm_token_type_ids), 3-D multimodal RoPE
+        ("step3p7", "images-padded"),  # sliding and full layers of their own head counts, head-wise gates
     ],
 )
 def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kind):
@@ -410,6 +426,39 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
     assert sum(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values()) == 1
     hf_ring.revert_ring_attention(model)
     assert not any(isinstance(h, ShardEmbeddings) for m in model.modules() for h in m._forward_pre_hooks.values())
+
+
+def test_molmo2_refuses_image_token_types_of_a_sharded_batch():
+    """Molmo2's image tokens see each other both ways across the whole sequence: token types marking them in a batch
+    whose input_ids were sharded (no pixels) are refused, before anything runs; all-zero ones (its processor's for
+    text, which its forward requires in training) change nothing."""
+    if not in_transformers("molmo2"):
+        pytest.skip("molmo2: not in this Transformers release")
+    model = make_model("molmo2", images=True).eval()
+    ids = _ids()
+    types = torch.zeros_like(ids)
+    before = _logits(model, input_ids=ids, mm_token_type_ids=types)
+    hf_ring.apply_ring_attention(model)
+    torch.testing.assert_close(_logits(model, input_ids=ids, mm_token_type_ids=types), before, atol=ATOL, rtol=0)
+    types[:, 2:6] = 1
+    sharded = hf_attention.ShardInfo(layout="zigzag", world_size=2, rank=0, seq_len=2 * ids.shape[1])
+    with pytest.raises(ValueError, match="molmo2: mm_token_type_ids marking image tokens in a batch without images"):
+        model(input_ids=ids, mm_token_type_ids=types, **{hf_attention.SHARD_INFO_KWARG: sharded})
+    hf_ring.revert_ring_attention(model)
+
+
+def test_step3p7_refuses_bidirectional_attention_and_takes_every_layers_heads_for_ulysses():
+    """Step 3.7's text model attending both ways (use_bidirectional_attention) is refused; its layers' query head
+    counts differ (2 sliding, 4 full), so Ulysses' divisor is their gcd (Transformers refuses a global count)."""
+    from hf_ring.apply import _query_heads
+
+    model = make_model("step3p7", images=True)
+    assert _query_heads(model.config.get_text_config()) == 2
+    with pytest.raises(ValueError, match="ulysses_size=4 does not divide the model's 2 query heads"):
+        hf_ring.apply_ring_attention(model, ulysses_size=4)
+    model.config.get_text_config().use_bidirectional_attention = True
+    with pytest.raises(ValueError, match="step3p5: use_bidirectional_attention=True"):
+        hf_ring.apply_ring_attention(model)
 
 
 def test_paligemma_attends_causally_with_its_prefix_and_refuses_what_the_ring_would_mask_otherwise():
@@ -739,7 +788,7 @@ def test_apply_errors():
         hf_ring.apply_ring_attention(_Wrapper(make_model("llama")))
     bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=VOCAB))
     with pytest.raises(
-        ValueError, match="model type 'bloom'; supported model types: afmoe, apertus, .*, starcoder2, vaultgemma"
+        ValueError, match="model type 'bloom'; supported model types: afmoe, apertus, .*, starcoder2, .*vaultgemma"
     ):
         hf_ring.apply_ring_attention(bloom)
     with pytest.raises(ValueError, match="model type 'bloom'"):
@@ -982,6 +1031,7 @@ def test_plugin_prepares_every_supported_family(model_type):
 
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(1, VOCAB, (2, 21), generator=g)]
+    data = [with_token_types(model_type, d) for d in data]  # (Molmo2 requires its token types in training)
     ref = make_model(model_type)
     with torch.no_grad():
         want = ref(**collate(data)).loss

@@ -332,6 +332,25 @@ CASES = {
     "qwen3_omni_moe_thinker-audio": ("qwen3_omni_moe_thinker", "audio", 45, {}),
     "qwen3_omni_moe_thinker-video": ("qwen3_omni_moe_thinker", "video", 40, {}),  # nothing padded: its own mask
     "cosmos3_omni-images-padded": ("cosmos3_omni", "images-padded", 45, {}),  # Qwen3-VL's architecture (no audio)
+    # Aria: its MoE text model (routed and shared experts); a cross-attention projector's learned queries per image
+    "aria-images-padded": ("aria", "images-padded", 45, {}),
+    # Molmo2 (5.24): all image tokens of a row one block, seeing each other both ways across rank edges; RoPE scaled
+    # on layer 0 only
+    "molmo2-images-padded": ("molmo2", "images-padded", 45, {}),
+    "molmo2-images-checkpointing": ("molmo2", "images", 40, {"checkpointing": True}),
+    # Emu3: images tokenized by its VQ-VAE into codes (rows ended by an end-of-line token) its text model embeds
+    "emu3-images-padded": ("emu3", "images-padded", 45, {}),
+    # Phi-4-multimodal, text-only: its phi3-like text model (fused qkv, every layer sliding; LongRoPE); LoRA on the fused
+    # projections (its checkpoints' vision and speech adapters are PEFT LoRA of these)
+    "phi4_multimodal-padded": ("phi4_multimodal", "padded", 45, {}),
+    # ERNIE-4.5-VL: text and vision experts chosen per token by moe_mm_token_type_ids (cut with the embeddings)
+    "ernie4_5_vl_moe-images-padded": ("ernie4_5_vl_moe", "images-padded", 45, {}),
+    "ernie4_5_vl_moe-images-lora": ("ernie4_5_vl_moe", "images", 40, {"lora": True}),
+    # Step 3.7: its text model's sliding layers with fewer query heads than its full ones, head-wise output gates
+    "step3p7-images-padded": ("step3p7", "images-padded", 45, {}),
+    "step3p7-images-lora": ("step3p7", "images", 40, {"lora": True}),
+    "step3p7-images-ulysses": ("step3p7", "images", 40, {"ulysses": 2}),  # (2 and 4 query heads: each split 2 ways)
+    "phi4_multimodal-lora": ("phi4_multimodal", "plain", 40, {"config": LONGROPE, "lora": ["qkv_proj", "o_proj"]}),
     # audio features merged whole, then cut (the bound: RTOL_AUDIO)
     "gemma4-audio-padded": ("gemma4-audio", "audio", 40, {"rtol": RTOL_AUDIO}),
     # Qwen2-Audio: a Whisper-like tower's clips (one padded: feature_attention_mask) merged whole, a Qwen2 text model;
