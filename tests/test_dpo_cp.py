@@ -10,6 +10,9 @@ accumulation 2, prompts and completions of unequal lengths (right padding):
    the reference's;
 3. four processes, DP = 2 x CP = 2, 2 pairs per DP group: equal to the single process on batches of 4 pairs
    (the sigmoid loss is a mean over pairs: the mean over 2 replicas of their means is the mean over 4).
+
+The CP = 2 launch also trains LoRA adapters without a reference model (TRL's reference is then the model with its
+adapter switched off), against TRL's own trainer doing the same.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ def _rows(n: int, seed: int = 7) -> list:
     return out
 
 
-def _trainer(cls, out: Path, name: str, dp: int, per_device: int, **extra):
+def _trainer(cls, out: Path, name: str, dp: int, per_device: int, lora: bool = False, **extra):
     from datasets import Dataset
+    from peft import LoraConfig
     from trl import DPOConfig
 
     base = {k: v for k, v in trainer_args(out, name).to_dict().items() if k in SFT_KEYS}
@@ -65,8 +69,11 @@ def _trainer(cls, out: Path, name: str, dp: int, per_device: int, **extra):
     losses = {"loss_type": ["sigmoid", "sft"]} if dp == 1 else {"loss_type": ["sigmoid"], "use_weighting": True}
     cfg = DPOConfig(**base, bf16=False, beta=0.5, **losses, **extra.pop("config", {}))
     rows = _rows(3 * 2 * PAIRS * dp)  # steps x accumulation x pairs x DP groups
-    return cls(model=tiny_llama(), ref_model=tiny_llama(seed=3), args=cfg, train_dataset=Dataset.from_list(rows),
-               processing_class=tiny_tokenizer(), **extra)  # fmt: skip
+    if lora:  # (its A matrices drawn from this seed)
+        torch.manual_seed(11)
+        extra.update(peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    return cls(model=tiny_llama(), ref_model=None if lora else tiny_llama(seed=3), args=cfg,
+               train_dataset=Dataset.from_list(rows), processing_class=tiny_tokenizer(), **extra)  # fmt: skip
 
 
 def _run(trainer) -> dict:
@@ -85,6 +92,7 @@ def worker(out: Path, world: int) -> None:
         from trl import DPOTrainer
 
         res = {f"dp{dp}": _run(_trainer(DPOTrainer, out, f"ref{dp}", dp, PAIRS * dp)) for dp in (1, 2)}
+        res["lora"] = _run(_trainer(DPOTrainer, out, "ref_lora", 1, PAIRS, lora=True))
         try:
             _trainer(RingDPOTrainer, out, "refused", 1, PAIRS, config={"precompute_ref_log_probs": True},
                      ring_plugin=RingAttentionPlugin(cp_size=1))  # fmt: skip
@@ -94,6 +102,11 @@ def worker(out: Path, world: int) -> None:
     else:
         trainer = _trainer(RingDPOTrainer, out, "ring", world // 2, PAIRS, ring_plugin=RingAttentionPlugin(cp_size=2))
         res = _run(trainer)
+        if world == 2:
+            lora = _trainer(
+                RingDPOTrainer, out, "lora", 1, PAIRS, lora=True, ring_plugin=RingAttentionPlugin(cp_size=2)
+            )
+            res["lora"] = _run(lora)
     (out / f"w{world}rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -110,13 +123,14 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-6)
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp2xcp2"])
-def test_ring_dpo_trainer_matches_trl_on_the_whole_sequences(runs, world):
+@pytest.mark.parametrize("world, case", [(2, "dp1"), (4, "dp2"), (2, "lora")], ids=["cp2", "dp2xcp2", "cp2-lora"])
+def test_ring_dpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case):
     """Losses, every metric TRL logs (rewards, margins, log-probabilities, logits, entropy, token accuracy, token
     count) and the final weights of every rank equal TRL's own trainer on the whole sequences."""
     reference, launches = runs
-    ref = reference[f"dp{world // 2}"]
+    ref = reference[case]
     for r in launches[world]:
+        r = r["lora"] if case == "lora" else r
         assert max(_rel(a, b) for a, b in zip(r["losses"], ref["losses"], strict=True)) <= RTOL, (r["losses"], ref)
         for got, want in zip(r["history"], ref["history"], strict=True):
             assert got.keys() == want.keys()
