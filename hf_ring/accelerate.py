@@ -522,8 +522,8 @@ def reshard_prepared_data_loader(ring: RingSetup, prepared, *, shard_batches: bo
 
     For integrations that let Accelerate build the loader (the HF Trainer): the batch sampler (or
     iterable-dataset shard) is re-pointed at ``dp_size`` / ``dp_rank`` and the collate function shards
-    (``shard_batches=False``: it does not, every rank of a CP group gets the whole batch: ``RingDPOTrainer`` shards in the
-    model's call).
+    (``shard_batches=False``: it does not, every rank of a CP group gets the whole batch: ``RingDPOTrainer`` shards
+    in the model's call).
     """
     from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 

@@ -49,7 +49,7 @@ from .layout import (
 )
 
 __all__ = ["shard_batch", "shard_for", "reduce_loss", "carries", "multimodal", "per_token_key", "IGNORE_INDEX",
-           "CROSS_KEYS", "MEDIA_KEYS", "PER_IMAGE_KEYS"]  # fmt: skip
+           "CROSS_KEYS", "MEDIA_KEYS", "PER_IMAGE_KEYS", "TOKEN_TYPE_KEYS"]  # fmt: skip
 
 IGNORE_INDEX = -100
 
@@ -79,7 +79,7 @@ since 5.24): a batch carrying them is multimodal too."""
 def per_token_key(key: str, value, shape: tuple) -> bool:
     """A key of a batch with images that looks per-token (a tensor with the shape of ``input_ids`` in its first two
     dimensions) and is neither a token type (padded as ``input_ids``) nor a per-image key (``PER_IMAGE_KEYS``)."""
-    known = key in _TOKEN_TYPE_KEYS or key in PER_IMAGE_KEYS or key in CROSS_KEYS
+    known = key in TOKEN_TYPE_KEYS or key in PER_IMAGE_KEYS or key in CROSS_KEYS
     return not known and isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == shape
 
 
@@ -97,7 +97,7 @@ def multimodal(batch: Mapping) -> bool:
 _SEQUENCE_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 # per token in a multimodal batch: padded as input_ids (ERNIE-4.5-VL's moe_mm_token_type_ids route its experts)
-_TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")
+TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")
 
 
 def _group(group) -> tuple[int, int]:
@@ -115,11 +115,11 @@ def _validate(batch) -> tuple:
     media = multimodal(batch)
     unknown = sorted(set(batch) - set(_SEQUENCE_KEYS) - set(_PACKING_KEYS) - set(CROSS_KEYS))
     if not media:  # a vision-language processor's text batch carries its (all-zero) token types: sharded as input_ids
-        unknown = [k for k in unknown if k not in _TOKEN_TYPE_KEYS]
+        unknown = [k for k in unknown if k not in TOKEN_TYPE_KEYS]
     if unknown and not media:
         raise ValueError(
             f"shard_batch does not know how to shard {unknown}; it takes {', '.join(_SEQUENCE_KEYS)}, "
-            f"{', '.join(_TOKEN_TYPE_KEYS)} (and the packing keys {', '.join(_PACKING_KEYS)}; with images or video "
+            f"{', '.join(TOKEN_TYPE_KEYS)} (and the packing keys {', '.join(_PACKING_KEYS)}; with images or video "
             f"{', '.join(MEDIA_KEYS)} and their per-image keys); remove the others from the batch"
         )
     input_ids = batch.get("input_ids")
@@ -146,10 +146,10 @@ def _validate(batch) -> tuple:
         if per_token:  # the labels are sharded: a per-token tensor left whole would no longer line up with them
             raise ValueError(
                 f"shard_batch does not know how to shard {per_token} (per-token, the shape of input_ids) in a batch "
-                f"with images; it passes per-image keys on and pads {', '.join(_TOKEN_TYPE_KEYS)}; remove the others"
+                f"with images; it passes per-image keys on and pads {', '.join(TOKEN_TYPE_KEYS)}; remove the others"
             )
     labels, mask, pos = batch.get("labels"), batch.get("attention_mask"), batch.get("position_ids")
-    for name in ("labels", "attention_mask", *_TOKEN_TYPE_KEYS):
+    for name in ("labels", "attention_mask", *TOKEN_TYPE_KEYS):
         t = batch.get(name)
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -275,16 +275,16 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
             local["attention_mask"] = valid.to(device=dev, dtype=mask.dtype if mask is not None else torch.long)
         for key, value in batch.items():
             if key not in _SEQUENCE_KEYS:
-                per_token = key in _TOKEN_TYPE_KEYS and isinstance(value, torch.Tensor)
+                per_token = key in TOKEN_TYPE_KEYS and isinstance(value, torch.Tensor)
                 local[key] = torch.nn.functional.pad(value, (0, pad), value=0) if per_token and pad else value
     else:
         put("input_ids", ids)
         put("position_ids", pos)
-        for key in (*_TOKEN_TYPE_KEYS, *CROSS_KEYS):
+        for key in (*TOKEN_TYPE_KEYS, *CROSS_KEYS):
             if batch.get(key) is not None:
                 put(key, _pad_tokens(batch[key], pad))
         if media:  # images by cross-attention: every rank's layers attend to all of them
-            local.update((k, v) for k, v in batch.items() if k not in (*_SEQUENCE_KEYS, *_TOKEN_TYPE_KEYS, *CROSS_KEYS))
+            local.update((k, v) for k, v in batch.items() if k not in (*_SEQUENCE_KEYS, *TOKEN_TYPE_KEYS, *CROSS_KEYS))
     if labels is not None:
         full = torch.full((b, s + pad), IGNORE_INDEX, dtype=torch.long, device=labels.device)
         full[:, : s - 1] = labels[:, 1:]

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .apply import unwrap_transformers_model
-from .batch import CROSS_KEYS, ENCODED_KEY, MEDIA_KEYS, carries, multimodal, per_token_key, shard_batch
+from .batch import CROSS_KEYS, ENCODED_KEY, MEDIA_KEYS, TOKEN_TYPE_KEYS, carries, multimodal, per_token_key, shard_batch
 from .comm import RingComm, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
 from .layout import positions, required_multiple, shard
@@ -70,7 +70,7 @@ _REFUSED = {
     "use_cache": (lambda v: v is False, "use_cache=False (decoding needs the sharded cache)"),
 }
 _PREFILL_FIELDS = ("error", "batch", "length", "fingerprint")
-_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")  # per token in a prompt with images: padded as input_ids
+_TOKEN_TYPES = TOKEN_TYPE_KEYS  # per token in a prompt with images: padded as input_ids
 # what the prefill sets itself (the rest of an image prompt's keywords go to the model with it)
 _PREFILL_OWN = ("position_ids", "cache", "cache_params", "past_key_values", "use_cache", "cache_position",
                 "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states")  # fmt: skip
@@ -177,8 +177,8 @@ def _cache_classes():
         def get_seq_length(self, layer_idx: int = 0) -> int:
             """The sequence's length so far, whatever ``layer_idx`` (a hybrid's first layer may hold no keys: the
             longest layer's; Transformers asks before a forward, when every layer holds as many; a cross-attention
-            layer's image keys are not the sequence: asked for its own, it says how many it holds, as Transformers 5.17's
-            Mllama asks to learn whether it holds any)."""
+            layer's image keys are not the sequence: asked for its own, it says how many it holds, as Transformers
+            5.17's Mllama asks to learn whether it holds any)."""
             if layer_idx in self.local_layers:
                 return self.layers[layer_idx].get_seq_length()
             return max(layer.get_seq_length() for layer in self.layers if isinstance(layer, ShardedLayer))
@@ -254,6 +254,11 @@ def ring_generate(model, inputs, **generate_kwargs):
         if refused(generate_kwargs.get(name)):
             raise ValueError(f"ring_generate does not support {what}; use greedy or sampled decoding")
     inputs = dict(inputs)
+    if patch.local_modules(target) and multimodal(inputs) and inputs.get("cross_attention_mask") is None:
+        raise ValueError(
+            f"ring_generate: the prompt carries images without a cross_attention_mask; {patch.name}'s images enter "
+            "by cross-attention: pass the prompt as its processor makes it, cross_attention_mask included"
+        )
     unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
     if unknown and images:  # the prompt's images and their keys (the prefill takes them as a training batch's)
         ids = inputs.get("input_ids")
@@ -408,13 +413,16 @@ class _Before:
         # the logits of this rank's last token (the owner's is the prompt's last), as an index: an integer would
         # let Gemma 4 run its KV-shared layers on that token alone, and those layers see every rank's tokens here
         last = torch.tensor([st.local.numel() - 1])  # on the CPU: any device's hidden states take it
-        if media and not cross:  # the model's input_ids are whole, its hidden states a shard: the text model keeps
-            # the last row
+        # images merged on the whole prompt: the model's input_ids are whole, its hidden states a shard, and the text
+        # model keeps the last row
+        if media and not cross:
             from .patches._family import ShardEmbeddings
 
             last = 0  # (Gemma 4 slices by index only when the two lengths agree: all the shard's logits otherwise)
-            text = next(m for m in module.modules() if any(isinstance(h, ShardEmbeddings) for h in
-                                                           m._forward_pre_hooks.values()))  # fmt: skip
+            text = next((m for m in module.modules() if any(isinstance(h, ShardEmbeddings) for h in
+                                                            m._forward_pre_hooks.values())), None)  # fmt: skip
+            if text is None:
+                raise ValueError(f"ring_generate: {type(module).__name__} cuts no embeddings of a prompt with images")
             st.hooks.append(text.register_forward_hook(_KeepLast(st)))
         local.update({"use_cache": True, cache_key: kwargs[cache_key], "logits_to_keep": last})
         local["cache_position"] = st.local.to(ids.device)

@@ -231,6 +231,7 @@ class ShardedFusedHead:
     def __init__(self, fused, ring):
         self.fused = fused  # TRL's fused forward, bound to the model
         self.ring = ring
+        functools.update_wrapper(self, fused)  # its signature: the model's forward's, which generate() reads
 
     def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
         if not fused_lm_head:
@@ -241,12 +242,14 @@ class ShardedFusedHead:
 
         ring = self.ring
         names = ("input_ids", "attention_mask")
-        kwargs.update(zip(names, args))
-        if multimodal(kwargs) or kwargs.get("output_router_logits"):
+        if len(args) > len(names) or multimodal(kwargs) or kwargs.get("output_router_logits"):
             raise ValueError(
-                "RingDPOTrainer: images and the MoE router's auxiliary loss are not supported under context "
-                "parallelism (each rank holds a shard of the tokens)"
+                "RingDPOTrainer: images, the MoE router's auxiliary loss and positional arguments beyond input_ids "
+                "and attention_mask are not supported under context parallelism"
             )
+        kwargs.update(zip(names, args))
+        if not isinstance(kwargs.get("input_ids"), torch.Tensor):  # (prompt-learning PEFT sends inputs_embeds)
+            raise ValueError("RingDPOTrainer: the model's call must bring input_ids (not inputs_embeds)")
         batch = {k: kwargs.pop(k) for k in (*names, "labels") if kwargs.get(k) is not None}
         seq_len = batch["input_ids"].shape[1]
         local = shard_for(batch, ring.cp_rank, ring.cp_size, layout=ring.plugin.layout,
@@ -293,11 +296,17 @@ def _dpo_class(DPOTrainer) -> type:
         shards_batches = False
 
         def __init__(self, *args, **kwargs):
+            config = kwargs.get("args", args[2] if len(args) > 2 else None)
+            if getattr(config, "precompute_ref_log_probs", False):  # (before TRL computes them over the dataset)
+                raise ValueError(
+                    "RingDPOTrainer does not support precompute_ref_log_probs=True under context parallelism (TRL's "
+                    "own loader for it splits batches over every process)"
+                )
             super().__init__(*args, **kwargs)
             ring = self.ring_setup
             self._tp_size *= ring.cp_size  # TRL's token count: CP ranks are given the same batch, as TP ranks are
-            if self.ref_model is not None:
-                apply_to_model(ring, self.ref_model)
+            if self.ref_model is not None:  # (DeepSpeed has wrapped it in an engine by now)
+                apply_to_model(ring, self.accelerator.unwrap_model(self.ref_model))
             for model in (self.model, self.ref_model):
                 if model is None or ring.cp_size == 1:
                     continue
@@ -311,10 +320,8 @@ def _dpo_class(DPOTrainer) -> type:
                     target.forward = ShardedFusedHead(fused, ring)
 
         def _check_loss_contract(self) -> None:
-            args = self.args
-            refused = {
-                "precompute_ref_log_probs=True": args.precompute_ref_log_probs,
-                "the MoE router's auxiliary loss (output_router_logits)": self.aux_loss_enabled,
+            refused = {  # (the MoE router's loss would be each rank's, of its own tokens)
+                "the MoE router's auxiliary loss (set DPOConfig(router_aux_loss_coef=0.0))": self.aux_loss_enabled,
                 "a vision dataset": getattr(self, "_is_vision_dataset", False),
             }
             given = [what for what, on in refused.items() if on]

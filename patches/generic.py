@@ -40,7 +40,8 @@ from __future__ import annotations
 from ._family import FamilyPatch, LogitTransform, check_layer_types, check_window
 
 __all__ = [
-    "ALIASES", "CACHE_CLASSES", "CHECKS", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS", "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
+    "ALIASES", "CACHE_CLASSES", "CHECKS", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS",
+    "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
     "check_llama4", "check_minimax", "check_sparse",
@@ -328,7 +329,8 @@ them on (``UnpackLent``)."""
 
 CROSS_ATTENTION = {"mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextCrossAttention"}
 """Families with cross-attention layers (Llama 3.2 Vision's text model, attending to the image features every rank
-holds whole): their modules attend locally, by the model's own implementation (``FamilyPatch.local_attention_class``)."""
+holds whole): their modules attend locally, by the model's own implementation
+(``FamilyPatch.local_attention_class``)."""
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",

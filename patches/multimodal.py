@@ -60,7 +60,8 @@ layers). PaliGemma (a Gemma or Gemma 2 text model) is a prefix LM: its images an
 see each other both ways, one block per row, on every layer, the suffix causally; its text attention says
 ``is_causal=False`` (``use_bidirectional_attention``) while its mask is causal, so ``PaliGemmaPatch`` makes the ring
 causal while patched. Molmo2's image tokens (``mm_token_type_ids`` 1) all see each other both ways, one block per
-row (``_molmo2_blocks``), on every layer. What needs care is where the vision features land and how positions are numbered.
+row (``_molmo2_blocks``), on every layer. What needs care is where the vision features land and how positions are
+numbered.
 ``shard_batch`` hands such a batch to the model whole (``ShardInfo.whole_inputs``): the model runs its vision tower
 on every image of the batch, merges the features into the embeddings of the whole sequence and numbers it
 (Qwen-VL's and GLM-4V's multimodal RoPE), exactly as unsharded; then ``_family.ShardEmbeddings``, a pre-hook on the
@@ -75,14 +76,13 @@ images and holds the whole sequence's input embeddings ([batch, seq, hidden], e.
 A wrapper added text-only would refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs
 (``_family.TextOnly``): Phi-4-multimodal (``image_pixel_values``, ``audio_input_features``), none of the others
-(LFM2-VL takes images since its short convolutions run on the cut embeddings as on text). Gemma 4's audio (``input_features``) goes as its images go: the batch
-whole, the audio features merged on the whole sequence, its audio tokens attending causally; so do the clips of the
-audio-language models (``input_features``; Qwen2-Audio's with their ``feature_attention_mask``, Granite
-Speech's with ``input_features_mask``; the Qwen-Omni thinkers' with a ``feature_attention_mask``).
-Gemma 4's head softcaps its
-logits with the text config's ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss), Granite 4
-Vision's divides them by its ``logits_scaling``; Gemma 3's
-and Mistral 3's apply nothing, nor do Aya Vision's and Command A Vision's (``cohere2_vision``), though their Cohere2
+(LFM2-VL takes images since its short convolutions run on the cut embeddings as on text). Gemma 4's audio
+(``input_features``) goes as its images go: the batch whole, the audio features merged on the whole sequence, its
+audio tokens attending causally; so do the clips of the audio-language models (``input_features``; Qwen2-Audio's
+with their ``feature_attention_mask``, Granite Speech's with ``input_features_mask``; the Qwen-Omni thinkers' with a
+``feature_attention_mask``). Gemma 4's head softcaps its logits with the text config's
+``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss), Granite 4 Vision's divides them by its
+``logits_scaling``; Gemma 3's and Mistral 3's apply nothing, nor do Aya Vision's and Command A Vision's (``cohere2_vision``), though their Cohere2
 text config has a ``logit_scale`` (which ``Cohere2ForCausalLM`` applies).
 """
 
@@ -359,8 +359,8 @@ def _check_step3p5(config) -> None:
     generic.check(config)
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(
-            "step3p5: use_bidirectional_attention=True (tokens attending both ways) is not supported by ring attention, "
-            "which is causal; set it to False"
+            "step3p5: use_bidirectional_attention=True (tokens attending both ways) is not supported by ring "
+            "attention, which is causal; set it to False"
         )
 
 
@@ -391,7 +391,9 @@ INNER = {
         "molmo2_text": "transformers.models.molmo2.modeling_molmo2.Molmo2Attention",
         "phi4_multimodal": "transformers.models.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention",
         "step3p5": "transformers.models.step3p7.modeling_step3p7.Step3p7Attention",
-        "ernie4_5_vl_moe_text": "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeTextAttention",
+        "ernie4_5_vl_moe_text": (
+            "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeTextAttention"
+        ),
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),
@@ -473,7 +475,8 @@ class CausalLMLoss:
     ``shard_batch`` gives them) runs without its labels, and its output's loss is Transformers' ``ForCausalLMLoss``
     of its logits (the rank's shard of them), ``shift_labels`` and ``num_items_in_batch``: the unmodified model's
     mean loss for one rank's whole batch, its share of it for a rank of the ring. A model under hf_ring's chunked
-    loss computes that loss itself: the hook leaves it alone."""
+    loss computes that loss itself, and TRL's fused LM head (``fused_lm_head=True``) scores ``shift_labels`` itself:
+    the hook leaves them alone."""
 
     def __init__(self):
         self.pending = []  # (shift_labels, num_items_in_batch, ignore_index) of each call running
@@ -481,7 +484,7 @@ class CausalLMLoss:
     def before(self, module, args, kwargs):
         from ..loss import is_chunked
 
-        if kwargs.get("shift_labels") is None or is_chunked(module):
+        if kwargs.get("shift_labels") is None or kwargs.get("fused_lm_head") or is_chunked(module):
             self.pending.append(None)
             return None
         kwargs = dict(kwargs)

@@ -502,10 +502,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     # Emu3: images tokenized by a VQ-VAE into discrete codes (4 x 4 pixels, downsampled 2 x 2: 2 x 2 codes, an end of
     # line after each row: 6 tokens), embedded by its text model's embeddings; the VQ-VAE as small as it goes
     "emu3": ("Emu3Config", "Emu3ForConditionalGeneration", {"model_type": "emu3_text_model", "attention_dropout": 0.0},
-             {"codebook_size": 8, "embed_dim": 8, "latent_channels": 8, "base_channels": 32, "channel_multiplier": [1, 1],
-              "num_res_blocks": 1, "attn_resolutions": [], "temporal_downsample_factor": 2, "hidden_size": 32}),
-    # Phi-4-multimodal (text-only): its phi3-like text model is the top model (the image and audio embeddings merge inside
-    # it: no images under the ring); its vision and audio towers as small as they go, never run
+             {"codebook_size": 8, "embed_dim": 8, "latent_channels": 8, "base_channels": 32,
+              "channel_multiplier": [1, 1], "num_res_blocks": 1, "attn_resolutions": [],
+              "temporal_downsample_factor": 2, "hidden_size": 32}),
+    # Phi-4-multimodal (text-only): its phi3-like text model is the top model (the image and audio embeddings merge
+    # inside it: no images under the ring); its vision and audio towers as small as they go, never run
     "phi4_multimodal": ("Phi4MultimodalConfig", "Phi4MultimodalForCausalLM", {"sliding_window": 7},
                         {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                          "image_size": 28, "crop_size": 28, "patch_size": 14}),
@@ -513,8 +514,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     # and their start / end to vision ones: moe_mm_token_type_ids; shared experts), 3-D multimodal RoPE; Qwen-VL-like
     # images of 4 x 4 patches merged 2 x 2: 4 tokens between image start / end
     "ernie4_5_vl_moe": ("Ernie4_5_VLMoeConfig", "Ernie4_5_VLMoeForConditionalGeneration",
-                        {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": [32, 24],
-                         "mlp_layer_types": ["dense", "sparse"], "tie_word_embeddings": False,
+                        {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1,
+                         "moe_intermediate_size": [32, 24], "mlp_layer_types": ["dense", "sparse"],
+                         "tie_word_embeddings": False,
                          "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]}},
                         {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "patch_size": 14}),
     # Step 3.7: its text model (step3p5: sliding and full layers, the sliding ones with 2 query heads, the full one with
@@ -767,7 +769,8 @@ def make_config(family: str, **overrides):
         if family == "emu3":  # its VQ-VAE; the image token, the end of line and the 8 codes' tokens (ids 10..17)
             codes = {f"<|visual token{i:06d}|>": 10 + i for i in range(8)}
             top = {"vq_config": vision,
-                   "vocabulary_map": {"<image>": MEDIA_TOKENS["image_token_id"], "<|extra_200|>": 9, **codes}}  # fmt: skip
+                   "vocabulary_map": {"<image>": MEDIA_TOKENS["image_token_id"], "<|extra_200|>": 9,
+                                      **codes}}  # fmt: skip
         if family == "aria":  # its projector's learned queries per image, by the number of patches
             top = {"projector_patch_to_query_dict": {4: 4}}
         if family == "perception_lm":  # 4 x 4 patches pooled 2 x 2: 4 tokens per tile (checkpoints: 32 x 32 -> 16 x 16)
@@ -786,13 +789,15 @@ def make_config(family: str, **overrides):
             encoder = {**GRANITE_SPEECH_ENCODER, "cat_hidden_layers": [1]} if plus else GRANITE_SPEECH_ENCODER
             top = {"encoder_config": encoder, "window_size": 4, "downsample_rate": 2, "has_lora_adapter": False,
                    "audio_token_index": AUDIO_TOKEN,
-                   "projector_config": {**GRANITE_SPEECH_QFORMER, "encoder_hidden_size": 64 if plus else 32}}  # fmt: skip
+                   "projector_config": {**GRANITE_SPEECH_QFORMER,
+                                        "encoder_hidden_size": 64 if plus else 32}}  # fmt: skip
         if family == "nemotron_h_omni":  # Parakeet: 32 frames of 16 mel bins subsampled 4 times -> 8 tokens
             top = {"audio_config": NEMOTRON_H_OMNI_AUDIO, "audio_token_id": AUDIO_TOKEN, "vision_hidden_size": 32,
                    "projector_hidden_size": 64}  # fmt: skip
         if family == "phi4_multimodal":  # its text config the top one, the towers' sub-configs beside it
             audio = {"hidden_size": 32, "intermediate_size": 48, "num_blocks": 1, "num_attention_heads": 2,
-                     "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32}  # fmt: skip
+                     "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32,
+                     "nemo_conv_channels": 32}  # fmt: skip
             cfg = getattr(tf, config_class)(**common, **extra, vision_config=vision, audio_config=audio)
         else:
             towers = {"vision_config": vision, "image_token_index": VOCAB + 3} if vision is not None else {}
@@ -874,12 +879,14 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
 _IMAGE_SPOTS = ((0, 5), (0, 25), (1, 17))  # (row, first image token) of each image
 GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "subsampling_conv_channels": [128, 4], "output_proj_dims": 32}  # fmt: skip
-QWEN2_AUDIO = {"model_type": "qwen2_audio_encoder", "num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
-               "encoder_ffn_dim": 48, "d_model": 32, "max_source_positions": 16}  # fmt: skip
+QWEN2_AUDIO = {"model_type": "qwen2_audio_encoder", "num_mel_bins": 16, "encoder_layers": 1,
+               "encoder_attention_heads": 2, "encoder_ffn_dim": 48, "d_model": 32,
+               "max_source_positions": 16}  # fmt: skip
 VOXTRAL_AUDIO = {"model_type": "voxtral_encoder", "num_mel_bins": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "intermediate_size": 64, "hidden_size": 32, "max_source_positions": 16}  # fmt: skip
 GRANITE_SPEECH_ENCODER = {"input_dim": 16, "num_layers": 2, "hidden_dim": 32, "feedforward_mult": 2, "num_heads": 2,
-                          "output_dim": 8, "context_size": 8, "max_pos_emb": 8, "dropout": 0.0, "conv_kernel_size": 3}  # fmt: skip
+                          "output_dim": 8, "context_size": 8, "max_pos_emb": 8, "dropout": 0.0,
+                          "conv_kernel_size": 3}  # fmt: skip
 GRANITE_SPEECH_QFORMER = {"model_type": "blip_2_qformer", "hidden_size": 32, "num_attention_heads": 2,
                           "intermediate_size": 48, "num_hidden_layers": 1, "cross_attention_frequency": 1,
                           "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,

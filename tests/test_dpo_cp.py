@@ -12,7 +12,8 @@ accumulation 2, prompts and completions of unequal lengths (right padding):
    (the sigmoid loss is a mean over pairs: the mean over 2 replicas of their means is the mean over 4).
 
 The CP = 2 launch also trains LoRA adapters without a reference model (TRL's reference is then the model with its
-adapter switched off), against TRL's own trainer doing the same.
+adapter switched off), against TRL's own trainer doing the same, and run 2 again under DeepSpeed ZeRO-2 (which wraps
+the reference model in an engine before hf_ring sees it).
 """
 
 from __future__ import annotations
@@ -77,10 +78,17 @@ def _trainer(cls, out: Path, name: str, dp: int, per_device: int, lora: bool = F
 
 
 def _run(trainer) -> dict:
+    import inspect
+
     trainer.train()
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
-    state = {k: v.tolist() for k, v in trainer.model.state_dict().items()}
-    return {"losses": logged_losses(trainer), "history": [h for h in history if "loss" in h], "state": state}
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    state = {k: v.tolist() for k, v in model.state_dict().items()}
+    from hf_ring.apply import unwrap_transformers_model
+
+    signature = list(inspect.signature(unwrap_transformers_model(model).forward).parameters)  # (generate() reads it)
+    return {"losses": logged_losses(trainer), "history": [h for h in history if "loss" in h], "state": state,
+            "signature": signature}  # fmt: skip
 
 
 def worker(out: Path, world: int) -> None:
@@ -107,14 +115,32 @@ def worker(out: Path, world: int) -> None:
                 RingDPOTrainer, out, "lora", 1, PAIRS, lora=True, ring_plugin=RingAttentionPlugin(cp_size=2)
             )
             res["lora"] = _run(lora)
+            res["deepspeed"] = _on_deepspeed(out)
     (out / f"w{world}rank{rank}.json").write_text(json.dumps(res))
+
+
+def _on_deepspeed(out: Path) -> dict | None:
+    """Run 2 under DeepSpeed ZeRO-2 (None without DeepSpeed)."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return None
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.trainer import RingDPOTrainer
+    from tests.test_deepspeed_cp import _ds_config, _OnDeepSpeed, _reset_accelerate
+
+    _reset_accelerate()
+    cls = type("DeepSpeedDPO", (_OnDeepSpeed, RingDPOTrainer), {})
+    trainer = _trainer(cls, out, "deepspeed", 1, PAIRS, config={"deepspeed": _ds_config(2)},
+                       ring_plugin=RingAttentionPlugin(cp_size=2))  # fmt: skip
+    return _run(trainer)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo")
     for world in (1, 2, 4):
-        torchrun(Path(__file__), world, out, world, timeout=420)
+        torchrun(Path(__file__), world, out, world, timeout=420, env={"DS_ACCELERATOR": "cpu"})
     reference = json.loads((out / "w1rank0.json").read_text())
     return reference, {w: [json.loads((out / f"w{w}rank{r}.json").read_text()) for r in range(w)] for w in (2, 4)}
 
@@ -123,14 +149,22 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-6)
 
 
-@pytest.mark.parametrize("world, case", [(2, "dp1"), (4, "dp2"), (2, "lora")], ids=["cp2", "dp2xcp2", "cp2-lora"])
-def test_ring_dpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case):
+@pytest.mark.parametrize(
+    "world, case, run",
+    [(2, "dp1", None), (4, "dp2", None), (2, "lora", "lora"), (2, "dp1", "deepspeed")],
+    ids=["cp2", "dp2xcp2", "cp2-lora", "cp2-deepspeed"],
+)
+def test_ring_dpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case, run):
     """Losses, every metric TRL logs (rewards, margins, log-probabilities, logits, entropy, token accuracy, token
-    count) and the final weights of every rank equal TRL's own trainer on the whole sequences."""
+    count) and the final weights of every rank equal TRL's own trainer on the whole sequences; the model's forward
+    keeps the signature generate() reads."""
     reference, launches = runs
     ref = reference[case]
+    if run == "deepspeed" and launches[world][0]["deepspeed"] is None:
+        pytest.skip("DeepSpeed is not installed")
     for r in launches[world]:
-        r = r["lora"] if case == "lora" else r
+        r = r[run] if run else r
+        assert r["signature"] == ref["signature"] and "position_ids" in r["signature"]
         assert max(_rel(a, b) for a, b in zip(r["losses"], ref["losses"], strict=True)) <= RTOL, (r["losses"], ref)
         for got, want in zip(r["history"], ref["history"], strict=True):
             assert got.keys() == want.keys()

@@ -236,6 +236,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "glm4v-images": ("glm4v", "images-padded", {}),  # GLM-4.1V's multimodal RoPE (four position rows in decoding)
     "apertus1p5-audio": ("apertus1p5", "audio", {}),  # waveforms (input_values): whole on every rank
     "mllama-images": ("mllama", "images-padded", {}),  # images by cross-attention: the prompt's text sharded
+    "ernie4_5_vl_moe-images": ("ernie4_5_vl_moe", "images-padded", {}),  # experts by token types, padded by the ring
     "qwen2_audio-audio": ("qwen2_audio", "audio", {}),  # clips of mel frames, one padded (feature_attention_mask)
     "qwen2_5_omni_thinker-images": ("qwen2_5_omni_thinker", "images-padded", {}),  # multimodal RoPE, no token types
     "qwen2_5_omni_thinker-audio": ("qwen2_5_omni_thinker", "audio", {}),  # clips of unequal lengths

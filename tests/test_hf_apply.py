@@ -72,8 +72,8 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
         if patch.name in multimodal.WRAPPERS:  # a vision-language model: its text config's family does the work
             assert multimodal.PATCHES[model_type] is patch and patch.media == multimodal.MEDIA
             assert patch.text_types == multimodal.WRAPPERS[model_type]
-            # the text family's own patch; or, for a text model with no causal-LM class of its own, an inner one (and for
-            # Phi-4-multimodal, whose top model is its text model: the wrapper's type, an inner patch)
+            # the text family's own patch; or, for a text model with no causal-LM class of its own, an inner one (and
+            # for Phi-4-multimodal, whose top model is its text model: the wrapper's type, an inner patch)
             inner = {t: multimodal.INNER[t] for t in patch.text_types if t == model_type}
             assert all(multimodal.text_patch(t) is inner.get(t, REGISTRY.get(t, multimodal.INNER.get(t)))
                        for t in patch.text_types)  # fmt: skip
@@ -530,11 +530,33 @@ def test_mllama_takes_images_by_cross_attention_beside_sharded_text(implementati
     whole = {k: v for k, v in batch.items() if k != "cross_attention_mask"}
     with pytest.raises(ValueError, match="without a cross_attention_mask, so shard_batch kept its input_ids whole"):
         model(**hf_ring.shard_batch(whole))
+    prompt = {k: v for k, v in whole.items() if k != "labels"}
+    with pytest.raises(ValueError, match="carries images without a cross_attention_mask"):
+        hf_ring.ring_generate(model, prompt, max_new_tokens=2)
     with pytest.raises(ValueError, match="cross_attention_mask must be \\[batch, seq_len, ...\\]"):
         hf_ring.shard_batch({**batch, "cross_attention_mask": batch["cross_attention_mask"][:, :39]})
     hf_ring.revert_ring_attention(model)
     assert not any(hasattr(m, hf_attention.LOCAL_ATTR) for m in crosses)
     torch.testing.assert_close(_logits(model, **batch), before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio", "granite_speech"])
+def test_a_head_with_a_loss_of_its_own_leaves_trls_fused_head_alone(family):
+    """Qwen2-Audio's and Granite Speech's heads compute a loss of their own, which hf_ring replaces under shard_batch
+    by the causal-LM loss of shift_labels; a call through TRL's fused LM head (RingSFTTrainer's) scores shift_labels
+    itself: the same log-probabilities patched as unpatched."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from hf_ring.batch import shard_for
+
+    model = make_model(family, images=True).eval()
+    trl_utils.add_fused_lm_head(model)
+    batch, _ = make_batch("audio", 40, family=family)
+    local = {k: v for k, v in shard_for(batch, 0, 1).items() if k not in ("labels", "num_items_in_batch")}
+    with torch.no_grad():
+        before = model(**local, fused_lm_head=True).log_probs
+        hf_ring.apply_ring_attention(model)
+        after = model(**local, fused_lm_head=True).log_probs
+    torch.testing.assert_close(after, before, atol=ATOL, rtol=0)
 
 
 def test_shard_batch_with_images_refuses_packing_and_misshaped_token_types():

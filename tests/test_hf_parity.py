@@ -340,8 +340,8 @@ CASES = {
     "molmo2-images-checkpointing": ("molmo2", "images", 40, {"checkpointing": True}),
     # Emu3: images tokenized by its VQ-VAE into codes (rows ended by an end-of-line token) its text model embeds
     "emu3-images-padded": ("emu3", "images-padded", 45, {}),
-    # Phi-4-multimodal, text-only: its phi3-like text model (fused qkv, every layer sliding; LongRoPE); LoRA on the fused
-    # projections (its checkpoints' vision and speech adapters are PEFT LoRA of these)
+    # Phi-4-multimodal, text-only: its phi3-like text model (fused qkv, every layer sliding; LongRoPE); LoRA on the
+    # fused projections (its checkpoints' vision and speech adapters are PEFT LoRA of these)
     "phi4_multimodal-padded": ("phi4_multimodal", "padded", 45, {}),
     # ERNIE-4.5-VL: text and vision experts chosen per token by moe_mm_token_type_ids (cut with the embeddings)
     "ernie4_5_vl_moe-images-padded": ("ernie4_5_vl_moe", "images-padded", 45, {}),
