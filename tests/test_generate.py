@@ -237,6 +237,14 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "apertus1p5-audio": ("apertus1p5", "audio", {}),  # waveforms (input_values): whole on every rank
     "mllama-images": ("mllama", "images-padded", {}),  # images by cross-attention: the prompt's text sharded
     "ernie4_5_vl_moe-images": ("ernie4_5_vl_moe", "images-padded", {}),  # experts by token types, padded by the ring
+    "aria-images": ("aria", "images-padded", {}),
+    "molmo2-images": ("molmo2", "images-padded", {}),
+    "emu3-images": ("emu3", "images-padded", {}),
+    "step3p7-images": ("step3p7", "images-padded", {}),
+    "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
+    "voxtral-audio": ("voxtral", "audio", {}),
+    "granite_speech-audio": ("granite_speech", "audio", {}),
+    "nemotron_h_omni-audio": ("nemotron_h_omni", "audio", {}),
     "qwen2_audio-audio": ("qwen2_audio", "audio", {}),  # clips of mel frames, one padded (feature_attention_mask)
     "qwen2_5_omni_thinker-images": ("qwen2_5_omni_thinker", "images-padded", {}),  # multimodal RoPE, no token types
     "qwen2_5_omni_thinker-audio": ("qwen2_5_omni_thinker", "audio", {}),  # clips of unequal lengths
