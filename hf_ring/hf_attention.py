@@ -36,225 +36,66 @@ device-to-host copy when ``position_ids`` live on a GPU; ``shard_batch`` users n
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import functools
-import warnings
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .comm import UlyssesGroups, group_rank_and_size
-from .kernels import BACKENDS
-from .layout import (
-    LAYOUTS,
-    chunk_documents,
-    documents_from_cu_seqlens,
-    documents_from_positions,
-    positions,
-    several_documents,
-    valid_cu_seqlens,
+from . import batch_checks
+from .comm import group_rank_and_size
+from .layout import positions, several_documents
+from .ring import raise_on_every_rank, ring_attention
+from .ring_config import (  # (they were defined here: their import from this module stays)
+    BATCH_DOCUMENT_KWARGS,
+    BLOCK_IDS_KWARG,
+    CONFIG_ATTR,
+    DECODE_KWARG,
+    DOCUMENT_IDS_KWARG,
+    LOCAL_ATTR,
+    LOST_GROUP,
+    PACKED_WITH_MIXERS,
+    PACKING_KWARGS,
+    POSITIONS_KWARG,
+    SHARD_INFO_KWARG,
+    TEMPERATURE_ATTR,
+    QueryTemperature,
+    RingBlocks,
+    RingConfig,
+    ShardInfo,
+    lost_group,
 )
-from .ring import PlanCache, raise_on_every_rank, ring_attention
 from .sparse import IndexerCall, SparseMask, select, select_decode
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
-    "CONFIG_ATTR",
+    "BATCH_DOCUMENT_KWARGS",
     "BLOCK_IDS_KWARG",
+    "CONFIG_ATTR",
+    "DECODE_KWARG",
     "DOCUMENT_IDS_KWARG",
     "LOCAL_ATTR",
-    "RingBlocks",
-    "RingConfig",
+    "LOST_GROUP",
     "PACKED_WITH_MIXERS",
     "POSITIONS_KWARG",
     "QueryTemperature",
+    "RingBlocks",
+    "RingConfig",
     "SHARD_INFO_KWARG",
-    "TEMPERATURE_ATTR",
     "ShardInfo",
+    "TEMPERATURE_ATTR",
+    "lost_group",
     "register",
     "ring_attention_forward",
-    "scales_queries_itself",
     "ring_mask_function",
+    "scales_queries_itself",
 ]
 
 ATTN_IMPLEMENTATION = "hf_ring"
 """The key under which hf_ring is registered in ``AttentionInterface`` and ``AttentionMaskInterface``."""
 
-DOCUMENT_IDS_KWARG = "ring_document_ids"
-"""Model keyword argument carrying ``[1 or batch, full_seq]`` global document ids (-1 = padding)."""
-
-BLOCK_IDS_KWARG = "ring_block_ids"
-"""Model keyword argument carrying a ``RingBlocks``: the bidirectional blocks of the batch (Gemma 3's and Gemma 4's
-image tokens), set by the family's hook on the vision-language model."""
-
-POSITIONS_KWARG = "ring_position_ids"
-"""Model keyword argument carrying the ``position_ids`` the model was called with (``[batch, local_seq]``), added by
-the patched model's hook: the attention of a family whose decoder layers do not pass ``position_ids`` on reads them
-there."""
-
-SHARD_INFO_KWARG = "ring_shard_info"
-"""Model keyword argument carrying the ``ShardInfo`` of a ``shard_batch`` output."""
-
-DECODE_KWARG = "ring_cache"
-"""Model keyword argument carrying ``hf_ring.ring_generate``'s sharded KV cache (decode steps attend through it)."""
-
-CONFIG_ATTR = "hf_ring_config"
-"""Attribute of each patched attention module holding its ``RingConfig``."""
-
-LOCAL_ATTR = "hf_ring_local_attention"
-"""Attribute of an attention module that attends locally, not through the ring (Mllama's cross-attention, whose keys
-are image features every rank holds whole), holding the implementation the model had before hf_ring, which runs it."""
-
-TEMPERATURE_ATTR = "hf_ring_temperature"
-"""Attribute of a patched attention module whose queries this function scales by their global index
-(a ``QueryTemperature``: Llama 4's layers without RoPE, ``hf_ring.patches._temperature``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class QueryTemperature:
-    """Llama 4's attention temperature tuning on its layers without RoPE: the query of the token at index ``i`` of
-    its row (padding included) is multiplied by ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1``. The
-    model computes ``i`` from the length of the hidden states it sees, a shard's under the ring; the patch turns
-    that off and this function scales by the token's index in the whole row, with the same operations in the
-    same order (so the same numbers)."""
-
-    floor_scale: float
-    attn_scale: float
-
-    def apply(self, query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``query`` [batch, heads, seq, dim] scaled for the row indices ``rows`` [seq] of its tokens."""
-        scales = torch.log1p(torch.floor((rows.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
-        return (query * scales.view(1, 1, -1, 1)).to(query.dtype)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RingBlocks:
-    """The batch's bidirectional blocks for ``ring_attention(block_ids=...)``: ``ids`` [batch, full_seq] (one id per
-    block, -1 elsewhere); ``sliding_only``: only the sliding-window layers see them (Gemma 4: its full-attention
-    layers stay causal), else every layer (Gemma 3). One object per forward, shared by its layers (the ring's plan
-    cache keys on the tensor's identity)."""
-
-    ids: torch.Tensor
-    sliding_only: bool = False
-
-    def for_layer(self, sliding_window) -> torch.Tensor | None:
-        """The ids a layer with this ``sliding_window`` (None: a full-attention layer) takes, or None."""
-        return None if self.sliding_only and sliding_window is None else self.ids
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardInfo:
-    """How ``shard_batch`` cut a batch: layout, group size, this rank, full (padded) length.
-
-    A plain frozen dataclass, so it passes through the model's ``**kwargs`` to the attention function
-    unchanged: ``.to()`` / Accelerate's ``send_to_device`` / the Trainer's ``_prepare_inputs`` leave it alone.
-
-    ``whole_inputs``: a batch with images or video. The model gets the whole (padded) ``input_ids``, merges
-    the vision features into the token embeddings and computes its positions on the whole sequence, and the
-    text model's pre-hook (``hf_ring.patches._family.ShardEmbeddings``) cuts its input embeddings and
-    positions to this rank's shard; the labels are sharded and the document ids given as for text.
-    """
-
-    layout: str
-    world_size: int
-    rank: int
-    seq_len: int
-    whole_inputs: bool = False
-    pad: int = 0  # the ignored tokens shard_batch appended to reach the layout's multiple (position 0)
-
-
-class _Dropped(enum.Enum):
-    """Stands for a process group that was dropped when its ``RingConfig`` was pickled."""
-
-    GROUP = "process group dropped when pickled"
-
-
-@dataclasses.dataclass(frozen=True)
-class RingConfig:
-    """How one model's attention runs: process group, layout and kernel backend (validated), and the
-    ``PlanCache`` its layers share (``apply_ring_attention`` gives every patched model one; without it
-    each call plans and checks on its own, as with ``register_attention`` alone).
-
-    ``copy.copy`` / ``copy.deepcopy`` return the same object (a process group is a shared handle, so a
-    deep copy of a patched model, e.g. TRL's reference model or an EMA copy, runs on the same group).
-    Pickling keeps layout and backend but drops an explicit group (it cannot be serialised), with a
-    warning; a model unpickled that way raises on its first forward until ``apply_ring_attention(model,
-    group=...)`` is called again.
-    """
-
-    group: Any = None
-    layout: str = "zigzag"
-    backend: str = "auto"
-    plans: PlanCache | None = dataclasses.field(default=None, compare=False, repr=False)
-    ulysses: UlyssesGroups | None = dataclasses.field(default=None, compare=False)  # the Ulysses x Ring hybrid
-    timeout: float | None = None  # seconds a rank waits for its ring peers (gloo) before it raises
-    # the model also has linear-attention or convolution layers (``hf_ring.patches.linear``), which see packed
-    # documents only through the batch's keywords, not through position_ids (``PACKED_WITH_MIXERS``)
-    mixers: bool = False
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.timeout is not None and (isinstance(self.timeout, bool) or not float(self.timeout) > 0):
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {self.timeout!r}")
-        if self.ulysses is not None and self.ulysses.cp_group is not self.group:
-            raise ValueError("RingConfig: ulysses must be the Ulysses groups of this config's group")
-        explicit = self.group is not None and self.group is not _Dropped.GROUP
-        if explicit and not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                "a process group was passed but torch.distributed is not initialised; call "
-                "torch.distributed.init_process_group first (or pass group=None for one rank)"
-            )
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        group = self.group
-        hybrid = self.ulysses is not None and self.ulysses.ulysses_size > 1  # its subgroups cannot be serialised
-        if hybrid or (group is not None and group is not _Dropped.GROUP):
-            warnings.warn(
-                "hf_ring: pickling a model patched with an explicit process group drops the group (it cannot be "
-                "serialised); after loading, call hf_ring.apply_ring_attention(model, group=...) again",
-                stacklevel=2,
-            )
-            group = _Dropped.GROUP
-        return (RingConfig, (group, self.layout, self.backend, self.plans, None, self.timeout))
-
-
-LOST_GROUP = (
-    "this model's ring attention lost its process group when the model was pickled; call "
-    "hf_ring.apply_ring_attention(model, group=...) again"
-)
-
-
-PACKED_WITH_MIXERS = (
-    "packed documents marked only by restarting position_ids cannot reach this model's linear-attention or "
-    "convolution layers (their decoder layers are not given position_ids), which would run across the documents; "
-    "pass cu_seq_lens_q / cu_seq_lens_k (DataCollatorWithFlattening(return_flash_attn_kwargs=True)) or the batch "
-    "through hf_ring.shard_batch"
-)
-
-
-def lost_group(cfg: RingConfig) -> bool:
-    """True for a config whose process group was dropped by pickling (``LOST_GROUP`` says what to do)."""
-    return cfg.group is _Dropped.GROUP
-
-
 _DEFAULT = RingConfig()
-_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
-#: What tells the attention where documents and padding are: a model called with any of them must pass one on
-#: to every attention layer (``_dropped_documents_error``).
-BATCH_DOCUMENT_KWARGS = (DOCUMENT_IDS_KWARG, *_PACKING_KWARGS)
 
-#: Keywords the attention function reads (``_PACKING_KWARGS`` too), and keywords Transformers passes
+
+#: Keywords the attention function reads (``PACKING_KWARGS`` too), and keywords Transformers passes
 #: along that do not change what attention computes. Any other keyword with a value is refused: an
 #: attention feature hf_ring does not implement (T5's ``position_bias``, ...) must raise, never be
 #: dropped silently. ``softcap`` (Gemma2's attention logit softcapping) and ``s_aux`` (gpt-oss's learned
@@ -274,7 +115,7 @@ _HARMLESS_KWARGS = (
 
 def _unknown_kwargs_error(kwargs: dict) -> str | None:
     """Why keywords this function does not implement were passed with a value, or None."""
-    known = (*_READ_KWARGS, *_PACKING_KWARGS, *_HARMLESS_KWARGS)
+    known = (*_READ_KWARGS, *PACKING_KWARGS, *_HARMLESS_KWARGS)
     unknown = sorted(k for k, v in kwargs.items() if k not in known and v is not None and v is not False)
     if not unknown:
         return None
@@ -334,169 +175,6 @@ def ring_mask_function(
     return attention_mask[:, -kv_length:]
 
 
-def _documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """[batch, seq] int32 document ids where ``position_ids`` restart (packing), or None where they don't."""
-    docs = documents_from_positions(position_ids)
-    return docs.to(torch.int32) if bool((docs[:, -1] > 0).any()) else None
-
-
-def _ids_from_cu_seqlens(cu, full: int) -> torch.Tensor:
-    """[1, full] document ids from global boundaries ``cu`` (validated)."""
-    if not valid_cu_seqlens(cu, full):
-        raise ValueError(f"cu_seq_lens_q must rise from 0 to the sequence length {full}, got {cu.tolist()[:8]}")
-    return documents_from_cu_seqlens(cu, full)[None].to(torch.int32)
-
-
-def _documents(attention_mask, kwargs: dict, full: int, world_size: int) -> tuple[Any, Any]:
-    """``(document_ids, cu_seqlens)`` for the core call (at most one is not None).
-
-    ``ring_document_ids`` present (even None) means shard_batch has resolved packing and padding. With
-    one rank a 2-D padding mask is combined with ``cu_seq_lens`` / ``seq_idx`` (padding -> -1), and wins
-    over restarting ``position_ids`` (as in Transformers, which ignores packing when a mask is given).
-    """
-    from_shard_batch = DOCUMENT_IDS_KWARG in kwargs
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-            raise ValueError(
-                "hf_ring attention takes no 4-D or block attention mask; pass padding as a 2-D "
-                "attention_mask (one rank) or through hf_ring.shard_batch"
-            )
-        if world_size > 1 or from_shard_batch:
-            raise ValueError(
-                f"attention_mask cannot be passed to a ring-attention model over {world_size} ranks, nor next to "
-                "shard_batch's output: padding of the unsharded sequence must reach the attention through "
-                f"hf_ring.shard_batch (which turns it into {DOCUMENT_IDS_KWARG}); pass the full batch, "
-                "attention_mask included, to shard_batch and its output alone to the model"
-            )
-    if from_shard_batch:
-        return kwargs[DOCUMENT_IDS_KWARG], None
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    seq_idx = kwargs.get("seq_idx")
-    docs = None
-    if cu_q is not None or cu_k is not None:
-        if not (
-            isinstance(cu_q, torch.Tensor)
-            and isinstance(cu_k, torch.Tensor)
-            and cu_q.shape == cu_k.shape
-            and torch.equal(cu_q, cu_k)
-        ):
-            raise ValueError("hf_ring needs cu_seq_lens_q == cu_seq_lens_k (self-attention over packed documents)")
-        if attention_mask is None:
-            return None, cu_q
-        docs = _ids_from_cu_seqlens(cu_q, full)
-    elif seq_idx is not None:
-        if not isinstance(seq_idx, torch.Tensor) or seq_idx.dim() != 2 or seq_idx.shape[-1] != full:
-            raise ValueError(
-                f"seq_idx must give the document of every token of the unsharded sequence ([batch, {full}]); "
-                "pass the full batch through hf_ring.shard_batch instead"
-            )
-        if attention_mask is None:
-            return seq_idx, None
-        docs = seq_idx.detach().cpu().to(torch.int32)
-    elif world_size == 1 and attention_mask is None:
-        position_ids = kwargs.get("position_ids")
-        return (None if position_ids is None else _documents_from_positions(position_ids)), None
-    if attention_mask is not None:  # one rank: padding -> -1, on top of the documents
-        valid = attention_mask.detach().cpu().bool()
-        docs = torch.zeros_like(valid, dtype=torch.int32) if docs is None else docs.expand(valid.shape[0], -1)
-        docs = torch.where(valid, docs, -1).to(torch.int32)
-    return docs, None
-
-
-def _shard_info_error(info, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
-    """Why ``shard_batch``'s ``ShardInfo`` does not fit this module's ring (what to change), or None."""
-    if not isinstance(info, ShardInfo):
-        return f"{SHARD_INFO_KWARG} must be the ShardInfo hf_ring.shard_batch makes, got {type(info).__name__}"
-    if info.layout != cfg.layout:
-        return (
-            f"the batch was sharded with layout={info.layout!r} but the model's ring attention uses "
-            f"layout={cfg.layout!r}; pass the same layout to hf_ring.shard_batch and hf_ring.apply_ring_attention"
-        )
-    if (info.world_size, info.rank) != (world_size, rank):
-        return (
-            f"the batch was sharded for rank {info.rank} of a group of {info.world_size} but the model's ring "
-            f"attention runs as rank {rank} of a group of {world_size}; pass the same (context-parallel) group "
-            "to hf_ring.shard_batch(group=...) and hf_ring.apply_ring_attention(group=...)"
-        )
-    if info.seq_len != local_len * world_size:
-        return (
-            f"this rank's shard has {local_len} tokens but shard_batch cut {info.seq_len} tokens into "
-            f"{world_size} shards of {info.seq_len // world_size}; pass shard_batch's output to the model unchanged"
-        )
-    return None
-
-
-def _hand_sharded_error(
-    module, kwargs: dict, cfg: RingConfig, rank: int, world_size: int, local_len: int, positioned: bool = False
-):
-    """Why this rank's ``position_ids`` are not the global positions of its tokens in the layout, or None.
-
-    Only for batches sharded without ``shard_batch`` over several ranks: restarting positions (packing)
-    or local positions would otherwise pass silently. Checked once per forward with a plan cache (the first
-    attention layer: a hybrid's layer 0 may be a linear-attention layer, which gets no positions), else per call.
-    ``positioned``: the caller is an attention layer, whose RoPE needs positions: none at all (not even given to
-    the model: Llama 4's layers get none of their own) is an error too.
-    """
-    pos = kwargs.get("position_ids")
-    if pos is None:  # neither the layer nor the model was given positions: the model numbered its shard 0..n-1
-        if not positioned:
-            return None
-        return (
-            f"rank {rank} got a shard of {local_len} tokens without position_ids, so the model numbers them from 0 as "
-            "if its shard were the whole sequence; pass the batch through hf_ring.shard_batch (or the global "
-            "position_ids of its tokens)"
-        )
-    if cfg.plans is None:
-        return _positions_error(pos, cfg, rank, world_size, local_len)
-    return cfg.plans.derived(
-        (_hand_sharded_error, pos), lambda: _positions_error(pos, cfg, rank, world_size, local_len)
-    )
-
-
-def _positions_error(pos, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
-    pos = pos.detach().cpu().long().reshape(-1, pos.shape[-1])  # one small copy per forward on a GPU
-    if pos.shape[-1] != local_len:
-        return None  # not per-token positions (Transformers would fail on them); nothing to compare
-    want = positions(local_len * world_size, rank=rank, world_size=world_size, layout=cfg.layout)
-    offset = pos - want
-    if bool((offset == offset[:, :1]).all()) and bool((offset[:, 0] >= 0).all()):
-        return None
-    return (
-        f"position_ids on rank {rank} are not the global positions of its tokens in the {cfg.layout} layout "
-        "(they restart, as in a packed batch, or are local to the shard); tokens would attend across "
-        "documents or get wrong rotary positions. Pass the batch through hf_ring.shard_batch (or pass "
-        "cu_seq_lens_q/cu_seq_lens_k of the unsharded sequence for packing)"
-    )
-
-
-def _with_model_positions(kwargs: dict, local_len: int) -> dict:
-    """``kwargs`` with the ``position_ids`` the model was called with (``ring_position_ids``) when its decoder layers
-    did not pass them on (Llama 4, StarCoder 1, Dory): packing marked by restarting positions, and positions of a
-    batch sharded by hand, are then seen as for the other families."""
-    pos = kwargs.get(POSITIONS_KWARG)
-    if kwargs.get("position_ids") is not None or not isinstance(pos, torch.Tensor) or pos.shape[-1] != local_len:
-        return kwargs
-    return {**kwargs, "position_ids": pos}
-
-
-def _chunk_size(module) -> int | None:
-    """The attention chunk of a ``"chunked_attention"`` layer (Llama 4: its RoPE layers attend within chunks of
-    ``config.attention_chunk_size`` tokens), else None."""
-    config = getattr(module, "config", None)
-    types = getattr(config, "layer_types", None)
-    index = getattr(module, "layer_idx", None)
-    if not types or index is None or not 0 <= index < len(types) or types[index] != "chunked_attention":
-        return None
-    return config.attention_chunk_size
-
-
-def _chunked(document_ids, cu_seqlens, full: int, chunk: int) -> tuple[torch.Tensor, None]:
-    """The documents of a chunked layer: every document (or row) cut into chunks (``layout.chunk_documents``)."""
-    if cu_seqlens is not None:
-        document_ids = _ids_from_cu_seqlens(cu_seqlens, full)  # (validated: the global boundaries)
-    return chunk_documents(document_ids, chunk, seq_len=full), None
-
-
 def scales_queries_itself(module) -> bool:
     """Llama 4's attention on a layer without RoPE, scaling its queries by the index it counts itself."""
     return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
@@ -517,36 +195,6 @@ def _block_ids(blocks, sliding_window) -> torch.Tensor | None:
     if not isinstance(blocks, RingBlocks):
         raise ValueError(f"{BLOCK_IDS_KWARG} must be a hf_ring.hf_attention.RingBlocks, got {type(blocks).__name__}")
     return blocks.for_layer(sliding_window)
-
-
-def _dropped_documents_error(module, kwargs: dict, cfg: RingConfig) -> str | None:
-    """The model's forward was given document ids (padding or packing) but this layer was called without them
-    (a family whose decoder layers do not pass the batch's keywords on), or None."""
-    if cfg.plans is None or not cfg.plans.batch_documents:
-        return None
-    if any(kwargs.get(k) is not None for k in BATCH_DOCUMENT_KWARGS):
-        return None
-    return (
-        f"the batch has padding or packed documents ({DOCUMENT_IDS_KWARG} from hf_ring.shard_batch, or "
-        f"{'/'.join(_PACKING_KWARGS)}), but "
-        f"{type(module).__name__} was called without them: this model's decoder layers do not pass the batch's "
-        "keyword arguments on to the attention, so the ring cannot see the padding or the document boundaries. "
-        "Train this model on batches without padding or packing: rows of equal length (no attention_mask zeros), "
-        "a multiple of the layout's (2 x CP size for zigzag) so that shard_batch adds no padding"
-    )
-
-
-def _sharding_error(
-    module, kwargs: dict, cfg: RingConfig, rank: int, world_size: int, local_len: int, positioned: bool = False
-):
-    """Why the batch does not fit this module's ring (shard_batch's ShardInfo, or hand-sharded positions), or None."""
-    info = kwargs.get(SHARD_INFO_KWARG)
-    if info is not None:
-        return _shard_info_error(info, cfg, rank, world_size, local_len)
-    by_hand = DOCUMENT_IDS_KWARG not in kwargs and all(kwargs.get(k) is None for k in _PACKING_KWARGS)
-    if world_size > 1 and by_hand:
-        return _hand_sharded_error(module, kwargs, cfg, rank, world_size, local_len, positioned)
-    return None
 
 
 def ring_attention_forward(
@@ -605,7 +253,7 @@ def ring_attention_forward(
             "config.attention_dropout=0.0 (or set attention_dropout = 0.0 on its attention modules), or call "
             "model.eval()"
         )
-    kwargs = _with_model_positions(kwargs, query.shape[2])
+    kwargs = batch_checks.with_model_positions(kwargs, query.shape[2])
     cache = kwargs.get(DECODE_KWARG)
     if cache is not None and cache.state.phase == "decode":
         return _decode(module, query, key, value, cfg, cache, scaling, sliding_window, kwargs), None
@@ -625,8 +273,12 @@ def ring_attention_forward(
         )
     rank, world_size = group_rank_and_size(cfg.group)
     local_len = query.shape[2]
-    error = _dropped_documents_error(module, kwargs, cfg)
-    sharding = None if error else _sharding_error(module, kwargs, cfg, rank, world_size, local_len, positioned=True)
+    error = batch_checks.dropped_documents_error(module, kwargs, cfg)
+    sharding = (
+        None
+        if error
+        else batch_checks.sharding_error(module, kwargs, cfg, rank, world_size, local_len, positioned=True)
+    )
     if sharding and kwargs.get("use_cache") and cache is None:  # model.generate() on the full prompt, most likely
         sharding = (
             f"a ring-attention model over {world_size} ranks cannot run generate() on its own (the prompt must be "
@@ -651,21 +303,23 @@ def ring_attention_forward(
         query = temperature.apply(query, rows)
     query, key, value = _autocast(query, key, value)
     if cfg.plans is None:
-        document_ids, cu_seqlens = _documents(attention_mask, kwargs, full, world_size)
+        document_ids, cu_seqlens = batch_checks.documents(attention_mask, kwargs, full, world_size)
     else:  # the same batch tensors in every layer: derive the documents (a host copy) once per forward
-        sources = (attention_mask, *(kwargs.get(k) for k in (DOCUMENT_IDS_KWARG, *_PACKING_KWARGS, "position_ids")))
+        sources = (attention_mask, *(kwargs.get(k) for k in (DOCUMENT_IDS_KWARG, *PACKING_KWARGS, "position_ids")))
         document_ids, cu_seqlens = cfg.plans.derived(
-            sources, lambda: _documents(attention_mask, kwargs, full, world_size)
+            sources, lambda: batch_checks.documents(attention_mask, kwargs, full, world_size)
         )
-    by_positions = DOCUMENT_IDS_KWARG not in kwargs and all(kwargs.get(k) is None for k in _PACKING_KWARGS)
+    by_positions = DOCUMENT_IDS_KWARG not in kwargs and all(kwargs.get(k) is None for k in PACKING_KWARGS)
     by_positions = by_positions and attention_mask is None
     if cfg.mixers and by_positions and several_documents(document_ids, cu_seqlens):
         raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)
-    chunk = _chunk_size(module)
+    chunk = batch_checks.chunk_size(module)
     if chunk is not None:  # (once per forward with a plan cache: the chunked layers share one plan)
-        make = lambda: _chunked(document_ids, cu_seqlens, full, chunk)  # noqa: E731
+        make = lambda: batch_checks.chunked(document_ids, cu_seqlens, full, chunk)  # noqa: E731
         documents = (document_ids, cu_seqlens, module.config)
-        document_ids, cu_seqlens = make() if cfg.plans is None else cfg.plans.derived((_chunked, *documents), make)
+        document_ids, cu_seqlens = (
+            make() if cfg.plans is None else cfg.plans.derived((batch_checks.chunked, *documents), make)
+        )
     if cfg.plans is not None:  # names the call in errors ("ring-attention call 3 (layer 2)")
         layer = getattr(module, "layer_idx", None)
         cfg.plans.progress.label = "" if layer is None else f"layer {layer}"
@@ -729,7 +383,7 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
         query = temperature.apply(query, _generated_rows(cache, query.device))
     query, key, value = _autocast(query, key, value)
     docs = {}  # one document per row: only padding needs the document mask (costly tiles on the CPU)
-    chunk = _chunk_size(module)
+    chunk = batch_checks.chunk_size(module)
     if chunk is not None:  # chunks counted from each row's first token that is not padding, as Transformers does
         lead = ((st.docs >= 0).long().cumsum(-1) == 0).sum(-1, keepdim=True)
         k_doc = torch.where(layer.docs < 0, -1, (layer.positions[None] - lead) // chunk)

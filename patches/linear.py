@@ -31,11 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import guard, preflight
+from ..batch_checks import documents, dropped_documents_error, sharding_error
 from ..comm import RingComm, StateGather, group_rank_and_size
 from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_group
-from ..hf_attention import _documents as documents
-from ..hf_attention import _dropped_documents_error as dropped_documents_error
-from ..hf_attention import _sharding_error as sharding_error
 from ..layout import LAYOUTS, documents_from_cu_seqlens, positions, several_documents
 from ..linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan, mamba_scan
 from . import _lend

@@ -305,11 +305,11 @@ def test_plan_cache_reuses_plans_and_checks_again_after_new_batch(monkeypatch):
 
 def test_documents_are_derived_once_per_forward(monkeypatch):
     """One rank, packed position_ids: the host copy that finds the documents runs once per forward, not per layer."""
-    from hf_ring import hf_attention
+    from hf_ring import batch_checks
 
     calls = []
-    real = hf_attention.documents_from_positions
-    monkeypatch.setattr(hf_attention, "documents_from_positions", lambda p: calls.append(1) or real(p))
+    real = batch_checks.documents_from_positions
+    monkeypatch.setattr(batch_checks, "documents_from_positions", lambda p: calls.append(1) or real(p))
     model = _tiny_llama(3)
     ids = torch.randint(1, 64, (1, 24))
     pos = torch.cat([torch.arange(10), torch.arange(14)])[None]  # two packed documents
