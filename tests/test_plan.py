@@ -282,14 +282,16 @@ def test_plan_cache_reuses_plans_and_checks_again_after_new_batch(monkeypatch):
 
     plans = hf_ring.PlanCache()
     built = []
-    real = hf_ring.ring._plan
+    from hf_ring import plan as planning
+
+    real = planning.make_plan
 
     def counting(*a, **kw):
         plan = real(*a, **kw)
         built.append(a[-1] is None)  # True: built from scratch, False: reused after a new check
         return plan
 
-    monkeypatch.setattr(hf_ring.ring, "_plan", counting)
+    monkeypatch.setattr(planning, "make_plan", counting)
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
     docs = torch.tensor([[0] * 5 + [1] * 11])
     for _ in range(3):
