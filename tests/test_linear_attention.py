@@ -664,7 +664,7 @@ def test_packed_documents_are_kept_apart_in_every_layer(world):
 
 
 def test_pieces_are_grouped_with_at_most_twice_their_tokens_padded():
-    from hf_ring.linear_attention import _groups
+    from hf_ring.chunks import groups as _groups
 
     g = torch.Generator().manual_seed(3)
     for _ in range(50):
