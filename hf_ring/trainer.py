@@ -1,7 +1,8 @@
 """Context parallelism for the Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` and ``DPOTrainer``.
 
 ``RingAttentionTrainer`` (a ``transformers.Trainer``), ``RingSFTTrainer`` (a ``trl.SFTTrainer``) and
-``RingDPOTrainer`` (a ``trl.DPOTrainer``; both when TRL is installed) are the stock trainers plus
+``RingDPOTrainer`` / ``RingKTOTrainer`` (TRL's ``DPOTrainer`` / ``KTOTrainer``; when TRL is installed) are the stock
+trainers plus
 ``RingAttentionTrainerMixin``; mix it into your own
 Trainer subclass the same way (``class MyTrainer(RingAttentionTrainerMixin, Trainer)``). Pass
 ``ring_plugin=RingAttentionPlugin(cp_size=...)`` (default: ``RingAttentionPlugin()``, configured from
@@ -24,8 +25,8 @@ Memory: the model computes its loss chunk by chunk (``hf_ring.apply_chunked_loss
 default ``chunked_loss=True``), never holding the ``[tokens, vocab]`` logits; under ``RingSFTTrainer``
 TRL's own fused LM head, installed by ``SFTTrainer``, stays in charge instead.
 
-Preference optimization (``RingDPOTrainer``) is a function of each sequence's summed log-probabilities, not a sum
-of token losses, so it goes another way: every rank of a CP group gets the whole batch (its DP group's), and the
+Preference optimization (``RingDPOTrainer``, ``RingKTOTrainer``) is a function of each sequence's summed
+log-probabilities, not a sum of token losses, so it goes another way: every rank of a CP group gets the whole batch (its DP group's), and the
 model's call (TRL's fused LM head, ``fused_lm_head=True``) shards it, runs the ring, and all-gathers the per-token
 log-probabilities (and TRL's per-token metrics) into the whole sequence's, in TRL's coordinates. Every rank then
 computes TRL's loss and metrics on them, the same on every rank of the group; the all-gather's backward sums every
@@ -51,7 +52,8 @@ from .accelerate import RingAttentionPlugin, apply_to_model, reshard_prepared_da
 from .engines import check_ddp_reaches_every_parameter
 from .hf_attention import SHARD_INFO_KWARG, ShardInfo
 
-__all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer", "RingDPOTrainer"]  # noqa: F822 - lazy
+__all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer", "RingDPOTrainer",  # noqa: F822 - lazy
+           "RingKTOTrainer"]  # fmt: skip
 
 
 class RingAttentionTrainerMixin:
@@ -96,7 +98,7 @@ class RingAttentionTrainerMixin:
             )
 
     shards_batches = True
-    """The DataLoader shards each batch over the CP group (``RingDPOTrainer``: no, the model's call does)."""
+    """The DataLoader shards each batch over the CP group (the preference trainers: no, the model's call does)."""
 
     # data: split over DP groups, sharded over the CP group
     def _get_dataloader(self, *args, **kwargs):
@@ -221,7 +223,7 @@ _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top
 
 
 class ShardedFusedHead:
-    """The instance ``forward`` of a model carrying TRL's fused LM head, under ``RingDPOTrainer``: a call with
+    """The instance ``forward`` of a model carrying TRL's fused LM head, under a preference trainer: a call with
     ``fused_lm_head=True`` brings the whole batch (the same on every rank of the CP group); it is sharded here as
     ``shard_batch`` shards it (the labels shifted on the whole sequence), TRL's fused forward scores this rank's
     tokens, and every per-token field is all-gathered into the whole sequence's ``[batch, seq_len - 1]`` (TRL's
@@ -244,12 +246,12 @@ class ShardedFusedHead:
         names = ("input_ids", "attention_mask")
         if len(args) > len(names) or multimodal(kwargs) or kwargs.get("output_router_logits"):
             raise ValueError(
-                "RingDPOTrainer: images, the MoE router's auxiliary loss and positional arguments beyond input_ids "
-                "and attention_mask are not supported under context parallelism"
+                "hf_ring's preference trainers: images, the MoE router's auxiliary loss and positional arguments "
+                "beyond input_ids and attention_mask are not supported under context parallelism"
             )
         kwargs.update(zip(names, args))
         if not isinstance(kwargs.get("input_ids"), torch.Tensor):  # (prompt-learning PEFT sends inputs_embeds)
-            raise ValueError("RingDPOTrainer: the model's call must bring input_ids (not inputs_embeds)")
+            raise ValueError("hf_ring's preference trainers: the model's call must bring input_ids (not inputs_embeds)")
         batch = {k: kwargs.pop(k) for k in (*names, "labels") if kwargs.get(k) is not None}
         seq_len = batch["input_ids"].shape[1]
         local = shard_for(batch, ring.cp_rank, ring.cp_size, layout=ring.plugin.layout,
@@ -262,7 +264,7 @@ class ShardedFusedHead:
         full = local["ring_shard_info"].seq_len
         order = torch.cat([positions(full, rank=r, world_size=ring.cp_size, layout=ring.plugin.layout)
                            for r in range(ring.cp_size)]).argsort()  # fmt: skip
-        gather = StateGather(ring.cp_group, timeout=ring.plugin.timeout, what="RingDPOTrainer's log-prob all-gather")
+        gather = StateGather(ring.cp_group, timeout=ring.plugin.timeout, what="the log-probabilities' all-gather")
         for name in _PER_TOKEN:
             x = getattr(out, name, None)
             if not isinstance(x, torch.Tensor):
@@ -277,21 +279,23 @@ class ShardedFusedHead:
         return out
 
 
-def _ring_dpo_trainer() -> type:
+def _ring_preference_trainer(name: str) -> type:
+    """``RingDPOTrainer`` or ``RingKTOTrainer``: TRL's trainer of that name with context parallelism."""
+    base = name.removeprefix("Ring")
     try:
-        from trl import DPOTrainer
+        import trl
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("RingDPOTrainer needs TRL: pip install trl") from e
-    return _dpo_class(DPOTrainer)
+        raise ImportError(f"{name} needs TRL: pip install trl") from e
+    return _preference_class(getattr(trl, base), name)
 
 
 @functools.cache
-def _dpo_class(DPOTrainer) -> type:
-    class RingDPOTrainer(RingAttentionTrainerMixin, DPOTrainer):
-        """``trl.DPOTrainer`` with context parallelism (``ring_plugin=RingAttentionPlugin(...)``): each sequence's
-        log-probabilities are summed over the whole CP group before TRL's loss (see the module). Refused:
-        ``precompute_ref_log_probs`` (TRL's own loader splits over every process), the MoE router's auxiliary loss,
-        and images."""
+def _preference_class(base: type, name: str) -> type:
+    class RingPreferenceTrainer(RingAttentionTrainerMixin, base):
+        """TRL's preference trainer (``DPOTrainer``, ``KTOTrainer``) with context parallelism
+        (``ring_plugin=RingAttentionPlugin(...)``): each sequence's per-token log-probabilities are gathered over the
+        whole CP group before TRL's loss (see the module). Refused: ``precompute_ref_log_probs`` (TRL's own loader
+        splits over every process), the MoE router's auxiliary loss, and images."""
 
         shards_batches = False
 
@@ -299,8 +303,8 @@ def _dpo_class(DPOTrainer) -> type:
             config = kwargs.get("args", args[2] if len(args) > 2 else None)
             if getattr(config, "precompute_ref_log_probs", False):  # (before TRL computes them over the dataset)
                 raise ValueError(
-                    "RingDPOTrainer does not support precompute_ref_log_probs=True under context parallelism (TRL's "
-                    "own loader for it splits batches over every process)"
+                    f"{name} does not support precompute_ref_log_probs=True under context parallelism (TRL's own "
+                    "loader for it splits batches over every process)"
                 )
             super().__init__(*args, **kwargs)
             ring = self.ring_setup
@@ -315,7 +319,7 @@ def _dpo_class(DPOTrainer) -> type:
                 target = unwrap_transformers_model(self.accelerator.unwrap_model(model))
                 fused = vars(target).get("forward")
                 if fused is None:
-                    raise ValueError(f"RingDPOTrainer: {type(target).__name__} has no fused LM head from TRL")
+                    raise ValueError(f"{name}: {type(target).__name__} has no fused LM head from TRL")
                 if not isinstance(fused, ShardedFusedHead):
                     target.forward = ShardedFusedHead(fused, ring)
 
@@ -326,16 +330,17 @@ def _dpo_class(DPOTrainer) -> type:
             }
             given = [what for what, on in refused.items() if on]
             if given:
-                raise ValueError(f"RingDPOTrainer does not support {', '.join(given)} under context parallelism")
+                raise ValueError(f"{name} does not support {', '.join(given)} under context parallelism")
 
-    RingDPOTrainer.__module__, RingDPOTrainer.__qualname__ = __name__, "RingDPOTrainer"
-    return RingDPOTrainer
+    RingPreferenceTrainer.__name__ = RingPreferenceTrainer.__qualname__ = name
+    RingPreferenceTrainer.__module__ = __name__
+    return RingPreferenceTrainer
 
 
 def __getattr__(name: str):
-    # RingSFTTrainer and RingDPOTrainer are built on first use, so importing hf_ring.trainer does not import TRL
+    # the TRL trainers are built on first use, so importing hf_ring.trainer does not import TRL
     if name == "RingSFTTrainer":
         return _ring_sft_trainer()
-    if name == "RingDPOTrainer":
-        return _ring_dpo_trainer()
+    if name in ("RingDPOTrainer", "RingKTOTrainer"):
+        return _ring_preference_trainer(name)
     raise AttributeError(f"module 'hf_ring.trainer' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""``RingDPOTrainer`` (TRL's ``DPOTrainer`` with context parallelism) in real ``torchrun`` launches on CPU.
+"""``RingDPOTrainer`` and ``RingKTOTrainer`` (TRL's ``DPOTrainer`` / ``KTOTrainer`` with context parallelism) in
+real ``torchrun`` launches on CPU.
 
 Three launches of a tiny random Llama and its reference model (another random Llama), 3 steps of SGD with gradient
 accumulation 2, prompts and completions of unequal lengths (right padding):
@@ -13,7 +14,8 @@ accumulation 2, prompts and completions of unequal lengths (right padding):
 
 The CP = 2 launch also trains LoRA adapters without a reference model (TRL's reference is then the model with its
 adapter switched off), against TRL's own trainer doing the same, and run 2 again under DeepSpeed ZeRO-2 (which wraps
-the reference model in an engine before hf_ring sees it).
+the reference model in an engine before hf_ring sees it), and ``RingKTOTrainer`` (unpaired completions, a third of
+them undesirable; its KL term from mismatched pairs of the batch) against TRL's ``KTOTrainer``.
 """
 
 from __future__ import annotations
@@ -77,6 +79,18 @@ def _trainer(cls, out: Path, name: str, dp: int, per_device: int, lora: bool = F
                train_dataset=Dataset.from_list(rows), processing_class=tiny_tokenizer(), **extra)  # fmt: skip
 
 
+def _kto(cls, out: Path, name: str, **extra):
+    """KTO on 24 unpaired completions, 4 per micro-batch (the KL term pairs each prompt with another's completion)."""
+    from datasets import Dataset
+    from trl import KTOConfig
+
+    base = {k: v for k, v in trainer_args(out, name).to_dict().items() if k in SFT_KEYS}
+    base["per_device_train_batch_size"] = 4
+    rows = [{"prompt": r["prompt"], "completion": r["chosen"], "label": bool(i % 3)} for i, r in enumerate(_rows(24))]
+    return cls(model=tiny_llama(), ref_model=tiny_llama(seed=3), args=KTOConfig(**base, bf16=False, beta=0.5),
+               train_dataset=Dataset.from_list(rows), processing_class=tiny_tokenizer(), **extra)  # fmt: skip
+
+
 def _run(trainer) -> dict:
     import inspect
 
@@ -101,6 +115,9 @@ def worker(out: Path, world: int) -> None:
 
         res = {f"dp{dp}": _run(_trainer(DPOTrainer, out, f"ref{dp}", dp, PAIRS * dp)) for dp in (1, 2)}
         res["lora"] = _run(_trainer(DPOTrainer, out, "ref_lora", 1, PAIRS, lora=True))
+        from trl import KTOTrainer
+
+        res["kto"] = _run(_kto(KTOTrainer, out, "ref_kto"))
         try:
             _trainer(RingDPOTrainer, out, "refused", 1, PAIRS, config={"precompute_ref_log_probs": True},
                      ring_plugin=RingAttentionPlugin(cp_size=1))  # fmt: skip
@@ -116,6 +133,9 @@ def worker(out: Path, world: int) -> None:
             )
             res["lora"] = _run(lora)
             res["deepspeed"] = _on_deepspeed(out)
+            from hf_ring.trainer import RingKTOTrainer
+
+            res["kto"] = _run(_kto(RingKTOTrainer, out, "kto", ring_plugin=RingAttentionPlugin(cp_size=2)))
     (out / f"w{world}rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -138,7 +158,7 @@ def _on_deepspeed(out: Path) -> dict | None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dpo")
+    out = tmp_path_factory.mktemp("preference")
     for world in (1, 2, 4):
         torchrun(Path(__file__), world, out, world, timeout=420, env={"DS_ACCELERATOR": "cpu"})
     reference = json.loads((out / "w1rank0.json").read_text())
@@ -151,10 +171,10 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize(
     "world, case, run",
-    [(2, "dp1", None), (4, "dp2", None), (2, "lora", "lora"), (2, "dp1", "deepspeed")],
-    ids=["cp2", "dp2xcp2", "cp2-lora", "cp2-deepspeed"],
+    [(2, "dp1", None), (4, "dp2", None), (2, "lora", "lora"), (2, "dp1", "deepspeed"), (2, "kto", "kto")],
+    ids=["cp2", "dp2xcp2", "cp2-lora", "cp2-deepspeed", "cp2-kto"],
 )
-def test_ring_dpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case, run):
+def test_ring_preference_trainers_match_trl_on_the_whole_sequences(runs, world, case, run):
     """Losses, every metric TRL logs (rewards, margins, log-probabilities, logits, entropy, token accuracy, token
     count) and the final weights of every rank equal TRL's own trainer on the whole sequences; the model's forward
     keeps the signature generate() reads."""
@@ -177,7 +197,7 @@ def test_ring_dpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case, 
             assert float((a - b).norm() / b.norm()) <= RTOL, (world, name)
 
 
-def test_ring_dpo_trainer_refuses_what_it_cannot_compute(runs):
+def test_ring_preference_trainers_refuse_what_they_cannot_compute(runs):
     reference, _ = runs
     assert "does not support precompute_ref_log_probs=True" in reference["refused"], reference["refused"]
 
