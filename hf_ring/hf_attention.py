@@ -61,6 +61,7 @@ from .ring_config import (  # (they were defined here: their import from this mo
     RingBlocks,
     RingConfig,
     ShardInfo,
+    _Dropped,  # noqa: F401 - (pickles of a RingConfig whose group was dropped name it here)
     lost_group,
 )
 from .sparse import IndexerCall, SparseMask, select, select_decode

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .comm import UlyssesGroups
 from .kernels import BACKENDS
 from .layout import LAYOUTS
-from .ring import PlanCache
+from .plan import PlanCache
 
 __all__ = [
     "BATCH_DOCUMENT_KWARGS", "BLOCK_IDS_KWARG", "CONFIG_ATTR", "DECODE_KWARG", "DOCUMENT_IDS_KWARG", "LOCAL_ATTR",
@@ -172,7 +172,7 @@ class RingConfig:
                 stacklevel=2,
             )
             group = _Dropped.GROUP
-        return (RingConfig, (group, self.layout, self.backend, self.plans, None, self.timeout))
+        return (RingConfig, (group, self.layout, self.backend, self.plans, None, self.timeout, self.mixers))
 
 
 LOST_GROUP = (

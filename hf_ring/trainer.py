@@ -1,10 +1,8 @@
-"""Context parallelism for the Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` and ``DPOTrainer``.
+"""Context parallelism for the Hugging Face ``Trainer`` and TRL's ``SFTTrainer``, ``DPOTrainer`` and ``KTOTrainer``.
 
 ``RingAttentionTrainer`` (a ``transformers.Trainer``), ``RingSFTTrainer`` (a ``trl.SFTTrainer``) and
 ``RingDPOTrainer`` / ``RingKTOTrainer`` (TRL's ``DPOTrainer`` / ``KTOTrainer``; when TRL is installed) are the stock
-trainers plus
-``RingAttentionTrainerMixin``; mix it into your own
-Trainer subclass the same way (``class MyTrainer(RingAttentionTrainerMixin, Trainer)``). Pass
+trainers plus ``RingAttentionTrainerMixin``; mix it into your own Trainer subclass the same way (``class MyTrainer(RingAttentionTrainerMixin, Trainer)``). Pass
 ``ring_plugin=RingAttentionPlugin(cp_size=...)`` (default: ``RingAttentionPlugin()``, configured from
 ``HF_RING_CP_SIZE`` / ``HF_RING_LAYOUT`` / ``HF_RING_BACKEND``, every process in one CP group).
 
@@ -308,7 +306,6 @@ def _preference_class(base: type, name: str) -> type:
                 )
             super().__init__(*args, **kwargs)
             ring = self.ring_setup
-            self._tp_size *= ring.cp_size  # TRL's token count: CP ranks are given the same batch, as TP ranks are
             if self.ref_model is not None:  # (DeepSpeed has wrapped it in an engine by now)
                 apply_to_model(ring, self.accelerator.unwrap_model(self.ref_model))
             for model in (self.model, self.ref_model):
@@ -323,9 +320,33 @@ def _preference_class(base: type, name: str) -> type:
                 if not isinstance(fused, ShardedFusedHead):
                     target.forward = ShardedFusedHead(fused, ring)
 
+        def compute_loss(self, *args, **kwargs):
+            """TRL's loss and metrics, with ``accelerator.gather_for_metrics`` over the DP group: a CP group's ranks
+            hold the same values, and gathered over every process the last, short batch's cut would keep other
+            groups than a plain DP run's (KTO's KL term, part of its loss, is such a gather)."""
+            ring, acc = self.ring_setup, self.accelerator
+            if ring.cp_size == 1 or ring.world_size == 1:
+                return super().compute_loss(*args, **kwargs)
+            own = vars(acc).get("gather_for_metrics")
+            plain = acc.gather_for_metrics
+
+            def over_dp(data, **kw):
+                if isinstance(data, torch.Tensor):
+                    return self._ring_gather_for_metrics(data, **kw)
+                return plain(data, **kw)
+
+            acc.gather_for_metrics = over_dp
+            try:
+                return super().compute_loss(*args, **kwargs)
+            finally:
+                if own is None:
+                    del acc.gather_for_metrics
+                else:
+                    acc.gather_for_metrics = own
+
         def _check_loss_contract(self) -> None:
             refused = {  # (the MoE router's loss would be each rank's, of its own tokens)
-                "the MoE router's auxiliary loss (set DPOConfig(router_aux_loss_coef=0.0))": self.aux_loss_enabled,
+                f"the MoE router's auxiliary loss (set {base.__name__.replace('Trainer', 'Config')}(router_aux_loss_coef=0.0))": self.aux_loss_enabled,
                 "a vision dataset": getattr(self, "_is_vision_dataset", False),
             }
             given = [what for what, on in refused.items() if on]

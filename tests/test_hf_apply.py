@@ -6,6 +6,7 @@ In-process, no process group (hf_ring then runs as one rank); the distributed pa
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -1005,6 +1006,32 @@ def test_ring_config_copies_share_the_group_and_pickling_drops_it_with_a_warning
     twin = copy.deepcopy(model)  # e.g. TRL's create_reference_model; with a group: test_hf_parity's spawn
     mine, its = (getattr(get_patch("llama").attention_modules(m)[0], hf_attention.CONFIG_ATTR) for m in (model, twin))
     assert its is mine
+
+
+def test_ring_config_pickles_keep_the_hybrid_flag_and_load_from_the_names_they_were_written_under():
+    """A hybrid model's config keeps ``mixers`` through pickling (its refusal of position-only packing); a pickle
+    written when ``RingConfig`` and ``_Dropped`` lived in ``hf_ring.hf_attention`` (a dropped group) still loads."""
+    import pickle
+    import warnings
+
+    from hf_ring import ring_config
+
+    assert pickle.loads(pickle.dumps(hf_attention.RingConfig(mixers=True))).mixers
+    dropped = ring_config.RingConfig(layout="striped")
+    dropped = pickle.loads(pickle.dumps(dropped))
+    old = {cls: cls.__module__ for cls in (ring_config.RingConfig, ring_config._Dropped)}
+    try:
+        for cls in old:  # written as the previous release wrote them
+            cls.__module__ = "hf_ring.hf_attention"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            data = pickle.dumps(dataclasses.replace(dropped, group=ring_config._Dropped.GROUP))
+    finally:
+        for cls, module in old.items():
+            cls.__module__ = module
+    assert b"hf_ring.hf_attention" in data and b"_Dropped" in data
+    loaded = pickle.loads(data)
+    assert loaded.layout == "striped" and hf_attention.lost_group(loaded)
 
 
 @pytest.mark.parametrize(

@@ -79,14 +79,15 @@ def _trainer(cls, out: Path, name: str, dp: int, per_device: int, lora: bool = F
                train_dataset=Dataset.from_list(rows), processing_class=tiny_tokenizer(), **extra)  # fmt: skip
 
 
-def _kto(cls, out: Path, name: str, **extra):
-    """KTO on 24 unpaired completions, 4 per micro-batch (the KL term pairs each prompt with another's completion)."""
+def _kto(cls, out: Path, name: str, n: int = 24, **extra):
+    """KTO on ``n`` unpaired completions, 4 per micro-batch (the KL term pairs each prompt with another's
+    completion)."""
     from datasets import Dataset
     from trl import KTOConfig
 
     base = {k: v for k, v in trainer_args(out, name).to_dict().items() if k in SFT_KEYS}
     base["per_device_train_batch_size"] = 4
-    rows = [{"prompt": r["prompt"], "completion": r["chosen"], "label": bool(i % 3)} for i, r in enumerate(_rows(24))]
+    rows = [{"prompt": r["prompt"], "completion": r["chosen"], "label": bool(i % 3)} for i, r in enumerate(_rows(n))]
     return cls(model=tiny_llama(), ref_model=tiny_llama(seed=3), args=KTOConfig(**base, bf16=False, beta=0.5),
                train_dataset=Dataset.from_list(rows), processing_class=tiny_tokenizer(), **extra)  # fmt: skip
 
@@ -105,11 +106,17 @@ def _run(trainer) -> dict:
             "signature": signature}  # fmt: skip
 
 
-def worker(out: Path, world: int) -> None:
+def worker(out: Path, world: int, plain: bool = False) -> None:
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingDPOTrainer
 
     rank = int(os.environ.get("RANK", "0"))
+    if plain:  # TRL's own KTOTrainer over 2 DP processes, 26 completions: the last batch short
+        from trl import KTOTrainer
+
+        res = {"kto_uneven": _run(_kto(KTOTrainer, out, "plain_kto", n=26))}
+        (out / f"plain{world}rank{rank}.json").write_text(json.dumps(res))
+        return
     if world == 1:
         from trl import DPOTrainer
 
@@ -136,6 +143,11 @@ def worker(out: Path, world: int) -> None:
             from hf_ring.trainer import RingKTOTrainer
 
             res["kto"] = _run(_kto(RingKTOTrainer, out, "kto", ring_plugin=RingAttentionPlugin(cp_size=2)))
+        if world == 4:  # DP 2 x CP 2, the last batch short: KTO's KL term gathered as a plain DP run gathers it
+            from hf_ring.trainer import RingKTOTrainer
+
+            kto = _kto(RingKTOTrainer, out, "kto_uneven", n=26, ring_plugin=RingAttentionPlugin(cp_size=2))
+            res["kto_uneven"] = _run(kto)
     (out / f"w{world}rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -161,7 +173,9 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("preference")
     for world in (1, 2, 4):
         torchrun(Path(__file__), world, out, world, timeout=420, env={"DS_ACCELERATOR": "cpu"})
+    torchrun(Path(__file__), 2, out, 2, "plain", timeout=420)
     reference = json.loads((out / "w1rank0.json").read_text())
+    reference["kto_uneven"] = json.loads((out / "plain2rank0.json").read_text())["kto_uneven"]
     return reference, {w: [json.loads((out / f"w{w}rank{r}.json").read_text()) for r in range(w)] for w in (2, 4)}
 
 
@@ -171,8 +185,15 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize(
     "world, case, run",
-    [(2, "dp1", None), (4, "dp2", None), (2, "lora", "lora"), (2, "dp1", "deepspeed"), (2, "kto", "kto")],
-    ids=["cp2", "dp2xcp2", "cp2-lora", "cp2-deepspeed", "cp2-kto"],
+    [
+        (2, "dp1", None),
+        (4, "dp2", None),
+        (2, "lora", "lora"),
+        (2, "dp1", "deepspeed"),
+        (2, "kto", "kto"),
+        (4, "kto_uneven", "kto_uneven"),
+    ],
+    ids=["cp2", "dp2xcp2", "cp2-lora", "cp2-deepspeed", "cp2-kto", "dp2xcp2-kto-short-batch"],
 )
 def test_ring_preference_trainers_match_trl_on_the_whole_sequences(runs, world, case, run):
     """Losses, every metric TRL logs (rewards, margins, log-probabilities, logits, entropy, token accuracy, token
@@ -203,4 +224,4 @@ def test_ring_preference_trainers_refuse_what_they_cannot_compute(runs):
 
 
 if __name__ == "__main__":
-    run_worker(worker, Path(sys.argv[1]), int(sys.argv[2]))
+    run_worker(worker, Path(sys.argv[1]), int(sys.argv[2]), len(sys.argv) > 3 and sys.argv[3] == "plain")
