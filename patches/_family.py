@@ -48,6 +48,7 @@ from ..hf_attention import (
 from ..layout import shard
 from ..ring import PlanCache
 from . import _lend, _rope, _shared_kv, _sparse, _temperature, linear
+from ._hooks import remove_hooks
 
 __all__ = [
     "BlockIds",
@@ -329,11 +330,7 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
     for m in model.modules():
         if not isinstance(m, PreTrainedModel):
             continue
-        for hooks in (m._forward_pre_hooks, m._forward_hooks):
-            for hook_id, hook in list(hooks.items()):
-                if isinstance(hook, (StartBatch, EndBatch, TextOnly, ShardEmbeddings, BlockIds)):
-                    del hooks[hook_id]
-                    m._forward_hooks_always_called.pop(hook_id, None)
+        remove_hooks(m, (StartBatch, EndBatch, TextOnly, ShardEmbeddings, BlockIds))
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
             m.register_forward_hook(EndBatch(plans), always_call=True)

@@ -22,6 +22,7 @@ import inspect
 import torch
 
 from ..hf_attention import DOCUMENT_IDS_KWARG, POSITIONS_KWARG, SHARD_INFO_KWARG
+from ._hooks import remove_hooks
 
 __all__ = ["LENT", "LendKeywords", "Lent", "UnpackLent", "install", "install_on_model", "remove"]
 
@@ -94,7 +95,4 @@ def remove(model: torch.nn.Module) -> None:
     """Remove every hook ``install`` and ``install_on_model`` added (found by their class, so a deep copy's are found
     too)."""
     for m in model.modules():
-        for hook_id, hook in list(m._forward_pre_hooks.items()):
-            if isinstance(hook, (LendKeywords, UnpackLent)):
-                del m._forward_pre_hooks[hook_id]
-                m._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+        remove_hooks(m, (LendKeywords, UnpackLent))

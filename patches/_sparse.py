@@ -19,6 +19,7 @@ import inspect
 import torch
 
 from ..sparse import IndexerCall, SparseMask
+from ._hooks import remove_hooks
 
 __all__ = ["DeferIndexer", "WrapMask", "install", "remove"]
 
@@ -80,7 +81,4 @@ def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m.__dict__.get("forward"), DeferIndexer):
             del m.__dict__["forward"]
-        for hook_id, hook in list(m._forward_pre_hooks.items()):
-            if isinstance(hook, WrapMask):
-                del m._forward_pre_hooks[hook_id]
-                m._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+        remove_hooks(m, WrapMask)

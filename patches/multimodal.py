@@ -96,6 +96,7 @@ import torch
 from ..hf_attention import SHARD_INFO_KWARG, RingBlocks, ShardInfo
 from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch
+from ._hooks import remove_hooks
 
 __all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "OWN_LOSS", "OwnLossPatch", "PATCHES", "PaliGemmaPatch",
            "VisionLanguagePatch", "WRAPPERS"]  # fmt: skip
@@ -516,7 +517,7 @@ class OwnLossPatch(VisionLanguagePatch):
     def apply(self, model, cfg):
         model = super().apply(model, cfg)
         if model is not None:
-            _remove_loss_hooks(model)
+            remove_hooks(model, CausalLMLoss)
             hook = CausalLMLoss()
             model.register_forward_pre_hook(hook.before, with_kwargs=True)
             model.register_forward_hook(hook.after, with_kwargs=True, always_call=True)
@@ -524,18 +525,8 @@ class OwnLossPatch(VisionLanguagePatch):
 
     def revert(self, model):
         model = super().revert(model)
-        _remove_loss_hooks(model)
+        remove_hooks(model, CausalLMLoss)
         return model
-
-
-def _remove_loss_hooks(model) -> None:
-    for hooks in (model._forward_pre_hooks, model._forward_hooks):
-        for hook_id, hook in list(hooks.items()):
-            if isinstance(getattr(hook, "__self__", None), CausalLMLoss):
-                del hooks[hook_id]
-                model._forward_hooks_always_called.pop(hook_id, None)
-                model._forward_hooks_with_kwargs.pop(hook_id, None)
-                model._forward_pre_hooks_with_kwargs.pop(hook_id, None)
 
 
 INHERITED = ("lend_attention_kwargs", "no_generate", "cache_class", "sparse")

@@ -1,0 +1,20 @@
+"""Removing the forward hooks hf_ring's patches add, found by their class (so a deep copy's are found too)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["remove_hooks"]
+
+
+def remove_hooks(module: torch.nn.Module, kinds: type | tuple) -> None:
+    """Remove ``module``'s forward pre-hooks and forward hooks that are instances of ``kinds`` (or methods bound to
+    one), with the flags Torch keeps beside them (keywords, always called)."""
+    flags = (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
+             module._forward_hooks_always_called)  # fmt: skip
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for hook_id, hook in list(hooks.items()):
+            if isinstance(getattr(hook, "__self__", hook), kinds):
+                del hooks[hook_id]
+                for flag in flags:
+                    flag.pop(hook_id, None)
