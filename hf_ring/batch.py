@@ -49,7 +49,7 @@ from .layout import (
 )
 
 __all__ = ["shard_batch", "shard_for", "reduce_loss", "carries", "multimodal", "per_token_key", "IGNORE_INDEX",
-           "CROSS_KEYS", "MEDIA_KEYS", "PER_IMAGE_KEYS", "TOKEN_TYPE_KEYS"]  # fmt: skip
+           "CROSS_KEYS", "MEDIA_KEYS", "PER_IMAGE_KEYS", "TOKEN_TYPE_KEYS", "pad_tokens"]  # fmt: skip
 
 IGNORE_INDEX = -100
 
@@ -186,9 +186,13 @@ def _validate(batch) -> tuple:
     return input_ids, labels, mask, pos, media
 
 
-def _pad_tokens(x: torch.Tensor, pad: int) -> torch.Tensor:
-    """``x`` [batch, seq, ...] with ``pad`` zeros after its tokens (dimension 1)."""
-    return torch.cat([x, x.new_zeros((x.shape[0], pad, *x.shape[2:]))], dim=1) if pad else x
+def pad_tokens(x: torch.Tensor, pad: int, *, left: bool = False) -> torch.Tensor:
+    """``x`` [batch, seq, ...] (token types, a cross-attention mask) with ``pad`` zeros after its tokens along
+    dimension 1, or before them (``left``: ``ring_generate``'s prompt padding)."""
+    if not pad:
+        return x
+    zeros = x.new_zeros((x.shape[0], pad, *x.shape[2:]))
+    return torch.cat([zeros, x] if left else [x, zeros], dim=1)
 
 
 def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: bool = True) -> dict:
@@ -276,13 +280,13 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
         for key, value in batch.items():
             if key not in _SEQUENCE_KEYS:
                 per_token = key in TOKEN_TYPE_KEYS and isinstance(value, torch.Tensor)
-                local[key] = torch.nn.functional.pad(value, (0, pad), value=0) if per_token and pad else value
+                local[key] = pad_tokens(value, pad) if per_token else value
     else:
         put("input_ids", ids)
         put("position_ids", pos)
         for key in (*TOKEN_TYPE_KEYS, *CROSS_KEYS):
             if batch.get(key) is not None:
-                put(key, _pad_tokens(batch[key], pad))
+                put(key, pad_tokens(batch[key], pad))
         if media:  # images by cross-attention: every rank's layers attend to all of them
             local.update((k, v) for k, v in batch.items() if k not in (*_SEQUENCE_KEYS, *TOKEN_TYPE_KEYS, *CROSS_KEYS))
     if labels is not None:

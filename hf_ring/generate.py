@@ -51,7 +51,17 @@ import torch
 import torch.distributed as dist
 
 from .apply import unwrap_transformers_model
-from .batch import CROSS_KEYS, ENCODED_KEY, MEDIA_KEYS, TOKEN_TYPE_KEYS, carries, multimodal, per_token_key, shard_batch
+from .batch import (
+    CROSS_KEYS,
+    ENCODED_KEY,
+    MEDIA_KEYS,
+    TOKEN_TYPE_KEYS,
+    carries,
+    multimodal,
+    pad_tokens,
+    per_token_key,
+    shard_batch,
+)
 from .comm import RingComm, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
 from .layout import positions, required_multiple, shard
@@ -70,7 +80,6 @@ _REFUSED = {
     "use_cache": (lambda v: v is False, "use_cache=False (decoding needs the sharded cache)"),
 }
 _PREFILL_FIELDS = ("error", "batch", "length", "fingerprint")
-_TOKEN_TYPES = TOKEN_TYPE_KEYS  # per token in a prompt with images: padded as input_ids
 # what the prefill sets itself (the rest of an image prompt's keywords go to the model with it)
 _PREFILL_OWN = ("position_ids", "cache", "cache_params", "past_key_values", "use_cache", "cache_position",
                 "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states")  # fmt: skip
@@ -243,7 +252,7 @@ def ring_generate(model, inputs, **generate_kwargs):
     if patch.media:  # a vision-language model: media must come in inputs, and only where the prefill takes them
         from .patches._family import TextOnly
 
-        given = [k for k in (*patch.media, *_TOKEN_TYPES) if carries(generate_kwargs.get(k))]
+        given = [k for k in (*patch.media, *TOKEN_TYPE_KEYS) if carries(generate_kwargs.get(k))]
         if images and given:
             raise ValueError(
                 f"ring_generate takes the prompt's images, video or audio and their keys in inputs (beside input_ids, "
@@ -396,8 +405,8 @@ class _Before:
         if media:  # images (or their features): the model takes the whole prompt
             positions_ = full.pop("position_ids")  # multimodal RoPE's too: the text model cuts them
             for key, value in kwargs.items():
-                if key in (*_TOKEN_TYPES, *CROSS_KEYS) and isinstance(value, torch.Tensor):  # padding sees no image
-                    full[key] = torch.cat([value.new_zeros((b, pad, *value.shape[2:])), value], dim=1)
+                if key in (*TOKEN_TYPE_KEYS, *CROSS_KEYS) and isinstance(value, torch.Tensor):  # padding sees no image
+                    full[key] = pad_tokens(value, pad, left=True)
                 elif key not in full and key not in _PREFILL_OWN and value is not None:
                     full[key] = value  # the images and their per-image keys
             local = shard_batch(full, group=st.group, layout=st.layout, pad_to_multiple=False)
