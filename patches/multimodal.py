@@ -255,6 +255,13 @@ def _runs(types, kinds: tuple) -> torch.Tensor | None:
     return torch.where(inside, starts.long().cumsum(1) - 1, -1)
 
 
+def _text_sharded(arguments: dict) -> bool:
+    """The forward's input_ids were sharded over several ranks (no images: ``shard_batch`` cut the batch), so a block
+    spanning the whole sequence is on no rank whole."""
+    info = arguments.get(SHARD_INFO_KWARG)
+    return isinstance(info, ShardInfo) and info.world_size > 1 and not info.whole_inputs
+
+
 def _gemma3_blocks(config, arguments: dict) -> RingBlocks | None:
     """Gemma 3's image blocks (``token_type_ids == 1`` marks image tokens), on every layer."""
     ids = _runs(arguments.get("token_type_ids"), (1,))
@@ -285,8 +292,7 @@ def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
     types = arguments.get("token_type_ids")
     if not isinstance(types, torch.Tensor) or types.dim() != 2:
         return None
-    info = arguments.get(SHARD_INFO_KWARG)
-    if isinstance(info, ShardInfo) and info.world_size > 1 and not info.whole_inputs:
+    if _text_sharded(arguments):
         raise ValueError(
             "paligemma: token_type_ids of a batch without images, its input_ids sharded: PaliGemma's prefix "
             "(token_type_ids 0) attends both ways across the whole sequence, which the ring cannot show on shards; "
@@ -325,8 +331,7 @@ def _molmo2_blocks(config, arguments: dict) -> RingBlocks | None:
     types = arguments.get("mm_token_type_ids")
     if not isinstance(types, torch.Tensor) or types.dim() != 2 or not bool((types == 1).any()):
         return None
-    info = arguments.get(SHARD_INFO_KWARG)
-    if isinstance(info, ShardInfo) and info.world_size > 1 and not info.whole_inputs:
+    if _text_sharded(arguments):
         raise ValueError(
             "molmo2: mm_token_type_ids marking image tokens in a batch without images, its input_ids sharded: "
             "Molmo2's image tokens attend both ways across the whole sequence, which the ring cannot show on shards; "
