@@ -2,9 +2,10 @@
 
 ``RingAttentionTrainer`` (a ``transformers.Trainer``), ``RingSFTTrainer`` (a ``trl.SFTTrainer``) and
 ``RingDPOTrainer`` / ``RingKTOTrainer`` (TRL's ``DPOTrainer`` / ``KTOTrainer``; when TRL is installed) are the stock
-trainers plus ``RingAttentionTrainerMixin``; mix it into your own Trainer subclass the same way (``class MyTrainer(RingAttentionTrainerMixin, Trainer)``). Pass
-``ring_plugin=RingAttentionPlugin(cp_size=...)`` (default: ``RingAttentionPlugin()``, configured from
-``HF_RING_CP_SIZE`` / ``HF_RING_LAYOUT`` / ``HF_RING_BACKEND``, every process in one CP group).
+trainers plus ``RingAttentionTrainerMixin``; mix it into your own Trainer subclass the same way
+(``class MyTrainer(RingAttentionTrainerMixin, Trainer)``). Pass ``ring_plugin=RingAttentionPlugin(cp_size=...)``
+(default: ``RingAttentionPlugin()``, configured from ``HF_RING_CP_SIZE`` / ``HF_RING_LAYOUT`` / ``HF_RING_BACKEND``,
+every process in one CP group).
 
 How the numbers stay exact. Batches are built by the Trainer's collator (padding, or packing with
 ``DataCollatorWithFlattening``), split over the data-parallel (DP) groups like a ``dp_size``-process
@@ -24,12 +25,12 @@ default ``chunked_loss=True``), never holding the ``[tokens, vocab]`` logits; un
 TRL's own fused LM head, installed by ``SFTTrainer``, stays in charge instead.
 
 Preference optimization (``RingDPOTrainer``, ``RingKTOTrainer``) is a function of each sequence's summed
-log-probabilities, not a sum of token losses, so it goes another way: every rank of a CP group gets the whole batch (its DP group's), and the
-model's call (TRL's fused LM head, ``fused_lm_head=True``) shards it, runs the ring, and all-gathers the per-token
-log-probabilities (and TRL's per-token metrics) into the whole sequence's, in TRL's coordinates. Every rank then
-computes TRL's loss and metrics on them, the same on every rank of the group; the all-gather's backward sums every
-rank's gradient of its own tokens, so the average over all processes of DDP / FSDP2 / DeepSpeed gives the gradient of
-a plain ``dp_size``-process run. The reference model runs the same way.
+log-probabilities, not a sum of token losses, so it goes another way: every rank of a CP group gets the whole batch
+(its DP group's), and the model's call (TRL's fused LM head, ``fused_lm_head=True``) shards it, runs the ring, and
+all-gathers the per-token log-probabilities (and TRL's per-token metrics) into the whole sequence's, in TRL's
+coordinates. Every rank then computes TRL's loss and metrics on them, the same on every rank of the group; the
+all-gather's backward sums every rank's gradient of its own tokens, so the average over all processes of DDP / FSDP2 /
+DeepSpeed gives the gradient of a plain ``dp_size``-process run. The reference model runs the same way.
 
 Caveats: evaluation returns the loss only (logits are sharded over the CP group, so
 ``compute_metrics`` on logits is not supported); ``average_tokens_across_devices`` must stay True;
@@ -103,16 +104,11 @@ class RingAttentionTrainerMixin:
         loader = super()._get_dataloader(*args, **kwargs)
         return reshard_prepared_data_loader(self.ring_setup, loader, shard_batches=self.shards_batches)
 
-    def _whole(self, inputs) -> ShardInfo | None:
-        """How a batch reaches the CP group whole (every rank holds it all), or None for a batch of shards: the
-        ``ShardInfo`` of a batch with images, or one of this rank's place for a batch the model's call shards."""
+    def _whole(self, inputs) -> bool:
+        """The batch reached every rank of the CP group whole (one with images, ``ShardInfo.whole_inputs``; any
+        batch of a trainer whose model call shards), not as shards."""
         info = inputs.get(SHARD_INFO_KWARG)
-        if isinstance(info, ShardInfo) and info.whole_inputs:
-            return info
-        if not self.shards_batches:
-            ring = self.ring_setup
-            return ShardInfo(layout=ring.plugin.layout, world_size=ring.cp_size, rank=ring.cp_rank, seq_len=0)
-        return None
+        return not self.shards_batches or (isinstance(info, ShardInfo) and info.whole_inputs)
 
     def get_total_train_batch_size(self, args) -> int:
         """Samples per optimizer step: CP ranks share their samples, so divide the Trainer's count by cp_size."""
@@ -123,16 +119,14 @@ class RingAttentionTrainerMixin:
     def _track_num_input_tokens(self, inputs):
         """Only the CP group's first rank counts the tokens of a whole-input batch (its padded length, or with
         ``"non_padding"`` its attention mask's tokens)."""
-        info = self._whole(inputs)
-        if info is not None and info.rank != 0:
+        if self._whole(inputs) and self.ring_setup.cp_rank != 0:
             inputs = {k: v[:, :0] if k in ("input_ids", "attention_mask") else v for k, v in inputs.items()}
         return super()._track_num_input_tokens(inputs)
 
     def floating_point_ops(self, inputs) -> int:
         """A whole-input batch's FLOPs shared by its CP group's ranks, as a text batch's shards share them."""
-        info = self._whole(inputs)
         flops = super().floating_point_ops(inputs)
-        return flops // info.world_size if info is not None else flops
+        return flops // self.ring_setup.cp_size if self._whole(inputs) else flops
 
     # evaluation: the plain-DP loss of this rank's DP group, gathered over the DP group
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list | None = None):
@@ -238,7 +232,7 @@ class ShardedFusedHead:
             return self.fused(*args, **kwargs)
         from .batch import multimodal, shard_for
         from .comm import StateGather
-        from .layout import positions
+        from .layout import unshard
 
         ring = self.ring
         names = ("input_ids", "attention_mask")
@@ -259,18 +253,14 @@ class ShardedFusedHead:
             local.pop(key, None)
         kwargs.pop("shift_labels", None)
         out = self.fused(**{**kwargs, **local}, shift_labels=shift, fused_lm_head=True)
-        full = local["ring_shard_info"].seq_len
-        order = torch.cat([positions(full, rank=r, world_size=ring.cp_size, layout=ring.plugin.layout)
-                           for r in range(ring.cp_size)]).argsort()  # fmt: skip
         gather = StateGather(ring.cp_group, timeout=ring.plugin.timeout, what="the log-probabilities' all-gather")
         for name in _PER_TOKEN:
             x = getattr(out, name, None)
             if not isinstance(x, torch.Tensor):
                 continue
             flag = x.dtype == torch.bool  # (gloo gathers no booleans)
-            x8 = x.to(torch.uint8) if flag else x
-            parts = gather.gather(x8) if x.requires_grad else gather._gather(x8)  # [cp, batch, local]
-            whole = parts.permute(1, 0, 2).reshape(x.shape[0], -1)[:, order.to(x.device)][:, : seq_len - 1]
+            parts = gather.gather(x.to(torch.uint8) if flag else x)  # [cp, batch, local]
+            whole = unshard(list(parts.unbind(0)), dim=1, layout=ring.plugin.layout)[:, : seq_len - 1]
             setattr(out, name, whole.bool() if flag else whole)
         if isinstance(out.log_probs, torch.Tensor) and isinstance(out.label_mask, torch.Tensor):
             out.loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
@@ -345,8 +335,9 @@ def _preference_class(base: type, name: str) -> type:
                     acc.gather_for_metrics = own
 
         def _check_loss_contract(self) -> None:
+            config = base.__name__.replace("Trainer", "Config")
             refused = {  # (the MoE router's loss would be each rank's, of its own tokens)
-                f"the MoE router's auxiliary loss (set {base.__name__.replace('Trainer', 'Config')}(router_aux_loss_coef=0.0))": self.aux_loss_enabled,
+                f"the MoE router's auxiliary loss (set {config}(router_aux_loss_coef=0.0))": self.aux_loss_enabled,
                 "a vision dataset": getattr(self, "_is_vision_dataset", False),
             }
             given = [what for what, on in refused.items() if on]
