@@ -1,7 +1,8 @@
-"""Context parallelism for the Hugging Face ``Trainer`` and TRL's ``SFTTrainer``, ``DPOTrainer`` and ``KTOTrainer``.
+"""Context parallelism for the Hugging Face ``Trainer`` and TRL's SFT, DPO, KTO, GRPO and RLOO trainers.
 
-``RingAttentionTrainer`` (a ``transformers.Trainer``), ``RingSFTTrainer`` (a ``trl.SFTTrainer``) and
-``RingDPOTrainer`` / ``RingKTOTrainer`` (TRL's ``DPOTrainer`` / ``KTOTrainer``; when TRL is installed) are the stock
+``RingAttentionTrainer`` (a ``transformers.Trainer``), ``RingSFTTrainer`` (a ``trl.SFTTrainer``),
+``RingDPOTrainer`` / ``RingKTOTrainer`` (TRL's ``DPOTrainer`` / ``KTOTrainer``) and ``RingGRPOTrainer`` /
+``RingRLOOTrainer`` (TRL's ``GRPOTrainer`` / ``RLOOTrainer``; when TRL is installed) are the stock
 trainers plus ``RingAttentionTrainerMixin``; mix it into your own Trainer subclass the same way
 (``class MyTrainer(RingAttentionTrainerMixin, Trainer)``). Pass ``ring_plugin=RingAttentionPlugin(cp_size=...)``
 (default: ``RingAttentionPlugin()``, configured from ``HF_RING_CP_SIZE`` / ``HF_RING_LAYOUT`` / ``HF_RING_BACKEND``,
@@ -32,6 +33,11 @@ coordinates. Every rank then computes TRL's loss and metrics on them, the same o
 all-gather's backward sums every rank's gradient of its own tokens, so the average over all processes of DDP / FSDP2 /
 DeepSpeed gives the gradient of a plain ``dp_size``-process run. The reference model runs the same way.
 
+The online trainers (``RingGRPOTrainer``, ``RingRLOOTrainer``) score completions the same way; they generate them with
+``hf_ring.ring_generate`` (the prompt and the KV cache sharded over the CP group, the same completions on every rank),
+and inside TRL's generation and loss steps its gathers, reductions, ``process_index`` and ``num_processes`` are the DP
+group's (``_OverDP``), so the rewards' normalization over prompt groups and every metric are a plain DP run's.
+
 Caveats: evaluation returns the loss only (logits are sharded over the CP group, so
 ``compute_metrics`` on logits is not supported); ``average_tokens_across_devices`` must stay True;
 ``train_sampling_strategy="batch_rebalance"`` and ``dispatch_batches`` are refused; FSDP1 is refused
@@ -52,7 +58,7 @@ from .engines import check_ddp_reaches_every_parameter
 from .hf_attention import SHARD_INFO_KWARG, ShardInfo
 
 __all__ = ["RingAttentionTrainerMixin", "RingAttentionTrainer", "RingSFTTrainer", "RingDPOTrainer",  # noqa: F822 - lazy
-           "RingKTOTrainer"]  # fmt: skip
+           "RingKTOTrainer", "RingGRPOTrainer", "RingRLOOTrainer"]  # fmt: skip
 
 
 class RingAttentionTrainerMixin:
@@ -107,8 +113,10 @@ class RingAttentionTrainerMixin:
     def _whole(self, inputs) -> bool:
         """The batch reached every rank of the CP group whole (one with images, ``ShardInfo.whole_inputs``; any
         batch of a trainer whose model call shards), not as shards."""
-        info = inputs.get(SHARD_INFO_KWARG)
-        return not self.shards_batches or (isinstance(info, ShardInfo) and info.whole_inputs)
+        if not self.shards_batches:
+            return True
+        info = inputs.get(SHARD_INFO_KWARG) if isinstance(inputs, dict) else None
+        return isinstance(info, ShardInfo) and info.whole_inputs
 
     def get_total_train_batch_size(self, args) -> int:
         """Samples per optimizer step: CP ranks share their samples, so divide the Trainer's count by cp_size."""
@@ -119,7 +127,7 @@ class RingAttentionTrainerMixin:
     def _track_num_input_tokens(self, inputs):
         """Only the CP group's first rank counts the tokens of a whole-input batch (its padded length, or with
         ``"non_padding"`` its attention mask's tokens)."""
-        if self._whole(inputs) and self.ring_setup.cp_rank != 0:
+        if isinstance(inputs, dict) and self._whole(inputs) and self.ring_setup.cp_rank != 0:
             inputs = {k: v[:, :0] if k in ("input_ids", "attention_mask") else v for k, v in inputs.items()}
         return super()._track_num_input_tokens(inputs)
 
@@ -267,6 +275,163 @@ class ShardedFusedHead:
         return out
 
 
+class _DPState:
+    """The accelerator's state as a plain ``dp_size``-process run's process ``dp_rank`` sees it."""
+
+    def __init__(self, state, ring):
+        self._state, self.process_index, self.num_processes = state, ring.dp_rank, ring.dp_size
+
+    def __getattr__(self, name):
+        return getattr(self._state, name)
+
+
+class _OverDP:
+    """Within TRL's own steps of a trainer whose CP group's ranks hold the same batch (the preference and online
+    trainers): the accelerator's ``process_index`` / ``num_processes`` are the DP group's, and its ``gather``,
+    ``gather_for_metrics`` and ``reduce`` (and the ``gather`` / ``gather_object`` TRL's module imported) run over the
+    DP group, so every rank computes what process ``dp_rank`` of a plain ``dp_size``-process run computes. Entered
+    again inside itself, it does nothing."""
+
+    _NAMES = ("gather", "gather_for_metrics", "reduce")
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.on = False
+
+    def __enter__(self):
+        trainer = self.trainer
+        ring, acc = trainer.ring_setup, trainer.accelerator
+        if ring.cp_size == 1 or ring.world_size == 1 or isinstance(acc.state, _DPState):
+            return self
+        self.on = True
+        self.own = {name: vars(acc)[name] for name in self._NAMES if name in vars(acc)}
+        acc.state = _DPState(acc.state, ring)
+        acc.gather = self.gather
+        acc.gather_for_metrics = self.gather_for_metrics
+        acc.reduce = self.reduce
+        import sys
+
+        self.module = vars(sys.modules[trainer.trl_base.__module__])  # the names TRL's module imported
+        self.globals = {name: self.module[name] for name in ("gather", "gather_object") if name in self.module}
+        self.module.update({name: getattr(self, name) for name in self.globals})
+        return self
+
+    def __exit__(self, *exc):
+        if not self.on:
+            return
+        acc = self.trainer.accelerator
+        acc.state = acc.state._state
+        for name in self._NAMES:
+            vars(acc).pop(name, None)
+        vars(acc).update(self.own)
+        self.module.update(self.globals)
+        self.on = False
+
+    def gather(self, data):
+        """``accelerate.utils.gather`` over the DP group: tensors (0-d ones as [1]), concatenated on dim 0."""
+        if isinstance(data, (list, tuple)):
+            return type(data)(self.gather(x) for x in data)
+        if isinstance(data, dict):
+            return {k: self.gather(v) for k, v in data.items()}
+        ring = self.trainer.ring_setup
+        data = data.contiguous()
+        if data.dim() == 0:
+            data = data[None]
+        parts = [torch.empty_like(data) for _ in range(ring.dp_size)]
+        dist.all_gather(parts, data, group=ring.dp_group)
+        return torch.cat(parts)
+
+    def gather_object(self, obj):
+        """``accelerate.utils.gather_object`` over the DP group (a list's items flattened)."""
+        ring = self.trainer.ring_setup
+        parts = [None] * ring.dp_size
+        dist.all_gather_object(parts, obj, group=ring.dp_group)
+        return [x for part in parts for x in part] if isinstance(obj, (list, tuple)) else parts
+
+    def gather_for_metrics(self, data, **kwargs):
+        if isinstance(data, torch.Tensor):
+            return self.trainer._ring_gather_for_metrics(data, **kwargs)
+        return self.gather_object(data)
+
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        """``Accelerator.reduce`` over the DP group."""
+        ring = self.trainer.ring_setup
+        out = tensor.clone() * scale
+        dist.all_reduce(out, group=ring.dp_group)
+        return out / ring.dp_size if reduction == "mean" else out
+
+
+class _RingGenerate:
+    """A model's ``generate`` while TRL's online trainer generates completions: ``hf_ring.ring_generate`` (every rank
+    of the CP group holds the same prompts; the prompt and the KV cache are sharded over the group, the new tokens
+    the same on every rank)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids=None, attention_mask=None, **kwargs):
+        from .generate import ring_generate
+
+        inputs = {"input_ids": input_ids}
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        del self.model.generate  # (ring_generate calls the model's own)
+        try:
+            return ring_generate(self.model, inputs, **kwargs)
+        finally:
+            self.model.generate = self
+
+
+class _OnlineTrainerMixin:
+    """What TRL's online trainers (``GRPOTrainer``) need beside the preference trainers' way: their generation,
+    reward and advantage steps see the DP group (``_OverDP``), completions are generated by ``ring_generate``, the
+    generation batch counts DP groups as TRL counts processes, and the sampling seed is the DP rank's."""
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        name = type(self).__name__
+        refused = {
+            "vLLM generation (use_vllm=True)": getattr(config, "use_vllm", False),
+            "continuous batching (use_transformers_continuous_batching=True)": getattr(
+                config, "use_transformers_continuous_batching", False
+            ),
+            "a cache_implementation": getattr(config, "cache_implementation", None) is not None,
+        }
+        given = [what for what, on in refused.items() if on]
+        if given:  # (before TRL starts vLLM)
+            raise ValueError(
+                f"{name} does not support {', '.join(given)} under context parallelism: completions are generated "
+                "with hf_ring.ring_generate (the prompt and the KV cache sharded over the CP group)"
+            )
+        super().__init__(*args, **kwargs)
+        ring, cfg = self.ring_setup, self.args
+        # TRL counted every process: a plain run of dp_size processes generates this many completions at a time
+        cfg.generation_batch_size = cfg.per_device_train_batch_size * ring.dp_size * cfg.steps_per_generation
+        if cfg.generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"{name}: the generation batch (per_device_train_batch_size x dp_size x steps_per_generation = "
+                f"{cfg.generation_batch_size}; CP ranks share their batch) must be divisible by num_generations "
+                f"({self.num_generations})"
+            )
+        from accelerate.utils import set_seed
+
+        set_seed(cfg.seed + ring.dp_rank)  # TRL's seed of process dp_rank, alike on the CP group's ranks
+
+    def _prepare_inputs(self, *args, **kwargs):
+        with _OverDP(self):
+            return super()._prepare_inputs(*args, **kwargs)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        if self.ring_setup.cp_size == 1:
+            return super()._generate_single_turn(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
+        model.generate = _RingGenerate(model)
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            vars(model).pop("generate", None)
+
+
 def _ring_preference_trainer(name: str) -> type:
     """``RingDPOTrainer`` or ``RingKTOTrainer``: TRL's trainer of that name with context parallelism."""
     base = name.removeprefix("Ring")
@@ -279,13 +444,16 @@ def _ring_preference_trainer(name: str) -> type:
 
 @functools.cache
 def _preference_class(base: type, name: str) -> type:
-    class RingPreferenceTrainer(RingAttentionTrainerMixin, base):
+    online = (_OnlineTrainerMixin,) if hasattr(base, "_generate_single_turn") else ()
+
+    class RingPreferenceTrainer(*online, RingAttentionTrainerMixin, base):
         """TRL's preference trainer (``DPOTrainer``, ``KTOTrainer``) with context parallelism
         (``ring_plugin=RingAttentionPlugin(...)``): each sequence's per-token log-probabilities are gathered over the
         whole CP group before TRL's loss (see the module). Refused: ``precompute_ref_log_probs`` (TRL's own loader
         splits over every process), the MoE router's auxiliary loss, and images."""
 
         shards_batches = False
+        trl_base = base
 
         def __init__(self, *args, **kwargs):
             config = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -311,34 +479,18 @@ def _preference_class(base: type, name: str) -> type:
                     target.forward = ShardedFusedHead(fused, ring)
 
         def compute_loss(self, *args, **kwargs):
-            """TRL's loss and metrics, with ``accelerator.gather_for_metrics`` over the DP group: a CP group's ranks
-            hold the same values, and gathered over every process the last, short batch's cut would keep other
-            groups than a plain DP run's (KTO's KL term, part of its loss, is such a gather)."""
-            ring, acc = self.ring_setup, self.accelerator
-            if ring.cp_size == 1 or ring.world_size == 1:
+            """TRL's loss and metrics with its gathers over the DP group (``_OverDP``): a CP group's ranks hold the
+            same values, and gathered over every process the last, short batch's cut would keep other groups than a
+            plain DP run's (KTO's KL term, part of its loss, is such a gather)."""
+            with _OverDP(self):
                 return super().compute_loss(*args, **kwargs)
-            own = vars(acc).get("gather_for_metrics")
-            plain = acc.gather_for_metrics
-
-            def over_dp(data, **kw):
-                if isinstance(data, torch.Tensor):
-                    return self._ring_gather_for_metrics(data, **kw)
-                return plain(data, **kw)
-
-            acc.gather_for_metrics = over_dp
-            try:
-                return super().compute_loss(*args, **kwargs)
-            finally:
-                if own is None:
-                    del acc.gather_for_metrics
-                else:
-                    acc.gather_for_metrics = own
 
         def _check_loss_contract(self) -> None:
             config = base.__name__.replace("Trainer", "Config")
             refused = {  # (the MoE router's loss would be each rank's, of its own tokens)
                 f"the MoE router's auxiliary loss (set {config}(router_aux_loss_coef=0.0))": self.aux_loss_enabled,
                 "a vision dataset": getattr(self, "_is_vision_dataset", False),
+                "a vision-language model": getattr(self, "_is_vlm", False),
             }
             given = [what for what, on in refused.items() if on]
             if given:
@@ -353,6 +505,6 @@ def __getattr__(name: str):
     # the TRL trainers are built on first use, so importing hf_ring.trainer does not import TRL
     if name == "RingSFTTrainer":
         return _ring_sft_trainer()
-    if name in ("RingDPOTrainer", "RingKTOTrainer"):
+    if name in ("RingDPOTrainer", "RingKTOTrainer", "RingGRPOTrainer", "RingRLOOTrainer"):
         return _ring_preference_trainer(name)
     raise AttributeError(f"module 'hf_ring.trainer' has no attribute {name!r}")

@@ -1,0 +1,180 @@
+"""``RingGRPOTrainer`` and ``RingRLOOTrainer`` (TRL's ``GRPOTrainer`` / ``RLOOTrainer`` with context parallelism)
+in real ``torchrun`` launches on CPU.
+
+A tiny random Llama (saved once, so that TRL loads its reference model from the same path), prompts of 3 to 9
+tokens, 6 sampled completion tokens at most, a reward of the completion's token ids, 3 optimizer steps of SGD with
+gradient accumulation 2 (TRL generates once per step and trains on two micro-batches of it):
+
+1. one process: TRL's own ``GRPOTrainer``, the reference: 4 completions per prompt, 4 per micro-batch, the "grpo"
+   loss (each sequence's mean) with a KL term to the reference model (beta 0.1); and LoRA adapters (the reference:
+   the adapter switched off); TRL's ``RLOOTrainer`` (leave-one-out baselines, the KL term in the reward); and the
+   refusals of ``RingGRPOTrainer``;
+2. two processes, CP = 2: the completions each rank generates (``ring_generate``: the prompt and the KV cache
+   sharded), the logged losses, every logged metric (rewards, advantages' statistics, KL, entropy, clipping,
+   completion lengths, token count) and the final weights equal the reference's, ``RingRLOOTrainer``'s too;
+3. two processes, TRL's own ``GRPOTrainer`` over 2 DP processes, 2 completions per micro-batch: each prompt's
+   group of 4 spans both processes (TRL gathers the rewards to normalize them), the "dapo" loss (token-weighted
+   over every process);
+4. four processes, DP = 2 x CP = 2: equal to run 3, process by process (each CP rank of DP group d generates and
+   computes what process d does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train_utils import SFT_KEYS, VOCAB, run_worker, tiny_llama, tiny_tokenizer, torchrun, trainer_args
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+RTOL = 1e-5  # fp32: ring attention and the gathered log-probabilities reorder sums, nothing else changes
+GENERATIONS = 4
+
+
+def _prompts(n: int = 12, seed: int = 5) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"prompt": " ".join(f"t{int(i)}" for i in torch.randint(2, VOCAB, (int(k),), generator=g))}
+        for k in torch.randint(3, 10, (n,), generator=g)
+    ]
+
+
+def _trainer(cls, out: Path, name: str, per_device: int, seen: list, lora: bool = False, **config):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, RLOOConfig
+
+    base = {k: v for k, v in trainer_args(out, name).to_dict().items() if k in SFT_KEYS}
+    base.update(per_device_train_batch_size=per_device, train_sampling_strategy="random")
+    ring = {k: config.pop(k) for k in ("ring_plugin",) if k in config}
+    kind = RLOOConfig if "RLOO" in cls.__name__ else GRPOConfig
+    cfg = kind(**base, bf16=False, num_generations=GENERATIONS, max_completion_length=6, **config)
+
+    def reward(completion_ids, **_):
+        seen.extend(list(ids) for ids in completion_ids)  # what this process generated, in order
+        return [float(sum(ids) % 11) for ids in completion_ids]
+
+    peft = {}
+    if lora:  # (its A matrices drawn from this seed)
+        torch.manual_seed(11)
+        peft["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return cls(model=str(out / "tiny"), reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(_prompts()),
+               processing_class=tiny_tokenizer(), **peft, **ring)  # fmt: skip
+
+
+def _run(trainer, seen: list) -> dict:
+    from tests.test_preference_cp import _run as run
+
+    res = run(trainer)
+    res["history"] = [{k: v for k, v in h.items() if k != "step_time"} for h in res["history"]]
+    res["completions"] = list(seen)
+    return res
+
+
+def worker(out: Path, world: int, plain: bool = False) -> None:
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.trainer import RingGRPOTrainer
+
+    rank = int(os.environ.get("RANK", "0"))
+    grpo = {"loss_type": "grpo", "beta": 0.1}
+    dp = {"loss_type": "dapo"}
+    res = {}
+    if plain or world == 1:
+        from trl import GRPOTrainer
+
+        if plain:
+            seen = []
+            res["dp"] = _run(_trainer(GRPOTrainer, out, "plain", 2, seen, **dp), seen)
+        else:
+            for case, lora in (("cp", False), ("lora", True)):
+                seen = []
+                res[case] = _run(_trainer(GRPOTrainer, out, f"ref_{case}", 4, seen, lora=lora, **grpo), seen)
+            from trl import RLOOTrainer
+
+            seen = []
+            res["rloo"] = _run(_trainer(RLOOTrainer, out, "ref_rloo", 4, seen, beta=0.1), seen)
+            refused = {}
+            for what, extra in (("vllm", {"use_vllm": True}), ("cache", {"cache_implementation": "static"})):
+                try:
+                    _trainer(RingGRPOTrainer, out, "refused", 4, [], ring_plugin=RingAttentionPlugin(cp_size=1),
+                             **extra)  # fmt: skip
+                    refused[what] = "no error"
+                except ValueError as e:
+                    refused[what] = str(e)
+            res["refused"] = refused
+    else:
+        plugin = RingAttentionPlugin(cp_size=2)
+        if world == 2:
+            for case, lora in (("cp", False), ("lora", True)):
+                seen = []
+                trainer = _trainer(RingGRPOTrainer, out, case, 4, seen, lora=lora, ring_plugin=plugin, **grpo)
+                res[case] = _run(trainer, seen)
+            from hf_ring.trainer import RingRLOOTrainer
+
+            seen = []
+            res["rloo"] = _run(_trainer(RingRLOOTrainer, out, "rloo", 4, seen, ring_plugin=plugin, beta=0.1), seen)
+        else:
+            seen = []
+            res["dp"] = _run(_trainer(RingGRPOTrainer, out, "ring_dp", 2, seen, ring_plugin=plugin, **dp), seen)
+    (out / f"{'plain' if plain else 'w'}{world}rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo")
+    tiny_llama().save_pretrained(out / "tiny")
+    for world, plain in ((1, False), (2, False), (2, True), (4, False)):
+        torchrun(Path(__file__), world, out, world, *(["plain"] if plain else []), timeout=420)
+
+    def read(prefix, world):
+        return [json.loads((out / f"{prefix}{world}rank{r}.json").read_text()) for r in range(world)]
+
+    return read("w", 1)[0], read("plain", 2), {w: read("w", w) for w in (2, 4)}
+
+
+@pytest.mark.parametrize(
+    "world, case", [(2, "cp"), (2, "lora"), (2, "rloo"), (4, "dp")], ids=["cp2", "cp2-lora", "cp2-rloo", "dp2xcp2"]
+)
+def test_ring_grpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case):
+    """Every rank generates the completions its DP group's process generates in TRL's own run; the logged losses,
+    every metric TRL logs and the final weights equal that run's."""
+    single, plain, launches = runs
+    for rank, whole in enumerate(launches[world]):
+        r, ref = whole[case], single[case] if world == 2 else plain[rank // 2][case]
+        assert r["completions"] == ref["completions"] and len({len(c) for c in ref["completions"]}) > 1
+        assert r["signature"] == ref["signature"]
+        # the loss is a mean of advantage-weighted probability ratios, near zero on-policy (the advantages of a
+        # prompt's group add up to zero): its error scales with the advantages, of order 1 here
+        for got, want in zip(r["losses"], ref["losses"], strict=True):
+            assert abs(got - want) <= RTOL * max(abs(want), 1.0), (world, case, r["losses"], ref["losses"])
+        for got, want in zip(r["history"], ref["history"], strict=True):
+            assert got.keys() == want.keys()
+            for key in want:  # (near-zero metrics: clipping ratios, KL at the start; the loss as above)
+                floor = 1.0 if key == "loss" else 1e-2
+                assert abs(got[key] - want[key]) <= RTOL * max(abs(want[key]), floor), (world, case, key, got, want)
+        for name, value in ref["state"].items():
+            a, b = torch.tensor(r["state"][name]), torch.tensor(value)
+            assert float((a - b).norm() / b.norm()) <= RTOL, (world, case, name)
+    # the policy gradient moved the weights (the comparison above is not of untouched ones)
+    if case == "lora":
+        assert max(float(torch.tensor(v).abs().max()) for n, v in ref["state"].items() if "lora_B" in n) > 1e-4
+    else:
+        start = tiny_llama().state_dict()
+        assert max(float((torch.tensor(ref["state"][n]) - v).abs().max()) for n, v in start.items()) > 1e-4
+
+
+def test_ring_grpo_trainer_refuses_what_it_cannot_compute(runs):
+    single, _, _ = runs
+    assert "does not support vLLM generation (use_vllm=True)" in single["refused"]["vllm"], single["refused"]
+    assert "does not support a cache_implementation" in single["refused"]["cache"], single["refused"]
+
+
+if __name__ == "__main__":
+    run_worker(worker, Path(sys.argv[1]), int(sys.argv[2]), len(sys.argv) > 3 and sys.argv[3] == "plain")
