@@ -11,7 +11,8 @@ gradient accumulation 2 (TRL generates once per step and trains on two micro-bat
    refusals of ``RingGRPOTrainer``;
 2. two processes, CP = 2: the completions each rank generates (``ring_generate``: the prompt and the KV cache
    sharded), the logged losses, every logged metric (rewards, advantages' statistics, KL, entropy, clipping,
-   completion lengths, token count) and the final weights equal the reference's, ``RingRLOOTrainer``'s too;
+   completion lengths, token count) and the final weights equal the reference's, ``RingRLOOTrainer``'s too, and
+   the GRPO case under DeepSpeed ZeRO-3 (parameters gathered for generation);
 3. two processes, TRL's own ``GRPOTrainer`` over 2 DP processes, 2 completions per micro-batch: each prompt's
    group of 4 spans both processes (TRL gathers the rewards to normalize them), the "dapo" loss (token-weighted
    over every process);
@@ -116,6 +117,7 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
                 seen = []
                 trainer = _trainer(RingGRPOTrainer, out, case, 4, seen, lora=lora, ring_plugin=plugin, **grpo)
                 res[case] = _run(trainer, seen)
+            res["deepspeed"] = _on_deepspeed(out, grpo)
             from hf_ring.trainer import RingRLOOTrainer
 
             seen = []
@@ -126,12 +128,38 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
     (out / f"{'plain' if plain else 'w'}{world}rank{rank}.json").write_text(json.dumps(res))
 
 
+def _on_deepspeed(out: Path, config: dict) -> dict | None:
+    """Run 2's GRPO case under DeepSpeed ZeRO-3 (None without DeepSpeed): the parameters gathered for generation,
+    the reference model an engine of its own."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return None
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.trainer import RingGRPOTrainer
+    from tests.test_deepspeed_cp import _ds_config, _full_state, _OnDeepSpeed, _reset_accelerate
+
+    _reset_accelerate()
+    cls = type("DeepSpeedGRPO", (_OnDeepSpeed, RingGRPOTrainer), {})
+    # every parameter partitioned (the tiny model's would all stay whole below DeepSpeed's default threshold)
+    zero3 = {**_ds_config(3), "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    seen = []
+    trainer = _trainer(cls, out, "deepspeed", 4, seen, ring_plugin=RingAttentionPlugin(cp_size=2),
+                       deepspeed=zero3, **config)  # fmt: skip
+    res = _run(trainer, seen)
+    res["state"] = {k: v.tolist() for k, v in _full_state(trainer.model_wrapped.module).items()}  # (partitioned)
+    res["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
+    res["partitioned"] = all(p.numel() == 0 for p in trainer.model_wrapped.module.parameters())
+    return res
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
     tiny_llama().save_pretrained(out / "tiny")
     for world, plain in ((1, False), (2, False), (2, True), (4, False)):
-        torchrun(Path(__file__), world, out, world, *(["plain"] if plain else []), timeout=420)
+        torchrun(Path(__file__), world, out, world, *(["plain"] if plain else []), timeout=420,
+                 env={"DS_ACCELERATOR": "cpu"})  # fmt: skip
 
     def read(prefix, world):
         return [json.loads((out / f"{prefix}{world}rank{r}.json").read_text()) for r in range(world)]
@@ -140,14 +168,22 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "world, case", [(2, "cp"), (2, "lora"), (2, "rloo"), (4, "dp")], ids=["cp2", "cp2-lora", "cp2-rloo", "dp2xcp2"]
+    "world, case, run",
+    [(2, "cp", None), (2, "lora", None), (2, "rloo", None), (2, "cp", "deepspeed"), (4, "dp", None)],
+    ids=["cp2", "cp2-lora", "cp2-rloo", "cp2-deepspeed-zero3", "dp2xcp2"],
 )
-def test_ring_grpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case):
+def test_ring_grpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case, run):
     """Every rank generates the completions its DP group's process generates in TRL's own run; the logged losses,
     every metric TRL logs and the final weights equal that run's."""
     single, plain, launches = runs
+    if run == "deepspeed" and launches[world][0]["deepspeed"] is None:
+        pytest.skip("DeepSpeed is not installed")
+    if run == "deepspeed":
+        assert all(
+            whole["deepspeed"]["zero_stage"] == 3 and whole["deepspeed"]["partitioned"] for whole in launches[world]
+        )
     for rank, whole in enumerate(launches[world]):
-        r, ref = whole[case], single[case] if world == 2 else plain[rank // 2][case]
+        r, ref = whole[run or case], single[case] if world == 2 else plain[rank // 2][case]
         assert r["completions"] == ref["completions"] and len({len(c) for c in ref["completions"]}) > 1
         assert r["signature"] == ref["signature"]
         # the loss is a mean of advantage-weighted probability ratios, near zero on-policy (the advantages of a
