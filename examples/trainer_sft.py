@@ -56,7 +56,8 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plugin = RingAttentionPlugin(cp_size=args.cp_size)
-    dp = world // plugin.validate(world)  # a clear error before any collective
+    cp = plugin.validate(world)  # a clear error before any collective
+    dp = world // cp
 
     state = PartialState(cpu=not torch.cuda.is_available())
     with state.local_main_process_first():  # the first run converts the GGUF file once per machine
@@ -133,7 +134,7 @@ def main(argv=None) -> None:
     if trainer.is_world_process_zero():
         kind = "TRL SFTTrainer" if args.trl else "Trainer"
         name = DEMO_MODEL if args.model is None else args.model
-        print(f"\nhf_ring + {kind}: {name}, CP={plugin.cp_size} x DP={dp}, seq_len {args.seq_len}")
+        print(f"\nhf_ring + {kind}: {name}, CP={cp} x DP={dp}, seq_len {args.seq_len}")
         print("  packing: DataCollatorWithFlattening (4 documents per sequence)" if args.packing else "  no packing")
         for h in trainer.state.log_history:
             if "loss" in h:

