@@ -259,8 +259,10 @@ def ring_generate(model, inputs, **generate_kwargs):
                 f"as the processor returns them), not as generate() keywords: got {given}"
             )
         TextOnly(patch.name, patch.media)(target, (), generate_kwargs)
+    # the values generate() will use: its keywords over the generation config given (or the model's)
+    config = generate_kwargs.get("generation_config") or getattr(target, "generation_config", None)
     for name, (refused, what) in _REFUSED.items():
-        if refused(generate_kwargs.get(name)):
+        if refused(generate_kwargs[name] if name in generate_kwargs else getattr(config, name, None)):
             raise ValueError(f"ring_generate does not support {what}; use greedy or sampled decoding")
     inputs = dict(inputs)
     if patch.local_modules(target) and multimodal(inputs) and inputs.get("cross_attention_mask") is None:

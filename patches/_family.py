@@ -47,7 +47,7 @@ from ..hf_attention import (
 )
 from ..layout import shard
 from ..ring import PlanCache
-from . import _lend, _rope, _shared_kv, _sparse, _temperature, linear
+from . import _lend, _rope, _shared_kv, _sparse, _split_vision, _temperature, linear
 from ._hooks import remove_hooks
 
 __all__ = [
@@ -507,6 +507,9 @@ class FamilyPatch:
         cross = bool(self.local_modules(model))
         text_only = TextOnly(self.name, self.media, self.images, cfg.group, cross=cross) if self.media else None
         _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
+        _split_vision.remove(model)
+        if self.images and not cross:  # (the images of a batch reach every rank whole: each encodes its share)
+            _split_vision.install(model, cfg)
         setattr(model, ORIGINAL_ATTR, original)
         return model
 
@@ -532,6 +535,7 @@ class FamilyPatch:
         _sparse.remove(model)
         _lend.remove(model)
         linear.remove(model)
+        _split_vision.remove(model)
         _set_hooks(model, None)
         delattr(model, ORIGINAL_ATTR)
         return model

@@ -69,9 +69,11 @@ text model
 (the innermost module of the text config: for Llama 4 the text model inside its causal LM), cuts
 the embeddings, positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard.
 Gradients flow back through that cut, so each rank's vision tower gets the gradient of its own image tokens and the
-usual CP gradient sum makes it whole. The cost: every rank of a CP group runs the vision tower on all the batch's
-images and holds the whole sequence's input embeddings ([batch, seq, hidden], e.g. 0.9 GiB at 128K tokens and hidden
-3584 in bf16) until the cut, and their gradient of that size in the backward.
+usual CP gradient sum makes it whole. The families that encode each image by its grid (Qwen-VL, GLM-4V and their
+kin) divide the vision tower's work over the CP group (``_split_vision``: each rank encodes its share of the images,
+the features all-gathered); the others run it on all the batch's images on every rank. The cost: every rank holds
+the whole sequence's input embeddings ([batch, seq, hidden], e.g. 0.9 GiB at 128K tokens and hidden 3584 in bf16)
+until the cut, and their gradient of that size in the backward.
 
 A wrapper added text-only would refuse images: a call with them (``pixel_values``, ``input_features``, ``mm_encoder_outputs``,
 ``token_type_ids`` / ``mm_token_type_ids`` marking image tokens) raises on every rank before anything runs

@@ -179,3 +179,16 @@ def test_bench_linear_cpu_checks_the_sharded_rule_and_times_it(tmp_path):
                                  str(tmp_path / "mamba2.csv")])  # fmt: skip
     assert float(row["rel_err"]) <= 1e-5 and row["heads"] == 4 and row["sharded_ms"] > 0, row
     assert len(_rows(tmp_path, "mamba2")) == 1
+
+
+def test_bench_vision_split_cpu_divides_the_patches_and_keeps_the_result(tmp_path):
+    """bench_vision_split_cpu.py at a tiny size: both modes' rows; each rank encodes half the patches with the split,
+    all of them without, and both give the same loss and vision-tower gradient."""
+    import bench_vision_split_cpu
+
+    rows = bench_vision_split_cpu.main(["--images", "4", "--grid", "8", "--steps", "1", "--warmup", "0", "--port",
+                                        "29541", "--csv", str(tmp_path / "v.csv")])  # fmt: skip
+    split, whole = rows
+    assert split["patches_per_rank"] == "128 128" and whole["patches_per_rank"] == "256 256", rows
+    assert all(r["same_result"] is True and r["status"] == "ok" for r in rows) and split["vision_ratio"] > 0, rows
+    assert len(_rows(tmp_path, "v")) == 2

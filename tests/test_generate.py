@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from hf_ring.layout import required_multiple
 
@@ -356,6 +357,18 @@ def _cache_shares(rank, world) -> list:
     return [layer.keys.shape[2] for layer in seen["cache"].layers]
 
 
+def _with_config(model, **settings):
+    """``ring_generate`` with the model's own generation config set so (restored after)."""
+    import hf_ring
+
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**{**own.to_dict(), **settings})
+    try:
+        return hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2)
+    finally:
+        model.generation_config = own
+
+
 def _errors(rank, world) -> dict:
     import hf_ring
 
@@ -368,6 +381,11 @@ def _errors(rank, world) -> dict:
             model, _prompt(1, 12, 0), max_new_tokens=2, cache_implementation="static"
         ),
         "assisted": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2, assistant_model=model),
+        # the same inside a generation config (TRL's trainers pass every setting so), or the model's own
+        "config without cache": lambda: hf_ring.ring_generate(
+            model, _prompt(1, 12, 0), generation_config=GenerationConfig(max_new_tokens=2, use_cache=False)
+        ),
+        "model's beams": lambda: _with_config(model, num_beams=2),
         "plain generate": lambda: model.generate(**_prompt(1, 12, 0), max_new_tokens=2),
         # a vision-language model's images handed to generate() rather than in inputs: refused, never dropped
         "images": lambda: hf_ring.ring_generate(
@@ -507,6 +525,8 @@ def test_bad_generation_calls_raise_on_every_rank(two_ranks):
         assert "beam search (num_beams > 1)" in (e["beam search"] or ""), (rank, e)
         assert "cache_implementation" in (e["static cache"] or ""), (rank, e)
         assert "assisted decoding (assistant_model)" in (e["assisted"] or ""), (rank, e)
+        assert "use_cache=False" in (e["config without cache"] or ""), (rank, e)
+        assert "beam search (num_beams > 1)" in (e["model's beams"] or ""), (rank, e)
         assert "hf_ring.ring_generate(model, inputs" in (e["plain generate"] or ""), (rank, e)
         assert "and their keys in inputs" in (e["images"] or "") and "['pixel_values']" in e["images"], (rank, e)
 

@@ -127,10 +127,12 @@ def worker(out: Path) -> None:
     accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     res["unused"], unused_state = _train(RingAttentionPlugin(cp_size=2), accelerator, _model(frozen=False), data)
     images = image_samples(BATCH * (STEPS + 1))
+    qwen = make_model("qwen2_vl", images=True)
+    rows = res["images_vision_rows"] = []  # the patches each call of this rank's vision tower encodes
+    qwen.model.visual.register_forward_pre_hook(lambda m, args: rows.append(int(args[0].shape[0])))
     res["images"], images_state = _train(
-        RingAttentionPlugin(cp_size=2), Accelerator(cpu=True), make_model("qwen2_vl", images=True), images,
-        collate_images,
-    )  # fmt: skip
+        RingAttentionPlugin(cp_size=2), Accelerator(cpu=True), qwen, images, collate_images
+    )
     gemma_images = gemma3_image_samples(BATCH * (STEPS + 1))
     gemma = functools.partial(make_model, "gemma3", images=True)
     res["gemma3_images"], gemma_state = _train(
@@ -199,6 +201,8 @@ def test_training_matches_one_process(results, way):
     assert results[0][f"{way}_weights_err"] <= RTOL
     if way == "images":  # the vision tower trained (every rank's image features reached it)
         assert results[0]["images_vision_trained"] > 0
+        # each rank encoded one of a batch's two images (16 patches of its 32): the tower's work divided
+        assert all(len(r["images_vision_rows"]) >= STEPS and set(r["images_vision_rows"]) == {16} for r in results)
     if way == "gemma3_images":
         assert results[0]["gemma3_vision_trained"] > 0 and results[0]["gemma3_key_bias"] <= 1e-6
     if way == "images_trainer":  # tokens counted once per CP group: the layout pads each row of 30 to 32

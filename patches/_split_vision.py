@@ -1,0 +1,155 @@
+"""The vision tower's work divided over the CP group, for vision-language models that encode images by grid.
+
+A batch with images reaches every rank of a CP group whole (``ShardInfo.whole_inputs``): without this, every rank
+runs the vision tower on every image of the batch (the same work and the same activations CP times). The families
+whose ``get_image_features(pixel_values, image_grid_thw)`` / ``get_video_features(pixel_values_videos,
+video_grid_thw)`` encode each image (video) on its own from its rows of ``pixel_values`` (``prod(grid_thw)`` patches
+each: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V, the Qwen-Omni thinkers, ...) get ``SplitEncoder`` in their
+place while patched (an instance attribute of the module that defines them innermost; ``remove`` deletes it):
+
+- the images are assigned to ranks (largest first, to the least loaded rank by patch count; every rank computes
+  the same assignment from ``grid_thw``), and each rank encodes its own;
+- one small all-reduce tells every rank how many features each image gave; one all-gather (``comm.StateGather``,
+  the features padded to the largest rank's count) brings every image's features (and Qwen3-VL's deepstack
+  features) to every rank, in the images' order, as the tower would have returned them;
+- the all-gather's backward sums every rank's gradient of each image's features onto the rank that encoded it, so
+  the tower's parameters get, summed over the CP group, the gradient of every image: the same as before.
+
+Fewer images than ranks, ``pixel_values`` not laid out one image after another by ``grid_thw``, or a method that
+does not return one feature tensor per image (a warning, once): every rank encodes every image, as before. ``last_hidden_state`` (the tower's output before its merger) is not gathered: it is
+None under the split (the models read the merged features only).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SplitEncoder", "install", "remove"]
+
+METHODS = {"get_image_features": ("pixel_values", "image_grid_thw"),
+           "get_video_features": ("pixel_values_videos", "video_grid_thw")}  # fmt: skip
+
+
+def _assign(rows: list, world: int) -> list:
+    """The rank encoding each image: largest first, to the least loaded rank (ties: the lowest rank)."""
+    load = [0] * world
+    owner = [0] * len(rows)
+    for i in sorted(range(len(rows)), key=lambda i: (-rows[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += rows[i]
+    return owner
+
+
+class SplitEncoder:
+    """A vision-language model's ``get_image_features`` / ``get_video_features`` while patched (see the module)."""
+
+    def __init__(self, fn, cfg, names: tuple):
+        self.fn = fn  # the model's own method, bound
+        self.cfg = cfg
+        self.names = names  # its first two parameters: pixel values, grid
+        self.warned = False
+        functools.update_wrapper(self, fn)  # its signature, which generate() reads to encode a prompt's images ahead
+
+    def __call__(self, *args, **kwargs):
+        from hf_ring.comm import StateGather, group_rank_and_size
+
+        pixels = args[0] if args else kwargs.pop(self.names[0])
+        grid = args[1] if len(args) > 1 else kwargs.pop(self.names[1], None)
+        rank, world = group_rank_and_size(self.cfg.group)
+        n = grid.shape[0] if isinstance(grid, torch.Tensor) and grid.dim() == 2 else 0
+        rows = grid.prod(-1).tolist() if n else []
+        if (
+            world == 1
+            or n < world
+            or len(args) > 2
+            or not isinstance(pixels, torch.Tensor)
+            or pixels.shape[0] != sum(rows)
+        ):
+            return self.fn(pixels, grid, *args[2:], **kwargs)
+        owner = _assign(rows, world)
+        mine = [i for i in range(n) if owner[i] == rank]
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + r)
+        own = torch.cat([pixels[starts[i] : starts[i + 1]] for i in mine])
+        out = self.fn(own, grid[mine], **kwargs)
+        pooled = getattr(out, "pooler_output", None)
+        if not (isinstance(pooled, (tuple, list)) and len(pooled) == len(mine)):  # (alike on every rank)
+            if not self.warned:
+                from transformers.utils import logging
+
+                logging.get_logger(__name__).warning(
+                    f"hf_ring: {type(self.fn.__self__).__name__}.{self.fn.__name__} does not return one feature tensor "
+                    "per image (pooler_output): every rank encodes every image"
+                )
+                self.warned = True
+            return self.fn(pixels, grid, *args[2:], **kwargs)
+        local = [f.shape[0] for f in pooled]
+        # deepstack features: per image (as pooler_output), or the images' concatenated (Transformers 5.17)
+        deep = list(getattr(out, "deepstack_features", None) or [])
+        joined = [isinstance(f, torch.Tensor) for f in deep]
+        fields = [pooled, *(torch.split(f, local) if j else f for f, j in zip(deep, joined, strict=True))]
+        counts = torch.zeros(n, dtype=torch.long, device=pixels.device)
+        counts[mine] = torch.tensor(local, dtype=torch.long, device=pixels.device)
+        dist.all_reduce(counts, group=self.cfg.group)  # every image's feature count, on every rank
+        counts = counts.tolist()
+        widths = [f[0].shape[-1] for f in fields]
+        flat = torch.cat([torch.cat(list(f), dim=0) for f in fields], dim=-1)  # [my features, sum of widths]
+        loads = [sum(counts[i] for i in range(n) if owner[i] == r) for r in range(world)]
+        flat = torch.nn.functional.pad(flat, (0, 0, 0, max(loads) - flat.shape[0]))
+        what = "the vision features' all-gather"
+        every = StateGather(self.cfg.group, timeout=self.cfg.timeout, what=what).gather(flat)  # [world, max, width]
+        feats, seen = [None] * n, [0] * world
+        for i in range(n):
+            r = owner[i]
+            feats[i] = every[r, seen[r] : seen[r] + counts[i]]
+            seen[r] += counts[i]
+        cuts = [sum(widths[:k]) for k in range(len(widths) + 1)]
+        parts = [tuple(f[:, cuts[k] : cuts[k + 1]] for f in feats) for k in range(len(widths))]
+        out.pooler_output = parts[0]
+        if deep:
+            out.deepstack_features = [torch.cat(f) if j else f for f, j in zip(parts[1:], joined, strict=True)]
+        if "last_hidden_state" in out:
+            out.last_hidden_state = None
+        return out
+
+
+def _encoders(model) -> list:
+    """(module, method name, its two parameters) for every method of ``METHODS`` a module of ``model`` defines with
+    them, innermost only (a wrapper's method that calls its inner model's is left alone)."""
+    found = []
+    for m in model.modules():
+        for name, params in METHODS.items():
+            fn = getattr(type(m), name, None)
+            if fn is None:
+                continue
+            names = tuple(list(inspect.signature(fn).parameters)[1:3])
+            if names == params:
+                found.append((m, name, names))
+    inner = []
+    for m, name, names in found:
+        if not any(o is not m and o_name == name and _holds(m, o) for o, o_name, _ in found):
+            inner.append((m, name, names))
+    return inner
+
+
+def _holds(outer, inner) -> bool:
+    return any(x is inner for x in outer.modules())
+
+
+def install(model, cfg) -> None:
+    remove(model)
+    for m, name, names in _encoders(model):
+        setattr(m, name, SplitEncoder(getattr(m, name), cfg, names))
+
+
+def remove(model) -> None:
+    for m in model.modules():
+        for name in METHODS:
+            if isinstance(vars(m).get(name), SplitEncoder):
+                delattr(m, name)
