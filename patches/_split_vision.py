@@ -84,8 +84,8 @@ class SplitEncoder:
                 from transformers.utils import logging
 
                 logging.get_logger(__name__).warning(
-                    f"hf_ring: {type(self.fn.__self__).__name__}.{self.fn.__name__} does not return one feature tensor "
-                    "per image (pooler_output): every rank encodes every image"
+                    f"hf_ring: {getattr(self.fn, '__qualname__', self.fn)} does not return one feature tensor per "
+                    "image (pooler_output): every rank encodes every image"
                 )
                 self.warned = True
             return self.fn(pixels, grid, *args[2:], **kwargs)

@@ -273,3 +273,21 @@ def test_the_check_names_what_text_batches_never_reach():
 
 if __name__ == "__main__":
     run_worker(worker, Path(sys.argv[1]))
+
+
+def test_the_vision_split_is_installed_balanced_and_reverted():
+    """The grid families' encoders are split while patched (innermost module only) and restored by revert; images go
+    largest first to the least loaded rank, the same on every rank."""
+    from hf_ring.patches import _split_vision
+
+    import hf_ring
+    from tests.hf_models import make_model
+
+    model = hf_ring.apply_ring_attention(make_model("qwen3_vl", images=True))
+    split = {(type(m).__name__, k) for m in model.modules() for k, v in vars(m).items()
+             if isinstance(v, _split_vision.SplitEncoder)}  # fmt: skip
+    assert split == {("Qwen3VLModel", "get_image_features"), ("Qwen3VLModel", "get_video_features")}, split
+    hf_ring.revert_ring_attention(model)
+    assert not any(k.startswith("get_") for m in model.modules() for k in vars(m))
+    assert _split_vision._assign([16, 64, 16, 32, 16], 2) == [1, 0, 1, 1, 0]  # 64 + 16 | 32 + 16 + 16 (a tie: rank 0)
+    assert _split_vision._assign([4, 4, 4], 2) == [0, 1, 0]
