@@ -129,6 +129,7 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
             res["noisy"] = _run(_trainer(RingGRPOTrainer, out, "noisy", 4, seen, ring_plugin=plugin, noise=True, **grpo),
                                 seen)  # fmt: skip
             res["deepspeed"] = _on_deepspeed(out, grpo)
+            res["fsdp2"] = _on_fsdp2(out, grpo)
             from hf_ring.trainer import RingRLOOTrainer
 
             seen = []
@@ -164,6 +165,22 @@ def _on_deepspeed(out: Path, config: dict) -> dict | None:
     return res
 
 
+def _on_fsdp2(out: Path, config: dict) -> dict:
+    """Run 2's GRPO case under FSDP2 (the policy's layers and its reference model sharded over both ranks)."""
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.trainer import RingGRPOTrainer
+    from tests.test_deepspeed_cp import _reset_accelerate
+    from tests.test_fsdp2_cp import FSDP2_ARGS, _OnFsdp2
+
+    _reset_accelerate()
+    cls = type("Fsdp2GRPO", (_OnFsdp2, RingGRPOTrainer), {})
+    seen = []
+    trainer = _trainer(cls, out, "fsdp2", 4, seen, ring_plugin=RingAttentionPlugin(cp_size=2), **FSDP2_ARGS, **config)
+    res = _run(trainer, seen)
+    res["sharded"] = type(trainer.model_wrapped).__name__.startswith("FSDP")
+    return res
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
@@ -185,10 +202,11 @@ def runs(tmp_path_factory):
         (2, "lora", None),
         (2, "rloo", None),
         (2, "cp", "deepspeed"),
+        (2, "cp", "fsdp2"),
         (2, "cp", "noisy"),
         (4, "dp", None),
     ],
-    ids=["cp2", "cp2-lora", "cp2-rloo", "cp2-deepspeed-zero3", "cp2-rewards-differ-by-rank", "dp2xcp2"],
+    ids=["cp2", "cp2-lora", "cp2-rloo", "cp2-deepspeed-zero3", "cp2-fsdp2", "cp2-rewards-differ-by-rank", "dp2xcp2"],
 )
 def test_ring_grpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case, run):
     """Every rank generates the completions its DP group's process generates in TRL's own run; the logged losses,
@@ -198,6 +216,8 @@ def test_ring_grpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case,
     assert len({len(c) for c in plain[0]["dp"]["completions"]}) > 1
     if run == "deepspeed" and launches[world][0]["deepspeed"] is None:
         pytest.skip("DeepSpeed is not installed")
+    if run == "fsdp2":
+        assert all(whole["fsdp2"]["sharded"] for whole in launches[world])
     if run == "deepspeed":
         assert all(
             whole["deepspeed"]["zero_stage"] == 3 and whole["deepspeed"]["partitioned"] for whole in launches[world]

@@ -99,7 +99,8 @@ def _run(trainer) -> dict:
     trainer.train()
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    state = {k: v.tolist() for k, v in model.state_dict().items()}
+    # (FSDP2's parameters are DTensors: every rank gathers each whole)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist() for k, v in model.state_dict().items()}
     from hf_ring.apply import unwrap_transformers_model
 
     signature = list(inspect.signature(unwrap_transformers_model(model).forward).parameters)  # (generate() reads it)
