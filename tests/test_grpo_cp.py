@@ -70,6 +70,8 @@ def _trainer(cls, out: Path, name: str, per_device: int, seen: list, lora: bool 
     if lora:  # (its A matrices drawn from this seed)
         torch.manual_seed(11)
         peft["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    if cfg.eval_strategy != "no":  # (prompts of their own)
+        peft["eval_dataset"] = Dataset.from_list(_prompts(4, seed=9))
     return cls(model=str(out / "tiny"), reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(_prompts()),
                processing_class=tiny_tokenizer(), **peft, **ring)  # fmt: skip
 
@@ -80,6 +82,8 @@ def _run(trainer, seen: list) -> dict:
     res = run(trainer)
     res["history"] = [{k: v for k, v in h.items() if k != "step_time"} for h in res["history"]]
     res["completions"] = list(seen)
+    res["eval"] = [{k: v for k, v in h.items() if k.startswith("eval_") and "runtime" not in k and "per_second" not in k}
+                   for h in trainer.state.log_history if "eval_loss" in h]  # fmt: skip
     return res
 
 
@@ -89,7 +93,9 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     # two passes over each generation (TRL's old-policy log-probabilities and its clipped ratios, which move off 1)
-    grpo = {"loss_type": "grpo", "beta": 0.1, "num_iterations": 2}
+    # and an evaluation after the last step (its own prompts, 4 completions each)
+    grpo = {"loss_type": "grpo", "beta": 0.1, "num_iterations": 2, "eval_strategy": "steps", "eval_steps": 3,
+            "per_device_eval_batch_size": 4}  # fmt: skip
     # the rewards' spread over the whole batch, and the loss on the tokens of highest entropy only
     dp = {"loss_type": "dapo", "scale_rewards": "batch", "top_entropy_quantile": 0.5}
     res = {}
@@ -230,10 +236,11 @@ def test_ring_grpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case,
         # prompt's group add up to zero): its error scales with the advantages, of order 1 here
         for got, want in zip(r["losses"], ref["losses"], strict=True):
             assert abs(got - want) <= RTOL * max(abs(want), 1.0), (world, case, r["losses"], ref["losses"])
-        for got, want in zip(r["history"], ref["history"], strict=True):
+        assert len(r["eval"]) == len(ref["eval"]) == (1 if case in ("cp", "lora") else 0), (r["eval"], ref["eval"])
+        for got, want in zip(r["history"] + r["eval"], ref["history"] + ref["eval"], strict=True):
             assert got.keys() == want.keys()
             for key in want:  # (near-zero metrics: clipping ratios, KL at the start; the loss as above)
-                floor = 1.0 if key == "loss" else 1e-2
+                floor = 1.0 if key in ("loss", "eval_loss") else 1e-2
                 assert abs(got[key] - want[key]) <= RTOL * max(abs(want[key]), floor), (world, case, key, got, want)
         # each parameter's update (a LoRA run: the adapters, whose B matrices start at zero; the rest is frozen)
         # within UPDATE_RTOL of the reference's: fp32 rounds the weights to 1e-7 of their size, the updates are
