@@ -103,9 +103,10 @@ def _worker(rank: int, world: int, args, out: str) -> None:
         loss = model(**local).loss
         loss.backward()
         dist.barrier()
-        grad = model.model.visual.blocks[0].mlp.fc1.weight.grad.clone()
+        took = time.perf_counter() - t
+        grad = torch.cat([p.grad.flatten() for p in model.model.visual.parameters()])  # the whole tower's
         dist.all_reduce(grad)  # (the CP gradient sum)
-        return time.perf_counter() - t, spans.pop(), float(loss.detach()), grad
+        return took, spans.pop(), float(loss.detach()), grad
 
     res = {}
     for mode in ("split", "whole"):

@@ -7,17 +7,23 @@ video_grid_thw)`` encode each image (video) on its own from its rows of ``pixel_
 each: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V, the Qwen-Omni thinkers, ...) get ``SplitEncoder`` in their
 place while patched (an instance attribute of the module that defines them innermost; ``remove`` deletes it):
 
+- one small all-gather first compares the ranks' images (their count, grids, shape and a sample of their values):
+  ranks given different images raise the same error on every rank, before the split's other collectives;
 - the images are assigned to ranks (largest first, to the least loaded rank by patch count; every rank computes
-  the same assignment from ``grid_thw``), and each rank encodes its own;
-- one small all-reduce tells every rank how many features each image gave; one all-gather (``comm.StateGather``,
-  the features padded to the largest rank's count) brings every image's features (and Qwen3-VL's deepstack
-  features) to every rank, in the images' order, as the tower would have returned them;
+  the same assignment from ``grid_thw``), and each rank encodes its own (a ``get_video_features`` that encodes its
+  frames with ``get_image_features`` runs the model's own method on the rank's share);
+- one all-gather of the feature counts and one of the features (``comm.StateGather``, padded to the largest rank's
+  count; both honour the ring's ``timeout``) bring every image's features (and Qwen3-VL's deepstack features) to
+  every rank, in the images' order, as the tower would have returned them;
 - the all-gather's backward sums every rank's gradient of each image's features onto the rank that encoded it, so
   the tower's parameters get, summed over the CP group, the gradient of every image: the same as before.
 
-Fewer images than ranks, ``pixel_values`` not laid out one image after another by ``grid_thw``, or a method that
-does not return one feature tensor per image (a warning, once): every rank encodes every image, as before. ``last_hidden_state`` (the tower's output before its merger) is not gathered: it is
-None under the split (the models read the merged features only).
+Fewer images than ranks, or ``pixel_values`` not laid out one image after another by ``grid_thw``: every rank
+encodes every image, as before. A method that does not return one feature tensor per image (HunyuanOCR's and
+MiniMax M3's on Transformers 5.17) is found out on its first call (which then encodes twice) and encodes every image
+on every rank from then on, with a warning. ``last_hidden_state`` (the tower's output before its merger) is not
+gathered: it is None under the split (the models read the merged features only); ``hidden_states`` and
+``attentions``, when asked for, are the rank's own images'.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import functools
 import inspect
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["SplitEncoder", "install", "remove"]
 
@@ -46,30 +51,45 @@ def _assign(rows: list, world: int) -> list:
 
 
 class SplitEncoder:
-    """A vision-language model's ``get_image_features`` / ``get_video_features`` while patched (see the module)."""
+    """A vision-language model's ``get_image_features`` / ``get_video_features`` while patched (see the module).
 
-    def __init__(self, fn, cfg, names: tuple):
+    ``shared``: one dict for a module's encoders: a call inside another (a ``get_video_features`` that encodes its
+    frames with ``get_image_features``: Qwen3-VL, Qwen3.5, Kimi K2.5, ...) runs the model's own method on the share
+    the outer call gave it."""
+
+    def __init__(self, fn, cfg, names: tuple, shared: dict):
         self.fn = fn  # the model's own method, bound
         self.cfg = cfg
         self.names = names  # its first two parameters: pixel values, grid
-        self.warned = False
+        self.shared = shared
+        self.whole = False  # the method returns no feature tensor per image: every rank encodes every image
         functools.update_wrapper(self, fn)  # its signature, which generate() reads to encode a prompt's images ahead
 
     def __call__(self, *args, **kwargs):
-        from hf_ring.comm import StateGather, group_rank_and_size
+        from hf_ring.comm import RingComm, StateGather, group_rank_and_size
+        from hf_ring.preflight import check_everywhere, fingerprint
 
         pixels = args[0] if args else kwargs.pop(self.names[0])
         grid = args[1] if len(args) > 1 else kwargs.pop(self.names[1], None)
         rank, world = group_rank_and_size(self.cfg.group)
-        n = grid.shape[0] if isinstance(grid, torch.Tensor) and grid.dim() == 2 else 0
-        rows = grid.prod(-1).tolist() if n else []
         if (
             world == 1
-            or n < world
+            or self.whole
+            or self.shared.get("inside")
             or len(args) > 2
             or not isinstance(pixels, torch.Tensor)
-            or pixels.shape[0] != sum(rows)
         ):
+            return self.fn(pixels, grid, *args[2:], **kwargs)
+        n = grid.shape[0] if isinstance(grid, torch.Tensor) and grid.dim() == 2 else 0
+        rows = grid.prod(-1).tolist() if n else []
+        # every rank must hold the same images before the split's collectives: their count, grids, shape and a
+        # sample of their values, compared in one small all-gather (a rank given others raises on every rank)
+        flat = pixels.detach().flatten()
+        probe = flat[:: max(1, flat.numel() // 4096)].float().cpu().view(torch.int32)
+        summary = [0, n, fingerprint(grid) if n else 0, fingerprint(torch.tensor(pixels.shape), probe)]
+        check_everywhere(None, summary, RingComm(self.cfg.group), pixels.device, op="hf_ring's vision split",
+                         fields=("error", "images", "grids", "pixel values"))  # fmt: skip
+        if n < world or pixels.shape[0] != sum(rows):
             return self.fn(pixels, grid, *args[2:], **kwargs)
         owner = _assign(rows, world)
         mine = [i for i in range(n) if owner[i] == rank]
@@ -77,34 +97,37 @@ class SplitEncoder:
         for r in rows:
             starts.append(starts[-1] + r)
         own = torch.cat([pixels[starts[i] : starts[i + 1]] for i in mine])
-        out = self.fn(own, grid[mine], **kwargs)
+        self.shared["inside"] = True
+        try:
+            out = self.fn(own, grid[mine], **kwargs)
+        finally:
+            self.shared["inside"] = False
         pooled = getattr(out, "pooler_output", None)
         if not (isinstance(pooled, (tuple, list)) and len(pooled) == len(mine)):  # (alike on every rank)
-            if not self.warned:
-                from transformers.utils import logging
+            from transformers.utils import logging
 
-                logging.get_logger(__name__).warning(
-                    f"hf_ring: {getattr(self.fn, '__qualname__', self.fn)} does not return one feature tensor per "
-                    "image (pooler_output): every rank encodes every image"
-                )
-                self.warned = True
+            logging.get_logger(__name__).warning(
+                f"hf_ring: {getattr(self.fn, '__qualname__', self.fn)} does not return one feature tensor per image "
+                "(pooler_output): every rank encodes every image"
+            )
+            self.whole = True
             return self.fn(pixels, grid, *args[2:], **kwargs)
         local = [f.shape[0] for f in pooled]
         # deepstack features: per image (as pooler_output), or the images' concatenated (Transformers 5.17)
         deep = list(getattr(out, "deepstack_features", None) or [])
         joined = [isinstance(f, torch.Tensor) for f in deep]
         fields = [pooled, *(torch.split(f, local) if j else f for f, j in zip(deep, joined, strict=True))]
+        timeout = self.cfg.timeout
         counts = torch.zeros(n, dtype=torch.long, device=pixels.device)
         counts[mine] = torch.tensor(local, dtype=torch.long, device=pixels.device)
-        dist.all_reduce(counts, group=self.cfg.group)  # every image's feature count, on every rank
-        counts = counts.tolist()
+        counts = StateGather(self.cfg.group, timeout=timeout, what="the vision features' counts").gather(counts)
+        counts = counts.sum(0).tolist()  # every image's feature count, on every rank
         widths = [f[0].shape[-1] for f in fields]
-        flat = torch.cat([torch.cat(list(f), dim=0) for f in fields], dim=-1)  # [my features, sum of widths]
+        mixed = torch.cat([torch.cat(list(f), dim=0) for f in fields], dim=-1)  # [my features, sum of widths]
         loads = [sum(counts[i] for i in range(n) if owner[i] == r) for r in range(world)]
-        flat = torch.nn.functional.pad(flat, (0, 0, 0, max(loads) - flat.shape[0]))
-        what = "the vision features' all-gather"
-        every = StateGather(self.cfg.group, timeout=self.cfg.timeout, what=what).gather(flat)  # [world, max, width]
-        feats, seen = [None] * n, [0] * world
+        mixed = torch.nn.functional.pad(mixed, (0, 0, 0, max(loads) - mixed.shape[0]))
+        every = StateGather(self.cfg.group, timeout=timeout, what="the vision features' all-gather").gather(mixed)
+        feats, seen = [None] * n, [0] * world  # every: [world, most features, width]
         for i in range(n):
             r = owner[i]
             feats[i] = every[r, seen[r] : seen[r] + counts[i]]
@@ -144,8 +167,9 @@ def _holds(outer, inner) -> bool:
 
 def install(model, cfg) -> None:
     remove(model)
+    shared = {}  # per module
     for m, name, names in _encoders(model):
-        setattr(m, name, SplitEncoder(getattr(m, name), cfg, names))
+        setattr(m, name, SplitEncoder(getattr(m, name), cfg, names, shared.setdefault(id(m), {})))
 
 
 def remove(model) -> None:

@@ -271,10 +271,6 @@ def test_the_check_names_what_text_batches_never_reach():
         check_ddp_reaches_every_parameter(ddp(False), get_peft_model(_model(frozen=True), text_only))
 
 
-if __name__ == "__main__":
-    run_worker(worker, Path(sys.argv[1]))
-
-
 def test_the_vision_split_is_installed_balanced_and_reverted():
     """The grid families' encoders are split while patched (innermost module only) and restored by revert; images go
     largest first to the least loaded rank, the same on every rank."""
@@ -291,3 +287,98 @@ def test_the_vision_split_is_installed_balanced_and_reverted():
     assert not any(k.startswith("get_") for m in model.modules() for k in vars(m))
     assert _split_vision._assign([16, 64, 16, 32, 16], 2) == [1, 0, 1, 1, 0]  # 64 + 16 | 32 + 16 + 16 (a tie: rank 0)
     assert _split_vision._assign([4, 4, 4], 2) == [0, 1, 0]
+
+
+SPLIT_GRIDS = [[4, 4], [4, 8], [8, 4], [4, 4], [8, 8]]  # five images (or videos) of unequal sizes
+
+
+def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
+    """The model's ``method`` on five images (videos of 2 temporal patches) with the split and without, a loss of
+    their features (and deepstack features): the features on every rank, and the vision tower's gradient summed over
+    the group (every rank takes the whole loss here: ``world`` times the reference's)."""
+    import copy
+
+    import torch.distributed as dist
+
+    import hf_ring
+    from tests.hf_models import make_model
+
+    model = make_model(family, images=True)
+    ref = copy.deepcopy(model)
+    hf_ring.apply_ring_attention(model)
+    frames = 2 if method == "get_video_features" else 1
+    grids = torch.tensor([[frames, h, w] for h, w in SPLIT_GRIDS])
+    pixels = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(3))
+    rows = []
+
+    def run(m):
+        handle = m.model.visual.register_forward_pre_hook(lambda mod, a: rows.append(int(a[0].shape[0])))
+        out = getattr(m.model, method)(pixels, grids)
+        handle.remove()
+        feats = torch.cat(out.pooler_output)
+        deep = [
+            torch.cat(d) if isinstance(d, (list, tuple)) else d for d in getattr(out, "deepstack_features", None) or []
+        ]
+        weights = torch.randn(feats.shape, generator=torch.Generator().manual_seed(5))
+        loss = (feats * weights).sum() + sum((d * d).sum() for d in deep)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in m.model.visual.named_parameters() if p.grad is not None}
+        return torch.cat([feats.detach(), *(d.detach() for d in deep)], dim=-1), grads
+
+    feats, grads = run(model)
+    encoded = list(rows)
+    for g in grads.values():
+        dist.all_reduce(g)  # (the CP gradient sum)
+    ref_feats, ref_grads = run(ref)
+    grad_err = max(float((grads[n] / world - g).norm() / g.norm()) for n, g in ref_grads.items() if g.norm() > 0)
+    return {"feat_err": float((feats - ref_feats).abs().max() / ref_feats.abs().max()), "grad_err": grad_err,
+            "encoded": encoded, "total": int(pixels.shape[0]), "same_grads": sorted(grads) == sorted(ref_grads)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family, method, world",
+    [
+        ("qwen3_vl", "get_video_features", 2),
+        ("qwen3_vl", "get_image_features", 4),
+        ("qwen2_5_vl", "get_image_features", 4),
+    ],  # fmt: skip
+    ids=["qwen3_vl-videos-2", "qwen3_vl-images-4", "qwen2_5_vl-images-4"],
+)
+def test_the_vision_split_gives_every_rank_every_feature_and_the_whole_gradient(family, method, world):
+    """Each rank encodes only its share of five images (videos: Qwen3-VL encodes their frames with its image
+    method, inside the split one); the features every rank gets and the vision tower's gradient summed over the
+    group equal the unsplit model's (Qwen3-VL's deepstack features included; Qwen2.5-VL's windowed tower)."""
+    from tests.dist_utils import run_distributed
+
+    results = run_distributed(_split_worker, world, family, method, timeout=600)
+    for r in results:
+        assert r["feat_err"] <= 1e-6 and r["grad_err"] <= 1e-5 and r["same_grads"], r
+        assert len(r["encoded"]) == 1 and r["encoded"][0] < r["total"], r  # (one call: the nested one not split again)
+    assert sum(r["encoded"][0] for r in results) == results[0]["total"], results
+
+
+def _differing_worker(rank: int, world: int) -> str:
+    import hf_ring
+    from tests.hf_models import make_model
+
+    model = hf_ring.apply_ring_attention(make_model("qwen2_vl", images=True))
+    grids = torch.tensor([[1, 4, 4]] * 3)
+    pixels = torch.randn(48, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(3)) + rank  # (rank 1's differ)
+    try:
+        model.model.get_image_features(pixels, grids)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_the_vision_split_refuses_ranks_given_different_images():
+    """Every rank raises the same error before the split's collectives (ring_generate's own check of the prompt's
+    images sees the gathered features, alike on every rank)."""
+    from tests.dist_utils import run_distributed
+
+    for error in run_distributed(_differing_worker, 2, timeout=300):
+        assert "vision split: ranks disagree on pixel values" in error, error
+
+
+if __name__ == "__main__":
+    run_worker(worker, Path(sys.argv[1]))
