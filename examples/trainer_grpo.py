@@ -14,17 +14,15 @@ ends with the logged losses and rewards.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DEMO_MODEL, load_model_and_tokenizer, long_documents  # noqa: E402
+from _common import DEMO_MODEL, long_documents, trainer_setup  # noqa: E402
 
 QUESTION = "\n# Question: name one function defined above.\n# Answer: def"
 
@@ -64,27 +62,13 @@ def names_a_function(prompts, completions, **_) -> list:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from accelerate import PartialState
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import set_seed
-    from transformers.utils import logging
     from trl import GRPOConfig
 
-    from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingGRPOTrainer
 
-    logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    plugin = RingAttentionPlugin(cp_size=args.cp_size)
-    cp = plugin.validate(world)  # a clear error before any collective
-    dp = world // cp
-
-    state = PartialState(cpu=not torch.cuda.is_available())
-    with state.local_main_process_first():  # the first run converts the GGUF file once per machine
-        model, tokenizer = load_model_and_tokenizer(args.model)
-    set_seed(args.seed)
+    plugin, cp, dp, model, tokenizer = trainer_setup(args)
     docs = long_documents(tokenizer, args.prompt_len, 8 * args.steps * dp)
     texts = [tokenizer.decode(d["input_ids"]) for d in docs]
     prompts = [{"prompt": t + QUESTION} for t in texts if defined_functions(t)][: args.steps * dp]

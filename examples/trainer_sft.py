@@ -12,16 +12,14 @@ ends with the Trainer's logged losses and an evaluation loss.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DEMO_MODEL, collate, load_model_and_tokenizer, long_documents  # noqa: E402
+from _common import DEMO_MODEL, collate, long_documents, trainer_setup  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,24 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from accelerate import PartialState
     from peft import LoraConfig, get_peft_model
-    from transformers import DataCollatorWithFlattening, set_seed
-    from transformers.utils import logging
+    from transformers import DataCollatorWithFlattening
 
-    from hf_ring.accelerate import RingAttentionPlugin
-
-    logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    plugin = RingAttentionPlugin(cp_size=args.cp_size)
-    cp = plugin.validate(world)  # a clear error before any collective
-    dp = world // cp
-
-    state = PartialState(cpu=not torch.cuda.is_available())
-    with state.local_main_process_first():  # the first run converts the GGUF file once per machine
-        model, tokenizer = load_model_and_tokenizer(args.model)
-    set_seed(args.seed)
+    plugin, cp, dp, model, tokenizer = trainer_setup(args)
     model = get_peft_model(
         model,
         LoraConfig(

@@ -349,8 +349,14 @@ class _OverDP:
         return [x for part in parts for x in part] if isinstance(obj, (list, tuple)) else parts
 
     def gather_for_metrics(self, data, **kwargs):
+        """``Accelerator.gather_for_metrics`` over the DP group: tensors (in tuples, lists and dicts too) gathered
+        each, anything else as objects."""
         if isinstance(data, torch.Tensor):
             return self.trainer._ring_gather_for_metrics(data, **kwargs)
+        if isinstance(data, (tuple, list)) and data and all(isinstance(x, torch.Tensor) for x in data):
+            return type(data)(self.gather_for_metrics(x, **kwargs) for x in data)
+        if isinstance(data, dict) and data and all(isinstance(x, torch.Tensor) for x in data.values()):
+            return {k: self.gather_for_metrics(x, **kwargs) for k, x in data.items()}
         return self.gather_object(data)
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
