@@ -17,7 +17,7 @@ gradient accumulation 2 (TRL generates once per step and trains on two micro-bat
    group of 4 spans both processes (TRL gathers the rewards to normalize them), the "dapo" loss (token-weighted
    over every process);
 4. four processes, DP = 2 x CP = 2: equal to run 3, process by process (each CP rank of DP group d generates and
-   computes what process d does).
+   computes what process d does); ``RingRLOOTrainer`` too, against TRL's ``RLOOTrainer`` on 2 DP processes.
 """
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
         if plain:
             seen = []
             res["dp"] = _run(_trainer(GRPOTrainer, out, "plain", 2, seen, **dp), seen)
+            from trl import RLOOTrainer
+
+            seen = []  # (RLOO's leave-one-out baselines over prompt groups that span both processes)
+            res["rloo_dp"] = _run(_trainer(RLOOTrainer, out, "plain_rloo", 2, seen, beta=0.1), seen)
         else:
             for case, lora in (("cp", False), ("lora", True)):
                 seen = []
@@ -143,6 +147,11 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
         else:
             seen = []
             res["dp"] = _run(_trainer(RingGRPOTrainer, out, "ring_dp", 2, seen, ring_plugin=plugin, **dp), seen)
+            from hf_ring.trainer import RingRLOOTrainer
+
+            seen = []
+            rloo = _trainer(RingRLOOTrainer, out, "ring_rloo", 2, seen, ring_plugin=plugin, beta=0.1)
+            res["rloo_dp"] = _run(rloo, seen)
     (out / f"{'plain' if plain else 'w'}{world}rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -211,8 +220,18 @@ def runs(tmp_path_factory):
         (2, "cp", "fsdp2"),
         (2, "cp", "noisy"),
         (4, "dp", None),
+        (4, "rloo_dp", None),
     ],
-    ids=["cp2", "cp2-lora", "cp2-rloo", "cp2-deepspeed-zero3", "cp2-fsdp2", "cp2-rewards-differ-by-rank", "dp2xcp2"],
+    ids=[
+        "cp2",
+        "cp2-lora",
+        "cp2-rloo",
+        "cp2-deepspeed-zero3",
+        "cp2-fsdp2",
+        "cp2-rewards-differ-by-rank",
+        "dp2xcp2",
+        "dp2xcp2-rloo",
+    ],
 )
 def test_ring_grpo_trainer_matches_trl_on_the_whole_sequences(runs, world, case, run):
     """Every rank generates the completions its DP group's process generates in TRL's own run; the logged losses,
