@@ -16,7 +16,7 @@ the host, so a device copy would only cost a sync per layer.
 
 Images and video (``pixel_values`` or ``pixel_values_videos`` in the batch): the vision features must land on the
 image tokens of the whole sequence and multimodal RoPE (Qwen-VL) numbers the whole sequence, so ``input_ids`` (padded
-to the layout's multiple, with an ``attention_mask`` when the batch has one or anything is padding) and the media keys
+to the layout's multiple at the end, with the batch's ``attention_mask`` when it has one) and the media keys
 go to the model whole, and the model's text model cuts its input embeddings and positions to the rank's shard
 (``ShardInfo.whole_inputs``; ``hf_ring.patches.multimodal``). Every key besides the sequence keys is per image
 (``image_grid_thw``, ``image_sizes``, ...) and passes unchanged, but for the per-token type ids
@@ -219,7 +219,7 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         ``ring_shard_info``: a ``ShardInfo`` (layout, group size, rank, padded length) that the
         attention checks against ``apply_ring_attention``'s settings; ``use_cache=False``. A batch with
         images or video keeps ``input_ids`` [batch, padded seq_len] whole (with ``attention_mask`` when
-        the batch has one or anything is padding), passes its media keys on and has no ``position_ids``; the
+        the batch has one; the padding added comes last), passes its media keys on and has no ``position_ids``; the
         labels are sharded. One with a
         ``cross_attention_mask`` (images by cross-attention) is sharded as text, that mask too, its media whole.
 
@@ -274,9 +274,11 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
     if whole:  # the whole inputs: the model's text model cuts its embeddings and positions (ShardInfo.whole_inputs)
         local["input_ids"] = ids
         # the model's multimodal positions skip padding as they do unsharded; a batch's own mask passes on even when
-        # nothing is padding (the Qwen-Omni thinkers number multimodal positions only when given one)
-        if padded or mask is not None:
-            local["attention_mask"] = valid.to(device=dev, dtype=mask.dtype if mask is not None else torch.long)
+        # nothing is padding (the Qwen-Omni thinkers number multimodal positions only when given one), and a batch
+        # without one gets none: the padding added here comes last, where the causal model never reads it, and the
+        # ring masks it by the document ids (a mask would change the Omni thinkers' positions from the batch's)
+        if mask is not None:
+            local["attention_mask"] = valid.to(device=dev, dtype=mask.dtype)
         for key, value in batch.items():
             if key not in _SEQUENCE_KEYS:
                 per_token = key in TOKEN_TYPE_KEYS and isinstance(value, torch.Tensor)
