@@ -39,7 +39,7 @@ import torch.distributed as dist
 from . import guard
 
 __all__ = [
-    "HeadExchange", "LoopbackComm", "RingComm", "StateGather", "UlyssesGroups", "auto_ulysses_size",
+    "HeadExchange", "LoopbackComm", "RingComm", "StateGather", "UlyssesGroups", "auto_ulysses_size", "global_rank",
     "group_rank_and_size", "ulysses_groups",
 ]  # fmt: skip
 
@@ -49,6 +49,12 @@ def group_rank_and_size(group=None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (the default group: the same), as ``src`` / ``dst`` of a
+    collective or a point-to-point call over ``group`` wants it."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 class RingComm:
@@ -69,13 +75,8 @@ class RingComm:
         self._ops: list = []
         self._reqs: list = []
         if self.world_size > 1:
-            self.send_peer = self._global((self.rank + 1) % self.world_size)
-            self.recv_peer = self._global((self.rank - 1) % self.world_size)
-
-    def _global(self, group_rank: int) -> int:
-        if self.group is None:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
+            self.send_peer = global_rank(self.group, (self.rank + 1) % self.world_size)
+            self.recv_peer = global_rank(self.group, (self.rank - 1) % self.world_size)
 
     def send_recv(self, to_send: torch.Tensor, recv_buf: torch.Tensor | None = None) -> torch.Tensor:
         """Queue sending ``to_send`` to the next rank and receiving into ``recv_buf`` (allocated if None)."""

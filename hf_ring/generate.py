@@ -62,7 +62,7 @@ from .batch import (
     per_token_key,
     shard_batch,
 )
-from .comm import RingComm, group_rank_and_size
+from .comm import RingComm, global_rank, group_rank_and_size
 from .hf_attention import CONFIG_ATTR, DECODE_KWARG
 from .layout import positions, required_multiple, shard
 from .preflight import check_everywhere, fingerprint
@@ -476,7 +476,6 @@ class _After:
             owner = next(r for r in range(st.world) if last in positions(st.prompt, rank=r, world_size=st.world,
                                                                          layout=st.layout))  # fmt: skip
             logits = output.logits.contiguous()
-            src = owner if st.group is None else dist.get_global_rank(st.group, owner)
-            dist.broadcast(logits, src=src, group=st.group)
+            dist.broadcast(logits, src=global_rank(st.group, owner), group=st.group)
             output.logits = logits
         return output

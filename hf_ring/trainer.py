@@ -167,16 +167,21 @@ class RingAttentionTrainerMixin:
         ring = self.ring_setup
         if ring.world_size == 1 or not isinstance(data, torch.Tensor):
             return self.accelerator.gather_for_metrics(data, **kwargs)
-        data = data.contiguous()
-        if data.dim() == 0:
-            data = data[None]
-        parts = [torch.empty_like(data) for _ in range(ring.dp_size)]
-        dist.all_gather(parts, data, group=ring.dp_group)
-        out = torch.cat(parts)
+        out = _gather_over_dp(ring, data)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             out = out[: state.remainder]  # the samples a plain run pads the last batch with
         return out
+
+
+def _gather_over_dp(ring, data: torch.Tensor) -> torch.Tensor:
+    """Every DP replica's ``data`` (a 0-d tensor as [1]), concatenated on dim 0 in DP-rank order."""
+    data = data.contiguous()
+    if data.dim() == 0:
+        data = data[None]
+    parts = [torch.empty_like(data) for _ in range(ring.dp_size)]
+    dist.all_gather(parts, data, group=ring.dp_group)
+    return torch.cat(parts)
 
 
 class RingAttentionTrainer(RingAttentionTrainerMixin, Trainer):
@@ -333,13 +338,7 @@ class _OverDP:
             return type(data)(self.gather(x) for x in data)
         if isinstance(data, dict):
             return {k: self.gather(v) for k, v in data.items()}
-        ring = self.trainer.ring_setup
-        data = data.contiguous()
-        if data.dim() == 0:
-            data = data[None]
-        parts = [torch.empty_like(data) for _ in range(ring.dp_size)]
-        dist.all_gather(parts, data, group=ring.dp_group)
-        return torch.cat(parts)
+        return _gather_over_dp(self.trainer.ring_setup, data)
 
     def gather_object(self, obj):
         """``accelerate.utils.gather_object`` over the DP group (a list's items flattened)."""
@@ -454,8 +453,9 @@ class _OnlineTrainerMixin:
         rewards = super()._calculate_rewards(*args, **kwargs)
         ring = self.ring_setup
         if ring.cp_size > 1:
-            first = dist.get_global_rank(ring.cp_group, 0) if ring.cp_group is not None else 0
-            dist.broadcast(rewards, src=first, group=ring.cp_group)
+            from .comm import global_rank
+
+            dist.broadcast(rewards, src=global_rank(ring.cp_group, 0), group=ring.cp_group)
         return rewards
 
     def _prepare_inputs(self, *args, **kwargs):

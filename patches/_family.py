@@ -507,9 +507,10 @@ class FamilyPatch:
         cross = bool(self.local_modules(model))
         text_only = TextOnly(self.name, self.media, self.images, cfg.group, cross=cross) if self.media else None
         _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
-        _split_vision.remove(model)
         if self.images and not cross:  # (the images of a batch reach every rank whole: each encodes its share)
-            _split_vision.install(model, cfg)
+            _split_vision.install(model, cfg)  # (in place of the encoders an earlier apply installed)
+        else:
+            _split_vision.remove(model)
         setattr(model, ORIGINAL_ATTR, original)
         return model
 
