@@ -313,18 +313,27 @@ def _media_tensors(kwargs: dict) -> list:
 
 
 def _kv_sources(model) -> dict[int, int]:
-    """Layers that attend with the keys/values of an earlier layer and keep no cache of their own (Gemma 4's
-    KV-shared layers: the last layer of their type that stores its keys/values) -> that layer's index."""
+    """Layers that attend with the keys/values of an earlier layer and keep no cache of their own -> that layer's
+    index: Gemma 4's KV-shared layers (the last layer of their type that stores its keys/values), Mistral Large 4's
+    (``config.kv_source_layers`` names each layer's source)."""
     producers, shared = {}, []
     for m in model.modules():
-        if getattr(m, "store_full_length_kv", False):
+        if getattr(m, "store_full_length_kv", False) and hasattr(m, "layer_type"):
             producers[m.layer_type] = m.layer_idx
         if getattr(m, "is_kv_shared_layer", False):
             shared.append(m)
-    missing = [m.layer_idx for m in shared if m.layer_type not in producers]
+    sources, missing = {}, []
+    for m in shared:
+        named = getattr(getattr(m, "config", None), "kv_source_layers", None)
+        if named is not None:
+            sources[m.layer_idx] = named[m.layer_idx]
+        elif getattr(m, "layer_type", None) in producers:
+            sources[m.layer_idx] = producers[m.layer_type]
+        else:
+            missing.append(m.layer_idx)
     if missing:
         raise ValueError(f"ring_generate: layers {missing} reuse keys/values that no layer of their type stores")
-    return {m.layer_idx: producers[m.layer_type] for m in shared}
+    return sources
 
 
 _CACHE_NAMES = ("cache", "cache_params", "past_key_values")

@@ -1,6 +1,6 @@
 """DeepSeek sparse attention (DSA) under the ring: the indexer's top-k taken over the whole sequence.
 
-DSA models (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4) give their attention layers an indexer: a small
+DSA models (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4, Mistral Large 4) give their attention layers an indexer: a small
 multi-head dot product (one key head, ReLU, weighted over its heads) scores every query against every key it may
 see, and the attention then sees only the ``index_topk`` best keys of each query. Under context parallelism a
 rank holds its own tokens only, while a query's top-k ranges over every earlier key of the sequence.
@@ -111,8 +111,18 @@ class IndexerCall:
         """The model's indexer on the queries ``rows`` of this call, with ``cache`` and ``mask``."""
         cos, sin = self.position_embeddings
         cut = (slice(None), rows)
-        args = (self.hidden_states[cut], self.q_resid[cut], (cos[cut], sin[cut]), mask, self.position_ids)
-        return type(self.module).forward(self.module, *args, **{self.cache_name: cache})
+        pos = self.position_ids
+        given = {
+            "hidden_states": self.hidden_states[cut],
+            "position_embeddings": (cos[cut], sin[cut]),
+            "attention_mask": mask,
+            # (Mistral Large 4's indexer scales its queries by their positions; the others take them unused)
+            "position_ids": pos[cut] if isinstance(pos, torch.Tensor) and pos.dim() == 2 else pos,
+            self.cache_name: cache,
+        }
+        if self.q_resid is not None:  # (DeepSeek-V3.2's queries come from the attention's query latent)
+            given["q_resid"] = self.q_resid[cut]
+        return type(self.module).forward(self.module, **given)
 
 
 def select(

@@ -1,6 +1,6 @@
 """DeepSeek sparse attention's indexers, deferred to hf_ring's attention function while the model is patched.
 
-A DSA attention module (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4) calls its indexer on its own tokens, with
+A DSA attention module (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4, Mistral Large 4) calls its indexer on its own tokens, with
 its 4-D mask cut to ``[:, 0, :, :]``, and passes the top-k positions to the attention function as ``indices``
 (``ring_attention`` takes no dense mask: Transformers leaves the selection to attention implementations other
 than eager and SDPA). Under the ring the top-k must range over the keys of every rank, which only the attention
@@ -39,7 +39,7 @@ class DeferIndexer:
         return IndexerCall(
             module=self.module,
             hidden_states=given["hidden_states"],
-            q_resid=given["q_resid"],
+            q_resid=given.get("q_resid"),  # (Mistral Large 4's indexer takes none)
             position_embeddings=given["position_embeddings"],
             position_ids=given.get("position_ids"),
             cache_name=self.cache_name,

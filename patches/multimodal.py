@@ -118,6 +118,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "qwen3_vl_moe": ("qwen3_vl_moe_text",),  # Qwen3-VL-30B-A3B, 235B-A22B
     "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),  # InternVL 3 / 3.5
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
+    "mistral_large4": ("mistral_large4_text",),  # Mistral Large 4 (DeepSeek sparse attention; Transformers 5.24)
     "lfm2_vl": ("lfm2",),  # LFM2-VL
     "qwen3_5": ("qwen3_5_text",),  # Qwen3.5 (every checkpoint is this vision-language model)
     "qwen3_5_moe": ("qwen3_5_moe_text",),
@@ -194,6 +195,7 @@ IMAGES = (
     "qwen3_5_moe",
     "internvl",
     "mistral3",
+    "mistral_large4",
     "idefics3",
     "smolvlm",
     "gemma3",
@@ -351,6 +353,7 @@ LOGIT_TRANSFORMS = {
     "gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"],
     "paligemma": generic.LOGIT_TRANSFORMS["gemma2"],  # (a Gemma text config has no softcap: none)
     "granite4_vision": generic.LOGIT_TRANSFORMS["granite"],  # its head divides by the text config's logits_scaling
+    "mistral_large4": generic.LOGIT_TRANSFORMS["gemma2"],  # its head softcaps with the text config's cap (always set)
 }
 """What a vision-language head does to the logits, read from the text config (Gemma 4's and PaliGemma 2's heads
 softcap them as their text models' do; Gemma 3's does not)."""
@@ -372,7 +375,7 @@ def _check_step3p5(config) -> None:
         )
 
 
-INNER_CHECKS = {"step3p5": _check_step3p5}
+INNER_CHECKS = {"step3p5": _check_step3p5, "mistral_large4_text": generic.check_sparse}
 """Inner text models with a check of their own (else ``generic.check``)."""
 
 INNER = {
@@ -381,6 +384,7 @@ INNER = {
         model_types=(model_type,),
         attention_class=path,
         check_config=INNER_CHECKS.get(model_type, generic.check),
+        sparse=model_type in generic.SPARSE,
     )
     for model_type, path in {
         "qwen2_vl_text": "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLAttention",
@@ -405,6 +409,7 @@ INNER = {
         "granite4_vision_text": (
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),
+        "mistral_large4_text": "transformers.models.mistral_large4.modeling_mistral_large4.MistralLarge4TextAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

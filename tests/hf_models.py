@@ -336,6 +336,20 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "lfm2_vl": ("Lfm2VlConfig", "Lfm2VlForConditionalGeneration", MORE_FAMILIES["lfm2"][2],
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "patch_size": 16}),
+    # Mistral Large 4: DeepSeek sparse attention without a query latent (its indexer projects the hidden states),
+    # layers without RoPE (1, 3), layer 2 reusing layer 0's latents and layer 1's top-k, layer 3 layer 1's latents with
+    # an indexer of its own, queries scaled by log(position + 1) per head (randomized in make_model, as LeRoPE's
+    # learned frequencies), final logit softcapping
+    "mistral_large4": ("MistralLarge4Config", "MistralLarge4ForConditionalGeneration",
+                       {"num_hidden_layers": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                        "qk_rope_head_dim": 8, "v_head_dim": 12, **_DSA, "n_routed_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                        "no_rope_layers": [1, 0, 1, 0], "kv_source_layers": [0, 1, 0, 1],
+                        "indexer_types": ["full", "full", "shared", "full"], "final_logit_softcapping": 2.0,
+                        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64, "attention_factor": 1.0}},
+                       {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                        "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {"head_dim": 16, "sliding_window": 7},
                  {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
@@ -584,7 +598,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
          "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24",
          "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24",
-         "molmo2": "5.24"}  # fmt: skip
+         "molmo2": "5.24", "mistral_large4": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -870,6 +884,12 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
         if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
             with torch.no_grad():
                 m.sinks.normal_()
+    for m in model.modules():  # Mistral Large 4 starts with no query scaling by position and LeRoPE's learned
+        # frequencies at 1 (scale 0, bias 1, alpha 0): draw them, so that the ring must give each query its own position
+        if type(m).__name__.endswith("SoftmaxScaling") or type(m).__name__ == "MistralLarge4TextRotaryEmbedding":
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.copy_(p + 0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
     for m in model.modules():  # a non-default attention scale, which the ring must honour
         if isinstance(getattr(m, "scaling", None), float):
             m.scaling *= SCALE_FACTORS.get(family, SCALE_FACTOR)  # the family's own scale (multipliers, ...), changed
@@ -1093,7 +1113,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["mm_token_type_ids"] = types
     else:
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
-        if family in ("mistral3", "lighton_ocr"):
+        if family in ("mistral3", "mistral_large4", "lighton_ocr"):
             extra["image_sizes"] = torch.tensor([[28, 28]] * len(spots))
         if family == "aria":  # its processor's mask of each image's real pixels (all of them here)
             extra["pixel_mask"] = torch.ones(len(spots), 28, 28, dtype=torch.bool)

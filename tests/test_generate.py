@@ -52,6 +52,8 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
         {"scores": True, "layout": "striped", "pad_like_ring": True},
     ),
     "hy_v4-sparse-shared": ("hy_v4", 2, 14, 3, {"scores": True, "pad_like_ring": True}),
+    # Mistral Large 4: an indexer of its own queries, both scaled by position; latents and top-k reused by layer 2
+    "mistral_large4-sparse-shared": ("mistral_large4", 2, 14, 3, {"scores": True, "pad_like_ring": True}),
     # Llama 4: chunks of 8 tokens counted from each row's first token (decoding crosses into the next chunk), a
     # layer without RoPE whose queries scale with their index in the row
     "llama4_text-chunked": ("llama4_text", 2, 14, 3, {"scores": True}),
@@ -80,6 +82,7 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "nemotron-lent-keywords": ("nemotron", 2, 14, 3, {}),
     "stablelm-lent-keywords": ("stablelm", 1, 13, 0, {}),
 }
+CASES = {name: case for name, case in CASES.items() if in_transformers(case[0])}
 
 
 HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layout): models with recurrent layers
@@ -242,6 +245,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "molmo2-images": ("molmo2", "images-padded", {}),
     "emu3-images": ("emu3", "images-padded", {}),
     "step3p7-images": ("step3p7", "images-padded", {}),
+    "mistral_large4-images": ("mistral_large4", "images-padded", {}),  # DeepSeek sparse attention over image tokens
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "voxtral-audio": ("voxtral", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),

@@ -222,6 +222,7 @@ def _sub_configs(config) -> list:
         "llava_onevision",
         "minimax_m3_vl",
         "mistral3",
+        "mistral_large4",
         "minicpmv4_6",
         "molmo2",
         "mistral3-ministral3",
@@ -365,6 +366,7 @@ def _text_only_batches_and_refused_images(family):
         ("qianfan_ocr", "images-padded"),
         ("exaone4_5", "images"),  # sliding and full layers (EXAONE 4 text)
         ("minimax_m3_vl", "images-padded"),  # partial rotary, experts (MiniMax M3 text, dense attention layers)
+        ("mistral_large4", "images-padded"),  # DeepSeek sparse attention over image tokens (Mistral Large 4 text)
         ("lfm3_vl", "images-padded"),  # short convolutions, sliding and full layers (LFM3 text)
         ("apertus1p5", "images-padded"),  # images as discrete codes embedded by the text model
         ("apertus1p5", "audio"),  # audio too (input_values: waveforms, their codes embedded)
@@ -1193,13 +1195,14 @@ def test_one_rank_through_kv_shared_layers_with_a_padding_mask_or_a_count_of_log
     assert not any(_shared_kv.ATTR in vars(m) for m in model.modules())
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4"])
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "mistral_large4"])
 def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and_reverts(family, monkeypatch):
     """DeepSeek sparse attention at one rank: each indexer's call is deferred to hf_ring's attention function
     (``patches._sparse``), which takes the top-k over the whole sequence (``hf_ring.sparse.select``). The logits
     are the unmodified model's (SDPA's mask) with a padding mask or not, and with the indexer's scores in chunks
-    of one query (``CHUNK_BYTES``); a layer reusing an earlier layer's top-k (GLM-MoE-DSA's and HunYuan V4's
-    "shared") has it computed once. The selection matters: every key visible changes the logits (a control).
+    of one query (``CHUNK_BYTES``); a layer reusing an earlier layer's top-k (GLM-MoE-DSA's, HunYuan V4's and
+    Mistral Large 4's "shared") has it computed once. Mistral Large 4's indexer takes no query latent and scales
+    its queries by their positions, each chunk's own. The selection matters: every key visible changes the logits (a control).
     Revert restores the indexers and the masks. Top-k indices that are not hf_ring's deferred call (a rank's own)
     are refused."""
     from hf_ring.patches._sparse import DeferIndexer, WrapMask
@@ -1212,13 +1215,15 @@ def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and
     padded, plain, keep = _padded_and_plain()
     with torch.no_grad():
         ref = [model(**inputs).logits for inputs in (plain, padded)]
-    indexers = [m.self_attn.indexer for m in model.model.layers if m.self_attn.indexer is not None]
-    assert len(indexers) == (1 if family in ("glm_moe_dsa", "hy_v4") else 2)  # (their layer 1 reuses layer 0's)
+    layers = model.get_decoder().layers
+    indexers = [m.self_attn.indexer for m in layers if m.self_attn.indexer is not None]
+    # (GLM-MoE-DSA's and HunYuan V4's layer 1 reuses layer 0's top-k; Mistral Large 4's layer 2 layer 1's)
+    assert len(indexers) == {"glm_moe_dsa": 1, "hy_v4": 1, "mistral_large4": 3}.get(family, 2)
     hf_ring.apply_ring_attention(model)
     hf_ring.apply_ring_attention(model)  # again: nothing doubled
     assert all(isinstance(vars(i).get("forward"), DeferIndexer) for i in indexers)
-    hooks = [sum(isinstance(h, WrapMask) for h in m.self_attn._forward_pre_hooks.values()) for m in model.model.layers]
-    assert hooks == [1, 1]
+    hooks = [sum(isinstance(h, WrapMask) for h in m.self_attn._forward_pre_hooks.values()) for m in layers]
+    assert hooks == [1] * len(layers)
     runs = []
     real_run = sparse.IndexerCall.run
     monkeypatch.setattr(sparse.IndexerCall, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
@@ -1239,9 +1244,9 @@ def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and
             i.index_topk = 1000
         assert float((model(**plain).logits - ref[0]).norm() / ref[0].norm()) > 1e-2
         for i in indexers:
-            i.index_topk = model.config.index_topk
+            i.index_topk = model.config.get_text_config().index_topk
     q = torch.randn(1, 2, 8, 8)  # indices from an indexer hf_ring did not defer: its own rank's top-k, refused
-    attention = model.model.layers[0].self_attn
+    attention = layers[0].self_attn
     with pytest.raises(ValueError, match="apply_ring_attention"):
         hf_attention.ring_attention_forward(attention, q, q, q, None, indices=torch.zeros(1, 8, 2, dtype=torch.int32))
 
@@ -1284,3 +1289,9 @@ def test_ddp_is_told_up_front_that_sparse_attention_indexers_get_no_gradient():
             m.indexer.requires_grad_(False)
     check_ddp_reaches_every_parameter(ddp(False), model)
     assert without_gradient(make_model("deepseek_v3")) == []
+    if in_transformers("mistral_large4"):  # a vision-language model's text model (its patch inherits the indexers)
+        vlm = make_model("mistral_large4")
+        idle = without_gradient(vlm)
+        assert idle and len(idle) == sum(".indexer." in n for n, _ in vlm.named_parameters())
+        with pytest.raises(ValueError, match=r"indexers .* get no gradient"):
+            check_ddp_reaches_every_parameter(ddp(False), vlm)

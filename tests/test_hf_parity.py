@@ -147,6 +147,16 @@ CASES = {
     "axk2-plain-lora": ("axk2", "plain", 45, {"lora": True}),
     "hy_v4-packed-checkpointing": ("hy_v4", "packed", 40, {"checkpointing": True}),
     "hy_v4-padded-striped": ("hy_v4", "padded", 45, {"layout": "striped"}),
+    # Mistral Large 4: an indexer without a query latent, queries scaled by their global positions, shared latents
+    "mistral_large4-packed": ("mistral_large4", "packed", 40, {}),
+    "mistral_large4-padded-checkpointing-chunked": (
+        "mistral_large4",
+        "padded",
+        45,
+        {"checkpointing": True, "chunk_bytes": 1},
+    ),
+    "mistral_large4-plain-lora-striped": ("mistral_large4", "plain", 45, {"lora": True, "layout": "striped"}),
+    "mistral_large4-images-padded": ("mistral_large4", "images-padded", 45, {}),
     "longcat_flash-packed": ("longcat_flash", "packed", 40, {}),
     "mistral4-plain": ("mistral4", "plain", 45, {}),
     "minicpm3-packed": ("minicpm3", "packed", 40, {}),
