@@ -112,10 +112,13 @@ MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_fe
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
     "gemma4": ("gemma4_text",),  # Gemma 4 (text, vision, audio)
+    "gemma4_unified": ("gemma4_unified_text",),  # Gemma 4 Unified (encoder-free: patches and audio projected)
     "qwen2_vl": ("qwen2_vl_text",),
     "qwen2_5_vl": ("qwen2_5_vl_text",),
     "qwen3_vl": ("qwen3_vl_text",),
     "qwen3_vl_moe": ("qwen3_vl_moe_text",),  # Qwen3-VL-30B-A3B, 235B-A22B
+    "cohere_compass": ("cohere_compass_text",),  # Cohere Compass (Qwen3-VL's tower and multimodal RoPE)
+    "hyperclovax_vision_v2": ("hyperclovax",),  # HyperCLOVA X Vision V2 (Qwen2.5-VL's tower; Transformers 5.24)
     "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),  # InternVL 3 / 3.5
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
     "mistral_large4": ("mistral_large4_text",),  # Mistral Large 4 (DeepSeek sparse attention; Transformers 5.24)
@@ -191,6 +194,8 @@ IMAGES = (
     "qwen2_5_vl",
     "qwen3_vl",
     "qwen3_vl_moe",
+    "cohere_compass",
+    "hyperclovax_vision_v2",
     "qwen3_5",
     "qwen3_5_moe",
     "internvl",
@@ -200,6 +205,7 @@ IMAGES = (
     "smolvlm",
     "gemma3",
     "gemma4",
+    "gemma4_unified",
     "lfm2_vl",
     "aya_vision",
     "cohere2_vision",
@@ -282,6 +288,51 @@ def _gemma4_blocks(config, arguments: dict) -> RingBlocks | None:
     return None if ids is None else RingBlocks(ids, sliding_only=True)
 
 
+def _gemma4_unified_blocks(config, arguments: dict) -> RingBlocks | None:
+    """Gemma 4 Unified's image and video blocks (``mm_token_type_ids`` 1 or 2) on every layer, for text configs with
+    ``use_bidirectional_attention="vision"`` (its default): its forward builds its masks with Transformers'
+    ``create_masks_for_generate``, which lets a block's tokens see each other on the full-attention layers too (Gemma
+    4's stay causal there).
+
+    Refused (ValueError, alike on every rank: every rank derives this from the same whole batch): a block longer than
+    the sliding window. On the sliding layers Transformers lets a block's tokens see each other whatever their distance
+    (it ORs the blocks onto the windowed causal mask), where the ring applies the window after the blocks."""
+    text = config.get_text_config()
+    if getattr(text, "use_bidirectional_attention", None) != "vision":
+        return None
+    ids = _runs(arguments.get("mm_token_type_ids"), (1, 2))
+    if ids is None:
+        return None
+    window = _sliding_window(text)
+    if window is not None and _longest_block(ids) > window:
+        raise ValueError(
+            f"gemma4_unified: an image or video of {_longest_block(ids)} tokens is longer than the sliding window "
+            f"({window}): Transformers lets its tokens attend to each other both ways beyond the window on the sliding "
+            "layers, which ring attention does not reproduce (it applies the window to the image too); give the "
+            "processor a smaller max_soft_tokens"
+        )
+    return RingBlocks(ids)
+
+
+def _sliding_window(text) -> int | None:
+    """The text config's sliding window, if it has sliding layers."""
+    window = getattr(text, "sliding_window", None)
+    layers = getattr(text, "layer_types", None) or ["sliding_attention"]
+    return window if window is not None and "sliding_attention" in layers else None
+
+
+def _longest_block(ids: torch.Tensor) -> int:
+    """The longest span of a block of ``ids`` (from its first token to its last, in one row; -1: no block)."""
+    index = torch.arange(ids.shape[1], device=ids.device)
+    longest = 0
+    for block in ids.unique().tolist():
+        if block >= 0:
+            inside = ids == block
+            span = torch.where(inside, index, -1).amax(1) - torch.where(inside, index, ids.shape[1]).amin(1) + 1
+            longest = max(longest, int(span.max()))
+    return longest
+
+
 def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
     """PaliGemma's prefix: every token with ``token_type_ids == 0`` (its images and prompt; the suffix, 1, is what
     it learns to write) sees every other one both ways, as Transformers' ``block_sequence_ids`` (one block per row,
@@ -308,20 +359,19 @@ def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
         prefix = prefix & mask.bool()
     if not bool(prefix.any()):
         return None
-    text = config.get_text_config()
-    window = getattr(text, "sliding_window", None)
-    if window is not None and "sliding_attention" in (getattr(text, "layer_types", None) or ["sliding_attention"]):
-        index = torch.arange(types.shape[1], device=types.device)
-        span = torch.where(prefix, index, -1).amax(1) - torch.where(prefix, index, types.shape[1]).amin(1) + 1
-        if bool((span > window).any()):
+    ids = torch.where(prefix, 0, -1)
+    window = _sliding_window(config.get_text_config())
+    if window is not None:
+        span = _longest_block(ids)
+        if span > window:
             raise ValueError(
-                f"paligemma: a prefix (token_type_ids 0) of {int(span.max())} tokens is longer than the sliding "
+                f"paligemma: a prefix (token_type_ids 0) of {span} tokens is longer than the sliding "
                 f"window ({window}): Transformers lets it attend both ways beyond the window on the sliding layers, "
                 "which ring attention does not reproduce (it applies the window to the prefix too); shorten the "
                 "prefix (PaliGemma 2 at 896 px: its 4096 image tokens alone fill Gemma 2's window, so it cannot "
                 "train under the ring)"
             )
-    return RingBlocks(torch.where(prefix, 0, -1))
+    return RingBlocks(ids)
 
 
 def _molmo2_blocks(config, arguments: dict) -> RingBlocks | None:
@@ -344,13 +394,16 @@ def _molmo2_blocks(config, arguments: dict) -> RingBlocks | None:
     return RingBlocks(torch.where(types == 1, 0, -1))
 
 
-BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "paligemma": _paligemma_blocks,
+BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "gemma4_unified": _gemma4_unified_blocks, "paligemma": _paligemma_blocks,
           "molmo2": _molmo2_blocks}  # fmt: skip
 """Wrappers whose image tokens see each other both ways: how to number their blocks from the forward's arguments."""
 
 
 LOGIT_TRANSFORMS = {
     "gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"],
+    "cohere_compass": generic.LOGIT_TRANSFORMS["cohere_compass_text"],  # the text config's logit_scale (None: none)
+    "hyperclovax_vision_v2": generic.LOGIT_TRANSFORMS["hyperclovax"],  # the text config's logits_scaling
+    "gemma4_unified": generic.LOGIT_TRANSFORMS["gemma4_unified_text"],
     "paligemma": generic.LOGIT_TRANSFORMS["gemma2"],  # (a Gemma text config has no softcap: none)
     "granite4_vision": generic.LOGIT_TRANSFORMS["granite"],  # its head divides by the text config's logits_scaling
     "mistral_large4": generic.LOGIT_TRANSFORMS["gemma2"],  # its head softcaps with the text config's cap (always set)

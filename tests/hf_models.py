@@ -22,7 +22,13 @@ SCALE_FACTOR = 1.5
 # attention (0.3: 2.6e-6, measured without the MoE block, which has no float64 kernel). 0.2 (neither 1.0 nor
 # head_dim ** -0.5) keeps the ring's gradient errors at <= 4.4e-6 (measured, 1 to 4 ranks) under the 1e-5 tolerance
 # (Gemma 3n and Gemma 4 Unified score the same way: 0.2 too; Gemma 3n at 1.5 measured 7.7e-6, at 0.2 2.5e-6)
-SCALE_FACTORS = {"gemma4_text": 0.2, "gemma4": 0.2, "gemma4_unified_text": 0.2, "gemma3n_text": 0.2}
+SCALE_FACTORS = {
+    "gemma4_text": 0.2,
+    "gemma4": 0.2,
+    "gemma4_unified_text": 0.2,
+    "gemma4_unified": 0.2,
+    "gemma3n_text": 0.2,
+}
 
 
 # RoPE types whose frequencies follow the largest position id (config overrides for make_config). The thresholds
@@ -300,6 +306,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "gemma4-audio": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                      {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                       "num_key_value_heads": 2, "head_dim": 16, "patch_size": 14, "pooling_kernel_size": 2}),
+    # Gemma 4 Unified: no vision tower, each 8 x 8 x 3 patch projected to one token (16 per image, 4 x 4); a window
+    # of 20, longer than an image (a longer image is refused) and shorter than the sequence
+    "gemma4_unified": ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration",
+                       {**MORE_FAMILIES["gemma4_unified_text"][2], "sliding_window": 20},
+                       {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": 32, "mm_posemb_size": 8,
+                        "output_proj_dims": 32}),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
                {"head_dim": 16, "query_pre_attn_scalar": 20, **_SLIDE_FULL},
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -308,6 +320,17 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}},
                    {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                     "patch_size": 14}),
+    # HyperCLOVA X Vision V2: Qwen2.5-VL's tower (windowed attention) before a HyperCLOVA X text model (multipliers)
+    "hyperclovax_vision_v2": ("HyperCLOVAXVisionV2Config", "HyperCLOVAXVisionV2ForConditionalGeneration",
+                              {"model_type": "hyperclovax", **MORE_FAMILIES["hyperclovax"][2]},
+                              {"model_type": "qwen2_5_vl_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 48,
+                               "num_heads": 2, "out_hidden_size": 64, "patch_size": 14}),
+    # Cohere Compass: Qwen3-VL's tower (deepstack features) before its text model's sliding layers with multimodal
+    # RoPE and full layers without RoPE
+    "cohere_compass": ("CohereCompassConfig", "CohereCompassForConditionalGeneration",
+                       MORE_FAMILIES["cohere_compass_text"][2],
+                       {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+                        "patch_size": 14, "deepstack_visual_indexes": [0]}),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
                  {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3],
                                                       "mrope_interleaved": True}},
@@ -598,7 +621,8 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "gptj": "5.24", "exaone": "5.24", "internlm3": "5.24", "iquestcoder": "5.24", "sarvam_mla": "5.24",
          "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24",
          "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24",
-         "molmo2": "5.24", "mistral_large4": "5.24"}  # fmt: skip
+         "molmo2": "5.24", "mistral_large4": "5.24",
+         "hyperclovax_vision_v2": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -958,15 +982,16 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen_like = ("paddleocr_vl", "cosmos3_omni", "ernie4_5_vl_moe")
+    qwen_like = ("paddleocr_vl", "cosmos3_omni", "ernie4_5_vl_moe", "cohere_compass", "hyperclovax_vision_v2")
     qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
-    per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in ("gemma3", "gemma4") else 1
+    gemma = ("gemma3", "gemma4", "gemma4_unified")
+    per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in gemma else 1
     if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
         per_image = HUNYUAN_VL_IMAGE_TOKENS
     if family == "emu3":  # 2 x 2 codes, an end of line after each row
         per_image = 6
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
-    if family in ("gemma3", "gemma4"):  # longer images: two in row 0 still inside 40 tokens
+    if family in gemma:  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
     if family.startswith("paligemma"):  # images at the start (row 1 after the padding of "images-padded")
         spots = ((0, 0), (0, 4), (1, 6))
@@ -994,7 +1019,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
         if family == "ernie4_5_vl_moe":  # each patch 3 x 14 x 14 flat
             extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 14 * 14, generator=g)
-        if family not in OMNI_AUDIO:  # (the Omni thinkers' processors give no token types)
+        if family not in (*OMNI_AUDIO, "hyperclovax_vision_v2"):  # (their processors give no token types)
             extra["mm_token_type_ids"] = types
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
@@ -1109,6 +1134,13 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "gemma4":  # patches of 14 x 14 x 3 on an 8 x 8 grid with their (x, y), pooled 2 x 2: 16 tokens
         extra["pixel_values"] = torch.rand(len(spots), 64, 3 * 14 * 14, generator=g)
         grid = torch.stack(torch.meshgrid(torch.arange(8), torch.arange(8), indexing="xy"), -1).view(64, 2)
+        extra["image_position_ids"] = grid.expand(len(spots), -1, -1).clone()
+        extra["mm_token_type_ids"] = types
+    elif family == "gemma4_unified":  # 4 x 4 patches of 8 x 8 x 3 with their (x, y), 4 padding patches (-1, -1)
+        # after them as its processor pads to the longest image: 16 tokens
+        extra["pixel_values"] = torch.rand(len(spots), 20, 3 * 8 * 8, generator=g)
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).view(16, 2)
+        grid = torch.cat([grid, torch.full((4, 2), -1)])
         extra["image_position_ids"] = grid.expand(len(spots), -1, -1).clone()
         extra["mm_token_type_ids"] = types
     else:

@@ -233,6 +233,9 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "qwen2_vl-images": ("qwen2_vl", "images-padded", {}),  # multimodal RoPE: positions and offsets follow the images
     "qwen2_5_vl-video": ("qwen2_5_vl", "video", {}),
     "gemma4-audio": ("gemma4-audio", "audio", {}),  # audio features merged on the whole prompt
+    "gemma4_unified-images": ("gemma4_unified", "images-padded", {}),  # both ways within each image, every layer
+    "cohere_compass-images": ("cohere_compass", "images-padded", {}),  # multimodal RoPE on its sliding layers only
+    "hyperclovax_vision_v2-images": ("hyperclovax_vision_v2", "images-padded", {}),  # 1-D RoPE after a Qwen tower
     "lfm2_vl-images": ("lfm2_vl", "images-padded", {}),  # short convolutions (5.17's drop the keywords: refused)
     "llama4-images": ("llama4", "images-padded", {}),  # its text model inside its causal LM keeps the last row
     "paligemma-images": ("paligemma", "images-padded", {}),  # the prefix (images and prompt) both ways in the prefill

@@ -190,6 +190,7 @@ def _sub_configs(config) -> list:
     [
         "aria",
         "aya_vision",
+        "cohere_compass",
         "cohere2_vision",
         "apertus1p5",
         "exaone4_5",
@@ -199,6 +200,7 @@ def _sub_configs(config) -> list:
         "ernie4_5_vl_moe",
         "gemma3",
         "gemma4",
+        "gemma4_unified",
         "glm4v",
         "glm4v_moe",
         "glm46v",
@@ -207,6 +209,7 @@ def _sub_configs(config) -> list:
         "got_ocr2",
         "granite4_vision",
         "hunyuan_vl",
+        "hyperclovax_vision_v2",
         "idefics2",
         "idefics3",
         "kimi_k25",
@@ -356,6 +359,9 @@ def _text_only_batches_and_refused_images(family):
         ("gemma3", "images-padded"),  # image tokens see each other both ways (ring_block_ids)
         ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
         ("gemma4-audio", "audio"),
+        ("gemma4_unified", "images-padded"),  # patches projected without a tower, both ways within each image
+        ("cohere_compass", "images"),  # Qwen3-VL's tower, deepstack features, multimodal RoPE on sliding layers
+        ("hyperclovax_vision_v2", "images-padded"),  # Qwen2.5-VL's tower, HyperCLOVA X text (1-D RoPE)
         ("lfm2_vl", "images-padded"),  # short-convolution layers
         ("aya_vision", "images-padded"),  # Cohere2 text: parallel attention and MLP, sliding and full layers
         ("cohere2_vision", "images"),
@@ -493,6 +499,40 @@ def test_paligemma_attends_causally_with_its_prefix_and_refuses_what_the_ring_wo
     model.set_attn_implementation({"text_config": "hf_ring"})
     with pytest.raises(ValueError, match="says is_causal=False .* while its model masks it causally"):
         model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"], token_type_ids=batch["token_type_ids"])
+
+
+def test_gemma4_unified_sees_each_image_both_ways_on_every_layer_and_refuses_an_image_longer_than_the_window():
+    """Gemma 4 Unified's forward lets an image's tokens see each other both ways on its full-attention layers too (Gemma
+    4's stay causal there): the logits equal the unmodified model's, and differ from it with Gemma 4's blocks (the
+    control). An image longer than the sliding window is refused (Transformers lets its tokens see each other beyond
+    the window); with use_bidirectional_attention=None the images are causal, whatever their length."""
+    from hf_ring.patches import multimodal
+
+    if not in_transformers("gemma4_unified"):
+        pytest.skip("gemma4_unified is not in this Transformers release")
+    model = make_model("gemma4_unified", images=True).eval()
+    batch, _ = make_batch("images", 40, family="gemma4_unified")
+    before = _logits(model, **batch)
+    hf_ring.apply_ring_attention(model)
+    torch.testing.assert_close(_logits(model, **hf_ring.shard_batch(batch)), before, atol=ATOL, rtol=0)
+    gemma4 = multimodal._gemma4_blocks(model.config, batch)
+    assert gemma4.sliding_only and multimodal.BLOCKS["gemma4_unified"](model.config, batch).sliding_only is False
+    with torch.no_grad():
+        sliding_only = model(**hf_ring.shard_batch(batch), ring_block_ids=gemma4).logits
+    assert float((sliding_only - before).abs().max()) > 1e-2
+    hf_ring.revert_ring_attention(model)
+    for window, refused in ((15, True), (16, False)):  # (images of 16 tokens)
+        narrow = make_model("gemma4_unified", images=True, sliding_window=window).eval()
+        hf_ring.apply_ring_attention(narrow)
+        if refused:
+            with pytest.raises(ValueError, match="an image or video of 16 tokens is longer than the sliding window"):
+                narrow(**hf_ring.shard_batch(batch))
+        else:
+            narrow(**hf_ring.shard_batch(batch))
+    causal = make_model("gemma4_unified", images=True, sliding_window=6, use_bidirectional_attention=None).eval()
+    before = _logits(causal, **batch)
+    hf_ring.apply_ring_attention(causal)
+    torch.testing.assert_close(_logits(causal, **hf_ring.shard_batch(batch)), before, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])

@@ -48,6 +48,10 @@ BF16_EPS = {  # measured (world sizes 1, 2, 4): ring loss 6e-6..8e-6 vs torch bf
 # Transformers' own eager and SDPA text attention give gradients up to 3.8e-5 apart (measured over 2 seeds and 3
 # feature scales; 2e-6 for the same model with images); a wrong cut of the audio features moves them by > 1e-2
 RTOL_AUDIO = 5e-5
+# fp32, Gemma 4 Unified with LoRA: Transformers' own eager and SDPA attention give its LoRA gradients 1.2e-5 apart on
+# the images case (measured); the ring at 1, 2 and 4 ranks 1.5e-5, 3.4e-5, 1.3e-5; blocks masked causally instead
+# on the sliding layers only (Gemma 4's masks) move them by 0.77
+RTOL_LORA_GEMMA4_UNIFIED = 5e-5
 
 
 # Phi-3.5-MoE's longrope also scales its cos / sin by a factor per regime
@@ -238,6 +242,12 @@ CASES = {
     "qwen2_vl-images-padded": ("qwen2_vl", "images-padded", 40, {}),
     "qwen2_5_vl-video-checkpointing": ("qwen2_5_vl", "video", 45, {"checkpointing": True}),
     "qwen3_vl-images-padded": ("qwen3_vl", "images-padded", 45, {}),  # deepstack: features added in layer 0
+    # Cohere Compass: Qwen3-VL's tower and multimodal RoPE on sliding layers, full layers without RoPE, a logit scale
+    "cohere_compass-images-padded-lora": ("cohere_compass", "images-padded", 45, {"lora": True}),
+    "cohere_compass-images-checkpointing": ("cohere_compass", "images", 40, {"checkpointing": True}),
+    # HyperCLOVA X Vision V2: Qwen2.5-VL's windowed tower, a HyperCLOVA X text model (multipliers, logits scaling)
+    "hyperclovax_vision_v2-images-padded": ("hyperclovax_vision_v2", "images-padded", 45, {}),
+    "hyperclovax_vision_v2-images-lora": ("hyperclovax_vision_v2", "images", 40, {"lora": True}),
     "qwen3_vl_moe-images-ulysses": ("qwen3_vl_moe", "images", 40, {"ulysses": 2}),
     "qwen3_5-images-padded": ("qwen3_5", "images-padded", 40, {}),  # Gated DeltaNet layers
     "video_llama_3-images-padded": ("video_llama_3", "images-padded", 40, {}),  # Qwen2 text: windows
@@ -299,6 +309,16 @@ CASES = {
     # Gemma 4: both ways on its sliding layers only (its full layers stay causal), KV-shared layers, per-layer inputs
     "gemma4-images-padded": ("gemma4", "images-padded", 45, {"config": {"use_bidirectional_attention": "vision"}}),
     "gemma4-images-causal-checkpointing": ("gemma4", "images", 40, {"checkpointing": True}),
+    # Gemma 4 Unified: patches projected without a tower (padding patches stripped), both ways within each image
+    "gemma4_unified-images-padded": (
+        "gemma4_unified",
+        "images-padded",
+        45,
+        {"config": {"use_bidirectional_attention": "vision"}},
+    ),
+    "gemma4_unified-images-checkpointing": ("gemma4_unified", "images", 40, {"checkpointing": True}),
+    "gemma4_unified-images-lora": ("gemma4_unified", "images", 40, {"lora": True, "rtol": RTOL_LORA_GEMMA4_UNIFIED}),
+    "gemma4_unified-packed": ("gemma4_unified", "packed", 40, {}),
     # PaliGemma: the prefix (images and prompt, token_type_ids 0) sees itself both ways across the ranks' chunks, on
     # every layer (Gemma; PaliGemma 2's Gemma 2 with its window longer than the prefix and softcaps)
     "paligemma-images-padded": ("paligemma", "images-padded", 45, {}),

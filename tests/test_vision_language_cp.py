@@ -312,7 +312,8 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
     rows = []
 
     def run(m):
-        handle = m.model.visual.register_forward_pre_hook(lambda mod, a: rows.append(int(a[0].shape[0])))
+        tower = getattr(m.model, "visual", None) or m.model.vision_model  # (HyperCLOVA X Vision V2's name for it)
+        handle = tower.register_forward_pre_hook(lambda mod, a: rows.append(int(a[0].shape[0])))
         out = getattr(m.model, method)(pixels, grids)
         handle.remove()
         feats = torch.cat(out.pooler_output)
@@ -322,7 +323,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         weights = torch.randn(feats.shape, generator=torch.Generator().manual_seed(5))
         loss = (feats * weights).sum() + sum((d * d).sum() for d in deep)
         loss.backward()
-        grads = {n: p.grad.clone() for n, p in m.model.visual.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None}
         return torch.cat([feats.detach(), *(d.detach() for d in deep)], dim=-1), grads
 
     feats, grads = run(model)
@@ -341,13 +342,22 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         ("qwen3_vl", "get_video_features", 2),
         ("qwen3_vl", "get_image_features", 4),
         ("qwen2_5_vl", "get_image_features", 4),
+        ("cohere_compass", "get_image_features", 2),
+        ("hyperclovax_vision_v2", "get_video_features", 2),
     ],  # fmt: skip
-    ids=["qwen3_vl-videos-2", "qwen3_vl-images-4", "qwen2_5_vl-images-4"],
+    ids=[
+        "qwen3_vl-videos-2",
+        "qwen3_vl-images-4",
+        "qwen2_5_vl-images-4",
+        "cohere_compass-images-2",
+        "hyperclovax_vision_v2-videos-2",
+    ],  # fmt: skip
 )
 def test_the_vision_split_gives_every_rank_every_feature_and_the_whole_gradient(family, method, world):
     """Each rank encodes only its share of five images (videos: Qwen3-VL encodes their frames with its image
-    method, inside the split one); the features every rank gets and the vision tower's gradient summed over the
-    group equal the unsplit model's (Qwen3-VL's deepstack features included; Qwen2.5-VL's windowed tower)."""
+    method, inside the split one; HyperCLOVA X Vision V2 too); the features every rank gets and the vision tower's gradient summed over the
+    group equal the unsplit model's (Qwen3-VL's and Cohere Compass's deepstack features included; Qwen2.5-VL's
+    windowed tower)."""
     from tests.dist_utils import run_distributed
 
     results = run_distributed(_split_worker, world, family, method, timeout=600)
