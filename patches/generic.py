@@ -304,9 +304,10 @@ LINEAR = {
 """Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention, MiniMax's lightning attention), Mamba,
 Mamba2 or short-convolution class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
-SPARSE = ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4", "mistral_large4_text")
+SPARSE = ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "mistral_large4_text")
 """Families with DeepSeek sparse attention: an indexer beside each attention layer (``hf_ring.patches._sparse``);
-Mistral Large 4's text model exists only inside its vision-language model (``multimodal.INNER``)."""
+HunYuan V4 VL's and Mistral Large 4's text models exist only inside their vision-language models
+(``multimodal.INNER``)."""
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,

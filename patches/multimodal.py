@@ -158,6 +158,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "glm4v_moe": ("glm4v_moe_text",),  # GLM-4.5V, GLM-4.6V
     "glm46v": ("glm4v_text", "glm4v_moe_text"),  # GLM-4.6V's own class (any GLM-4V text model: AutoModel)
     "glm_ocr": ("glm_ocr_text",),  # GLM-OCR
+    "hy_v4_vl": ("hy_v4_vl_text",),  # HunYuan V4 VL (DeepSeek sparse attention, multimodal RoPE; Transformers 5.24)
     "hunyuan_vl": ("hunyuan_vl_text",),  # HunyuanOCR (a HunYuan dense text model, multimodal RoPE)
     "granite4_vision": ("granite4_vision_text",),  # Granite 4 Vision (a Granite text model, deepstack features)
     "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
@@ -231,6 +232,7 @@ IMAGES = (
     "glm46v",
     "glm_ocr",
     "hunyuan_vl",
+    "hy_v4_vl",
     "granite4_vision",
     "paddleocr_vl",
     "mllama",
@@ -428,7 +430,11 @@ def _check_step3p5(config) -> None:
         )
 
 
-INNER_CHECKS = {"step3p5": _check_step3p5, "mistral_large4_text": generic.check_sparse}
+INNER_CHECKS = {
+    "step3p5": _check_step3p5,
+    "mistral_large4_text": generic.check_sparse,
+    "hy_v4_vl_text": generic.check_sparse,
+}
 """Inner text models with a check of their own (else ``generic.check``)."""
 
 INNER = {
@@ -463,6 +469,7 @@ INNER = {
             "transformers.models.granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention"
         ),
         "mistral_large4_text": "transformers.models.mistral_large4.modeling_mistral_large4.MistralLarge4TextAttention",
+        "hy_v4_vl_text": "transformers.models.hy_v4_vl.modeling_hy_v4_vl.HYV4VLAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

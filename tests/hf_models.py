@@ -516,6 +516,13 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     # HunyuanOCR: a HunYuan dense text model (QK norm) with 4-axis multimodal RoPE (position, width, height, image);
     # images of 4 x 4 patches of 16 x 16 x 3, merged 2 x 2 by a convolution, a newline after each of the 2 rows and
     # begin / end tokens: 8 tokens each
+    # HunYuan V4 VL: HunYuan V4's text model (DeepSeek sparse attention, hyper-connections, sinks) with multimodal RoPE
+    # on its rotary half; images of 4 x 4 patches of 16 x 16 x 3 merged 2 x 2, a newline after each row: 6 tokens each
+    "hy_v4_vl": ("HYV4VLConfig", "HYV4VLForConditionalGeneration",
+                 {**MORE_FAMILIES["hy_v4"][2], "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                   "mrope_section": [2, 1, 1]}},
+                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "patch_size": 16, "max_image_size": 64, "out_hidden_size": 64}),
     "hunyuan_vl": ("HunYuanVLConfig", "HunYuanVLForConditionalGeneration",
                    {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                         "mrope_section": [2, 2, 2, 2]}},
@@ -622,7 +629,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24",
          "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24",
          "molmo2": "5.24", "mistral_large4": "5.24",
-         "hyperclovax_vision_v2": "5.24"}  # fmt: skip
+         "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -988,6 +995,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in gemma else 1
     if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end
         per_image = HUNYUAN_VL_IMAGE_TOKENS
+    if family == "hy_v4_vl":  # 2 x 2 merged patches, a newline per row
+        per_image = 6
     if family == "emu3":  # 2 x 2 codes, an end of line after each row
         per_image = 6
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
@@ -1030,7 +1039,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family in ("exaone4_5", "minimax_m3_vl"):  # as Qwen2.5-VL's: 4 x 4 patches of 2 x 14 x 14 x 3, merged 2 x 2
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
-    elif family == "hunyuan_vl":  # 4 x 4 patches of 16 x 16 x 3 (one temporal patch); its image span's token types 1
+    elif family in ("hunyuan_vl", "hy_v4_vl"):  # 4 x 4 patches of 16 x 16 x 3 (one temporal patch); token types 1
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 16 * 16, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
         extra["mm_token_type_ids"] = types

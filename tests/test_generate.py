@@ -249,6 +249,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "emu3-images": ("emu3", "images-padded", {}),
     "step3p7-images": ("step3p7", "images-padded", {}),
     "mistral_large4-images": ("mistral_large4", "images-padded", {}),  # DeepSeek sparse attention over image tokens
+    "hy_v4_vl-images": ("hy_v4_vl", "images-padded", {}),  # sparse attention, multimodal RoPE in decoding
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "voxtral-audio": ("voxtral", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),

@@ -209,6 +209,7 @@ def _sub_configs(config) -> list:
         "got_ocr2",
         "granite4_vision",
         "hunyuan_vl",
+        "hy_v4_vl",
         "hyperclovax_vision_v2",
         "idefics2",
         "idefics3",
@@ -373,6 +374,7 @@ def _text_only_batches_and_refused_images(family):
         ("exaone4_5", "images"),  # sliding and full layers (EXAONE 4 text)
         ("minimax_m3_vl", "images-padded"),  # partial rotary, experts (MiniMax M3 text, dense attention layers)
         ("mistral_large4", "images-padded"),  # DeepSeek sparse attention over image tokens (Mistral Large 4 text)
+        ("hy_v4_vl", "images"),  # DeepSeek sparse attention, multimodal RoPE (HunYuan V4 VL text)
         ("lfm3_vl", "images-padded"),  # short convolutions, sliding and full layers (LFM3 text)
         ("apertus1p5", "images-padded"),  # images as discrete codes embedded by the text model
         ("apertus1p5", "audio"),  # audio too (input_values: waveforms, their codes embedded)
@@ -1235,7 +1237,7 @@ def test_one_rank_through_kv_shared_layers_with_a_padding_mask_or_a_count_of_log
     assert not any(_shared_kv.ATTR in vars(m) for m in model.modules())
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "mistral_large4"])
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "mistral_large4", "hy_v4_vl"])
 def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and_reverts(family, monkeypatch):
     """DeepSeek sparse attention at one rank: each indexer's call is deferred to hf_ring's attention function
     (``patches._sparse``), which takes the top-k over the whole sequence (``hf_ring.sparse.select``). The logits
@@ -1258,7 +1260,7 @@ def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and
     layers = model.get_decoder().layers
     indexers = [m.self_attn.indexer for m in layers if m.self_attn.indexer is not None]
     # (GLM-MoE-DSA's and HunYuan V4's layer 1 reuses layer 0's top-k; Mistral Large 4's layer 2 layer 1's)
-    assert len(indexers) == {"glm_moe_dsa": 1, "hy_v4": 1, "mistral_large4": 3}.get(family, 2)
+    assert len(indexers) == {"glm_moe_dsa": 1, "hy_v4": 1, "hy_v4_vl": 1, "mistral_large4": 3}.get(family, 2)
     hf_ring.apply_ring_attention(model)
     hf_ring.apply_ring_attention(model)  # again: nothing doubled
     assert all(isinstance(vars(i).get("forward"), DeferIndexer) for i in indexers)

@@ -161,6 +161,10 @@ CASES = {
     ),
     "mistral_large4-plain-lora-striped": ("mistral_large4", "plain", 45, {"lora": True, "layout": "striped"}),
     "mistral_large4-images-padded": ("mistral_large4", "images-padded", 45, {}),
+    # HunYuan V4 VL: HunYuan V4's sparse attention, hyper-connections and sinks beside multimodal RoPE
+    "hy_v4_vl-images-padded": ("hy_v4_vl", "images-padded", 45, {}),
+    "hy_v4_vl-images-lora-checkpointing": ("hy_v4_vl", "images", 40, {"lora": True, "checkpointing": True}),
+    "hy_v4_vl-packed-striped": ("hy_v4_vl", "packed", 40, {"layout": "striped"}),
     "longcat_flash-packed": ("longcat_flash", "packed", 40, {}),
     "mistral4-plain": ("mistral4", "plain", 45, {}),
     "minicpm3-packed": ("minicpm3", "packed", 40, {}),
