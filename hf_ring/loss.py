@@ -193,6 +193,14 @@ def _patch_of(target):
     return get_patch(getattr(target.config, "model_type", None))
 
 
+def _extra_loss_labels(target) -> str | None:
+    """The keyword of the labels of a loss the model's head adds to the language-model loss (Granite Docling's
+    ``router_labels``: ``patches.multimodal.EXTRA_LOSS``), or None."""
+    from .patches.multimodal import EXTRA_LOSS
+
+    return EXTRA_LOSS.get(getattr(target.config, "model_type", None))
+
+
 def _is_causal_lm_loss(loss_type: str) -> bool:
     """Transformers computes ``loss_type`` with its causal-LM loss (``ForConditionalGeneration``: vision-language
     models)."""
@@ -294,6 +302,13 @@ def _chunked_forward(
         raise ValueError(
             "output_router_logits=True adds the MoE router's auxiliary loss, which hf_ring's chunked loss does "
             "not compute; set config.output_router_logits=False (or revert_chunked_loss(model))"
+        )
+    extra = _extra_loss_labels(self)
+    if extra is not None and kwargs.get(extra) is not None:
+        raise ValueError(
+            f"{extra} add {self.config.model_type}'s own loss beside the language-model loss, which hf_ring's chunked "
+            f"loss does not compute; revert_chunked_loss(model) (chunked_loss=False for the plugin and the Trainer) "
+            f"to train it, or leave {extra} out"
         )
     return_dict = kwargs.pop("return_dict", None)
     shift_labels = kwargs.pop("shift_labels", None)

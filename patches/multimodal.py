@@ -100,8 +100,8 @@ from . import generic, llama, mistral, qwen2, qwen3
 from ._family import FamilyPatch
 from ._hooks import remove_hooks
 
-__all__ = ["BLOCKS", "DEDICATED", "IMAGES", "INNER", "MEDIA", "OWN_LOSS", "OwnLossPatch", "PATCHES", "PaliGemmaPatch",
-           "VisionLanguagePatch", "WRAPPERS"]  # fmt: skip
+__all__ = ["BLOCKS", "DEDICATED", "EXTRA_LOSS", "ExtraLossPatch", "IMAGES", "INNER", "MEDIA", "OWN_LOSS", "OwnLossPatch",
+           "PATCHES", "PaliGemmaPatch", "VisionLanguagePatch", "WRAPPERS"]  # fmt: skip
 
 MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_features", "input_values",
          "mm_encoder_outputs", "image_pixel_values", "audio_input_features")  # fmt: skip
@@ -150,6 +150,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "apertus1p5": ("apertus1p5_text",),  # Apertus 1.5 (Transformers 5.24)
     "paligemma": ("gemma", "gemma2"),  # PaliGemma (Gemma), PaliGemma 2 (Gemma 2)
     "minicpmv4_6": ("qwen3_5_text",),  # MiniCPM-V 4.6
+    "minicpmv4_7": ("qwen3_5_text",),  # MiniCPM-V 4.7 (its images on a canvas of multimodal RoPE positions; 5.24)
     "video_llama_3": ("qwen2",),  # VideoLLaMA3
     "deepseek_vl": ("llama",),  # DeepSeek-VL
     "janus": ("llama",),  # Janus, Janus-Pro (understanding: images in, text out)
@@ -160,6 +161,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "glm_ocr": ("glm_ocr_text",),  # GLM-OCR
     "hy_v4_vl": ("hy_v4_vl_text",),  # HunYuan V4 VL (DeepSeek sparse attention, multimodal RoPE; Transformers 5.24)
     "hunyuan_vl": ("hunyuan_vl_text",),  # HunyuanOCR (a HunYuan dense text model, multimodal RoPE)
+    "granite_docling": ("granite_docling_text",),  # Granite Docling (tiles, deepstack features; Transformers 5.24)
     "granite4_vision": ("granite4_vision_text",),  # Granite 4 Vision (a Granite text model, deepstack features)
     "paddleocr_vl": ("paddleocr_vl_text",),  # PaddleOCR-VL (an ERNIE-4.5-like text model, multimodal RoPE)
     "mllama": ("mllama_text_model",),  # Llama 3.2 Vision (images by cross-attention)
@@ -223,6 +225,7 @@ IMAGES = (
     "apertus1p5",
     "paligemma",
     "minicpmv4_6",
+    "minicpmv4_7",
     "video_llama_3",
     "deepseek_vl",
     "janus",
@@ -234,6 +237,7 @@ IMAGES = (
     "hunyuan_vl",
     "hy_v4_vl",
     "granite4_vision",
+    "granite_docling",
     "paddleocr_vl",
     "mllama",
     "qwen2_audio",
@@ -408,6 +412,7 @@ LOGIT_TRANSFORMS = {
     "gemma4_unified": generic.LOGIT_TRANSFORMS["gemma4_unified_text"],
     "paligemma": generic.LOGIT_TRANSFORMS["gemma2"],  # (a Gemma text config has no softcap: none)
     "granite4_vision": generic.LOGIT_TRANSFORMS["granite"],  # its head divides by the text config's logits_scaling
+    "granite_docling": generic.LOGIT_TRANSFORMS["granite"],  # (the same)
     "mistral_large4": generic.LOGIT_TRANSFORMS["gemma2"],  # its head softcaps with the text config's cap (always set)
 }
 """What a vision-language head does to the logits, read from the text config (Gemma 4's and PaliGemma 2's heads
@@ -470,6 +475,7 @@ INNER = {
         ),
         "mistral_large4_text": "transformers.models.mistral_large4.modeling_mistral_large4.MistralLarge4TextAttention",
         "hy_v4_vl_text": "transformers.models.hy_v4_vl.modeling_hy_v4_vl.HYV4VLAttention",
+        "granite_docling_text": "transformers.models.granite_docling.modeling_granite_docling.GraniteDoclingTextAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as
@@ -601,6 +607,56 @@ class OwnLossPatch(VisionLanguagePatch):
         return model
 
 
+EXTRA_LOSS = {"granite_docling": "router_labels"}
+"""Wrappers whose head adds a loss of its own to the language-model loss when given these labels, computed on every
+rank from the whole batch's images (Granite Docling's density router): each rank of the ring would add it to its
+share of the loss, counting it once per rank. ``ExtraLossPatch`` refuses such a call over several ranks."""
+
+
+class RefuseExtraLoss:
+    """Forward pre-hook (with keywords) of a wrapper in ``EXTRA_LOSS``: a call given the labels of its extra loss
+    raises when the batch was sharded over several ranks (or the ring has several), on every rank alike (each has the
+    same whole batch), before anything runs."""
+
+    def __init__(self, name: str, keyword: str, group):
+        self.name = name
+        self.keyword = keyword
+        self.group = group
+
+    def __call__(self, module, args, kwargs) -> None:
+        from ..comm import group_rank_and_size
+
+        if kwargs.get(self.keyword) is None:
+            return
+        info = kwargs.get(SHARD_INFO_KWARG)
+        world = info.world_size if isinstance(info, ShardInfo) else group_rank_and_size(self.group)[1]
+        if world > 1:
+            raise ValueError(
+                f"{self.name}: {self.keyword} add a loss of the whole batch's images to the language-model loss on "
+                f"every rank, which the ring's {world} ranks would count {world} times: train that loss without "
+                f"context parallelism, or leave {self.keyword} out"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtraLossPatch(VisionLanguagePatch):
+    """A wrapper in ``EXTRA_LOSS``: a call with its extra loss's labels refused over several ranks while patched."""
+
+    def apply(self, model, cfg):
+        model = super().apply(model, cfg)
+        if model is not None:
+            remove_hooks(model, RefuseExtraLoss)
+            model.register_forward_pre_hook(
+                RefuseExtraLoss(self.name, EXTRA_LOSS[self.name], cfg.group), with_kwargs=True
+            )
+        return model
+
+    def revert(self, model):
+        model = super().revert(model)
+        remove_hooks(model, RefuseExtraLoss)
+        return model
+
+
 INHERITED = ("lend_attention_kwargs", "no_generate", "cache_class", "sparse")
 """What a wrapper's patch takes from its text family's (every text type it may hold agrees on them: tested): how its
 attention modules get the batch's keywords, whether ring_generate refuses it and which cache it takes, DeepSeek sparse
@@ -616,7 +672,13 @@ def _check(config, *, wrapper: str) -> None:
 
 PATCHES = {
     model_type: (
-        PaliGemmaPatch if model_type == "paligemma" else OwnLossPatch if model_type in OWN_LOSS else VisionLanguagePatch
+        PaliGemmaPatch
+        if model_type == "paligemma"
+        else OwnLossPatch
+        if model_type in OWN_LOSS
+        else ExtraLossPatch
+        if model_type in EXTRA_LOSS
+        else VisionLanguagePatch
     )(
         name=model_type,
         model_types=(model_type,),

@@ -472,6 +472,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                     {"model_type": "qwen3_5_text", **_LINEAR, "rope_parameters": _MROPE_HALF},
                     {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                      "image_size": 112, "patch_size": 14}),
+    "minicpmv4_7": ("MiniCPMV4_7Config", "MiniCPMV4_7ForConditionalGeneration",  # as 4.6, its images on a canvas
+                    # of multimodal RoPE positions
+                    {"model_type": "qwen3_5_text", **_LINEAR, "rope_parameters": _MROPE_HALF},
+                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "image_size": 112, "patch_size": 14}),
     "video_llama_3": ("VideoLlama3Config", "VideoLlama3ForConditionalGeneration",  # a Qwen2 text model, windows
                       {"model_type": "qwen2", "num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 5,
                        "max_window_layers": 1},
@@ -501,6 +506,14 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     # Granite 4 Vision: a Granite text model (attention, embedding, residual multipliers, logits scaling); a CLIP tower
     # whose features go through window Q-Formers (deepstack: two vision layers' features added to the image tokens'
     # hidden states before text layers 0 and 1, 4 spatial groups' before layers 2 to 5); LLaVA-NeXT tiles
+    # Granite Docling: a Granite-like text model (multipliers, logits scaling) given deepstack features; tiles of 32 x 32
+    # (4 x 4 patches of 8 x 8) pixel-shuffled 2 x 2: 4 tokens per tile, one tile per image here
+    "granite_docling": ("GraniteDoclingConfig", "GraniteDoclingForConditionalGeneration",
+                        {"embedding_multiplier": 3.0, "logits_scaling": 2.0, "residual_multiplier": 0.5,
+                         "attention_multiplier": 0.2},
+                        {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                         "image_size": 32, "patch_size": 8, "scale_factor": 2, "deepstack_visual_indexes": [0],
+                         "out_hidden_size": 64}),
     "granite4_vision": ("Granite4VisionConfig", "Granite4VisionForConditionalGeneration",
                         {"num_hidden_layers": 6, "attention_multiplier": 0.2, "embedding_multiplier": 3.0,
                          "residual_multiplier": 0.5, "logits_scaling": 2.0},
@@ -629,7 +642,8 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "sarvam_moe": "5.24", "lfm3": "5.24", "lfm3_vl": "5.24", "apertus1p5": "5.24", "lara_mini": "5.24",
          "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24",
          "molmo2": "5.24", "mistral_large4": "5.24",
-         "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24"}  # fmt: skip
+         "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
+         "minicpmv4_7": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -776,6 +790,8 @@ def make_config(family: str, **overrides):
                                                   MEDIA_TOKENS["vision_end_token_id"]]}  # fmt: skip
         if family == "cohere2_vision":  # (36864 by default)
             top = {"alignment_intermediate_size": 64}
+        if family == "granite_docling":  # its density router (its loss only with router_labels)
+            top = {"density_router_hidden_size": 16}
         if family == "kimi_k25":  # its projector's norm: over the vision tower's width
             top = {"projection_hidden_size": vision["hidden_size"]}
         if family in ("minimax_m3_vl", "lfm3_vl"):
@@ -787,7 +803,7 @@ def make_config(family: str, **overrides):
                                     "codebook_dim": 32, "num_lstm_layers": 1}}  # fmt: skip
         if family.startswith("paligemma"):  # the projector maps the vision features to the text hidden size
             top = {"projection_dim": common["hidden_size"]}
-        if family == "minicpmv4_6":  # the window merger after the vision tower's only layer
+        if family in ("minicpmv4_6", "minicpmv4_7"):  # the window merger after the vision tower's only layer
             top = {"insert_layer_id": 0}
         if family == "janus":  # its image-generation VQ-VAE, unused by the forward: as small as it goes
             top = {"vq_config": JANUS_VQ}
@@ -964,8 +980,9 @@ NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 
 GRANITE4_VISION_PINPOINTS = [[56, 56], [56, 112]]  # Granite 4 Vision's: a tile's 4 x 4 patches downsampled to 2 x 2
 
 
-_FOUR_TOKENS = ("llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
+_FOUR_TOKENS = ("granite_docling", "llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
                 "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5", "minicpmv4_6",
+                "minicpmv4_7",
                 "video_llama_3", "janus", "deepseek_vl", "deepseek_vl_hybrid", "paligemma",
                 "paligemma-gemma2", "aria", "molmo2")  # fmt: skip
 """Families whose test images give 4 tokens each (besides Qwen-VL's)."""
@@ -1039,6 +1056,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family in ("exaone4_5", "minimax_m3_vl"):  # as Qwen2.5-VL's: 4 x 4 patches of 2 x 14 x 14 x 3, merged 2 x 2
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 2 * 14 * 14, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
+    elif family == "granite_docling":  # a tile of 32 x 32 per image: row 0's two, row 1's one and a padding tile
+        extra["pixel_values"] = torch.randn(2, 2, 3, 32, 32, generator=g)
+        extra["pixel_attention_mask"] = torch.tensor([[True, True], [True, False]])
     elif family in ("hunyuan_vl", "hy_v4_vl"):  # 4 x 4 patches of 16 x 16 x 3 (one temporal patch); token types 1
         extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 16 * 16, generator=g)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * len(spots))
@@ -1125,10 +1145,12 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "deepseek_vl_hybrid":  # each image at two resolutions: SigLIP's, SAM's
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         extra["high_res_pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)
-    elif family == "minicpmv4_6":  # NaViT-packed: every image's 8 x 8 patches of 14 x 14 side by side in one row,
-        # merged 2 x 2 twice (the window merger, the merger): 4 tokens each
+    elif family in ("minicpmv4_6", "minicpmv4_7"):  # NaViT-packed: every image's 8 x 8 patches of 14 x 14 side by side
+        # in one row, merged 2 x 2 twice (the window merger, the merger): 4 tokens each
         extra["pixel_values"] = torch.randn(1, 3, 14, 14 * 64 * len(spots), generator=g)
         extra["target_sizes"] = torch.tensor([[8, 8]] * len(spots))
+        if family == "minicpmv4_7":  # its token types place the images on its canvas of multimodal positions
+            extra["mm_token_type_ids"] = types
     elif family == "mllama":  # [batch, images, tiles, 3, h, w]: row 0 an image of 2 tiles (aspect ratio 1 x 2), one
         # of 1; row 1 one of 1 and a padding image; each token sees the images from its <|image|> token to the next
         extra["pixel_values"] = torch.randn(2, 2, 2, 3, 28, 28, generator=g)

@@ -250,6 +250,8 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "step3p7-images": ("step3p7", "images-padded", {}),
     "mistral_large4-images": ("mistral_large4", "images-padded", {}),  # DeepSeek sparse attention over image tokens
     "hy_v4_vl-images": ("hy_v4_vl", "images-padded", {}),  # sparse attention, multimodal RoPE in decoding
+    "granite_docling-images": ("granite_docling", "images-padded", {}),  # tiles, deepstack features in the prefill
+    "minicpmv4_7-images": ("minicpmv4_7", "images-padded", {}),  # Gated DeltaNet, multimodal positions (deltas)
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "voxtral-audio": ("voxtral", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),

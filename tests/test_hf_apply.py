@@ -208,6 +208,7 @@ def _sub_configs(config) -> list:
         "glm_ocr",
         "got_ocr2",
         "granite4_vision",
+        "granite_docling",
         "hunyuan_vl",
         "hy_v4_vl",
         "hyperclovax_vision_v2",
@@ -228,6 +229,7 @@ def _sub_configs(config) -> list:
         "mistral3",
         "mistral_large4",
         "minicpmv4_6",
+        "minicpmv4_7",
         "molmo2",
         "mistral3-ministral3",
         "ovis2",
@@ -375,12 +377,14 @@ def _text_only_batches_and_refused_images(family):
         ("minimax_m3_vl", "images-padded"),  # partial rotary, experts (MiniMax M3 text, dense attention layers)
         ("mistral_large4", "images-padded"),  # DeepSeek sparse attention over image tokens (Mistral Large 4 text)
         ("hy_v4_vl", "images"),  # DeepSeek sparse attention, multimodal RoPE (HunYuan V4 VL text)
+        ("granite_docling", "images-padded"),  # tiles (a padding one), deepstack features, a density router
         ("lfm3_vl", "images-padded"),  # short convolutions, sliding and full layers (LFM3 text)
         ("apertus1p5", "images-padded"),  # images as discrete codes embedded by the text model
         ("apertus1p5", "audio"),  # audio too (input_values: waveforms, their codes embedded)
         ("kimi_k25", "images-padded"),  # latent attention (DeepSeek-V3 text)
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
         ("minicpmv4_6", "images"),  # Gated DeltaNet layers
+        ("minicpmv4_7", "images-padded"),  # and multimodal positions on a canvas
         ("video_llama_3", "video"),
         ("deepseek_vl", "images-padded"),
         ("janus", "images"),
@@ -535,6 +539,32 @@ def test_gemma4_unified_sees_each_image_both_ways_on_every_layer_and_refuses_an_
     before = _logits(causal, **batch)
     hf_ring.apply_ring_attention(causal)
     torch.testing.assert_close(_logits(causal, **hf_ring.shard_batch(batch)), before, atol=ATOL, rtol=0)
+
+
+def test_granite_docling_refuses_its_density_router_loss_over_several_ranks():
+    """Granite Docling adds its density router's loss (of the whole batch's images) to the language-model loss when
+    given router_labels: at one rank the loss is the unmodified model's, router loss included; over several ranks
+    each would count it again, so the call is refused before anything runs (ShardInfo of 2 ranks); the chunked loss,
+    which computes the language-model loss only, refuses them too."""
+    if not in_transformers("granite_docling"):
+        pytest.skip("granite_docling is not in this Transformers release")
+    model = make_model("granite_docling", images=True).eval()
+    batch, _ = make_batch("images", 40, family="granite_docling")
+    router = torch.tensor([1.0, 0.0])
+    with torch.no_grad():
+        before = model(**batch, router_labels=router).loss
+        assert float((before - model(**batch).loss).abs()) > 1e-3  # (the router's loss counts)
+        hf_ring.apply_ring_attention(model)
+        torch.testing.assert_close(model(**hf_ring.shard_batch(batch), router_labels=router).loss, before)
+    info = hf_attention.ShardInfo(layout="zigzag", world_size=2, rank=0, seq_len=40, whole_inputs=True)
+    with pytest.raises(ValueError, match="router_labels add a loss of the whole batch's images"):
+        model(**batch, **{hf_attention.SHARD_INFO_KWARG: info}, router_labels=router)
+    hf_ring.apply_chunked_loss(model)  # (which computes the language-model loss only: refused, not dropped)
+    with pytest.raises(ValueError, match="router_labels add granite_docling's own loss .* chunked loss does not"):
+        model(**batch, router_labels=router)
+    hf_ring.revert_chunked_loss(model)
+    hf_ring.revert_ring_attention(model)
+    assert not any(type(h).__name__ == "RefuseExtraLoss" for h in model._forward_pre_hooks.values())
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])

@@ -250,6 +250,14 @@ CASES = {
     "cohere_compass-images-padded-lora": ("cohere_compass", "images-padded", 45, {"lora": True}),
     "cohere_compass-images-checkpointing": ("cohere_compass", "images", 40, {"checkpointing": True}),
     # HyperCLOVA X Vision V2: Qwen2.5-VL's windowed tower, a HyperCLOVA X text model (multipliers, logits scaling)
+    # Granite Docling: tiles (a padding tile), deepstack features added after text layer 0, Granite's multipliers
+    "granite_docling-images-padded": ("granite_docling", "images-padded", 45, {}),
+    "granite_docling-images-lora-checkpointing": (
+        "granite_docling",
+        "images",
+        40,
+        {"lora": True, "checkpointing": True},
+    ),
     "hyperclovax_vision_v2-images-padded": ("hyperclovax_vision_v2", "images-padded", 45, {}),
     "hyperclovax_vision_v2-images-lora": ("hyperclovax_vision_v2", "images", 40, {"lora": True}),
     "qwen3_vl_moe-images-ulysses": ("qwen3_vl_moe", "images", 40, {"ulysses": 2}),
@@ -260,6 +268,8 @@ CASES = {
     "deepseek_vl_hybrid-images-padded": ("deepseek_vl_hybrid", "images-padded", 40, {}),  # SigLIP + SAM features
     "janus-images-padded": ("janus", "images-padded", 40, {}),  # its image-generation parts unused (zero gradients)
     "minicpmv4_6-images-padded": ("minicpmv4_6", "images-padded", 40, {}),  # NaViT-packed images, Qwen3.5 text
+    "minicpmv4_7-images-padded": ("minicpmv4_7", "images-padded", 40, {}),  # its canvas of multimodal positions
+    "minicpmv4_7-images-lora": ("minicpmv4_7", "images", 45, {"lora": True}),
     "internvl-images-padded": ("internvl", "images-padded", 45, {}),
     "mistral3-images-lora": ("mistral3", "images", 40, {"lora": True}),
     "idefics3-images-padded": ("idefics3", "images-padded", 40, {}),
