@@ -314,8 +314,9 @@ def _media_tensors(kwargs: dict) -> list:
 
 def _kv_sources(model) -> dict[int, int]:
     """Layers that attend with the keys/values of an earlier layer and keep no cache of their own -> that layer's
-    index: Gemma 4's KV-shared layers (the last layer of their type that stores its keys/values), Mistral Large 4's
-    (``config.kv_source_layers`` names each layer's source)."""
+    index, whose cache layer gives the decode step the keys' positions and documents: Gemma 4's KV-shared layers (the
+    last layer of their type that stores its keys/values), Mistral Large 4's (``config.kv_source_layers`` names each
+    layer's source; the keys themselves come from the model, its ``shared_kv_states``)."""
     producers, shared = {}, []
     for m in model.modules():
         if getattr(m, "store_full_length_kv", False) and hasattr(m, "layer_type"):

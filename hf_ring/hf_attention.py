@@ -372,7 +372,7 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
 
     st = cache.state
     index = getattr(module, "layer_idx", None)
-    if index in st.kv_source:  # Gemma 4, Mistral Large 4: a KV-shared layer attends with its source layer's keys
+    if index in st.kv_source:  # Gemma 4, Mistral Large 4: a KV-shared layer: its source layer's key positions
         layer = cache.layers[st.kv_source[index]]
     elif index is None or index < 0:  # a block shared by several layers (Zamba2): the layer its call just updated
         layer = st.updated

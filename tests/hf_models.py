@@ -27,6 +27,7 @@ SCALE_FACTORS = {
     "gemma4": 0.2,
     "gemma4_unified_text": 0.2,
     "gemma4_unified": 0.2,
+    "gemma4_unified-audio": 0.2,
     "gemma3n_text": 0.2,
 }
 
@@ -309,6 +310,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     # Gemma 4 Unified: no vision tower, each 8 x 8 x 3 patch projected to one token (16 per image, 4 x 4); a window
     # of 20, longer than an image (a longer image is refused) and shorter than the sequence
     "gemma4_unified": ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration",
+                       {**MORE_FAMILIES["gemma4_unified_text"][2], "sliding_window": 20},
+                       {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": 32, "mm_posemb_size": 8,
+                        "output_proj_dims": 32}),
+    # and its audio: frames of 16 features projected without a tower, one token per frame
+    "gemma4_unified-audio": ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration",
                        {**MORE_FAMILIES["gemma4_unified_text"][2], "sliding_window": 20},
                        {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": 32, "mm_posemb_size": 8,
                         "output_proj_dims": 32}),
@@ -818,6 +824,8 @@ def make_config(family: str, **overrides):
                                       "num_hidden_layers": 1, "cross_attention_frequency": 1, "intermediate_size": 48,
                                       "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                                       "use_qformer_text_input": False}}  # fmt: skip
+        if family == "gemma4_unified-audio":  # no audio tower: frames of 16 features, one token each
+            top = {"audio_config": {"audio_embed_dim": 16}, "audio_token_id": AUDIO_TOKEN}
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         if family in OMNI_AUDIO:  # its audio tower (always built); the vision start token its positions always read
@@ -1226,11 +1234,21 @@ def _nemotron_h_omni_clips(g: torch.Generator) -> dict:
     return {"input_features": torch.randn(3, 32, 16, generator=g), "input_features_mask": frames}
 
 
+def _gemma4_unified_clips(g: torch.Generator) -> dict:
+    """Three clips of 10 frames x 16 features, padded frames marked in ``input_features_mask`` (the first and last 8
+    real frames, the second 6): 8, 6 and 8 tokens (one per real frame, Gemma 4 Unified's projection)."""
+    frames = torch.zeros(3, 10, dtype=torch.bool)
+    frames[:, :8] = True
+    frames[1, 6:] = False
+    return {"input_features": torch.randn(3, 10, 16, generator=g), "input_features_mask": frames}
+
+
 AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips, "granite_speech": _granite_speech_clips,
-               "granite_speech_plus": _granite_speech_clips, "nemotron_h_omni": _nemotron_h_omni_clips}  # fmt: skip
+               "granite_speech_plus": _granite_speech_clips, "nemotron_h_omni": _nemotron_h_omni_clips,
+               "gemma4_unified-audio": _gemma4_unified_clips}  # fmt: skip
 """Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
 AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8), "granite_speech": (8, 6, 8),
-                "granite_speech_plus": (8, 6, 8), "nemotron_h_omni": (8, 7, 8)}  # fmt: skip
+                "granite_speech_plus": (8, 6, 8), "nemotron_h_omni": (8, 7, 8), "gemma4_unified-audio": (8, 6, 8)}  # fmt: skip
 """The audio tokens of each clip of ``AUDIO_CLIPS``, at ``_IMAGE_SPOTS``."""
 
 

@@ -260,6 +260,7 @@ CASES = {
     ),
     "hyperclovax_vision_v2-images-padded": ("hyperclovax_vision_v2", "images-padded", 45, {}),
     "hyperclovax_vision_v2-images-lora": ("hyperclovax_vision_v2", "images", 40, {"lora": True}),
+    "hyperclovax_vision_v2-video": ("hyperclovax_vision_v2", "video", 40, {}),  # an image and a 2-frame video
     "qwen3_vl_moe-images-ulysses": ("qwen3_vl_moe", "images", 40, {"ulysses": 2}),
     "qwen3_5-images-padded": ("qwen3_5", "images-padded", 40, {}),  # Gated DeltaNet layers
     "video_llama_3-images-padded": ("video_llama_3", "images-padded", 40, {}),  # Qwen2 text: windows
@@ -333,6 +334,7 @@ CASES = {
     "gemma4_unified-images-checkpointing": ("gemma4_unified", "images", 40, {"checkpointing": True}),
     "gemma4_unified-images-lora": ("gemma4_unified", "images", 40, {"lora": True, "rtol": RTOL_LORA_GEMMA4_UNIFIED}),
     "gemma4_unified-packed": ("gemma4_unified", "packed", 40, {}),
+    "gemma4_unified-audio-padded": ("gemma4_unified-audio", "audio", 40, {}),  # frames projected, a clip shorter
     # PaliGemma: the prefix (images and prompt, token_type_ids 0) sees itself both ways across the ranks' chunks, on
     # every layer (Gemma; PaliGemma 2's Gemma 2 with its window longer than the prefix and softcaps)
     "paligemma-images-padded": ("paligemma", "images-padded", 45, {}),
