@@ -97,7 +97,7 @@ import torch
 
 from ..hf_attention import SHARD_INFO_KWARG, RingBlocks, ShardInfo
 from . import generic, llama, mistral, qwen2, qwen3
-from ._family import FamilyPatch
+from ._family import FamilyPatch, LogitTransform
 from ._hooks import remove_hooks
 
 __all__ = ["BLOCKS", "DEDICATED", "EXTRA_LOSS", "ExtraLossPatch", "IMAGES", "INNER", "MEDIA", "OWN_LOSS", "OwnLossPatch",
@@ -119,6 +119,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "qwen3_vl_moe": ("qwen3_vl_moe_text",),  # Qwen3-VL-30B-A3B, 235B-A22B
     "cohere_compass": ("cohere_compass_text",),  # Cohere Compass (Qwen3-VL's tower and multimodal RoPE)
     "hyperclovax_vision_v2": ("hyperclovax",),  # HyperCLOVA X Vision V2 (Qwen2.5-VL's tower; Transformers 5.24)
+    "muse_spark": ("muse_spark_text",),  # Muse Spark (images, video, audio; Transformers 5.24)
     "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),  # InternVL 3 / 3.5
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
     "mistral_large4": ("mistral_large4_text",),  # Mistral Large 4 (DeepSeek sparse attention; Transformers 5.24)
@@ -199,6 +200,7 @@ IMAGES = (
     "qwen3_vl_moe",
     "cohere_compass",
     "hyperclovax_vision_v2",
+    "muse_spark",
     "qwen3_5",
     "qwen3_5_moe",
     "internvl",
@@ -409,6 +411,7 @@ LOGIT_TRANSFORMS = {
     "gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"],
     "cohere_compass": generic.LOGIT_TRANSFORMS["cohere_compass_text"],  # the text config's logit_scale (None: none)
     "hyperclovax_vision_v2": generic.LOGIT_TRANSFORMS["hyperclovax"],  # the text config's logits_scaling
+    "muse_spark": LogitTransform(multiply="output_multiplier", softcap="final_logit_softcapping"),
     "gemma4_unified": generic.LOGIT_TRANSFORMS["gemma4_unified_text"],
     "paligemma": generic.LOGIT_TRANSFORMS["gemma2"],  # (a Gemma text config has no softcap: none)
     "granite4_vision": generic.LOGIT_TRANSFORMS["granite"],  # its head divides by the text config's logits_scaling
@@ -476,6 +479,7 @@ INNER = {
         "mistral_large4_text": "transformers.models.mistral_large4.modeling_mistral_large4.MistralLarge4TextAttention",
         "hy_v4_vl_text": "transformers.models.hy_v4_vl.modeling_hy_v4_vl.HYV4VLAttention",
         "granite_docling_text": "transformers.models.granite_docling.modeling_granite_docling.GraniteDoclingTextAttention",
+        "muse_spark_text": "transformers.models.muse_spark.modeling_muse_spark.MuseSparkTextAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

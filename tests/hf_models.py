@@ -331,6 +331,15 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                               {"model_type": "hyperclovax", **MORE_FAMILIES["hyperclovax"][2]},
                               {"model_type": "qwen2_5_vl_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 48,
                                "num_heads": 2, "out_hidden_size": 64, "patch_size": 14}),
+    # Muse Spark: gated attention with QK norm, sliding layers and a full one without RoPE, experts, a logit multiplier
+    # before the final softcap; a tower of 4 x 4 patches of 2 x 14 x 14 x 3 merged 2 x 2: 4 tokens per image
+    "muse_spark": ("MuseSparkConfig", "MuseSparkForConditionalGeneration",
+                   {"head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+                    "mlp_layer_types": ["dense", "sparse"], "num_local_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "moe_hidden_size": 32, "final_logit_softcapping": 2.0,
+                    "output_multiplier": 0.5, "qk_scale_factor": 2.0},
+                   {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                    "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4, "max_position_embeddings": 16}),
     # Cohere Compass: Qwen3-VL's tower (deepstack features) before its text model's sliding layers with multimodal
     # RoPE and full layers without RoPE
     "cohere_compass": ("CohereCompassConfig", "CohereCompassForConditionalGeneration",
@@ -649,7 +658,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24",
          "molmo2": "5.24", "mistral_large4": "5.24",
          "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
-         "minicpmv4_7": "5.24"}  # fmt: skip
+         "minicpmv4_7": "5.24", "muse_spark": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -796,6 +805,11 @@ def make_config(family: str, **overrides):
                                                   MEDIA_TOKENS["vision_end_token_id"]]}  # fmt: skip
         if family == "cohere2_vision":  # (36864 by default)
             top = {"alignment_intermediate_size": 64}
+        if family == "muse_spark":  # its audio tower (always built); its vision adapter from the tower's merged 2 x 2
+            # patches to the text model's width
+            top = {"out_hidden_size": 4 * vision["hidden_size"], "projector_hidden_size": common["hidden_size"],
+                   "audio_config": {"hidden_sizes": [16, 16, 16, 16], "depths": [1, 1, 1, 1], "patch_sizes": [2, 2, 2, 2],
+                                    "out_hidden_size": common["hidden_size"]}}  # fmt: skip
         if family == "granite_docling":  # its density router (its loss only with router_labels)
             top = {"density_router_hidden_size": 16}
         if family == "kimi_k25":  # its projector's norm: over the vision tower's width
@@ -926,7 +940,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.image_end_token_id = MEDIA_TOKENS["vision_end_token_id"]
         if family == "molmo2":  # its image and video token one (both names map to image_patch_id): the image one
             model.config.image_patch_id = MEDIA_TOKENS["image_token_id"]
-        if family == "apertus1p5" or family in OMNI_AUDIO:  # its audio placeholder, inside the vocabulary
+        if family in ("apertus1p5", "muse_spark") or family in OMNI_AUDIO:  # its audio placeholder
             model.config.audio_token_id = AUDIO_TOKEN
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
         model.set_attn_implementation("eager")
@@ -1014,7 +1028,14 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     14 and 16 tokens), then the suffix (1), the only tokens with labels."""
     ids = torch.randint(3, VOCAB, (2, seq_len), generator=g)
     types = torch.zeros_like(ids)
-    qwen_like = ("paddleocr_vl", "cosmos3_omni", "ernie4_5_vl_moe", "cohere_compass", "hyperclovax_vision_v2")
+    qwen_like = (
+        "paddleocr_vl",
+        "cosmos3_omni",
+        "ernie4_5_vl_moe",
+        "cohere_compass",
+        "hyperclovax_vision_v2",
+        "muse_spark",
+    )
     qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
     gemma = ("gemma3", "gemma4", "gemma4_unified")
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in gemma else 1
@@ -1053,7 +1074,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
         if family == "ernie4_5_vl_moe":  # each patch 3 x 14 x 14 flat
             extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 14 * 14, generator=g)
-        if family not in (*OMNI_AUDIO, "hyperclovax_vision_v2"):  # (their processors give no token types)
+        if family not in (*OMNI_AUDIO, "hyperclovax_vision_v2", "muse_spark"):  # (their processors give no token types)
             extra["mm_token_type_ids"] = types
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
@@ -1243,12 +1264,21 @@ def _gemma4_unified_clips(g: torch.Generator) -> dict:
     return {"input_features": torch.randn(3, 10, 16, generator=g), "input_features_mask": frames}
 
 
+def _muse_spark_clips(g: torch.Generator) -> dict:
+    """Three waveforms of 128 samples (16 per token through its convolutions of strides 2, 2, 2, 2), the second of
+    96 real samples (``input_values_mask``, right-padded as its feature extractor pads): 8, 6 and 8 tokens."""
+    samples = torch.ones(3, 128, dtype=torch.long)
+    samples[1, 96:] = 0
+    return {"input_values": torch.randn(3, 128, generator=g), "input_values_mask": samples}
+
+
 AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips, "granite_speech": _granite_speech_clips,
                "granite_speech_plus": _granite_speech_clips, "nemotron_h_omni": _nemotron_h_omni_clips,
-               "gemma4_unified-audio": _gemma4_unified_clips}  # fmt: skip
+               "gemma4_unified-audio": _gemma4_unified_clips, "muse_spark": _muse_spark_clips}  # fmt: skip
 """Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
 AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8), "granite_speech": (8, 6, 8),
-                "granite_speech_plus": (8, 6, 8), "nemotron_h_omni": (8, 7, 8), "gemma4_unified-audio": (8, 6, 8)}  # fmt: skip
+                "granite_speech_plus": (8, 6, 8), "nemotron_h_omni": (8, 7, 8), "gemma4_unified-audio": (8, 6, 8),
+                "muse_spark": (8, 6, 8)}  # fmt: skip
 """The audio tokens of each clip of ``AUDIO_CLIPS``, at ``_IMAGE_SPOTS``."""
 
 

@@ -252,6 +252,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "hy_v4_vl-images": ("hy_v4_vl", "images-padded", {}),  # sparse attention, multimodal RoPE in decoding
     "granite_docling-images": ("granite_docling", "images-padded", {}),  # tiles, deepstack features in the prefill
     "minicpmv4_7-images": ("minicpmv4_7", "images-padded", {}),  # Gated DeltaNet, multimodal positions (deltas)
+    "muse_spark-images": ("muse_spark", "images-padded", {}),  # sliding layers, a full one without RoPE
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "voxtral-audio": ("voxtral", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),

@@ -230,6 +230,7 @@ def _sub_configs(config) -> list:
         "mistral_large4",
         "minicpmv4_6",
         "minicpmv4_7",
+        "muse_spark",
         "molmo2",
         "mistral3-ministral3",
         "ovis2",
@@ -293,8 +294,8 @@ def _text_only_batches_and_refused_images(family):
         if family == "gemma4":  # audio too: beside input_ids that were sharded, refused
             with pytest.raises(ValueError, match="carries input_features but its input_ids were sharded"):
                 model(input_ids=ids, input_features=torch.zeros(1, 20, 128), **{hf_attention.SHARD_INFO_KWARG: sharded})
-        if family in AUDIO_CLIPS:  # an audio-language model: its clips (input_features), beside sharded input_ids
-            with pytest.raises(ValueError, match="carries input_features but its input_ids were sharded"):
+        if family in AUDIO_CLIPS:  # an audio-language model: its clips (Muse Spark's waveforms), beside sharded ids
+            with pytest.raises(ValueError, match="carries input_(features|values) but its input_ids were sharded"):
                 model(
                     input_ids=ids, **AUDIO_CLIPS[family](torch.Generator()), **{hf_attention.SHARD_INFO_KWARG: sharded}
                 )
@@ -385,6 +386,7 @@ def _text_only_batches_and_refused_images(family):
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
         ("minicpmv4_6", "images"),  # Gated DeltaNet layers
         ("minicpmv4_7", "images-padded"),  # and multimodal positions on a canvas
+        ("muse_spark", "images"),  # gated attention, sliding layers, experts
         ("video_llama_3", "video"),
         ("deepseek_vl", "images-padded"),
         ("janus", "images"),

@@ -249,6 +249,11 @@ CASES = {
     # Cohere Compass: Qwen3-VL's tower and multimodal RoPE on sliding layers, full layers without RoPE, a logit scale
     "cohere_compass-images-padded-lora": ("cohere_compass", "images-padded", 45, {"lora": True}),
     "cohere_compass-images-checkpointing": ("cohere_compass", "images", 40, {"checkpointing": True}),
+    # Muse Spark: gated attention, sliding layers and a full one without RoPE, experts, a logit multiplier and softcap
+    "muse_spark-images-padded": ("muse_spark", "images-padded", 45, {}),
+    "muse_spark-images-lora-checkpointing": ("muse_spark", "images", 40, {"lora": True, "checkpointing": True}),
+    "muse_spark-packed": ("muse_spark", "packed", 40, {}),
+    "muse_spark-audio-padded": ("muse_spark", "audio", 40, {}),  # waveforms through its convolutions, one shorter
     # HyperCLOVA X Vision V2: Qwen2.5-VL's windowed tower, a HyperCLOVA X text model (multipliers, logits scaling)
     # Granite Docling: tiles (a padding tile), deepstack features added after text layer 0, Granite's multipliers
     "granite_docling-images-padded": ("granite_docling", "images-padded", 45, {}),

@@ -315,7 +315,11 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
     def run(m):
         names = ("visual", "vision_model", "vision_tower")  # (HyperCLOVA X Vision V2's, HunYuan V4 VL's names for it)
         tower = next(getattr(m.model, n) for n in names if hasattr(m.model, n))
-        handle = tower.register_forward_pre_hook(lambda mod, a: rows.append(int(a[0].shape[0])))
+
+        def count(mod, args, kwargs):  # the rows of pixels the tower is given (Muse Spark passes them by name)
+            rows.append(int((args[0] if args else kwargs["pixel_values"]).shape[0]))
+
+        handle = tower.register_forward_pre_hook(count, with_kwargs=True)
         out = getattr(m.model, method)(pixels, grids)
         handle.remove()
         feats = torch.cat(out.pooler_output)
@@ -350,6 +354,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         ("cohere_compass", "get_image_features", 2),
         ("hyperclovax_vision_v2", "get_video_features", 2),
         ("hy_v4_vl", "get_image_features", 2),
+        ("muse_spark", "get_image_features", 2),
     ],  # fmt: skip
     ids=[
         "qwen3_vl-videos-2",
@@ -358,6 +363,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         "cohere_compass-images-2",
         "hyperclovax_vision_v2-videos-2",
         "hy_v4_vl-images-2",
+        "muse_spark-images-2",
     ],  # fmt: skip
 )
 def test_the_vision_split_gives_every_rank_every_feature_and_the_whole_gradient(family, method, world):
