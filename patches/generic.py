@@ -44,7 +44,7 @@ __all__ = [
     "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
-    "check_llama4", "check_minimax", "check_sparse",
+    "check_llama4", "check_minimax", "check_sparse", "check_sparse_sliding",
     "check_without_windows",
 ]  # fmt: skip
 
@@ -72,6 +72,7 @@ FAMILIES = {
     "diffllama": "transformers.models.diffllama.modeling_diffllama.DiffLlamaAttention",
     "dory": "transformers.models.dory.modeling_dory.DoryAttention",
     "dots1": "transformers.models.dots1.modeling_dots1.Dots1Attention",
+    "dots3_note_text": "transformers.models.dots3_note.modeling_dots3_note.Dots3NoteTextAttention",
     "emu3_text_model": "transformers.models.emu3.modeling_emu3.Emu3Attention",
     "ernie4_5": "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention",
     "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeAttention",
@@ -267,6 +268,15 @@ def check_sparse(config) -> None:
     _check_router(config, what)
 
 
+def check_sparse_sliding(config) -> None:
+    """``check`` for DeepSeek sparse attention beside sliding-window layers (Dots3 Note): its ``indexed_attention``
+    layers (with an indexer, no window) as ``check_sparse``'s, and ``sliding_attention`` layers (no indexer) with
+    their window."""
+    what = getattr(config, "model_type", "model")
+    check_layer_types(config, what, allowed=("full_attention", "indexed_attention", "sliding_attention"))
+    _check_router(config, what)
+
+
 def check_llama4(config) -> None:
     """``check`` for Llama 4: chunked-attention layers (its RoPE layers: ``hf_ring.hf_attention`` cuts their
     documents into chunks of ``config.attention_chunk_size``) beside full-attention layers; no windows."""
@@ -304,7 +314,7 @@ LINEAR = {
 """Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention, MiniMax's lightning attention), Mamba,
 Mamba2 or short-convolution class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
-SPARSE = ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "mistral_large4_text")
+SPARSE = ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "mistral_large4_text")
 """Families with DeepSeek sparse attention: an indexer beside each attention layer (``hf_ring.patches._sparse``);
 HunYuan V4 VL's and Mistral Large 4's text models exist only inside their vision-language models
 (``multimodal.INNER``)."""
@@ -316,6 +326,7 @@ CHECKS = {
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
     **{model_type: check_sparse for model_type in SPARSE},
+    "dots3_note_text": check_sparse_sliding,
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 

@@ -120,6 +120,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "cohere_compass": ("cohere_compass_text",),  # Cohere Compass (Qwen3-VL's tower and multimodal RoPE)
     "hyperclovax_vision_v2": ("hyperclovax",),  # HyperCLOVA X Vision V2 (Qwen2.5-VL's tower; Transformers 5.24)
     "muse_spark": ("muse_spark_text",),  # Muse Spark (images, video, audio; Transformers 5.24)
+    "dots3_note": ("dots3_note_text",),  # Dots3 Note (images, video, audio; sparse and sliding layers; 5.24)
     "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),  # InternVL 3 / 3.5
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
     "mistral_large4": ("mistral_large4_text",),  # Mistral Large 4 (DeepSeek sparse attention; Transformers 5.24)
@@ -201,6 +202,7 @@ IMAGES = (
     "cohere_compass",
     "hyperclovax_vision_v2",
     "muse_spark",
+    "dots3_note",
     "qwen3_5",
     "qwen3_5_moe",
     "internvl",

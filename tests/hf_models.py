@@ -129,6 +129,9 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     # and its second layer reuses the first one's top-k
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "indexer_types": ["full", "shared"]}),
     "axk2": ("AXK2Config", "AXK2ForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
+    # Dots3 Note: a sparse-attention layer (indexer) and a sliding-window layer of its own sizes (swa_*), both latent
+    # attention with a per-head output gate
+    "dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_experts_intermediate_size": 32, "layer_types": ["indexed_attention", "sliding_attention"], "sliding_window": 6, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 24, "swa_kv_lora_rank": 16, "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 12}),
     # with hyper-connections, learned sinks, and its second layer reusing the first one's top-k
     "hy_v4": ("HYV4Config", "HYV4ForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "hc_mult": 2, "learnable_sink_init": 0.5, "indexer_types": ["full", "shared"]}),
     # Gemma 4: layers that reuse an earlier layer's keys/values, keys as values on full layers, a wider head_dim on
@@ -340,6 +343,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                     "output_multiplier": 0.5, "qk_scale_factor": 2.0},
                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                     "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4, "max_position_embeddings": 16}),
+    # Dots3 Note: its text model (sparse-attention and sliding layers), a tower of 4 x 4 patches of 14 x 14 x 3 (with
+    # experts) merged 2 x 2: 4 tokens per image
+    "dots3_note": ("Dots3NoteConfig", "Dots3NoteForConditionalGeneration", MORE_FAMILIES["dots3_note_text"][2],
+                   {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                    "patch_size": 14, "pyramid_num_routed": [4], "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "adapter_in_dim": 32, "adapter_out_dim": 64}),
     # Cohere Compass: Qwen3-VL's tower (deepstack features) before its text model's sliding layers with multimodal
     # RoPE and full layers without RoPE
     "cohere_compass": ("CohereCompassConfig", "CohereCompassForConditionalGeneration",
@@ -658,7 +667,8 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "bailing_hybrid": "5.24", "perception_lm": "5.24", "nemotron_h_omni": "5.24",
          "molmo2": "5.24", "mistral_large4": "5.24",
          "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
-         "minicpmv4_7": "5.24", "muse_spark": "5.24"}  # fmt: skip
+         "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
+         "dots3_note": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -810,6 +820,10 @@ def make_config(family: str, **overrides):
             top = {"out_hidden_size": 4 * vision["hidden_size"], "projector_hidden_size": common["hidden_size"],
                    "audio_config": {"hidden_sizes": [16, 16, 16, 16], "depths": [1, 1, 1, 1], "patch_sizes": [2, 2, 2, 2],
                                     "out_hidden_size": common["hidden_size"]}}  # fmt: skip
+        if family == "dots3_note":  # its audio tower (always built)
+            top = {"audio_config": {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                                    "num_attention_heads": 2, "feature_size": 16, "downsample_hidden_size": 8,
+                                    "adapter_input_size": 32, "adapter_out_dim": common["hidden_size"]}}  # fmt: skip
         if family == "granite_docling":  # its density router (its loss only with router_labels)
             top = {"density_router_hidden_size": 16}
         if family == "kimi_k25":  # its projector's norm: over the vision tower's width
@@ -940,7 +954,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.image_end_token_id = MEDIA_TOKENS["vision_end_token_id"]
         if family == "molmo2":  # its image and video token one (both names map to image_patch_id): the image one
             model.config.image_patch_id = MEDIA_TOKENS["image_token_id"]
-        if family in ("apertus1p5", "muse_spark") or family in OMNI_AUDIO:  # its audio placeholder
+        if family in ("apertus1p5", "muse_spark", "dots3_note") or family in OMNI_AUDIO:  # its audio placeholder
             model.config.audio_token_id = AUDIO_TOKEN
     if family in EAGER_REFERENCE:  # the reference: SDPA has no softcapping or sinks (5.17 ignores them)
         model.set_attn_implementation("eager")
@@ -1035,6 +1049,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         "cohere_compass",
         "hyperclovax_vision_v2",
         "muse_spark",
+        "dots3_note",
     )
     qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
     gemma = ("gemma3", "gemma4", "gemma4_unified")
@@ -1070,11 +1085,14 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
             if family in OMNI_AUDIO:  # the seconds each temporal patch spans (its processor's, from the fps)
                 extra["video_second_per_grid"] = torch.tensor([1.0])
+        if family == "dots3_note":  # each patch 3 x 14 x 14 flat (no temporal patch)
+            extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 14 * 14, generator=g)
         if family == "paddleocr_vl":  # each patch 3 x 14 x 14 (no temporal patch)
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
         if family == "ernie4_5_vl_moe":  # each patch 3 x 14 x 14 flat
             extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 14 * 14, generator=g)
-        if family not in (*OMNI_AUDIO, "hyperclovax_vision_v2", "muse_spark"):  # (their processors give no token types)
+        if family not in (*OMNI_AUDIO, "hyperclovax_vision_v2", "muse_spark", "dots3_note"):  # (no token types from
+            # their processors)
             extra["mm_token_type_ids"] = types
         for b, p in spots:
             ids[b, p - 1] = MEDIA_TOKENS["vision_start_token_id"]
@@ -1272,13 +1290,21 @@ def _muse_spark_clips(g: torch.Generator) -> dict:
     return {"input_values": torch.randn(3, 128, generator=g), "input_values_mask": samples}
 
 
+def _dots3_note_clips(g: torch.Generator) -> dict:
+    """Three chunks of 64 frames x 16 mel bins (160 samples per frame, three stride-2 convolutions: 8 frames per
+    token), the second of 7680 real samples (``chunk_sample_lengths``): 8, 6 and 8 tokens."""
+    return {"input_features": torch.randn(3, 16, 64, generator=g),
+            "chunk_sample_lengths": torch.tensor([10240, 7680, 10240])}  # fmt: skip
+
+
 AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips, "granite_speech": _granite_speech_clips,
                "granite_speech_plus": _granite_speech_clips, "nemotron_h_omni": _nemotron_h_omni_clips,
-               "gemma4_unified-audio": _gemma4_unified_clips, "muse_spark": _muse_spark_clips}  # fmt: skip
+               "gemma4_unified-audio": _gemma4_unified_clips, "muse_spark": _muse_spark_clips,
+               "dots3_note": _dots3_note_clips}  # fmt: skip
 """Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
 AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8), "granite_speech": (8, 6, 8),
                 "granite_speech_plus": (8, 6, 8), "nemotron_h_omni": (8, 7, 8), "gemma4_unified-audio": (8, 6, 8),
-                "muse_spark": (8, 6, 8)}  # fmt: skip
+                "muse_spark": (8, 6, 8), "dots3_note": (8, 6, 8)}  # fmt: skip
 """The audio tokens of each clip of ``AUDIO_CLIPS``, at ``_IMAGE_SPOTS``."""
 
 

@@ -54,6 +54,8 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "hy_v4-sparse-shared": ("hy_v4", 2, 14, 3, {"scores": True, "pad_like_ring": True}),
     # Mistral Large 4: an indexer of its own queries, both scaled by position; latents and top-k reused by layer 2
     "mistral_large4-sparse-shared": ("mistral_large4", 2, 14, 3, {"scores": True, "pad_like_ring": True}),
+    # Dots3 Note: a sparse-attention layer and a sliding-window layer of its own sizes
+    "dots3_note_text-sparse-sliding": ("dots3_note_text", 2, 14, 3, {"scores": True, "pad_like_ring": True}),
     # Llama 4: chunks of 8 tokens counted from each row's first token (decoding crosses into the next chunk), a
     # layer without RoPE whose queries scale with their index in the row
     "llama4_text-chunked": ("llama4_text", 2, 14, 3, {"scores": True}),
@@ -253,6 +255,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "granite_docling-images": ("granite_docling", "images-padded", {}),  # tiles, deepstack features in the prefill
     "minicpmv4_7-images": ("minicpmv4_7", "images-padded", {}),  # Gated DeltaNet, multimodal positions (deltas)
     "muse_spark-images": ("muse_spark", "images-padded", {}),  # sliding layers, a full one without RoPE
+    "dots3_note-images": ("dots3_note", "images-padded", {}),  # sparse attention and a sliding layer
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "voxtral-audio": ("voxtral", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),

@@ -231,6 +231,7 @@ def _sub_configs(config) -> list:
         "minicpmv4_6",
         "minicpmv4_7",
         "muse_spark",
+        "dots3_note",
         "molmo2",
         "mistral3-ministral3",
         "ovis2",
@@ -387,6 +388,7 @@ def _text_only_batches_and_refused_images(family):
         ("minicpmv4_6", "images"),  # Gated DeltaNet layers
         ("minicpmv4_7", "images-padded"),  # and multimodal positions on a canvas
         ("muse_spark", "images"),  # gated attention, sliding layers, experts
+        ("dots3_note", "images-padded"),  # sparse attention beside sliding layers
         ("video_llama_3", "video"),
         ("deepseek_vl", "images-padded"),
         ("janus", "images"),
@@ -1269,7 +1271,9 @@ def test_one_rank_through_kv_shared_layers_with_a_padding_mask_or_a_count_of_log
     assert not any(_shared_kv.ATTR in vars(m) for m in model.modules())
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "mistral_large4", "hy_v4_vl"])
+@pytest.mark.parametrize(
+    "family", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "mistral_large4", "hy_v4_vl", "dots3_note_text"]
+)
 def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and_reverts(family, monkeypatch):
     """DeepSeek sparse attention at one rank: each indexer's call is deferred to hf_ring's attention function
     (``patches._sparse``), which takes the top-k over the whole sequence (``hf_ring.sparse.select``). The logits
@@ -1292,7 +1296,14 @@ def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and
     layers = model.get_decoder().layers
     indexers = [m.self_attn.indexer for m in layers if m.self_attn.indexer is not None]
     # (GLM-MoE-DSA's and HunYuan V4's layer 1 reuses layer 0's top-k; Mistral Large 4's layer 2 layer 1's)
-    assert len(indexers) == {"glm_moe_dsa": 1, "hy_v4": 1, "hy_v4_vl": 1, "mistral_large4": 3}.get(family, 2)
+    # (Dots3 Note's layer 1 is a sliding-window layer without one)
+    assert len(indexers) == {
+        "glm_moe_dsa": 1,
+        "hy_v4": 1,
+        "hy_v4_vl": 1,
+        "mistral_large4": 3,
+        "dots3_note_text": 1,
+    }.get(family, 2)
     hf_ring.apply_ring_attention(model)
     hf_ring.apply_ring_attention(model)  # again: nothing doubled
     assert all(isinstance(vars(i).get("forward"), DeferIndexer) for i in indexers)

@@ -151,6 +151,20 @@ CASES = {
     "axk2-plain-lora": ("axk2", "plain", 45, {"lora": True}),
     "hy_v4-packed-checkpointing": ("hy_v4", "packed", 40, {"checkpointing": True}),
     "hy_v4-padded-striped": ("hy_v4", "padded", 45, {"layout": "striped"}),
+    # Dots3 Note: a sparse-attention layer beside a sliding-window one of other sizes, output gates
+    "dots3_note_text-packed": ("dots3_note_text", "packed", 40, {}),
+    "dots3_note_text-padded-lora-striped": (
+        "dots3_note_text",
+        "padded",
+        45,
+        {"lora": ["q_b_proj", "kv_b_proj", "o_proj", "g_proj"], "layout": "striped"},
+    ),
+    "dots3_note_text-plain-checkpointing-chunked": (
+        "dots3_note_text",
+        "plain",
+        45,
+        {"checkpointing": True, "chunk_bytes": 1},
+    ),
     # Mistral Large 4: an indexer without a query latent, queries scaled by their global positions, shared latents
     "mistral_large4-packed": ("mistral_large4", "packed", 40, {}),
     "mistral_large4-padded-checkpointing-chunked": (
@@ -254,6 +268,9 @@ CASES = {
     "muse_spark-images-lora-checkpointing": ("muse_spark", "images", 40, {"lora": True, "checkpointing": True}),
     "muse_spark-packed": ("muse_spark", "packed", 40, {}),
     "muse_spark-audio-padded": ("muse_spark", "audio", 40, {}),  # waveforms through its convolutions, one shorter
+    # Dots3 Note: its sparse-attention and sliding layers beside images, and audio chunks (one shorter)
+    "dots3_note-images-padded": ("dots3_note", "images-padded", 45, {}),
+    "dots3_note-audio-padded-checkpointing": ("dots3_note", "audio", 40, {"checkpointing": True}),
     # HyperCLOVA X Vision V2: Qwen2.5-VL's windowed tower, a HyperCLOVA X text model (multipliers, logits scaling)
     # Granite Docling: tiles (a padding tile), deepstack features added after text layer 0, Granite's multipliers
     "granite_docling-images-padded": ("granite_docling", "images-padded", 45, {}),

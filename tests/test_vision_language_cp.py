@@ -308,7 +308,8 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
     hf_ring.apply_ring_attention(model)
     frames = 2 if method == "get_video_features" else 1
     grids = torch.tensor([[frames, h, w] for h, w in SPLIT_GRIDS])
-    width = 3 * 16 * 16 if family == "hy_v4_vl" else 3 * 2 * 14 * 14  # (HunYuan's patches: 16 x 16, no temporal patch)
+    # (HunYuan's patches: 16 x 16, Dots3 Note's 14 x 14, without a temporal patch)
+    width = {"hy_v4_vl": 3 * 16 * 16, "dots3_note": 3 * 14 * 14}.get(family, 3 * 2 * 14 * 14)
     pixels = torch.randn(int(grids.prod(-1).sum()), width, generator=torch.Generator().manual_seed(3))
     rows = []
 
@@ -355,6 +356,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         ("hyperclovax_vision_v2", "get_video_features", 2),
         ("hy_v4_vl", "get_image_features", 2),
         ("muse_spark", "get_image_features", 2),
+        ("dots3_note", "get_image_features", 2),
     ],  # fmt: skip
     ids=[
         "qwen3_vl-videos-2",
@@ -364,6 +366,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         "hyperclovax_vision_v2-videos-2",
         "hy_v4_vl-images-2",
         "muse_spark-images-2",
+        "dots3_note-images-2",
     ],  # fmt: skip
 )
 def test_the_vision_split_gives_every_rank_every_feature_and_the_whole_gradient(family, method, world):
