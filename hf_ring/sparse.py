@@ -1,6 +1,6 @@
 """DeepSeek sparse attention (DSA) under the ring: the indexer's top-k taken over the whole sequence.
 
-DSA models (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4, Mistral Large 4) give their attention layers an indexer: a small
+DSA models (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4 and V4 VL, Mistral Large 4, Dots3 Note) give their attention layers an indexer: a small
 multi-head dot product (one key head, ReLU, weighted over its heads) scores every query against every key it may
 see, and the attention then sees only the ``index_topk`` best keys of each query. Under context parallelism a
 rank holds its own tokens only, while a query's top-k ranges over every earlier key of the sequence.

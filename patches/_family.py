@@ -196,11 +196,11 @@ class TextOnly:
     as any text (``shard_batch`` does so for a batch with a ``cross_attention_mask``) and the images go whole to
     every rank; a batch made whole for the model to cut (``ShardInfo.whole_inputs``) raises."""
 
-    def __init__(self, name: str, media: tuple, images: bool = False, group=None, cross: bool = False):
+    def __init__(self, name: str, media: tuple, images: bool = False, cfg=None, cross: bool = False):
         self.name = name
         self.media = media
         self.images = images
-        self.group = group
+        self.cfg = cfg  # (the model's RingConfig, not its group: a deep copy shares it, pickling drops the group)
         self.cross = cross
 
     def __call__(self, module, args, kwargs) -> None:
@@ -217,7 +217,8 @@ class TextOnly:
             return
         if self.images:
             info = named.get(SHARD_INFO_KWARG)
-            whole = info.whole_inputs if isinstance(info, ShardInfo) else group_rank_and_size(self.group)[1] == 1
+            group = None if self.cfg is None else self.cfg.group
+            whole = info.whole_inputs if isinstance(info, ShardInfo) else group_rank_and_size(group)[1] == 1
             if given and not whole:
                 raise ValueError(
                     f"{self.name}: the batch carries {', '.join(given)} but its input_ids were sharded: pass the whole "
@@ -505,7 +506,7 @@ class FamilyPatch:
         linear.remove(model)
         linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)  # (after _lend.remove: its hooks too)
         cross = bool(self.local_modules(model))
-        text_only = TextOnly(self.name, self.media, self.images, cfg.group, cross=cross) if self.media else None
+        text_only = TextOnly(self.name, self.media, self.images, cfg, cross=cross) if self.media else None
         _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
         if self.images and not cross:  # (the images of a batch reach every rank whole: each encodes its share)
             _split_vision.install(model, cfg)  # (in place of the encoders an earlier apply installed)

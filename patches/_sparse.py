@@ -1,6 +1,6 @@
 """DeepSeek sparse attention's indexers, deferred to hf_ring's attention function while the model is patched.
 
-A DSA attention module (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4, Mistral Large 4) calls its indexer on its own tokens, with
+A DSA attention module (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4 and V4 VL, Mistral Large 4, Dots3 Note) calls its indexer on its own tokens, with
 its 4-D mask cut to ``[:, 0, :, :]``, and passes the top-k positions to the attention function as ``indices``
 (``ring_attention`` takes no dense mask: Transformers leaves the selection to attention implementations other
 than eager and SDPA). Under the ring the top-k must range over the keys of every rank, which only the attention

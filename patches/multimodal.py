@@ -624,10 +624,10 @@ class RefuseExtraLoss:
     raises when the batch was sharded over several ranks (or the ring has several), on every rank alike (each has the
     same whole batch), before anything runs."""
 
-    def __init__(self, name: str, keyword: str, group):
+    def __init__(self, name: str, keyword: str, cfg):
         self.name = name
         self.keyword = keyword
-        self.group = group
+        self.cfg = cfg  # (the model's RingConfig, not its group: a deep copy shares it, pickling drops the group)
 
     def __call__(self, module, args, kwargs) -> None:
         from ..comm import group_rank_and_size
@@ -635,7 +635,7 @@ class RefuseExtraLoss:
         if kwargs.get(self.keyword) is None:
             return
         info = kwargs.get(SHARD_INFO_KWARG)
-        world = info.world_size if isinstance(info, ShardInfo) else group_rank_and_size(self.group)[1]
+        world = info.world_size if isinstance(info, ShardInfo) else group_rank_and_size(self.cfg.group)[1]
         if world > 1:
             raise ValueError(
                 f"{self.name}: {self.keyword} add a loss of the whole batch's images to the language-model loss on "
@@ -652,9 +652,7 @@ class ExtraLossPatch(VisionLanguagePatch):
         model = super().apply(model, cfg)
         if model is not None:
             remove_hooks(model, RefuseExtraLoss)
-            model.register_forward_pre_hook(
-                RefuseExtraLoss(self.name, EXTRA_LOSS[self.name], cfg.group), with_kwargs=True
-            )
+            model.register_forward_pre_hook(RefuseExtraLoss(self.name, EXTRA_LOSS[self.name], cfg), with_kwargs=True)
         return model
 
     def revert(self, model):

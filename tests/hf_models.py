@@ -129,9 +129,9 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     # and its second layer reuses the first one's top-k
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "indexer_types": ["full", "shared"]}),
     "axk2": ("AXK2Config", "AXK2ForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
-    # Dots3 Note: a sparse-attention layer (indexer) and a sliding-window layer of its own sizes (swa_*), both latent
-    # attention with a per-head output gate
-    "dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_experts_intermediate_size": 32, "layer_types": ["indexed_attention", "sliding_attention"], "sliding_window": 6, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 24, "swa_kv_lora_rank": 16, "swa_head_dim": 24, "swa_qk_nope_head_dim": 16, "swa_v_head_dim": 12}),
+    # Dots3 Note: a sparse-attention layer (indexer) and a sliding-window layer of its own sizes (swa_*: 2 heads, other
+    # latent ranks, a rotary part of 12, values of 10), both latent attention with a per-head output gate
+    "dots3_note_text": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_experts_intermediate_size": 32, "layer_types": ["indexed_attention", "sliding_attention"], "sliding_window": 5, "swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_q_lora_rank": 20, "swa_kv_lora_rank": 12, "swa_head_dim": 20, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 10}),
     # with hyper-connections, learned sinks, and its second layer reusing the first one's top-k
     "hy_v4": ("HYV4Config", "HYV4ForCausalLM", {**_MLA, **_DSA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "hc_mult": 2, "learnable_sink_init": 0.5, "indexer_types": ["full", "shared"]}),
     # Gemma 4: layers that reuse an earlier layer's keys/values, keys as values on full layers, a wider head_dim on
