@@ -120,7 +120,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "cohere_compass": ("cohere_compass_text",),  # Cohere Compass (Qwen3-VL's tower and multimodal RoPE)
     "hyperclovax_vision_v2": ("hyperclovax",),  # HyperCLOVA X Vision V2 (Qwen2.5-VL's tower; Transformers 5.24)
     "muse_spark": ("muse_spark_text",),  # Muse Spark (images, video, audio; Transformers 5.24)
-    "dots3_note": ("dots3_note_text",),  # Dots3 Note (images, video, audio; sparse and sliding layers; 5.24)
+    "dots3_note": ("dots3_note_text",),  # Dots3 Note (images, audio; sparse and sliding layers; 5.24)
     "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),  # InternVL 3 / 3.5
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
     "mistral_large4": ("mistral_large4_text",),  # Mistral Large 4 (DeepSeek sparse attention; Transformers 5.24)
@@ -314,9 +314,10 @@ def _gemma4_unified_blocks(config, arguments: dict) -> RingBlocks | None:
     if ids is None:
         return None
     window = _sliding_window(text)
-    if window is not None and _longest_block(ids) > window:
+    longest = 0 if window is None else _longest_block(ids)
+    if window is not None and longest > window:
         raise ValueError(
-            f"gemma4_unified: an image or video of {_longest_block(ids)} tokens is longer than the sliding window "
+            f"gemma4_unified: an image or video of {longest} tokens is longer than the sliding window "
             f"({window}): Transformers lets its tokens attend to each other both ways beyond the window on the sliding "
             "layers, which ring attention does not reproduce (it applies the window to the image too); give the "
             "processor a smaller max_soft_tokens"
