@@ -313,27 +313,24 @@ def _gemma4_unified_blocks(config, arguments: dict) -> RingBlocks | None:
     ids = _runs(arguments.get("mm_token_type_ids"), (1, 2))
     if ids is None:
         return None
-    window = _sliding_window(text)
-    longest = 0 if window is None else _longest_block(ids)
-    if window is not None and longest > window:
+    beyond = _block_beyond_window(text, ids)
+    if beyond is not None:
         raise ValueError(
-            f"gemma4_unified: an image or video of {longest} tokens is longer than the sliding window "
-            f"({window}): Transformers lets its tokens attend to each other both ways beyond the window on the sliding "
+            f"gemma4_unified: an image or video of {beyond[0]} tokens is longer than the sliding window "
+            f"({beyond[1]}): Transformers lets its tokens attend to each other both ways beyond the window on the sliding "
             "layers, which ring attention does not reproduce (it applies the window to the image too); give the "
             "processor a smaller max_soft_tokens"
         )
     return RingBlocks(ids)
 
 
-def _sliding_window(text) -> int | None:
-    """The text config's sliding window, if it has sliding layers."""
+def _block_beyond_window(text, ids: torch.Tensor) -> tuple[int, int] | None:
+    """``(span, window)`` when the text config has sliding layers and the longest block of ``ids`` (from its first token
+    to its last, in one row; -1: no block) spans more tokens than their window, else None: Transformers ORs the blocks
+    onto the windowed causal mask there, where the ring applies the window after the blocks."""
     window = getattr(text, "sliding_window", None)
-    layers = getattr(text, "layer_types", None) or ["sliding_attention"]
-    return window if window is not None and "sliding_attention" in layers else None
-
-
-def _longest_block(ids: torch.Tensor) -> int:
-    """The longest span of a block of ``ids`` (from its first token to its last, in one row; -1: no block)."""
+    if window is None or "sliding_attention" not in (getattr(text, "layer_types", None) or ["sliding_attention"]):
+        return None
     index = torch.arange(ids.shape[1], device=ids.device)
     longest = 0
     for block in ids.unique().tolist():
@@ -341,7 +338,7 @@ def _longest_block(ids: torch.Tensor) -> int:
             inside = ids == block
             span = torch.where(inside, index, -1).amax(1) - torch.where(inside, index, ids.shape[1]).amin(1) + 1
             longest = max(longest, int(span.max()))
-    return longest
+    return (longest, window) if longest > window else None
 
 
 def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
@@ -371,17 +368,15 @@ def _paligemma_blocks(config, arguments: dict) -> RingBlocks | None:
     if not bool(prefix.any()):
         return None
     ids = torch.where(prefix, 0, -1)
-    window = _sliding_window(config.get_text_config())
-    if window is not None:
-        span = _longest_block(ids)
-        if span > window:
-            raise ValueError(
-                f"paligemma: a prefix (token_type_ids 0) of {span} tokens is longer than the sliding "
-                f"window ({window}): Transformers lets it attend both ways beyond the window on the sliding layers, "
-                "which ring attention does not reproduce (it applies the window to the prefix too); shorten the "
-                "prefix (PaliGemma 2 at 896 px: its 4096 image tokens alone fill Gemma 2's window, so it cannot "
-                "train under the ring)"
-            )
+    beyond = _block_beyond_window(config.get_text_config(), ids)
+    if beyond is not None:
+        raise ValueError(
+            f"paligemma: a prefix (token_type_ids 0) of {beyond[0]} tokens is longer than the sliding "
+            f"window ({beyond[1]}): Transformers lets it attend both ways beyond the window on the sliding layers, "
+            "which ring attention does not reproduce (it applies the window to the prefix too); shorten the "
+            "prefix (PaliGemma 2 at 896 px: its 4096 image tokens alone fill Gemma 2's window, so it cannot "
+            "train under the ring)"
+        )
     return RingBlocks(ids)
 
 
@@ -441,19 +436,15 @@ def _check_step3p5(config) -> None:
         )
 
 
-INNER_CHECKS = {
-    "step3p5": _check_step3p5,
-    "mistral_large4_text": generic.check_sparse,
-    "hy_v4_vl_text": generic.check_sparse,
-}
-"""Inner text models with a check of their own (else ``generic.check``)."""
+INNER_CHECKS = {"step3p5": _check_step3p5}
+"""Inner text models with a check of their own (else the generic table's: ``generic.CHECKS``, ``generic.check``)."""
 
 INNER = {
     model_type: FamilyPatch(
         name=model_type,
         model_types=(model_type,),
         attention_class=path,
-        check_config=INNER_CHECKS.get(model_type, generic.check),
+        check_config=INNER_CHECKS.get(model_type, generic.CHECKS.get(model_type, generic.check)),
         sparse=model_type in generic.SPARSE,
     )
     for model_type, path in {
