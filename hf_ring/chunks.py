@@ -18,7 +18,7 @@ import torch
 from . import layout as _layout
 from .comm import StateGather
 
-__all__ = ["Chunks", "Uses", "by_run", "causal_conv1d", "chunks", "groups", "padded", "row"]
+__all__ = ["Chunks", "Uses", "by_run", "causal_conv1d", "chunks", "groups", "padded", "previous", "row"]
 
 
 class Chunks:
@@ -76,7 +76,7 @@ class Uses(torch.autograd.Function):
         return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _previous(every: torch.Tensor, plan: Chunks, fill: torch.Tensor) -> torch.Tensor:
+def previous(every: torch.Tensor, plan: Chunks, fill: torch.Tensor) -> torch.Tensor:
     """For each of this rank's runs, the gathered entry of the chunk before it (``fill`` before the first):
     ``every`` is ``[world, runs, ...]``; returns ``[runs, ...]``."""
     out = []
@@ -128,7 +128,7 @@ def causal_conv1d(
         runs = plan.split(x, dim=2)  # [runs, b, c, n]
         tails = None if plan.world_size == 1 else gather.gather(runs[..., -halo:])  # [world, runs, b, c, K - 1]
         zeros = torch.zeros_like(runs[0, ..., :halo])
-        before = zeros.expand(plan.count, *zeros.shape) if tails is None else _previous(tails, plan, zeros)
+        before = zeros.expand(plan.count, *zeros.shape) if tails is None else previous(tails, plan, zeros)
         if documents is None:
             y = conv(torch.cat([before, runs], dim=-1).flatten(0, 1))  # runs stacked on the batch
             y = plan.join(y[..., halo:].unflatten(0, (plan.count, -1)), dim=2)

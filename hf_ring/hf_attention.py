@@ -232,11 +232,13 @@ def ring_attention_forward(
     if local is not None:
         return _attend_locally(local, module, query, key, value, attention_mask, scaling, dropout, kwargs)
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
+    if isinstance(attention_mask, SparseMask):  # a DSA attention module's (hf_ring.patches._sparse)
+        if attention_mask.call is not None:  # (its indexer's selection combined into the mask: Qwen4-Exp)
+            kwargs = {**kwargs, "indices": attention_mask.call}
+        attention_mask = attention_mask.mask
     unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"), cfg)
     if unknown:
         raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
-    if isinstance(attention_mask, SparseMask):  # a DSA attention module's (hf_ring.patches._sparse)
-        attention_mask = attention_mask.mask
     if lost_group(cfg):
         raise ValueError(LOST_GROUP)
     config = getattr(module, "config", None)

@@ -25,6 +25,14 @@ indexer keys are small beside the attention's (DeepSeek-V3.2: 128 values per tok
 A layer that reuses an earlier layer's top-k (GLM-MoE-DSA's and HunYuan V4's "shared" layers) is handed the same
 ``IndexerCall``, resolved once.
 
+Qwen4-Exp's QSA indexer picks blocks of keys instead (``_select_blocks``): each query's visible tokens, cut into
+blocks of ``compress_ratio`` from its document's first, scored by pooled block keys; the best ``budget / ratio``
+blocks and the query's own incomplete block. Its model loops over queries one by one; hf_ring computes the same
+operations for chunks of queries at once, from the whole sequence's indexer keys and rotary angles (one all-gather),
+and returns the picked positions as ``select`` does (-1 where a query has fewer). Its projections and norms run
+once per call (not per chunk of queries), and each query's top-k runs over its own candidates, as the model's
+does, so that exact ties (the ReLU's zeros) break alike. Causal only, as the model is.
+
 Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per chunk of queries, the chunk sized to
 keep them within ``chunk_bytes`` (256 MiB by default; the pass also holds their ReLU, the chunk's other indexer
 tensors, and an fp32 copy of the whole sequence's indexer keys); the unmodified model holds them for all its
@@ -42,6 +50,8 @@ a batch padded or cut otherwise may pick another key (docs/transformers.md).
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 
 import torch
 
@@ -60,12 +70,22 @@ CHUNK_BYTES = 256 * 2**20
 class SparseMask:
     """The mask a DSA attention module is given while patched: what hf_ring's mask function made (None, or a 2-D
     padding mask at one rank), indexable as the module indexes a 4-D mask for its indexer (``[:, 0, :, :]``): any
-    index gives the same wrapper. The attention function unwraps it."""
+    index gives the same wrapper. A module that combines its indexer's selection with its boolean mask
+    (Qwen4-Exp: ``mask & selection``) gets the wrapper back with the deferred call in ``call``. The attention
+    function unwraps it."""
 
     mask: torch.Tensor | None
+    call: IndexerCall | None = None
+
+    dtype = torch.bool  # (what a module reads to choose between a boolean and an additive mask)
 
     def __getitem__(self, index) -> SparseMask:
         return self
+
+    def __and__(self, other) -> SparseMask:
+        if not isinstance(other, IndexerCall):
+            return NotImplemented
+        return dataclasses.replace(self, call=other)
 
 
 class _StopIndexerError(Exception):
@@ -139,7 +159,8 @@ def select(
 ) -> torch.Tensor:
     """The top-k keys of this rank's queries over the whole sequence: ``[batch, local_seq, K]`` int32 global
     positions (``ring_attention``'s ``selected``), computed once per ``call``. Collectives: one all-gather over the
-    CP group (and, under DeepSpeed ZeRO-3, one small all-reduce over its parameters' group); ``ring_attention`` calls it after
+    CP group (and, for a DSA indexer under DeepSpeed ZeRO-3, one small all-reduce over its parameters' group: Qwen4-Exp's
+    calls its projections once, on every rank alike); ``ring_attention`` calls it after
     its pre-flight check when given it as ``selected=functools.partial(select, call, ...)``.
 
     Args:
@@ -155,6 +176,9 @@ def select(
     if call.selected is not None:
         return call.selected
     rank, world_size = group_rank_and_size(group)
+    if _pools_blocks(call.module):
+        where = dict(cu_seqlens=cu_seqlens, document_ids=document_ids, timeout=timeout, plans=plans)
+        return _resolved(call, _select_blocks(call, group, rank, world_size, layout, chunk_bytes, **where))
     keys = local_keys = _local_keys(call)
     if world_size > 1:
         with torch.no_grad():
@@ -220,6 +244,150 @@ def select_decode(call: IndexerCall, cache, *, q_pos: torch.Tensor, prompt_docs:
         k_doc=docs,
     ).visible()
     return _resolved(call, call.run(slice(None), _WholeKeys(keys), mask.to(keys.device)))
+
+
+def _pools_blocks(module) -> bool:
+    """The indexer scores blocks of ``compress_ratio`` keys, not single keys (Qwen4-Exp's QSA indexer)."""
+    return hasattr(module, "compress_ratio") and hasattr(module, "block_topk")
+
+
+def _defined_beside(module, name: str):
+    """``name`` from the Transformers module defining ``module``'s class, looked up along its bases (FSDP2 gives a
+    sharded module a class of its own, defined elsewhere)."""
+    for cls in type(module).__mro__:
+        found = getattr(sys.modules.get(cls.__module__), name, None)
+        if found is not None:
+            return found
+    raise ValueError(f"{type(module).__name__}: found no {name} beside its class (not a Transformers module)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """A row's blocks of ``r`` consecutive visible tokens of one document, counted from its first token (the
+    tokens a query may see in sequence order, cut every ``r``; a document's last, incomplete block is none), and
+    where each token stands in its document. ``order`` lists the row's positions document by document (padding
+    last), ``rank[t]`` is the index of ``order`` holding position ``t``, ``count[t]`` the number of visible tokens of
+    its document up to and including ``t`` (0 for padding); block ``i`` holds positions ``tokens[i]``, is block
+    ``index[i]`` of document ``doc[i]``."""
+
+    full: int
+    r: int
+    order: torch.Tensor
+    rank: torch.Tensor
+    count: torch.Tensor
+    doc: torch.Tensor
+    tokens: torch.Tensor
+    index: torch.Tensor
+    docs: torch.Tensor  # [full] document id of every position (-1 padding)
+
+
+def _blocks(docs: torch.Tensor | None, row: int, full: int, r: int, device) -> _Blocks:
+    """``_Blocks`` of row ``row`` of ``docs`` ([1 or batch, full] ids, -1 padding; None: one document)."""
+    d = torch.zeros(full, dtype=torch.long, device=device) if docs is None else docs[min(row, docs.shape[0] - 1)].long()
+    pad = d < 0
+    order = torch.sort(torch.where(pad, d.max() + 1, d), stable=True).indices
+    ds, idx = d[order], torch.arange(full, device=device)
+    new = torch.ones(full, dtype=torch.bool, device=device)
+    new[1:] = ds[1:] != ds[:-1]
+    cs = idx - torch.cummax(torch.where(new, idx, 0), 0).values  # place in its document
+    group = new.cumsum(0) - 1
+    length = torch.bincount(group)[group]
+    heads = torch.nonzero((ds >= 0) & (cs % r == 0) & (cs + r <= length)).flatten()
+    rank = torch.empty_like(order)
+    rank[order] = idx
+    count = torch.empty_like(order)
+    count[order] = torch.where(ds >= 0, cs + 1, 0)
+    tokens = order[heads[:, None] + torch.arange(r, device=device)]
+    return _Blocks(full, r, order, rank, count, ds[heads], tokens, cs[heads] // r, d)
+
+
+def _select_blocks(call, group, rank, world_size, layout, chunk_bytes, *, cu_seqlens, document_ids, timeout, plans):
+    """Qwen4-Exp's QSA selection over the whole sequence, for this rank's queries: ``[batch, local_seq, budget + r -
+    1]`` int32 global positions, -1 for none.
+
+    Each query sees its document's visible tokens in order, cut into blocks of ``r`` (``_Blocks``). A block's key is
+    the mean of its tokens' indexer keys, normalised, rotated to the block's first position; a query scores every
+    complete block it may see (the sum over the indexer heads of the ReLU of the dot products, over the square root
+    of the head size), keeps the ``budget / r`` best and the incomplete block it stands in. The indexer keys of the
+    whole sequence (one key head) and their rotary angles come from one all-gather; the blocks, once per batch row
+    and layer, then the scores by chunks of queries within ``chunk_bytes``. The model's indexer loops over queries and
+    reads the same operations; picks that tie exactly may come out otherwise (module docstring's caveat).
+    """
+    m = call.module
+    rotate = _defined_beside(m, "apply_rotary_pos_emb")
+    hidden, (cos, sin) = call.hidden_states, call.position_embeddings
+    batch, n, _ = hidden.shape
+    dim, heads, r = m.index_head_dim, m.index_n_heads, m.compress_ratio
+    with torch.no_grad():
+        q, keys = m.index_qk_proj(hidden).split([heads * dim, m.index_kv_heads * dim], dim=-1)
+        q = rotate(m.q_layernorm(q.reshape(batch, n, -1, dim)), cos=cos, sin=sin, unsqueeze_dim=2)
+        keys = keys.reshape(batch, n, dim)  # (its one key head)
+        if call.cache is not None:
+            call.cache.update_indexer(keys, m.layer_idx)
+        common = torch.promote_types(keys.dtype, cos.dtype)  # (their rotary angles travel with them, exactly)
+        angles = cos.shape[-1]
+        mine = torch.cat([t.expand(batch, n, -1).to(common) for t in (keys, cos, sin)], dim=-1)
+        if world_size > 1:
+            what = "the all-gather of the sparse-attention indexer keys"
+            mine = _layout.unshard(list(StateGather(group, timeout, what=what).gather(mine)), dim=1, layout=layout)
+        whole, whole_cos, whole_sin = mine.split([dim, angles, angles], dim=-1)
+        whole, whole_cos, whole_sin = whole.to(keys.dtype), whole_cos.to(cos.dtype), whole_sin.to(sin.dtype)
+        full = whole.shape[1]
+        make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)  # noqa: E731
+        seen = None if plans is None else plans.derived((_visibility, cu_seqlens, document_ids), make)
+        if seen is None or seen[1].numel() != full or seen[1].device != keys.device:
+            seen = make()
+        q_pos, docs = seen[0], seen[2]
+        cuts = []
+        for row in range(batch):
+            make_blocks = lambda row=row: _blocks(docs, row, full, r, keys.device)  # noqa: E731
+            blocks = None if plans is None else plans.derived((_blocks, docs, r, row), make_blocks)
+            if blocks is None or blocks.full != full or blocks.r != r or blocks.order.device != keys.device:
+                blocks = make_blocks()
+            cuts.append(blocks)
+        # every row's block keys: the mean of their tokens' keys, normalised (one call of the norm for all rows, as
+        # often on every rank: DeepSpeed ZeRO-3 gathers its weight at each call), rotated to their first position
+        means = [whole[b].index_select(0, t.flatten()).view(-1, r, dim).float().mean(dim=1) for b, t in
+                 enumerate(blk.tokens for blk in cuts)]  # fmt: skip
+        normed = m.k_layernorm(torch.cat(means).to(keys.dtype)).split([len(x) for x in means])
+        out = torch.empty((batch, n, m.token_budget + r - 1), dtype=torch.int32, device=keys.device)
+        for b, (blocks, pooled) in enumerate(zip(cuts, normed)):
+            start = blocks.tokens[:, 0]
+            pooled = rotate(pooled.unsqueeze(1), cos=whole_cos[b][start], sin=whole_sin[b][start]).squeeze(1)
+            out[b] = _pick(m, q[b], pooled.float(), blocks, q_pos, chunk_bytes)
+    return out
+
+
+def _pick(m, q, pooled, blocks: _Blocks, q_pos, chunk_bytes) -> torch.Tensor:
+    """One row's selection (``_select_blocks``): ``[local_seq, budget + r - 1]`` global positions, -1 for none.
+    Each query's top-k runs over its own candidates, its document's first ``complete`` blocks, as the model's does
+    (``torch.topk`` breaks exact ties, which the ReLU makes common, by the row it is given): queries with the same
+    candidates (of one document, as many tokens seen but for the last ``r``) take theirs in one call."""
+    r, dim = blocks.r, m.index_head_dim
+    n = q.shape[0]
+    qd, count = blocks.docs[q_pos], blocks.count[q_pos]
+    complete = count // r
+    out = torch.full((n, m.token_budget + r - 1), -1, dtype=torch.long, device=q.device)
+    behind = torch.arange(r - 1, device=q.device)  # the query's incomplete block: itself and the tokens before it
+    tail = blocks.order[(blocks.rank[q_pos][:, None] - behind).clamp_min(0)]
+    out[:, m.block_topk * r :] = torch.where(behind < (count - complete * r)[:, None], tail, -1)
+    found = blocks.tokens.shape[0]
+    if found == 0:
+        return out
+    first = torch.searchsorted(blocks.doc, qd.to(blocks.doc.dtype))  # each query's document's first block
+    rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * m.index_n_heads * found))
+    for lo in range(0, n, rows):
+        part = slice(lo, min(n, lo + rows))
+        scores = torch.matmul(q[part].float(), pooled.transpose(-1, -2)).relu().sum(dim=1) / math.sqrt(dim)
+        same = {}
+        for i, key in enumerate(zip(first[part].tolist(), complete[part].tolist())):
+            if key[1] > 0:
+                same.setdefault(key, []).append(i)
+        for (f, c), members in same.items():
+            who = torch.tensor(members, device=q.device)
+            top = scores[who, f : f + c].topk(min(m.block_topk, c), dim=-1).indices
+            out[lo + who, : top.shape[1] * r] = blocks.tokens[f + top].flatten(1)
+    return out
 
 
 def _local_keys(call: IndexerCall) -> torch.Tensor:

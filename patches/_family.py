@@ -244,7 +244,7 @@ class ShardEmbeddings:
     merged the vision features into the embeddings of the whole sequence and computed its positions (multimodal
     RoPE) there; this cuts ``inputs_embeds`` and ``position_ids`` (arange when the model passes None, 0 for the
     layout's padding) to the rank's shard, drops ``attention_mask`` (the padding reaches the attention as document
-    ids), cuts Gemma 4's ``per_layer_inputs``, ERNIE-4.5-VL's ``moe_mm_token_type_ids`` (which experts each
+    ids), cuts Gemma 4's ``per_layer_inputs``, Qwen4-Exp's ``ple_input_ids``, ERNIE-4.5-VL's ``moe_mm_token_type_ids`` (which experts each
     token goes to) and, for Qwen3-VL's deepstack, cuts ``visual_pos_masks`` and picks the
     rank's rows of ``deepstack_visual_embeds`` (Granite 4 Vision's: ``vision_mask`` and each layer's
     ``deepstack_features``).
@@ -281,6 +281,9 @@ class ShardEmbeddings:
         per_layer = kwargs.get("per_layer_inputs")
         if isinstance(per_layer, torch.Tensor):  # Gemma 4: [batch, seq, layers, dim], from the whole input_ids
             kwargs["per_layer_inputs"] = cut(per_layer, dim=1)
+        ple_ids = kwargs.get("ple_input_ids")
+        if isinstance(ple_ids, torch.Tensor):  # Qwen4-Exp: the whole input_ids, for its per-layer n-gram embeddings
+            kwargs["ple_input_ids"] = cut(ple_ids)
         visual = kwargs.get("visual_pos_masks")
         if visual is not None:  # Qwen3-VL: rows of deepstack features, one per image token of the whole batch
             rows = (visual.flatten().long().cumsum(0) - 1).view(visual.shape)
@@ -391,9 +394,10 @@ class FamilyPatch:
     # ``(config, arguments) -> [batch, seq] ids or None``: the bidirectional blocks of a batch (Gemma 3's images;
     # ``BlockIds``); None: the family's attention is causal over every token
     block_ids: Callable | None = None
-    # the family's linear-attention, Mamba2 or short-convolution class (hybrid models: ``generic.LINEAR``), whose
-    # modules' forward ``patches.linear`` replaces while the model is patched; None: attention layers only
-    linear_class: str | None = None
+    # the family's linear-attention, Mamba2 or short-convolution class (hybrid models: ``generic.LINEAR``; or a tuple
+    # of them: Qwen4-Exp's Gated DeltaNet and per-layer embedding), whose modules' forward ``patches.linear``
+    # replaces while the model is patched; None: attention layers only
+    linear_class: str | tuple | None = None
     # where the family's linear-attention modules, called with the mask but without the batch's keywords, get them
     # (``patches.linear``): "layer", from the decoder layer holding each (Jamba); "model", from the model (the pure
     # Mamba models, whose backbone passes the mask on only); "base", from the model to its base model, which unpacks
@@ -440,7 +444,8 @@ class FamilyPatch:
         """The model's linear-attention modules (none for a family without ``linear_class``)."""
         if self.linear_class is None:
             return []
-        cls = _class(self.linear_class)
+        paths = (self.linear_class,) if isinstance(self.linear_class, str) else self.linear_class
+        cls = tuple(_class(path) for path in paths)
         return [m for m in model.modules() if isinstance(m, cls)]
 
     def _check_model(self, model) -> None:

@@ -43,19 +43,19 @@ class LendKeywords:
     """Forward pre-hook (with keywords) of a module that calls the modules below it with the mask but without the
     batch's keywords: ``keys``, or with ``keys=None`` every keyword its forward does not name (those it drops)."""
 
-    def __init__(self, module: torch.nn.Module, keys: tuple | None = LENT):
+    def __init__(self, module: torch.nn.Module, keys: tuple | None = LENT, into: str = "attention_mask"):
         names = [p.name for p in inspect.signature(type(module).forward).parameters.values()][1:]
-        self.position = names.index("attention_mask") if "attention_mask" in names else -1
-        self.keys, self.named = keys, frozenset(names)
+        self.position = names.index(into) if into in names else -1
+        self.keys, self.named, self.into = keys, frozenset(names), into
 
     def __call__(self, module, args, kwargs):
-        if isinstance(kwargs.get("attention_mask"), Lent) or self.position < 0 or len(args) > self.position:
+        if isinstance(kwargs.get(self.into), Lent) or self.position < 0 or len(args) > self.position:
             return None  # (a mask given by position: nothing lent, and the callee refuses a batch it cannot see)
         if self.keys is None:
             lent = {k: v for k, v in kwargs.items() if k not in self.named}
         else:
             lent = {k: kwargs[k] for k in self.keys if k in kwargs}  # (shard_batch's document ids, None too)
-        return args, {**kwargs, "attention_mask": Lent(kwargs.get("attention_mask"), lent)}
+        return args, {**kwargs, self.into: Lent(kwargs.get(self.into), lent)}
 
 
 class UnpackLent:
@@ -70,14 +70,16 @@ class UnpackLent:
         return args, {**lent.kwargs, **kwargs, "attention_mask": lent.mask}
 
 
-def install(model: torch.nn.Module, modules: list, keys: tuple | None = None, unpack: bool = True) -> None:
+def install(
+    model: torch.nn.Module, modules: list, keys: tuple | None = None, unpack: bool = True, into: str = "attention_mask"
+) -> None:
     """Make the module holding each of ``modules`` (its decoder layer) lend it ``keys`` of its own call (None: every
-    keyword its forward does not name); with ``unpack``, each of ``modules`` unpacks them by a pre-hook (an attention
-    module; hf_ring's sharded mixers unpack them themselves)."""
+    keyword its forward does not name) in its argument ``into``; with ``unpack``, each of ``modules`` unpacks them by
+    a pre-hook (an attention module; hf_ring's sharded mixers unpack them themselves)."""
     parents = {id(c): p for p in model.modules() for c in p.children()}
     for m in modules:
         layer = parents[id(m)]
-        layer.register_forward_pre_hook(LendKeywords(layer, keys), with_kwargs=True)
+        layer.register_forward_pre_hook(LendKeywords(layer, keys, into), with_kwargs=True)
         if unpack:
             m.register_forward_pre_hook(UnpackLent(), with_kwargs=True)
 

@@ -9,7 +9,8 @@ function can gather (it knows the group, the layout and the batch's documents). 
 - each indexer's ``forward`` (an instance attribute; ``remove`` deletes it) records its call and returns it
   (``hf_ring.sparse.IndexerCall``), which ``hf_ring.sparse.select`` resolves inside the attention function;
 - each DSA attention module wraps its mask by a forward pre-hook (``WrapMask``) in a ``SparseMask``, which it can
-  index as its 4-D mask; the attention function unwraps it.
+  index as its 4-D mask (Qwen4-Exp combines it with its indexer's output, ``mask & selection``: the wrapper then
+  carries the call); the attention function unwraps it.
 """
 
 from __future__ import annotations

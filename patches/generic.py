@@ -44,7 +44,7 @@ __all__ = [
     "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
-    "check_llama4", "check_minimax", "check_sparse", "check_sparse_sliding",
+    "check_llama4", "check_minimax", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
     "check_without_windows",
 ]  # fmt: skip
 
@@ -157,6 +157,7 @@ FAMILIES = {
     "solar_open": "transformers.models.solar_open.modeling_solar_open.SolarOpenAttention",
     "stablelm": "transformers.models.stablelm.modeling_stablelm.StableLmAttention",
     "starcoder2": "transformers.models.starcoder2.modeling_starcoder2.Starcoder2Attention",
+    "qwen4_exp_text": "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention",
     "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma.VaultGemmaAttention",
     "youtu": "transformers.models.youtu.modeling_youtu.YoutuAttention",
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2Attention",
@@ -277,6 +278,14 @@ def check_sparse_sliding(config) -> None:
     _check_router(config, what)
 
 
+def check_sparse_linear(config) -> None:
+    """``check_linear`` for Qwen4-Exp: Gated DeltaNet layers (``linear_attention``) beside attention layers whose
+    indexer picks blocks of keys (``indexed_attention``: ``hf_ring.sparse``); no windows."""
+    what = getattr(config, "model_type", "model")
+    check_layer_types(config, what, allowed=("linear_attention", "indexed_attention"), window=False)
+    _check_router(config, what)
+
+
 def check_llama4(config) -> None:
     """``check`` for Llama 4: chunked-attention layers (its RoPE layers: ``hf_ring.hf_attention`` cuts their
     documents into chunks of ``config.attention_chunk_size``) beside full-attention layers; no windows."""
@@ -309,15 +318,20 @@ LINEAR = {
     "qwen3_5_moe_text": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
     "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
+    "qwen4_exp_text": (  # (and its per-layer embedding, which looks back by n-grams and a dilated convolution)
+        "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextGatedDeltaNet",
+        "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextPLELayer",
+    ),
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer",
 }
 """Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention, MiniMax's lightning attention), Mamba,
 Mamba2 or short-convolution class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
-SPARSE = ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "mistral_large4_text")
-"""Families with DeepSeek sparse attention: an indexer beside each attention layer (``hf_ring.patches._sparse``);
-HunYuan V4 VL's and Mistral Large 4's text models exist only inside their vision-language models
-(``multimodal.INNER``)."""
+SPARSE = ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "mistral_large4_text",
+          "qwen4_exp_text")  # fmt: skip
+"""Families with DeepSeek sparse attention: an indexer beside each attention layer (``hf_ring.patches._sparse``;
+Qwen4-Exp's picks blocks of keys: ``hf_ring.sparse``); HunYuan V4 VL's and Mistral Large 4's text models exist only
+inside their vision-language models (``multimodal.INNER``)."""
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
@@ -326,7 +340,7 @@ CHECKS = {
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
     **{model_type: check_sparse for model_type in SPARSE},
-    "dots3_note_text": check_sparse_sliding,
+    "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
@@ -347,6 +361,10 @@ holds whole): their modules attend locally, by the model's own implementation
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
+    "qwen4_exp_text": (
+        "its decode steps would need the indexer's blocks and the per-layer embeddings' n-gram and convolution "
+        "inputs of the whole sequence, which the sharded cache does not keep"
+    ),
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 

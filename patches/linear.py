@@ -20,6 +20,9 @@ Refused: the striped layout, chunks shorter than the convolution, and a cache ho
 after its prefill, and runs the decode steps locally from them). Padding (``shard_batch``'s
 document id -1, or a 2-D ``attention_mask`` with one rank) zeroes the layer's input there, as Transformers does;
 a layer its decoder layer calls without the batch's keywords (LFM2 on Transformers 5.17) refuses padded batches.
+
+Qwen4-Exp's per-layer embeddings look back too (hashed n-grams of the token ids, a dilated causal convolution):
+``ShardedPLE`` runs their own forward on each run of the rank's tokens, given what lies before it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from .. import guard, preflight
 from ..batch_checks import documents, dropped_documents_error, sharding_error
+from ..chunks import Uses, previous
 from ..comm import RingComm, StateGather, group_rank_and_size
 from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_group
 from ..layout import LAYOUTS, documents_from_cu_seqlens, positions, several_documents
@@ -39,7 +43,7 @@ from ..linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_s
 from . import _lend
 from ._lend import LENT, Lent
 
-__all__ = ["FIELDS", "ShardedMixer", "check", "install", "remove"]
+__all__ = ["FIELDS", "ShardedMixer", "ShardedPLE", "check", "install", "remove"]
 
 FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kernel", "documents",
           *(f"unused_{i}" for i in range(8)))  # fmt: skip
@@ -57,6 +61,8 @@ class ShardedMixer:
         self.compute = _computation(module)
         self.kernels = _kernels(module)
 
+    masks_input = True  # (the module's input is zeroed at padding)
+
     def __call__(
         self, hidden_states, cache_params=None, attention_mask=None, past_key_values=None, cache=None, **kwargs
     ):
@@ -72,7 +78,7 @@ class ShardedMixer:
         if memory:  # a decode step of ring_generate: the same new tokens on every rank, after the prefill's state
             plan = chunks(local_len, rank=0, world_size=1, layout=cfg.layout)
             try:
-                return self.compute(m, self.kernels, hidden_states, plan, None, None, None, memory)
+                return self.run(hidden_states, plan, None, None, None, memory, kwargs)
             except BaseException as e:  # the peers would wait in the next layer's exchange: stop the group
                 if world_size > 1:
                     guard.failed([cfg.group], e, f" in a decode step of layer {m.layer_idx}")
@@ -88,11 +94,13 @@ class ShardedMixer:
                 raise guard.InStepError(f"{type(m).__name__}: {error}")
         else:
             self._check(error, hidden_states, docs, rank, world_size)
-        if keep is not None:  # padding: zero the input there, as Transformers' apply_mask_to_padding_states
+        if (
+            keep is not None and self.masks_input
+        ):  # padding: zeroed there, as Transformers' apply_mask_to_padding_states
             hidden_states = _masked(hidden_states, keep)
         plan = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout)
         if world_size == 1:
-            return self.compute(m, self.kernels, hidden_states, plan, None, packed, keep, memory)
+            return self.run(hidden_states, plan, None, packed, keep, memory, kwargs)
         groups = [cfg.group]
         grad = torch.is_grad_enabled() and hidden_states.requires_grad
         name = "a linear-attention layer"
@@ -101,10 +109,14 @@ class ShardedMixer:
             name = cfg.plans.progress.call(groups, grad)
         try:
             gather = StateGather(cfg.group, cfg.timeout)
-            return self.compute(m, self.kernels, hidden_states, plan, gather, packed, keep, memory)
+            return self.run(hidden_states, plan, gather, packed, keep, memory, kwargs)
         except BaseException as e:  # out of step with the peers from here on: stop the group (hf_ring.guard)
             guard.failed(groups, e, f" in {name}")
             raise
+
+    def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
+        """The module's computation on this rank's tokens (after the checks)."""
+        return self.compute(self.module, self.kernels, hidden_states, plan, gather, packed, keep, memory)
 
     def _check(self, error, hidden_states, docs, rank, world_size) -> None:
         """The cross-rank check, once per forward (the plan cache's), joined by every rank (``docs``: the batch's
@@ -125,6 +137,69 @@ class ShardedMixer:
         preflight.check_everywhere(error, summary, comm, hidden_states.device, fields=FIELDS, op=type(m).__name__)
         if plans is not None:
             plans.store(key, (docs,), True)
+
+
+class ShardedPLE(ShardedMixer):
+    """The ``forward`` of Qwen4-Exp's per-layer embedding (``(hidden_states, input_ids, cache, conv_mask)``) while
+    its model is patched. It looks back along the sequence twice: its n-gram embedding hashes each token's id with
+    the ``n - 1`` ids before it, and a dilated causal convolution mixes its gated values with those of the tokens
+    before. Its own forward runs on each of this rank's runs of tokens, given what lies before the run (``_Halo``).
+    Its decoder layer calls it without the batch's keywords: the layer lends them in ``conv_mask`` (``Lent``)."""
+
+    masks_input = False  # (the module zeroes its gated values at padding itself, given the padding as conv_mask)
+
+    def __init__(self, module: torch.nn.Module, cfg: RingConfig):
+        self.module, self.cfg = module, cfg
+
+    def __call__(self, hidden_states, input_ids, cache=None, conv_mask=None, **kwargs):
+        return super().__call__(hidden_states, attention_mask=conv_mask, cache=cache, ple_input_ids=input_ids)
+
+    def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
+        m = self.module
+        eos = m.ple_embedding.eos_token_id
+        ids = kwargs["ple_input_ids"]
+        if keep is not None:  # (the model gives padding the end-of-sequence id when it sees a 2-D mask)
+            ids = torch.where(keep.bool(), ids, eos)
+        batch = hidden_states.shape[0]
+        runs = plan.split(ids.expand(batch, -1), dim=1)  # [runs, batch, run length]
+        context = m.ple_embedding.context_len
+        fill = torch.full_like(runs[0, :, :context], eos)  # (the model's context before the sequence)
+        if gather is None:
+            before = fill.expand(plan.count, *fill.shape)
+        else:
+            with torch.no_grad():
+                before = previous(gather.gather(runs[..., runs.shape[-1] - context :]), plan, fill)
+        halo = _Halo(before.flatten(0, 1), plan, gather)
+        stacked = plan.split(hidden_states, dim=1).flatten(0, 1)
+        mask = None if keep is None else plan.split(keep.expand(batch, -1), dim=1).flatten(0, 1)
+        out = type(m).forward(m, hidden_states=stacked, input_ids=runs.flatten(0, 1), cache=halo, conv_mask=mask)
+        out = plan.join(out.unflatten(0, (plan.count, batch)), dim=1)
+        return out if halo.tails is None else Uses.apply(out, halo.tails)
+
+
+class _Halo:
+    """Stands for the cache of Qwen4-Exp's per-layer embedding run on this rank's runs of tokens, stacked on the
+    batch: its n-gram context is the ids before each run (``ids``); handed its convolution's inputs, it puts the
+    last ones before each run in front of them (gathered from the ranks holding them; zeros before the sequence)."""
+
+    def __init__(self, ids: torch.Tensor, plan, gather):
+        self.ids, self.plan, self.gather = ids, plan, gather
+        self.tails = None
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.ids
+
+    def update_conv_state(self, x, layer_idx: int, state_idx: int = 0, conv_kernel_size: int = 0, **kwargs):
+        if state_idx != 1 or conv_kernel_size == 0:  # (the n-gram context, kept by nobody)
+            return x
+        runs = x.unflatten(0, (self.plan.count, -1))  # [runs, batch, channels, run length]
+        zeros = torch.zeros_like(runs[0, ..., :conv_kernel_size])
+        if self.gather is None:
+            before = zeros.expand(self.plan.count, *zeros.shape)
+        else:
+            self.tails = self.gather.gather(runs[..., runs.shape[-1] - conv_kernel_size :])
+            before = previous(self.tails, self.plan, zeros)
+        return torch.cat([before, runs], dim=-1).flatten(0, 1)
 
 
 def _memory(cache, layer_idx: int) -> dict | None:
@@ -179,7 +254,10 @@ def _passed(cache, m, memory) -> bool:
 
 
 def conv_kernel_size(m) -> int:
-    """The module's convolution width (1: none, MiniMax's lightning attention)."""
+    """The module's convolution width (1: none, MiniMax's lightning attention; Qwen4-Exp's per-layer embedding: one
+    more than the tokens it looks back, by its dilated convolution or its n-grams)."""
+    if hasattr(m, "ple_embedding"):
+        return max(m.short_conv_state_len, m.ple_embedding.context_len) + 1
     return getattr(m, "conv_kernel_size", 1)
 
 
@@ -256,8 +334,9 @@ def _project(m, hidden_states):
 
 
 def _output(m) -> torch.nn.Module:
-    """The module's output projection (OLMo Hybrid's ``o_proj``, the others' ``out_proj``)."""
-    return m.o_proj if hasattr(m, "o_proj") else m.out_proj
+    """The module's output projection (OLMo Hybrid's ``o_proj``, Qwen4-Exp's per-layer embedding's ``value_proj``,
+    the others' ``out_proj``)."""
+    return m.o_proj if hasattr(m, "o_proj") else m.value_proj if hasattr(m, "value_proj") else m.out_proj
 
 
 def _kernels(module):
@@ -457,7 +536,10 @@ def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | 
     keywords of its call; ``"model"``, ``model`` lends them to all (``Lent``); ``"base"``, ``model`` lends them to
     its base model, which unpacks them into its own call (``UnpackLent``). ``_lend.remove`` takes those hooks down."""
     for m in modules:
-        m.forward = ShardedMixer(m, cfg)
+        m.forward = (ShardedPLE if hasattr(m, "ple_embedding") else ShardedMixer)(m, cfg)
+    ple = [m for m in modules if hasattr(m, "ple_embedding")]
+    if ple:  # (called without the batch's keywords: its decoder layer lends them in conv_mask)
+        _lend.install(model, ple, keys=LENT, unpack=False, into="conv_mask")
     if lend == "layer":
         _lend.install(model, modules, keys=LENT, unpack=False)
     elif lend == "model" or (lend == "base" and model.base_model is not model):  # (a bare base model: nothing to lend)
@@ -466,5 +548,5 @@ def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | 
 
 def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
-        if isinstance(m.__dict__.get("forward"), ShardedMixer):
+        if isinstance(m.__dict__.get("forward"), ShardedMixer):  # (ShardedPLE too)
             del m.forward

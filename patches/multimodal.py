@@ -127,6 +127,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "lfm2_vl": ("lfm2",),  # LFM2-VL
     "qwen3_5": ("qwen3_5_text",),  # Qwen3.5 (every checkpoint is this vision-language model)
     "qwen3_5_moe": ("qwen3_5_moe_text",),
+    "qwen4_exp": ("qwen4_exp_text",),  # Qwen4-Exp (block-sparse attention, per-layer n-gram embeddings; 5.24)
     "llava": ("llama", "mistral", "qwen2"),  # LLaVA 1.5 and checkpoints of its architecture
     "llava_next": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT (1.6)
     "vipllava": ("llama",),  # ViP-LLaVA (7B, 13B): features of several vision layers
@@ -205,6 +206,7 @@ IMAGES = (
     "dots3_note",
     "qwen3_5",
     "qwen3_5_moe",
+    "qwen4_exp",
     "internvl",
     "mistral3",
     "mistral_large4",

@@ -231,6 +231,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**_LINEAR, **_MOE_SHARED}),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**_LINEAR, **_MOE_SHARED}),  # fused projections
+    # Qwen4-Exp: Gated DeltaNet, attention whose indexer picks 2 blocks of 4 keys (and the incomplete block of the
+    # query), hyper-connections, a per-layer embedding on the first layer (hashed trigrams, a convolution of dilation
+    # 3 looking 3 tokens back: QWEN4_LONG_HALO looks 9 back)
+    "qwen4_exp_text": ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", {**_LINEAR, **_MOE_SHARED, "layer_types": ["linear_attention", "indexed_attention"], "hc_count": 2, "hc_lowrank": 8, "ple_layer_ids": [1], "ple_embed_dim": 32, "heads_per_ngram": 2, "ngram_vocab_size_base": 101, "make_ngram_vocab_size_divisible_by": 8, "ple_conv_kernel_size": 2, "indexer_n_heads": 16, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8, "indexer_compress_ratio": 4}),
     # Kimi Delta Attention (a decay per key channel) beside latent attention without RoPE, experts
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", {**_MLA, "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
                     "mlp_layer_types": ["dense", "sparse", "sparse"], "linear_num_heads": 2, "linear_head_dim": 16,
@@ -380,6 +384,8 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                 _QWEN3_5_VISION),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
                     {**_LINEAR, **_MOE_SHARED, "rope_parameters": _MROPE_HALF}, _QWEN3_5_VISION),
+    "qwen4_exp": ("Qwen4ExpConfig", "Qwen4ExpForConditionalGeneration",
+                  {**MORE_FAMILIES["qwen4_exp_text"][2], "rope_parameters": _MROPE_HALF}, _QWEN3_5_VISION),
     "lfm2_vl": ("Lfm2VlConfig", "Lfm2VlForConditionalGeneration", MORE_FAMILIES["lfm2"][2],
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "patch_size": 16}),
@@ -668,7 +674,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "molmo2": "5.24", "mistral_large4": "5.24",
          "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
-         "dots3_note": "5.24"}  # fmt: skip
+         "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -973,6 +979,13 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             with torch.no_grad():
                 for p in m.parameters():
                     p.copy_(p + 0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+    for m in model.modules():  # Qwen4-Exp's per-layer embedding starts with its convolution at zero (a no-op): draw
+        # it, so that the ring must give each chunk the convolution inputs before it
+        if type(m).__name__.endswith("PLELayer"):
+            with torch.no_grad():
+                m.conv1d.weight.copy_(
+                    0.5 * torch.randn(m.conv1d.weight.shape, generator=torch.Generator().manual_seed(8))
+                )
     for m in model.modules():  # a non-default attention scale, which the ring must honour
         if isinstance(getattr(m, "scaling", None), float):
             m.scaling *= SCALE_FACTORS.get(family, SCALE_FACTOR)  # the family's own scale (multipliers, ...), changed

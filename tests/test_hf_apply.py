@@ -13,7 +13,7 @@ import pytest
 import torch
 from hf_ring.patches import REGISTRY, _lend, get_patch
 from hf_ring.patches._lend import LendKeywords, UnpackLent
-from hf_ring.patches.linear import ShardedMixer
+from hf_ring.patches.linear import ShardedMixer, ShardedPLE
 
 import hf_ring
 from hf_ring import hf_attention
@@ -135,8 +135,10 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert len(local) == len(getattr(text, "cross_attention_layers", None) or ())
     types = list(getattr(text, "layer_types", None) or [])
     mixing = [t for t in types if t not in ("mlp", "moe")] or [None] * text.num_hidden_layers  # (Nemotron-H: MLPs)
-    assert len(modules) + len(linear) + len(local) == len(mixing) + types.count("hybrid")  # (Falcon-H1: attention and
-    # Mamba2 in one layer)
+    ple = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedPLE)]  # (Qwen4-Exp's, beside a mixer)
+    assert len(ple) == len(getattr(text, "ple_layer_ids", None) or ()) and all(_lends(model, m) for m in ple)
+    assert len(modules) + len(linear) - len(ple) + len(local) == len(mixing) + types.count("hybrid")  # (Falcon-H1:
+    # attention and Mamba2 in one layer)
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
     assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
     if family == "jamba":  # its layers call their mixer without the batch's keywords: they lend theirs
@@ -389,6 +391,7 @@ def _text_only_batches_and_refused_images(family):
         ("minicpmv4_7", "images-padded"),  # and multimodal positions on a canvas
         ("muse_spark", "images"),  # gated attention, sliding layers, experts
         ("dots3_note", "images-padded"),  # sparse attention beside sliding layers
+        ("qwen4_exp", "images-padded"),  # blocks of keys picked per query, per-layer n-gram embeddings of the ids
         ("video_llama_3", "video"),
         ("deepseek_vl", "images-padded"),
         ("janus", "images"),
@@ -1334,6 +1337,104 @@ def test_sparse_attention_takes_its_indexers_top_k_in_the_attention_function_and
     attention = layers[0].self_attn
     with pytest.raises(ValueError, match="apply_ring_attention"):
         hf_attention.ring_attention_forward(attention, q, q, q, None, indices=torch.zeros(1, 8, 2, dtype=torch.int32))
+
+
+def test_qwen4_exp_picks_the_blocks_its_own_indexer_picks_and_reverts(monkeypatch):
+    """Qwen4-Exp's QSA indexer at one rank: each query's keys (the best 2 of its document's complete blocks of 4
+    visible tokens, and the incomplete block it stands in) are the set the unmodified indexer gives, with a padding
+    mask (left and right), packed documents (restarting positions; attention layers only, as a packed batch reaches
+    Gated DeltaNet layers only with cu_seq_lens) or neither, and with its scores in chunks of one query; the logits
+    are the unmodified model's. The selection matters: every block picked changes the logits (a control). Revert
+    restores the indexer, the per-layer embedding and the hooks."""
+    from hf_ring.patches._lend import LendKeywords
+    from hf_ring.patches._sparse import DeferIndexer
+    from hf_ring.patches.linear import ShardedPLE
+
+    from hf_ring import sparse
+
+    if not in_transformers("qwen4_exp_text"):
+        pytest.skip("Qwen4-Exp is not in this Transformers release")
+    model = make_model("qwen4_exp_text").eval()
+    attention_only = make_model("qwen4_exp_text", layer_types=["indexed_attention"] * 2, ple_layer_ids=[]).eval()
+    padded, plain, keep = _padded_and_plain()
+    packed = {
+        "input_ids": plain["input_ids"][:1],
+        "position_ids": torch.cat([torch.arange(n) for n in (9, 17, 14)])[None],
+    }
+    indexer = model.model.layers[1].self_attn.indexer
+    indexers = [indexer, *(layer.self_attn.indexer for layer in attention_only.model.layers)]
+    theirs = []
+    hooks = [i.register_forward_hook(lambda m, args, out: theirs.append(out[:, 0])) for i in indexers]
+    calls = ((model, plain), (model, padded), (attention_only, packed))
+    with torch.no_grad():
+        ref = [m(**x).logits for m, x in calls]
+    for h in hooks:
+        h.remove()
+    hf_ring.apply_ring_attention(model)
+    hf_ring.apply_ring_attention(attention_only)
+    assert isinstance(vars(indexer).get("forward"), DeferIndexer)
+    assert isinstance(vars(model.model.layers[0].ple).get("forward"), ShardedPLE)
+    ours = []
+    real = sparse._select_blocks
+    monkeypatch.setattr(sparse, "_select_blocks", lambda *a, **k: ours.append(real(*a, **k)) or ours[-1])
+    with torch.no_grad():
+        got = [m(**x).logits for m, x in calls]
+        monkeypatch.setattr(sparse, "CHUNK_BYTES", 1)  # one query per chunk
+        chunked = model(**plain).logits
+    rows = (torch.ones_like(keep), keep, torch.ones_like(keep[:1]))
+    for r, g, k in zip(ref, got, rows, strict=True):
+        assert float((g - r)[k].norm() / r[k].norm()) <= 1e-5
+    assert float((chunked - ref[0]).norm() / ref[0].norm()) <= 1e-5
+    assert len(theirs) == 4 and len(ours) == 5  # (the packed batch through two indexers; the chunked call)
+    for want, picked, k in zip(theirs, ours, (*rows, rows[-1])):  # the same keys, as sets, for every real query
+        chosen = torch.zeros(*picked.shape[:2], picked.shape[1] + 1, dtype=torch.bool)
+        chosen.scatter_(-1, torch.where(picked >= 0, picked, picked.shape[1]).long(), True)
+        assert torch.equal(chosen[..., :-1][k], want[k])
+        assert int(want[k].sum(-1).max()) == 2 * 4 + 3  # (the budget reached: the selection bites)
+    hf_ring.revert_ring_attention(model)
+    assert not any(isinstance(vars(m).get("forward"), (DeferIndexer, ShardedPLE)) for m in model.modules())
+    assert not any(isinstance(h, LendKeywords) for m in model.modules() for h in m._forward_pre_hooks.values())
+    with torch.no_grad():
+        assert torch.equal(model(**plain).logits, ref[0])
+        indexer.token_budget, indexer.block_topk = 40, 10  # (every block: measured 9.7e-3 apart)
+        assert float((model(**plain).logits - ref[0]).norm() / ref[0].norm()) > 1e-3
+
+
+def _selections(model, calls: tuple, monkeypatch) -> tuple:
+    """``(the unpatched indexer's masks, hf_ring's selections, logits before, logits after)`` of Qwen4-Exp's indexed
+    layer 1 over ``calls`` (model inputs), the model then patched."""
+    from hf_ring import sparse
+
+    theirs, ours = [], []
+    hook = model.model.layers[1].self_attn.indexer.register_forward_hook(lambda m, a, out: theirs.append(out[:, 0]))
+    with torch.no_grad():
+        ref = [model(**x).logits for x in calls]
+    hook.remove()
+    hf_ring.apply_ring_attention(model)
+    real = sparse._select_blocks
+    monkeypatch.setattr(sparse, "_select_blocks", lambda *a, **k: ours.append(real(*a, **k)) or ours[-1])
+    with torch.no_grad():
+        got = [model(**x).logits for x in calls]
+    monkeypatch.setattr(sparse, "_select_blocks", real)
+    return theirs, ours, ref, got
+
+
+def test_qwen4_exp_breaks_ties_between_blocks_as_its_own_indexer_does(monkeypatch):
+    """With 2 indexer heads many blocks score exactly 0 (the ReLU of both), and where fewer than the budget score
+    above it, ``torch.topk`` picks among the tied ones by the row it is given: hf_ring gives each query's top-k its own
+    candidates, as the model does (one top-k over every block of the row, the others hidden, picked other blocks:
+    logits 3.6e-2 apart, measured). The same keys as the model's indexer for every real query, and its logits."""
+    if not in_transformers("qwen4_exp_text"):
+        pytest.skip("Qwen4-Exp is not in this Transformers release")
+    padded, plain, keep = _padded_and_plain()
+    for seed in range(3):
+        model = make_model("qwen4_exp_text", seed=seed, indexer_n_heads=2).eval()
+        theirs, ours, ref, got = _selections(model, (plain, padded), monkeypatch)
+        for want, picked, r, g, k in zip(theirs, ours, ref, got, (torch.ones_like(keep), keep), strict=True):
+            chosen = torch.zeros(*picked.shape[:2], picked.shape[1] + 1, dtype=torch.bool)
+            chosen.scatter_(-1, torch.where(picked >= 0, picked, picked.shape[1]).long(), True)
+            assert torch.equal(chosen[..., :-1][k], want[k]), seed
+            assert float((g - r)[k].norm() / r[k].norm()) <= 1e-5, seed
 
 
 def test_a_selection_of_keys_is_checked_before_any_communication():

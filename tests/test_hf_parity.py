@@ -151,6 +151,34 @@ CASES = {
     "axk2-plain-lora": ("axk2", "plain", 45, {"lora": True}),
     "hy_v4-packed-checkpointing": ("hy_v4", "packed", 40, {"checkpointing": True}),
     "hy_v4-padded-striped": ("hy_v4", "padded", 45, {"layout": "striped"}),
+    # Qwen4-Exp: blocks of 4 keys picked per query (from up to 11), its per-layer embedding's n-grams and dilated
+    # convolution across the chunk edges; one query per chunk of scores; a convolution looking 9 tokens back. Packed:
+    # attention layers only (Transformers' CPU Gated DeltaNet runs across documents, hf_ring keeps them apart)
+    "qwen4_exp_text-plain": ("qwen4_exp_text", "plain", 45, {}),
+    "qwen4_exp_text-packed-lora": (
+        "qwen4_exp_text",
+        "packed",
+        40,
+        {
+            "lora": True,
+            "chunk_bytes": 4 * 16 * 10,
+            "config": {"layer_types": ["indexed_attention"] * 2, "ple_layer_ids": []},
+        },
+    ),
+    "qwen4_exp_text-padded-checkpointing": ("qwen4_exp_text", "padded", 40, {"checkpointing": True}),
+    "qwen4_exp-images-padded": ("qwen4_exp", "images-padded", 40, {}),  # (the whole ids cut for the n-grams)
+    "qwen4_exp-images-lora-checkpointing": ("qwen4_exp", "images", 45, {"lora": True, "checkpointing": True}),
+    # (its decay gradients, 3e-7 in norm, move by 1.0e-3 with Transformers' own kernel at chunks of 16 for 64)
+    "qwen4_exp_text-contiguous-long-halo": (
+        "qwen4_exp_text",
+        "padded",
+        80,
+        {
+            "layout": "contiguous",
+            "config": {"ple_conv_kernel_size": 4},
+            "rtol_decay": 3e-3,
+        },
+    ),
     # Dots3 Note: a sparse-attention layer beside a sliding-window one of other sizes, output gates
     "dots3_note_text-packed": ("dots3_note_text", "packed", 40, {}),
     "dots3_note_text-padded-lora-striped": (
@@ -600,6 +628,7 @@ def _parity(rank: int, names: list) -> dict:
             if bf16:
                 out["torch"] = _errors(loss16, grads16, ref_loss, ref_grads)
             out["rtol"] = opts.get("rtol", RTOL_FP32)
+            out["rtol_decay"] = opts.get("rtol_decay", RTOL_DECAY)
         results[name] = out
     return results
 
@@ -800,7 +829,7 @@ def _check(results: dict, world_size: int) -> None:
             failures.append(f"{name}: loss relative error {ring['loss']:.2e}")
         if not ring["grad"] <= r["rtol"]:
             failures.append(f"{name}: gradient of {ring['worst']} relative error {ring['grad']:.2e}")
-        if not ring["decay"] <= RTOL_DECAY:
+        if not ring["decay"] <= r["rtol_decay"]:
             failures.append(f"{name}: gradient of a linear-attention decay relative error {ring['decay']:.2e}")
     assert not failures, f"world size {world_size}:\n" + "\n".join(failures)
 
