@@ -125,6 +125,7 @@ def _cache_classes():
             self.positions = torch.zeros(0, dtype=torch.long)
             self.docs = None
             self.padded = False  # some cached key is padding (else the documents need no mask)
+            self.indexer_position_ids = None  # (Qwen4-Exp's model keeps its positions on its first indexed layer)
 
         def update(self, key_states, value_states, *args, **kwargs):
             st = self.state

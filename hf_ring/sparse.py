@@ -29,7 +29,8 @@ Qwen4-Exp's QSA indexer picks blocks of keys instead (``_select_blocks``): each 
 blocks of ``compress_ratio`` from its document's first, scored by pooled block keys; the best ``budget / ratio``
 blocks and the query's own incomplete block. Its model loops over queries one by one; hf_ring computes the same
 operations for chunks of queries at once, from the whole sequence's indexer keys and rotary angles (one all-gather),
-and returns the picked positions as ``select`` does (-1 where a query has fewer). Its projections and norms run
+and returns the picked positions as ``select`` does (-1 where a query has fewer); in ``ring_generate`` the cache
+keeps the keys and angles of every token on every rank, from which a decode step picks (``_decode_blocks``). Its projections and norms run
 once per call (not per chunk of queries), and each query's top-k runs over its own candidates, as the model's
 does, so that exact ties (the ReLU's zeros) break alike. Causal only, as the model is.
 
@@ -233,6 +234,8 @@ def select_decode(call: IndexerCall, cache, *, q_pos: torch.Tensor, prompt_docs:
     """
     if call.selected is not None:
         return call.selected
+    if _pools_blocks(call.module):
+        return _resolved(call, _decode_blocks(call, cache, q_pos, prompt_docs))
     keys = cache.update_indexer(_local_keys(call), call.module.layer_idx)  # [batch, every token so far, dim]
     full = keys.shape[1]
     docs = torch.cat([prompt_docs, prompt_docs.new_zeros(prompt_docs.shape[0], full - prompt_docs.shape[1])], 1)
@@ -311,51 +314,91 @@ def _select_blocks(call, group, rank, world_size, layout, chunk_bytes, *, cu_seq
     of the head size), keeps the ``budget / r`` best and the incomplete block it stands in. The indexer keys of the
     whole sequence (one key head) and their rotary angles come from one all-gather; the blocks, once per batch row
     and layer, then the scores by chunks of queries within ``chunk_bytes``. The model's indexer loops over queries and
-    reads the same operations; picks that tie exactly may come out otherwise (module docstring's caveat).
+    reads the same operations.
     """
     m = call.module
-    rotate = _defined_beside(m, "apply_rotary_pos_emb")
-    hidden, (cos, sin) = call.hidden_states, call.position_embeddings
-    batch, n, _ = hidden.shape
-    dim, heads, r = m.index_head_dim, m.index_n_heads, m.compress_ratio
     with torch.no_grad():
-        q, keys = m.index_qk_proj(hidden).split([heads * dim, m.index_kv_heads * dim], dim=-1)
-        q = rotate(m.q_layernorm(q.reshape(batch, n, -1, dim)), cos=cos, sin=sin, unsqueeze_dim=2)
-        keys = keys.reshape(batch, n, dim)  # (its one key head)
-        if call.cache is not None:
-            call.cache.update_indexer(keys, m.layer_idx)
-        common = torch.promote_types(keys.dtype, cos.dtype)  # (their rotary angles travel with them, exactly)
-        angles = cos.shape[-1]
-        mine = torch.cat([t.expand(batch, n, -1).to(common) for t in (keys, cos, sin)], dim=-1)
+        q, mine, dtypes = _block_inputs(call)
         if world_size > 1:
             what = "the all-gather of the sparse-attention indexer keys"
             mine = _layout.unshard(list(StateGather(group, timeout, what=what).gather(mine)), dim=1, layout=layout)
-        whole, whole_cos, whole_sin = mine.split([dim, angles, angles], dim=-1)
-        whole, whole_cos, whole_sin = whole.to(keys.dtype), whole_cos.to(cos.dtype), whole_sin.to(sin.dtype)
-        full = whole.shape[1]
-        make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)  # noqa: E731
+        if call.cache is not None:  # ring_generate's keeps the whole sequence's keys and angles, another its own keys
+            whole = getattr(call.cache, "WHOLE_INDEXER_KEYS", False)
+            call.cache.update_indexer(mine if whole else _packed(m, mine, dtypes)[0], m.layer_idx)
+        full = mine.shape[1]
+        make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, q.device)  # noqa: E731
         seen = None if plans is None else plans.derived((_visibility, cu_seqlens, document_ids), make)
-        if seen is None or seen[1].numel() != full or seen[1].device != keys.device:
+        if seen is None or seen[1].numel() != full or seen[1].device != q.device:
             seen = make()
         q_pos, docs = seen[0], seen[2]
         cuts = []
-        for row in range(batch):
-            make_blocks = lambda row=row: _blocks(docs, row, full, r, keys.device)  # noqa: E731
-            blocks = None if plans is None else plans.derived((_blocks, docs, r, row), make_blocks)
-            if blocks is None or blocks.full != full or blocks.r != r or blocks.order.device != keys.device:
+        for row in range(q.shape[0]):
+            make_blocks = lambda row=row: _blocks(docs, row, full, m.compress_ratio, q.device)  # noqa: E731
+            blocks = None if plans is None else plans.derived((_blocks, docs, m.compress_ratio, row), make_blocks)
+            if blocks is None or blocks.full != full or blocks.r != m.compress_ratio or blocks.order.device != q.device:
                 blocks = make_blocks()
             cuts.append(blocks)
-        # every row's block keys: the mean of their tokens' keys, normalised (one call of the norm for all rows, as
-        # often on every rank: DeepSpeed ZeRO-3 gathers its weight at each call), rotated to their first position
-        means = [whole[b].index_select(0, t.flatten()).view(-1, r, dim).float().mean(dim=1) for b, t in
-                 enumerate(blk.tokens for blk in cuts)]  # fmt: skip
-        normed = m.k_layernorm(torch.cat(means).to(keys.dtype)).split([len(x) for x in means])
-        out = torch.empty((batch, n, m.token_budget + r - 1), dtype=torch.int32, device=keys.device)
-        for b, (blocks, pooled) in enumerate(zip(cuts, normed)):
-            start = blocks.tokens[:, 0]
-            pooled = rotate(pooled.unsqueeze(1), cos=whole_cos[b][start], sin=whole_sin[b][start]).squeeze(1)
-            out[b] = _pick(m, q[b], pooled.float(), blocks, q_pos, chunk_bytes)
+        return _picks(m, q, mine, dtypes, cuts, q_pos, chunk_bytes)
+
+
+def _block_inputs(call) -> tuple:
+    """``(queries [batch, n, heads, dim], [batch, n, dim + 2 angles] keys and their rotary cos and sin, (the keys'
+    dtype, the angles'))`` of the indexer's ``n`` tokens (the call's hidden states; its rotary angles may cover tokens
+    before them, the model's cached positions in a decode step: the last ``n``), as the model's indexer computes
+    them. The keys and angles travel together in a dtype holding both exactly."""
+    m = call.module
+    rotate = _defined_beside(m, "apply_rotary_pos_emb")
+    hidden = call.hidden_states
+    batch, n, _ = hidden.shape
+    cos, sin = (t[:, t.shape[1] - n :] for t in call.position_embeddings)
+    dim, heads = m.index_head_dim, m.index_n_heads
+    q, keys = m.index_qk_proj(hidden).split([heads * dim, m.index_kv_heads * dim], dim=-1)
+    q = rotate(m.q_layernorm(q.reshape(batch, n, -1, dim)), cos=cos, sin=sin, unsqueeze_dim=2)
+    common = torch.promote_types(keys.dtype, cos.dtype)
+    packed = torch.cat([t.expand(batch, n, -1).to(common) for t in (keys, cos, sin)], dim=-1)  # (one key head)
+    return q, packed, (keys.dtype, cos.dtype)
+
+
+def _packed(m, packed: torch.Tensor, dtypes: tuple) -> tuple:
+    """``(keys, cos, sin)`` of ``_block_inputs``' packed tensor, each in its own dtype."""
+    keys_dtype, cos_dtype = dtypes
+    angles = (packed.shape[-1] - m.index_head_dim) // 2
+    keys, cos, sin = packed.split([m.index_head_dim, angles, angles], dim=-1)
+    return keys.to(keys_dtype), cos.to(cos_dtype), sin.to(cos_dtype)
+
+
+def _picks(m, q, packed, dtypes: tuple, cuts: list, q_pos, chunk_bytes) -> torch.Tensor:
+    """Every row's selection from the whole sequence's ``packed`` keys and angles and the rows' blocks (``cuts``):
+    ``[batch, queries, budget + r - 1]`` int32 global positions, -1 for none."""
+    rotate = _defined_beside(m, "apply_rotary_pos_emb")
+    keys, cos, sin = _packed(m, packed, dtypes)
+    r, dim = m.compress_ratio, m.index_head_dim
+    # every row's block keys: the mean of their tokens' keys, normalised (one call of the norm for all rows, as often
+    # on every rank: DeepSpeed ZeRO-3 gathers its weight at each call), rotated to their first position
+    means = [keys[b].index_select(0, blk.tokens.flatten()).view(-1, r, dim).float().mean(dim=1) for b, blk in
+             enumerate(cuts)]  # fmt: skip
+    normed = m.k_layernorm(torch.cat(means).to(keys.dtype)).split([len(x) for x in means])
+    out = torch.empty((*q.shape[:2], m.token_budget + r - 1), dtype=torch.int32, device=q.device)
+    for b, (blocks, pooled) in enumerate(zip(cuts, normed)):
+        start = blocks.tokens[:, 0]
+        pooled = rotate(pooled.unsqueeze(1), cos=cos[b][start], sin=sin[b][start]).squeeze(1)
+        out[b] = _pick(m, q[b], pooled.float(), blocks, q_pos, chunk_bytes)
     return out
+
+
+def _decode_blocks(call, cache, q_pos: torch.Tensor, prompt_docs: torch.Tensor) -> torch.Tensor:
+    """Qwen4-Exp's QSA selection of a decode step's queries (``select_decode``): the cache holds every token's
+    indexer keys and rotary angles on every rank (the prefill's gathered, then each step's), so every rank picks
+    the same blocks with no communication."""
+    m = call.module
+    with torch.no_grad():
+        q, mine, dtypes = _block_inputs(call)
+        packed = cache.update_indexer(mine, m.layer_idx)  # [batch, every token so far, dim + 2 angles]
+        full = packed.shape[1]
+        new = prompt_docs.new_zeros(prompt_docs.shape[0], full - prompt_docs.shape[1])  # (the new tokens: document 0)
+        docs = torch.cat([prompt_docs, new], dim=1).to(q.device)
+        cuts = [_blocks(docs, row, full, m.compress_ratio, q.device) for row in range(q.shape[0])]
+        return _picks(m, q, packed, dtypes, cuts, q_pos.to(q.device).long(), None)
 
 
 def _pick(m, q, pooled, blocks: _Blocks, q_pos, chunk_bytes) -> torch.Tensor:

@@ -361,10 +361,6 @@ holds whole): their modules attend locally, by the model's own implementation
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
-    "qwen4_exp_text": (
-        "its decode steps would need the indexer's blocks and the per-layer embeddings' n-gram and convolution "
-        "inputs of the whole sequence, which the sharded cache does not keep"
-    ),
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 

@@ -74,7 +74,7 @@ class ShardedMixer:
         if isinstance(attention_mask, Lent):  # the batch's keywords its decoder layer was given (``Lent``)
             attention_mask, kwargs = attention_mask.mask, {**attention_mask.kwargs, **kwargs}
         cache = next((c for c in (cache_params, past_key_values, cache) if c is not None), None)
-        memory = _memory(cache, m.layer_idx)
+        memory = _memory(cache, self.record())
         if memory:  # a decode step of ring_generate: the same new tokens on every rank, after the prefill's state
             plan = chunks(local_len, rank=0, world_size=1, layout=cfg.layout)
             try:
@@ -114,6 +114,10 @@ class ShardedMixer:
             guard.failed(groups, e, f" in {name}")
             raise
 
+    def record(self):
+        """The key of the module's record in ``ring_generate``'s sharded cache (``_memory``)."""
+        return self.module.layer_idx
+
     def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
         """The module's computation on this rank's tokens (after the checks)."""
         return self.compute(self.module, self.kernels, hidden_states, plan, gather, packed, keep, memory)
@@ -144,7 +148,9 @@ class ShardedPLE(ShardedMixer):
     its model is patched. It looks back along the sequence twice: its n-gram embedding hashes each token's id with
     the ``n - 1`` ids before it, and a dilated causal convolution mixes its gated values with those of the tokens
     before. Its own forward runs on each of this rank's runs of tokens, given what lies before the run (``_Halo``).
-    Its decoder layer calls it without the batch's keywords: the layer lends them in ``conv_mask`` (``Lent``)."""
+    Its decoder layer calls it without the batch's keywords: the layer lends them in ``conv_mask`` (``Lent``). In
+    ``ring_generate`` its record (``("ple", layer)``, beside its layer's mixer's) keeps the sequence's last ids and
+    convolution inputs, the same on every rank, from which a decode step runs locally."""
 
     masks_input = False  # (the module zeroes its gated values at padding itself, given the padding as conv_mask)
 
@@ -154,37 +160,55 @@ class ShardedPLE(ShardedMixer):
     def __call__(self, hidden_states, input_ids, cache=None, conv_mask=None, **kwargs):
         return super().__call__(hidden_states, attention_mask=conv_mask, cache=cache, ple_input_ids=input_ids)
 
+    def record(self) -> tuple:
+        return ("ple", self.module.layer_idx)
+
     def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
         m = self.module
         eos = m.ple_embedding.eos_token_id
         ids = kwargs["ple_input_ids"]
+        added = None if memory is None else memory.pop("added", None)
+        if added is not None:  # ring_generate's padding before the prompt: as if nothing were there
+            kept = ~added.to(ids.device)[None]
+            keep = kept if keep is None else keep.bool() & kept
         if keep is not None:  # (the model gives padding the end-of-sequence id when it sees a 2-D mask)
             ids = torch.where(keep.bool(), ids, eos)
         batch = hidden_states.shape[0]
         runs = plan.split(ids.expand(batch, -1), dim=1)  # [runs, batch, run length]
         context = m.ple_embedding.context_len
         fill = torch.full_like(runs[0, :, :context], eos)  # (the model's context before the sequence)
-        if gather is None:
+        tails = None
+        if memory:  # a decode step of ring_generate: after the sequence's last ids and convolution inputs
+            before = memory["ids"][None]
+        elif gather is None:
             before = fill.expand(plan.count, *fill.shape)
         else:
             with torch.no_grad():
-                before = previous(gather.gather(runs[..., runs.shape[-1] - context :]), plan, fill)
-        halo = _Halo(before.flatten(0, 1), plan, gather)
+                tails = gather.gather(runs[..., runs.shape[-1] - context :])
+            before = previous(tails, plan, fill)
+        halo = _Halo(before.flatten(0, 1), plan, gather, None if not memory else memory["conv"])
         stacked = plan.split(hidden_states, dim=1).flatten(0, 1)
         mask = None if keep is None else plan.split(keep.expand(batch, -1), dim=1).flatten(0, 1)
         out = type(m).forward(m, hidden_states=stacked, input_ids=runs.flatten(0, 1), cache=halo, conv_mask=mask)
         out = plan.join(out.unflatten(0, (plan.count, batch)), dim=1)
+        if memory is not None:  # the sequence's last ids and convolution inputs, for ring_generate's next step
+            if tails is not None:
+                last = tails[plan.owner(plan.total - 1)]
+            else:
+                last = torch.cat([before[-1], runs[-1]], dim=-1)[..., -context:] if context else before[-1]
+            memory["ids"], memory["conv"] = last, halo.last
         return out if halo.tails is None else Uses.apply(out, halo.tails)
 
 
 class _Halo:
     """Stands for the cache of Qwen4-Exp's per-layer embedding run on this rank's runs of tokens, stacked on the
     batch: its n-gram context is the ids before each run (``ids``); handed its convolution's inputs, it puts the
-    last ones before each run in front of them (gathered from the ranks holding them; zeros before the sequence)."""
+    last ones before each run in front of them (gathered from the ranks holding them; zeros before the sequence;
+    ``conv``, in a decode step: the sequence's last ones), and keeps the sequence's last ones (``last``)."""
 
-    def __init__(self, ids: torch.Tensor, plan, gather):
-        self.ids, self.plan, self.gather = ids, plan, gather
-        self.tails = None
+    def __init__(self, ids: torch.Tensor, plan, gather, conv: torch.Tensor | None = None):
+        self.ids, self.plan, self.gather, self.conv = ids, plan, gather, conv
+        self.tails = self.last = None
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return self.ids
@@ -194,15 +218,22 @@ class _Halo:
             return x
         runs = x.unflatten(0, (self.plan.count, -1))  # [runs, batch, channels, run length]
         zeros = torch.zeros_like(runs[0, ..., :conv_kernel_size])
-        if self.gather is None:
+        if self.conv is not None:
+            before = self.conv[None]
+        elif self.gather is None:
             before = zeros.expand(self.plan.count, *zeros.shape)
         else:
             self.tails = self.gather.gather(runs[..., runs.shape[-1] - conv_kernel_size :])
             before = previous(self.tails, self.plan, zeros)
-        return torch.cat([before, runs], dim=-1).flatten(0, 1)
+        joined = torch.cat([before, runs], dim=-1)
+        if self.tails is not None:
+            self.last = self.tails[self.plan.owner(self.plan.total - 1)].detach()
+        else:
+            self.last = joined[-1, ..., joined.shape[-1] - conv_kernel_size :].detach()
+        return joined.flatten(0, 1)
 
 
-def _memory(cache, layer_idx: int) -> dict | None:
+def _memory(cache, layer_idx) -> dict | None:
     """``hf_ring.ring_generate``'s record of this layer (its convolution's last inputs and its state after the
     sequence; empty before the prefill), kept by its sharded cache; None outside ``ring_generate``."""
     records = getattr(cache, "mixer_records", None)

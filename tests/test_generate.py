@@ -110,6 +110,9 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     "lara_mini": ("lara_mini", 2, 14, 3, "zigzag"),
     "bailing_hybrid-contiguous": ("bailing_hybrid", 1, 13, 0, "contiguous"),
     "qwen3_5-vision-language": ("qwen3_5", 1, 13, 0, "zigzag"),
+    # Qwen4-Exp: its indexer's blocks over every token so far, its per-layer embeddings' last ids and convolution
+    # inputs carried from the prefill (Transformers 5.24)
+    "qwen4_exp_text": ("qwen4_exp_text", 2, 14, 3, "zigzag"),
 }
 HYBRID_RTOL = 1e-5  # every step's logits (fp32); measured up to 6.2e-7 (the prefill's sharded sums, rounding)
 
@@ -256,6 +259,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "minicpmv4_7-images": ("minicpmv4_7", "images-padded", {}),  # Gated DeltaNet, multimodal positions (deltas)
     "muse_spark-images": ("muse_spark", "images-padded", {}),  # sliding layers, a full one without RoPE
     "dots3_note-images": ("dots3_note", "images-padded", {}),  # sparse attention and a sliding layer
+    "qwen4_exp-images": ("qwen4_exp", "images-padded", {}),  # blocks of keys, per-layer n-gram embeddings
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "voxtral-audio": ("voxtral", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),
@@ -518,6 +522,8 @@ FOUR_RANKS = {  # 8 zig-zag chunks of 4 tokens (at least the convolution's 3 inp
     "lfm2-short": ("lfm2", 2, 7, 2, "zigzag"),
     "nemotron_h-short": ("nemotron_h", 1, 5, 0, "contiguous"),
     "minimax-contiguous": ("minimax", 2, 30, 2, "contiguous"),  # (its reference: each row alone, unpadded)
+    "qwen4_exp_text": ("qwen4_exp_text", 2, 29, 3, "zigzag"),  # (5.24; its per-layer embeddings look 3 tokens back)
+    "qwen4_exp_text-contiguous": ("qwen4_exp_text", 1, 13, 0, "contiguous"),
 }
 
 
@@ -591,10 +597,9 @@ def test_hybrid_decode_steps_run_the_models_one_token_kernels(monkeypatch, famil
     assert len(calls) == layers * (NEW - 1), (len(calls), layers)  # the first new token comes from the prefill
 
 
-@pytest.mark.parametrize("family", ["dory", "qwen4_exp_text"])
+@pytest.mark.parametrize("family", ["dory"])
 def test_families_whose_models_manage_the_cache_their_own_way_are_refused(family):
-    """Dory's loops copy the cache (a second rank crashed in a trial); Qwen4-Exp's decode steps would need its
-    indexer's blocks and its per-layer embeddings' inputs of the whole sequence, which the sharded cache lacks."""
+    """Dory's loops copy the cache (a second rank crashed in a trial)."""
     import hf_ring
     from tests.hf_models import in_transformers, make_model
 

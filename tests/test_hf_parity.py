@@ -166,6 +166,7 @@ CASES = {
         },
     ),
     "qwen4_exp_text-padded-checkpointing": ("qwen4_exp_text", "padded", 40, {"checkpointing": True}),
+    "qwen4_exp_text-bf16": ("qwen4_exp_text", "plain", 40, {"dtype": torch.bfloat16}),
     "qwen4_exp-images-padded": ("qwen4_exp", "images-padded", 40, {}),  # (the whole ids cut for the n-grams)
     "qwen4_exp-images-lora-checkpointing": ("qwen4_exp", "images", 45, {"lora": True, "checkpointing": True}),
     # (its decay gradients, 3e-7 in norm, move by 1.0e-3 with Transformers' own kernel at chunks of 16 for 64)
