@@ -153,6 +153,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "apertus1p5": ("apertus1p5_text",),  # Apertus 1.5 (Transformers 5.24)
     "paligemma": ("gemma", "gemma2"),  # PaliGemma (Gemma), PaliGemma 2 (Gemma 2)
     "minicpmv4_6": ("qwen3_5_text",),  # MiniCPM-V 4.6
+    "minicpm_ocr": ("qwen3_5_text",),  # MiniCPM-OCR (MiniCPM-V 4.6's architecture)
     "minicpmv4_7": ("qwen3_5_text",),  # MiniCPM-V 4.7 (its images on a canvas of multimodal RoPE positions; 5.24)
     "video_llama_3": ("qwen2",),  # VideoLLaMA3
     "deepseek_vl": ("llama",),  # DeepSeek-VL
@@ -231,6 +232,7 @@ IMAGES = (
     "apertus1p5",
     "paligemma",
     "minicpmv4_6",
+    "minicpm_ocr",
     "minicpmv4_7",
     "video_llama_3",
     "deepseek_vl",

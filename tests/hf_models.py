@@ -502,6 +502,10 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                     {"model_type": "qwen3_5_text", **_LINEAR, "rope_parameters": _MROPE_HALF},
                     {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                      "image_size": 112, "patch_size": 14}),
+    "minicpm_ocr": ("MiniCPMOcrConfig", "MiniCPMOcrForConditionalGeneration",  # MiniCPM-V 4.6's architecture
+                    {"model_type": "qwen3_5_text", **_LINEAR, "rope_parameters": _MROPE_HALF},
+                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "image_size": 112, "patch_size": 14}),
     "minicpmv4_7": ("MiniCPMV4_7Config", "MiniCPMV4_7ForConditionalGeneration",  # as 4.6, its images on a canvas
                     # of multimodal RoPE positions
                     {"model_type": "qwen3_5_text", **_LINEAR, "rope_parameters": _MROPE_HALF},
@@ -674,7 +678,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "molmo2": "5.24", "mistral_large4": "5.24",
          "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
-         "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24"}  # fmt: skip
+         "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -843,8 +847,10 @@ def make_config(family: str, **overrides):
                                     "codebook_dim": 32, "num_lstm_layers": 1}}  # fmt: skip
         if family.startswith("paligemma"):  # the projector maps the vision features to the text hidden size
             top = {"projection_dim": common["hidden_size"]}
-        if family in ("minicpmv4_6", "minicpmv4_7"):  # the window merger after the vision tower's only layer
+        if family in ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr"):  # the window merger after the tower's only layer
             top = {"insert_layer_id": 0}
+            if family == "minicpm_ocr":  # (merged 2 x 2 twice as MiniCPM-V 4.6's, not once: 4 tokens per image)
+                top["downsample_mode"] = "16x"
         if family == "janus":  # its image-generation VQ-VAE, unused by the forward: as small as it goes
             top = {"vq_config": JANUS_VQ}
         if family == "deepseek_vl_hybrid":
@@ -1031,7 +1037,7 @@ GRANITE4_VISION_PINPOINTS = [[56, 56], [56, 112]]  # Granite 4 Vision's: a tile'
 
 _FOUR_TOKENS = ("granite_docling", "llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
                 "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5", "minicpmv4_6",
-                "minicpmv4_7",
+                "minicpmv4_7", "minicpm_ocr",
                 "video_llama_3", "janus", "deepseek_vl", "deepseek_vl_hybrid", "paligemma",
                 "paligemma-gemma2", "aria", "molmo2")  # fmt: skip
 """Families whose test images give 4 tokens each (besides Qwen-VL's)."""
@@ -1205,7 +1211,11 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
     elif family == "deepseek_vl_hybrid":  # each image at two resolutions: SigLIP's, SAM's
         extra["pixel_values"] = torch.randn(len(spots), 3, 28, 28, generator=g)
         extra["high_res_pixel_values"] = torch.randn(len(spots), 3, 64, 64, generator=g)
-    elif family in ("minicpmv4_6", "minicpmv4_7"):  # NaViT-packed: every image's 8 x 8 patches of 14 x 14 side by side
+    elif family in (
+        "minicpmv4_6",
+        "minicpmv4_7",
+        "minicpm_ocr",
+    ):  # NaViT-packed: every image's 8 x 8 patches of 14 x 14 side by side
         # in one row, merged 2 x 2 twice (the window merger, the merger): 4 tokens each
         extra["pixel_values"] = torch.randn(1, 3, 14, 14 * 64 * len(spots), generator=g)
         extra["target_sizes"] = torch.tensor([[8, 8]] * len(spots))

@@ -232,6 +232,7 @@ def _sub_configs(config) -> list:
         "mistral_large4",
         "minicpmv4_6",
         "minicpmv4_7",
+        "minicpm_ocr",
         "muse_spark",
         "dots3_note",
         "molmo2",
@@ -388,6 +389,7 @@ def _text_only_batches_and_refused_images(family):
         ("kimi_k25", "images-padded"),  # latent attention (DeepSeek-V3 text)
         ("llama4", "images-padded"),  # chunked attention, a layer without RoPE (temperature tuning), causal LM inside
         ("minicpmv4_6", "images"),  # Gated DeltaNet layers
+        ("minicpm_ocr", "images-padded"),  # MiniCPM-V 4.6's architecture
         ("minicpmv4_7", "images-padded"),  # and multimodal positions on a canvas
         ("muse_spark", "images"),  # gated attention, sliding layers, experts
         ("dots3_note", "images-padded"),  # sparse attention beside sliding layers

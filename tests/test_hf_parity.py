@@ -321,6 +321,7 @@ CASES = {
     "deepseek_vl_hybrid-images-padded": ("deepseek_vl_hybrid", "images-padded", 40, {}),  # SigLIP + SAM features
     "janus-images-padded": ("janus", "images-padded", 40, {}),  # its image-generation parts unused (zero gradients)
     "minicpmv4_6-images-padded": ("minicpmv4_6", "images-padded", 40, {}),  # NaViT-packed images, Qwen3.5 text
+    "minicpm_ocr-images-lora": ("minicpm_ocr", "images", 40, {"lora": True}),  # MiniCPM-V 4.6's architecture
     "minicpmv4_7-images-padded": ("minicpmv4_7", "images-padded", 40, {}),  # its canvas of multimodal positions
     "minicpmv4_7-images-lora": ("minicpmv4_7", "images", 45, {"lora": True}),
     "internvl-images-padded": ("internvl", "images-padded", 45, {}),
