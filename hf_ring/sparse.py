@@ -318,13 +318,14 @@ def _select_blocks(call, group, rank, world_size, layout, chunk_bytes, *, cu_seq
     """
     m = call.module
     with torch.no_grad():
-        q, mine, dtypes = _block_inputs(call)
+        q, own, dtypes = _block_inputs(call)
+        mine = own
         if world_size > 1:
             what = "the all-gather of the sparse-attention indexer keys"
-            mine = _layout.unshard(list(StateGather(group, timeout, what=what).gather(mine)), dim=1, layout=layout)
+            mine = _layout.unshard(list(StateGather(group, timeout, what=what).gather(own)), dim=1, layout=layout)
         if call.cache is not None:  # ring_generate's keeps the whole sequence's keys and angles, another its own keys
             whole = getattr(call.cache, "WHOLE_INDEXER_KEYS", False)
-            call.cache.update_indexer(mine if whole else _packed(m, mine, dtypes)[0], m.layer_idx)
+            call.cache.update_indexer(mine if whole else _packed(m, own, dtypes)[0], m.layer_idx)
         full = mine.shape[1]
         make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, q.device)  # noqa: E731
         seen = None if plans is None else plans.derived((_visibility, cu_seqlens, document_ids), make)
