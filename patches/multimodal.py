@@ -120,6 +120,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "cohere_compass": ("cohere_compass_text",),  # Cohere Compass (Qwen3-VL's tower and multimodal RoPE)
     "hyperclovax_vision_v2": ("hyperclovax",),  # HyperCLOVA X Vision V2 (Qwen2.5-VL's tower; Transformers 5.24)
     "muse_spark": ("muse_spark_text",),  # Muse Spark (images, video, audio; Transformers 5.24)
+    "muse_glimmer": ("muse_glimmer_text",),  # Muse Glimmer (images; gated attention, sliding and full layers)
     "dots3_note": ("dots3_note_text",),  # Dots3 Note (images, audio; sparse and sliding layers; 5.24)
     "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),  # InternVL 3 / 3.5
     "mistral3": ("mistral", "ministral3"),  # Mistral Small 3.x; Ministral 3 / Magistral checkpoints
@@ -204,6 +205,7 @@ IMAGES = (
     "cohere_compass",
     "hyperclovax_vision_v2",
     "muse_spark",
+    "muse_glimmer",
     "dots3_note",
     "qwen3_5",
     "qwen3_5_moe",
@@ -414,6 +416,7 @@ LOGIT_TRANSFORMS = {
     "cohere_compass": generic.LOGIT_TRANSFORMS["cohere_compass_text"],  # the text config's logit_scale (None: none)
     "hyperclovax_vision_v2": generic.LOGIT_TRANSFORMS["hyperclovax"],  # the text config's logits_scaling
     "muse_spark": LogitTransform(multiply="output_multiplier", softcap="final_logit_softcapping"),
+    "muse_glimmer": LogitTransform(multiply="output_multiplier", softcap="final_logit_softcapping"),
     "gemma4_unified": generic.LOGIT_TRANSFORMS["gemma4_unified_text"],
     "paligemma": generic.LOGIT_TRANSFORMS["gemma2"],  # (a Gemma text config has no softcap: none)
     "granite4_vision": generic.LOGIT_TRANSFORMS["granite"],  # its head divides by the text config's logits_scaling
@@ -478,6 +481,7 @@ INNER = {
         "hy_v4_vl_text": "transformers.models.hy_v4_vl.modeling_hy_v4_vl.HYV4VLAttention",
         "granite_docling_text": "transformers.models.granite_docling.modeling_granite_docling.GraniteDoclingTextAttention",
         "muse_spark_text": "transformers.models.muse_spark.modeling_muse_spark.MuseSparkTextAttention",
+        "muse_glimmer_text": "transformers.models.muse_glimmer.modeling_muse_glimmer.MuseGlimmerTextAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

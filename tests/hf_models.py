@@ -347,6 +347,13 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                     "output_multiplier": 0.5, "qk_scale_factor": 2.0},
                    {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                     "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4, "max_position_embeddings": 16}),
+    # Muse Glimmer: Muse Spark's text model without experts (gated attention with QK norm, sliding layers and a full
+    # one without RoPE, a logit multiplier before the final softcap), its tower without audio: 4 tokens per image
+    "muse_glimmer": ("MuseGlimmerConfig", "MuseGlimmerForConditionalGeneration",
+                     {"head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+                      "final_logit_softcapping": 2.0, "output_multiplier": 0.5, "qk_scale_factor": 2.0},
+                     {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4, "max_position_embeddings": 16}),
     # Dots3 Note: its text model (sparse-attention and sliding layers), a tower of 4 x 4 patches of 14 x 14 x 3 (with
     # experts) merged 2 x 2: 4 tokens per image
     "dots3_note": ("Dots3NoteConfig", "Dots3NoteForConditionalGeneration", MORE_FAMILIES["dots3_note_text"][2],
@@ -830,6 +837,8 @@ def make_config(family: str, **overrides):
             top = {"out_hidden_size": 4 * vision["hidden_size"], "projector_hidden_size": common["hidden_size"],
                    "audio_config": {"hidden_sizes": [16, 16, 16, 16], "depths": [1, 1, 1, 1], "patch_sizes": [2, 2, 2, 2],
                                     "out_hidden_size": common["hidden_size"]}}  # fmt: skip
+        if family == "muse_glimmer":  # its vision adapter from the tower's merged 2 x 2 patches to the text width
+            top = {"out_hidden_size": 4 * vision["hidden_size"], "projector_hidden_size": common["hidden_size"]}
         if family == "dots3_note":  # its audio tower (always built)
             top = {"audio_config": {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
                                     "num_attention_heads": 2, "feature_size": 16, "downsample_hidden_size": 8,
@@ -1068,6 +1077,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         "cohere_compass",
         "hyperclovax_vision_v2",
         "muse_spark",
+        "muse_glimmer",
         "dots3_note",
     )
     qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
@@ -1110,7 +1120,13 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
         if family == "ernie4_5_vl_moe":  # each patch 3 x 14 x 14 flat
             extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 14 * 14, generator=g)
-        if family not in (*OMNI_AUDIO, "hyperclovax_vision_v2", "muse_spark", "dots3_note"):  # (no token types from
+        if family not in (
+            *OMNI_AUDIO,
+            "hyperclovax_vision_v2",
+            "muse_spark",
+            "muse_glimmer",
+            "dots3_note",
+        ):  # (no token types from
             # their processors)
             extra["mm_token_type_ids"] = types
         for b, p in spots:

@@ -146,9 +146,11 @@ def _forgetting(model):
             (kwargs[k] for k in ("cache", "cache_params", "past_key_values") if kwargs.get(k) is not None), None
         )
         if len(calls) == 2 and cache is not None:  # the first decode step
-            for record in cache.mixer_records.values():
+            for key, record in cache.mixer_records.items():
                 if "state" in record:
                     record["state"].zero_()
+                if isinstance(key, tuple):  # Qwen4-Exp's per-layer embedding: its convolution's last inputs
+                    record["conv"].zero_()
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -260,6 +262,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "muse_spark-images": ("muse_spark", "images-padded", {}),  # sliding layers, a full one without RoPE
     "dots3_note-images": ("dots3_note", "images-padded", {}),  # sparse attention and a sliding layer
     "qwen4_exp-images": ("qwen4_exp", "images-padded", {}),  # blocks of keys, per-layer n-gram embeddings
+    "muse_glimmer-images": ("muse_glimmer", "images-padded", {}),  # gated attention, a full layer without RoPE
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "voxtral-audio": ("voxtral", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),
@@ -494,6 +497,7 @@ FORGETTING = {
         "minimax",
         "lara_mini",
         "bailing_hybrid-contiguous",
+        "qwen4_exp_text",
     )
 }
 
@@ -524,6 +528,7 @@ FOUR_RANKS = {  # 8 zig-zag chunks of 4 tokens (at least the convolution's 3 inp
     "minimax-contiguous": ("minimax", 2, 30, 2, "contiguous"),  # (its reference: each row alone, unpadded)
     "qwen4_exp_text": ("qwen4_exp_text", 2, 29, 3, "zigzag"),  # (5.24; its per-layer embeddings look 3 tokens back)
     "qwen4_exp_text-contiguous": ("qwen4_exp_text", 1, 13, 0, "contiguous"),
+    "qwen4_exp_text-short": ("qwen4_exp_text", 2, 5, 4, "zigzag"),  # padding within its embeddings' look-back
 }
 
 

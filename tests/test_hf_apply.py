@@ -234,6 +234,7 @@ def _sub_configs(config) -> list:
         "minicpmv4_7",
         "minicpm_ocr",
         "muse_spark",
+        "muse_glimmer",
         "dots3_note",
         "molmo2",
         "mistral3-ministral3",
@@ -392,6 +393,7 @@ def _text_only_batches_and_refused_images(family):
         ("minicpm_ocr", "images-padded"),  # MiniCPM-V 4.6's architecture
         ("minicpmv4_7", "images-padded"),  # and multimodal positions on a canvas
         ("muse_spark", "images"),  # gated attention, sliding layers, experts
+        ("muse_glimmer", "images-padded"),  # gated attention, sliding layers, a full one without RoPE
         ("dots3_note", "images-padded"),  # sparse attention beside sliding layers
         ("qwen4_exp", "images-padded"),  # blocks of keys picked per query, per-layer n-gram embeddings of the ids
         ("video_llama_3", "video"),

@@ -298,6 +298,8 @@ CASES = {
     "muse_spark-packed": ("muse_spark", "packed", 40, {}),
     "muse_spark-audio-padded": ("muse_spark", "audio", 40, {}),  # waveforms through its convolutions, one shorter
     "muse_spark-video": ("muse_spark", "video", 40, {}),  # an image and a 2-frame video
+    "muse_glimmer-images-padded": ("muse_glimmer", "images-padded", 45, {}),  # gated attention, NoPE full layer
+    "muse_glimmer-packed-lora-checkpointing": ("muse_glimmer", "packed", 40, {"lora": True, "checkpointing": True}),
     # Dots3 Note: its sparse-attention and sliding layers beside images, and audio chunks (one shorter)
     "dots3_note-images-padded": ("dots3_note", "images-padded", 45, {}),
     "dots3_note-audio-padded-checkpointing": ("dots3_note", "audio", 40, {"checkpointing": True}),

@@ -358,6 +358,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         ("muse_spark", "get_image_features", 2),
         ("dots3_note", "get_image_features", 2),
         ("qwen4_exp", "get_video_features", 2),
+        ("muse_glimmer", "get_image_features", 2),
     ],  # fmt: skip
     ids=[
         "qwen3_vl-videos-2",
@@ -369,6 +370,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         "muse_spark-images-2",
         "dots3_note-images-2",
         "qwen4_exp-videos-2",
+        "muse_glimmer-images-2",
     ],  # fmt: skip
 )
 def test_the_vision_split_gives_every_rank_every_feature_and_the_whole_gradient(family, method, world):
