@@ -178,6 +178,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "qwen2_5_omni_thinker": ("qwen2_5_omni_text",),  # Qwen2.5-Omni's thinker (images, video, audio; multimodal RoPE)
     "qwen3_omni_moe_thinker": ("qwen3_omni_moe_text",),  # Qwen3-Omni-30B-A3B's thinker (experts, deepstack features)
     "cosmos3_omni": ("qwen3_vl_text",),  # Cosmos3 Reasoner (Qwen3-VL's architecture; its other towers not loaded)
+    "cosmos3_edge": ("cosmos3_edge_text",),  # Cosmos3 Edge (interleaved multimodal RoPE, a SigLIP2 tower)
     "aria": ("aria_text",),  # Aria (its MoE text model; images through a cross-attention projector)
     "molmo2": ("molmo2_text",),  # Molmo2 (Transformers 5.24; its image tokens see each other both ways)
     "emu3": ("emu3_text_model",),  # Emu3 (understanding: images in as VQ codes its text model embeds, text out)
@@ -258,6 +259,7 @@ IMAGES = (
     "qwen2_5_omni_thinker",
     "qwen3_omni_moe_thinker",
     "cosmos3_omni",
+    "cosmos3_edge",
     "aria",
     "molmo2",
     "emu3",
@@ -482,6 +484,7 @@ INNER = {
         "granite_docling_text": "transformers.models.granite_docling.modeling_granite_docling.GraniteDoclingTextAttention",
         "muse_spark_text": "transformers.models.muse_spark.modeling_muse_spark.MuseSparkTextAttention",
         "muse_glimmer_text": "transformers.models.muse_glimmer.modeling_muse_glimmer.MuseGlimmerTextAttention",
+        "cosmos3_edge_text": "transformers.models.cosmos3_edge.modeling_cosmos3_edge.Cosmos3EdgeTextAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

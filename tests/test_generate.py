@@ -264,6 +264,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "qwen4_exp-images": ("qwen4_exp", "images-padded", {}),  # blocks of keys, per-layer n-gram embeddings
     "muse_glimmer-images": ("muse_glimmer", "images-padded", {}),  # gated attention, a full layer without RoPE
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
+    "cosmos3_edge-images": ("cosmos3_edge", "images-padded", {}),  # interleaved multimodal RoPE in decoding
     "voxtral-audio": ("voxtral", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),
     "nemotron_h_omni-audio": ("nemotron_h_omni", "audio", {}),

@@ -264,6 +264,7 @@ def _sub_configs(config) -> list:
         "qwen2_5_omni_thinker",
         "qwen3_omni_moe_thinker",
         "cosmos3_omni",
+        "cosmos3_edge",
     ],
 )
 def test_vision_language_models_run_text_only_batches_and_refuse_images(family):
@@ -422,6 +423,7 @@ def _text_only_batches_and_refused_images(family):
         ("qwen3_omni_moe_thinker", "video"),
         ("qwen3_omni_moe_thinker", "audio"),
         ("cosmos3_omni", "images-padded"),  # Qwen3-VL's architecture (deepstack), a model type of its own
+        ("cosmos3_edge", "images-padded"),  # interleaved multimodal RoPE, a SigLIP2 tower
         ("aria", "images-padded"),  # a cross-attention projector, MoE text (Aria)
         ("molmo2", "images-padded"),  # image tokens attending both ways (one block per row), pooled patches
         ("emu3", "images-padded"),  # images as VQ codes embedded by the text model

@@ -433,6 +433,8 @@ CASES = {
     "qwen3_omni_moe_thinker-audio": ("qwen3_omni_moe_thinker", "audio", 45, {}),
     "qwen3_omni_moe_thinker-video": ("qwen3_omni_moe_thinker", "video", 40, {}),  # nothing padded: its own mask
     "cosmos3_omni-images-padded": ("cosmos3_omni", "images-padded", 45, {}),  # Qwen3-VL's architecture (no audio)
+    "cosmos3_edge-images-padded": ("cosmos3_edge", "images-padded", 45, {}),  # interleaved multimodal RoPE
+    "cosmos3_edge-images-lora-checkpointing": ("cosmos3_edge", "images", 40, {"lora": True, "checkpointing": True}),
     # Aria: its MoE text model (routed and shared experts); a cross-attention projector's learned queries per image
     "aria-images-padded": ("aria", "images-padded", 45, {}),
     # Molmo2 (5.24): all image tokens of a row one block, seeing each other both ways across rank edges; RoPE scaled
