@@ -18,6 +18,12 @@ place while patched (an instance attribute of the module that defines them inner
 - the all-gather's backward sums every rank's gradient of each image's features onto the rank that encoded it, so
   the tower's parameters get, summed over the CP group, the gradient of every image: the same as before.
 
+Families whose ``get_image_features(pixel_values)`` takes a batch of images of one size (``[images, channels,
+height, width]``: Gemma 3, PaliGemma, LLaVA, InternVL, Aya Vision; ``BATCHED``) and returns one feature row per
+image (``pooler_output`` ``[images, tokens, width]``, or a list of them: LLaVA) get ``SplitBatch``: each rank encodes a contiguous share of
+the images (as many as the others, give or take one), and one all-gather brings every image's features to every
+rank, with the same check first and the same backward.
+
 Fewer images than ranks, or ``pixel_values`` not laid out one image after another by ``grid_thw``: every rank
 encodes every image, as before. A method that does not return one feature tensor per image (HunyuanOCR's and
 MiniMax M3's on Transformers 5.17) is found out on its first call (which then encodes twice) and encodes every image
@@ -33,7 +39,7 @@ import inspect
 
 import torch
 
-__all__ = ["SplitEncoder", "install", "remove"]
+__all__ = ["BATCHED", "SplitBatch", "SplitEncoder", "install", "remove"]
 
 METHODS = {"get_image_features": ("pixel_values", "image_grid_thw"),
            "get_video_features": ("pixel_values_videos", "video_grid_thw")}  # fmt: skip
@@ -142,6 +148,63 @@ class SplitEncoder:
         return out
 
 
+BATCHED = ("gemma3", "paligemma", "llava", "internvl", "aya_vision")
+"""Vision-language model types whose ``get_image_features(pixel_values, ...)`` encodes a batch of images of one size
+(``SplitBatch``)."""
+
+
+class SplitBatch:
+    """A vision-language model's ``get_image_features(pixel_values [images, ...], ...)`` while patched, for a batch
+    of images of one size (``BATCHED``): each rank encodes its contiguous share, the features are all-gathered."""
+
+    def __init__(self, fn, cfg):
+        self.fn = fn
+        self.cfg = cfg
+        self.whole = False  # the method returns no feature row per image: every rank encodes every image
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, pixel_values, *args, **kwargs):
+        from hf_ring.comm import RingComm, StateGather, group_rank_and_size
+        from hf_ring.preflight import check_everywhere, fingerprint
+
+        rank, world = group_rank_and_size(self.cfg.group)
+        sized = any(kwargs.get(k) is not None for k in ("image_sizes", "pixel_attention_mask"))
+        if world == 1 or self.whole or args or sized or not isinstance(pixel_values, torch.Tensor):
+            return self.fn(pixel_values, *args, **kwargs)
+        n = pixel_values.shape[0]
+        flat = pixel_values.detach().flatten()
+        probe = flat[:: max(1, flat.numel() // 4096)].float().cpu().view(torch.int32)
+        summary = [0, n, 0, fingerprint(torch.tensor(pixel_values.shape), probe)]
+        check_everywhere(None, summary, RingComm(self.cfg.group), pixel_values.device, op="hf_ring's vision split",
+                         fields=("error", "images", "grids", "pixel values"))  # fmt: skip
+        if n < world:
+            return self.fn(pixel_values, **kwargs)
+        bounds = [n * r // world for r in range(world + 1)]
+        out = self.fn(pixel_values[bounds[rank] : bounds[rank + 1]], **kwargs)
+        pooled = getattr(out, "pooler_output", None)
+        listed = isinstance(pooled, (list, tuple))  # (LLaVA's: a list of the images' features)
+        if listed and len(pooled) and len({tuple(f.shape) for f in pooled}) == 1:
+            pooled = torch.stack(list(pooled))
+        if not (isinstance(pooled, torch.Tensor) and pooled.shape[0] == bounds[rank + 1] - bounds[rank]):
+            from transformers.utils import logging  # (alike on every rank)
+
+            logging.get_logger(__name__).warning(
+                f"hf_ring: {getattr(self.fn, '__qualname__', self.fn)} does not return one feature row per image "
+                "(pooler_output): every rank encodes every image"
+            )
+            self.whole = True
+            return self.fn(pixel_values, **kwargs)
+        most = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        padded = torch.nn.functional.pad(pooled, (0, 0) * (pooled.dim() - 1) + (0, most - pooled.shape[0]))
+        every = StateGather(self.cfg.group, timeout=self.cfg.timeout, what="the vision features' all-gather")
+        every = every.gather(padded)  # [world, most, ...]
+        joined = torch.cat([every[r, : bounds[r + 1] - bounds[r]] for r in range(world)])
+        out.pooler_output = list(joined.unbind(0)) if listed else joined
+        if "last_hidden_state" in out:
+            out.last_hidden_state = None
+        return out
+
+
 def _encoders(model) -> list:
     """(module, method name, its two parameters) for every method of ``METHODS`` a module of ``model`` defines with
     them, innermost only (a wrapper's method that calls its inner model's is left alone)."""
@@ -167,6 +230,11 @@ def _holds(outer, inner) -> bool:
 
 def install(model, cfg) -> None:
     remove(model)
+    if getattr(model.config, "model_type", None) in BATCHED:
+        inner = [m for m in model.modules() if "get_image_features" in vars(type(m))]
+        m = inner[-1]  # (the innermost: a wrapper's method calls its inner model's)
+        m.get_image_features = SplitBatch(m.get_image_features, cfg)
+        return
     shared = {}  # per module
     for m, name, names in _encoders(model):
         setattr(m, name, SplitEncoder(getattr(m, name), cfg, names, shared.setdefault(id(m), {})))
@@ -175,5 +243,5 @@ def install(model, cfg) -> None:
 def remove(model) -> None:
     for m in model.modules():
         for name in METHODS:
-            if isinstance(vars(m).get(name), SplitEncoder):
+            if isinstance(vars(m).get(name), (SplitEncoder, SplitBatch)):
                 delattr(m, name)

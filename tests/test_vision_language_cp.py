@@ -395,6 +395,64 @@ def test_the_vision_split_gives_every_rank_every_feature_and_the_whole_gradient(
     assert sum(r["encoded"][0] for r in results) == results[0]["total"], results
 
 
+def _batched_worker(rank: int, world: int, family: str) -> dict:
+    """A training step of ``family``'s model on a batch with images, the model patched: the images each rank's
+    vision tower encodes, and the tower's gradient summed over the group against the unpatched model's (each rank
+    takes its share of the loss)."""
+    import copy
+
+    import torch.distributed as dist
+
+    import hf_ring
+    from tests.hf_models import make_batch, make_model
+
+    model = make_model(family, images=True)
+    with torch.no_grad():  # (Gemma 3's projection starts at zero: no gradient would reach its tower)
+        for p in model.model.multi_modal_projector.parameters():
+            if p.dim() > 1 and not p.any():
+                p.normal_(std=0.1, generator=torch.Generator().manual_seed(4))
+    ref = copy.deepcopy(model)
+    batch, _ = make_batch("images", 40, family=family)
+    hf_ring.apply_ring_attention(model)
+    tower = model.model.vision_tower
+    rows = []
+    tower.register_forward_pre_hook(
+        lambda m, args, kwargs: rows.append(int((args[0] if args else kwargs["pixel_values"]).shape[0])),
+        with_kwargs=True,
+    )
+    model(**hf_ring.shard_batch(batch)).loss.backward()
+    ref(**batch).loss.backward()
+    grads = {n: p.grad for n, p in tower.named_parameters() if p.grad is not None}
+    for g in grads.values():
+        dist.all_reduce(g)  # (the CP gradient sum)
+    want = {n: p.grad for n, p in ref.model.vision_tower.named_parameters() if p.grad is not None}
+    floor = 1e-3 * float(torch.stack([g.norm() for g in want.values()]).norm())
+    err = max(float((grads[n] - g).norm()) / max(float(g.norm()), floor) for n, g in want.items())
+    return {
+        "rows": rows,
+        "total": int(batch["pixel_values"].shape[0]),
+        "grad_err": err,
+        "same": grads.keys() == want.keys(),
+    }
+
+
+@pytest.mark.parametrize("family", ["gemma3", "paligemma", "llava", "internvl", "aya_vision"])
+def test_the_vision_split_of_a_batch_of_images_of_one_size(family):
+    """Gemma 3, PaliGemma, LLaVA, InternVL and Aya Vision encode a batch of images of one size: each rank encodes
+    its share of the batch's three images (one or two) in a training step, and the vision tower's gradient summed
+    over the group is the unpatched model's (the logits and loss: the parity tests of these families)."""
+    from tests.dist_utils import run_distributed
+    from tests.hf_models import in_transformers
+
+    if not in_transformers(family):
+        pytest.skip(f"{family} is not in this Transformers release")
+    results = run_distributed(_batched_worker, 2, family, timeout=600)
+    for r in results:
+        assert len(r["rows"]) == 1 and r["rows"][0] < r["total"], r
+        assert r["same"] and r["grad_err"] <= 1e-5, r
+    assert sum(r["rows"][0] for r in results) == results[0]["total"], results
+
+
 def _differing_worker(rank: int, world: int) -> str:
     import hf_ring
     from tests.hf_models import make_model
