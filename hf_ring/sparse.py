@@ -30,9 +30,9 @@ blocks of ``compress_ratio`` from its document's first, scored by pooled block k
 blocks and the query's own incomplete block. Its model loops over queries one by one; hf_ring computes the same
 operations for chunks of queries at once, from the whole sequence's indexer keys and rotary angles (one all-gather),
 and returns the picked positions as ``select`` does (-1 where a query has fewer); in ``ring_generate`` the cache
-keeps the keys and angles of every token on every rank, from which a decode step picks (``_decode_blocks``). Its projections and norms run
-once per call (not per chunk of queries), and each query's top-k runs over its own candidates, as the model's
-does, so that exact ties (the ReLU's zeros) break alike. Causal only, as the model is.
+keeps the keys and angles of every token on every rank, from which a decode step picks (``_decode_blocks``). Its
+projections and norms run once per call (not per chunk of queries), and each query's top-k runs over its own
+candidates, as the model's does, so that exact ties (the ReLU's zeros) break alike. Causal only, as the model is.
 
 Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per chunk of queries, the chunk sized to
 keep them within ``chunk_bytes`` (256 MiB by default; the pass also holds their ReLU, the chunk's other indexer
@@ -160,9 +160,9 @@ def select(
 ) -> torch.Tensor:
     """The top-k keys of this rank's queries over the whole sequence: ``[batch, local_seq, K]`` int32 global
     positions (``ring_attention``'s ``selected``), computed once per ``call``. Collectives: one all-gather over the
-    CP group (and, for a DSA indexer under DeepSpeed ZeRO-3, one small all-reduce over its parameters' group: Qwen4-Exp's
-    calls its projections once, on every rank alike); ``ring_attention`` calls it after
-    its pre-flight check when given it as ``selected=functools.partial(select, call, ...)``.
+    CP group (and, for a DSA indexer under DeepSpeed ZeRO-3, one small all-reduce over its parameters' group;
+    Qwen4-Exp's calls its projections once, on every rank alike); ``ring_attention`` calls it after its pre-flight
+    check when given it as ``selected=functools.partial(select, call, ...)``.
 
     Args:
         call: what the patched indexer returned (``IndexerCall``).

@@ -94,9 +94,8 @@ class ShardedMixer:
                 raise guard.InStepError(f"{type(m).__name__}: {error}")
         else:
             self._check(error, hidden_states, docs, rank, world_size)
-        if (
-            keep is not None and self.masks_input
-        ):  # padding: zeroed there, as Transformers' apply_mask_to_padding_states
+        # padding: the input zeroed there, as Transformers' apply_mask_to_padding_states
+        if keep is not None and self.masks_input:
             hidden_states = _masked(hidden_states, keep)
         plan = chunks(local_len, rank=rank, world_size=world_size, layout=cfg.layout)
         if world_size == 1:
