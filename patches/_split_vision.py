@@ -34,6 +34,7 @@ gathered: it is None under the split (the models read the merged features only);
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 
@@ -103,9 +104,10 @@ class SplitEncoder:
         for r in rows:
             starts.append(starts[-1] + r)
         own = torch.cat([pixels[starts[i] : starts[i + 1]] for i in mine])
+        asked, given = _as_dict(self.fn, kwargs)
         self.shared["inside"] = True
         try:
-            out = self.fn(own, grid[mine], **kwargs)
+            out = self.fn(own, grid[mine], **given)
         finally:
             self.shared["inside"] = False
         pooled = getattr(out, "pooler_output", None)
@@ -143,9 +145,7 @@ class SplitEncoder:
         out.pooler_output = parts[0]
         if deep:
             out.deepstack_features = [torch.cat(f) if j else f for f, j in zip(parts[1:], joined, strict=True)]
-        if "last_hidden_state" in out:
-            out.last_hidden_state = None
-        return out
+        return _finished(out, asked)
 
 
 BATCHED = ("gemma3", "paligemma", "llava", "internvl", "aya_vision")
@@ -180,7 +180,8 @@ class SplitBatch:
         if n < world:
             return self.fn(pixel_values, **kwargs)
         bounds = [n * r // world for r in range(world + 1)]
-        out = self.fn(pixel_values[bounds[rank] : bounds[rank + 1]], **kwargs)
+        asked, given = _as_dict(self.fn, kwargs)
+        out = self.fn(pixel_values[bounds[rank] : bounds[rank + 1]], **given)
         pooled = getattr(out, "pooler_output", None)
         listed = isinstance(pooled, (list, tuple))  # (LLaVA's: a list of the images' features)
         if listed and len(pooled) and len({tuple(f.shape) for f in pooled}) == 1:
@@ -200,9 +201,25 @@ class SplitBatch:
         every = every.gather(padded)  # [world, most, ...]
         joined = torch.cat([every[r, : bounds[r + 1] - bounds[r]] for r in range(world)])
         out.pooler_output = list(joined.unbind(0)) if listed else joined
-        if "last_hidden_state" in out:
-            out.last_hidden_state = None
-        return out
+        return _finished(out, asked)
+
+
+def _as_dict(fn, kwargs: dict) -> tuple:
+    """``(the caller's return_dict, the keywords with return_dict=True where fn takes it)``: the split reads the
+    output's fields, and gives the caller a tuple back where it asked for one."""
+    params = inspect.signature(fn).parameters.values()
+    if not any(p.name == "return_dict" or p.kind is p.VAR_KEYWORD for p in params):
+        return None, kwargs
+    return kwargs.get("return_dict"), {**kwargs, "return_dict": True}
+
+
+def _finished(out, asked):
+    """The split's output: without the tower's ``last_hidden_state`` (the rank's own images'; the models read the
+    merged features only), as a tuple where the caller asked for one (``return_dict=False``)."""
+    if "last_hidden_state" in out.keys():
+        collections.OrderedDict.__delitem__(out, "last_hidden_state")  # (ModelOutput keeps it in its dict too)
+    out.last_hidden_state = None
+    return out.to_tuple() if asked is False else out
 
 
 def _encoders(model) -> list:
@@ -231,9 +248,10 @@ def _holds(outer, inner) -> bool:
 def install(model, cfg) -> None:
     remove(model)
     if getattr(model.config, "model_type", None) in BATCHED:
-        inner = [m for m in model.modules() if "get_image_features" in vars(type(m))]
-        m = inner[-1]  # (the innermost: a wrapper's method calls its inner model's)
-        m.get_image_features = SplitBatch(m.get_image_features, cfg)
+        found = [m for m in model.modules() if callable(getattr(type(m), "get_image_features", None))]
+        for m in found:  # the innermost (a wrapper's method calls its inner model's; a class FSDP2 made inherits it)
+            if not any(o is not m and _holds(m, o) for o in found):
+                m.get_image_features = SplitBatch(m.get_image_features, cfg)
         return
     shared = {}  # per module
     for m, name, names in _encoders(model):

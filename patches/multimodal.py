@@ -70,8 +70,9 @@ text model
 the embeddings, positions, Gemma 4's per-layer inputs and Qwen3-VL's deepstack features to the rank's shard.
 Gradients flow back through that cut, so each rank's vision tower gets the gradient of its own image tokens and the
 usual CP gradient sum makes it whole. The families that encode each image by its grid (Qwen-VL, GLM-4V and their
-kin) divide the vision tower's work over the CP group (``_split_vision``: each rank encodes its share of the images,
-the features all-gathered); the others run it on all the batch's images on every rank. The cost: every rank holds
+kin), and those that encode a batch of images of one size (Gemma 3, PaliGemma, LLaVA, InternVL, Aya Vision), divide
+the vision tower's work over the CP group (``_split_vision``: each rank encodes its share of the images, the
+features all-gathered); the others run it on all the batch's images on every rank. The cost: every rank holds
 the whole sequence's input embeddings ([batch, seq, hidden], e.g. 0.9 GiB at 128K tokens and hidden 3584 in bf16)
 until the cut, and their gradient of that size in the backward.
 

@@ -660,7 +660,6 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                                                   "mrope_section": [2, 3, 3]}},
                              {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                               "out_hidden_size": 64, "patch_size": 14, "fullatt_block_indexes": [0]}),
-    # Cosmos3 (its Reasoner): Qwen3-VL's architecture under a model type of its own
     # Cosmos3 Edge: interleaved multimodal RoPE, ReLU-squared MLPs; a SigLIP2 tower of 4 x 4 patches of 16 x 16 x 3
     # merged 2 x 2: 4 tokens per image
     "cosmos3_edge": ("Cosmos3EdgeConfig", "Cosmos3EdgeForConditionalGeneration",
@@ -668,6 +667,7 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                                                           "mrope_section": [4, 2, 2]}},
                      {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                       "patch_size": 16, "num_patches": 16}),
+    # Cosmos3 (its Reasoner): Qwen3-VL's architecture under a model type of its own
     "cosmos3_omni": ("Cosmos3OmniConfig", "Cosmos3OmniForConditionalGeneration",
                      {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                           "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
