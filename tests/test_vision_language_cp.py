@@ -428,11 +428,16 @@ def _batched_worker(rank: int, world: int, family: str) -> dict:
     want = {n: p.grad for n, p in ref.model.vision_tower.named_parameters() if p.grad is not None}
     floor = 1e-3 * float(torch.stack([g.norm() for g in want.values()]).norm())
     err = max(float((grads[n] - g).norm()) / max(float(g.norm()), floor) for n, g in want.items())
+    with torch.no_grad():  # a caller asking for a tuple gets one, the split stays on; the rank's hidden state dropped
+        as_tuple = model.model.get_image_features(batch["pixel_values"], return_dict=False)
+        as_dict = model.model.get_image_features(batch["pixel_values"], return_dict=True)
     return {
         "rows": rows,
         "total": int(batch["pixel_values"].shape[0]),
         "grad_err": err,
         "same": grads.keys() == want.keys(),
+        "tuple": isinstance(as_tuple, tuple),
+        "hidden_dropped": "last_hidden_state" not in as_dict.keys(),
     }
 
 
@@ -440,16 +445,18 @@ def _batched_worker(rank: int, world: int, family: str) -> dict:
 def test_the_vision_split_of_a_batch_of_images_of_one_size(family):
     """Gemma 3, PaliGemma, LLaVA, InternVL and Aya Vision encode a batch of images of one size: each rank encodes
     its share of the batch's three images (one or two) in a training step, and the vision tower's gradient summed
-    over the group is the unpatched model's (the logits and loss: the parity tests of these families)."""
+    over the group is the unpatched model's (the logits and loss: the parity tests of these families); a call asking
+    for a tuple gets one and leaves the split on, and the output keeps no rank's share of the last hidden state."""
     from tests.dist_utils import run_distributed
     from tests.hf_models import in_transformers
 
     if not in_transformers(family):
         pytest.skip(f"{family} is not in this Transformers release")
     results = run_distributed(_batched_worker, 2, family, timeout=600)
-    for r in results:
-        assert len(r["rows"]) == 1 and r["rows"][0] < r["total"], r
+    for r in results:  # (the training step, then the two calls below: split every time)
+        assert len(r["rows"]) == 3 and r["rows"][0] < r["total"] and len(set(r["rows"])) == 1, r
         assert r["same"] and r["grad_err"] <= 1e-5, r
+        assert r["tuple"] and r["hidden_dropped"], r
     assert sum(r["rows"][0] for r in results) == results[0]["total"], results
 
 
