@@ -192,11 +192,7 @@ def select(
         call.cache.update_indexer(keys if whole else local_keys, call.module.layer_idx)
     batch, local_len = keys.shape[0], call.hidden_states.shape[1]
     full = keys.shape[1]
-    make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)  # noqa: E731
-    seen = None if plans is None else plans.derived((_visibility, cu_seqlens, document_ids), make)
-    if seen is None or seen[1].numel() != full or seen[1].device != keys.device:  # (another batch's, not reused)
-        seen = make()
-    q_pos, k_pos, docs = seen[:3]
+    q_pos, k_pos, docs = _seen(plans, cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)[:3]
     rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * batch * call.module.n_heads * full))
     chunks = -(-local_len // rows)
     zero3 = next((p.ds_process_group for p in call.module.parameters() if hasattr(p, "ds_process_group")), False)
@@ -327,10 +323,7 @@ def _select_blocks(call, group, rank, world_size, layout, chunk_bytes, *, cu_seq
             whole = getattr(call.cache, "WHOLE_INDEXER_KEYS", False)
             call.cache.update_indexer(mine if whole else _packed(m, own, dtypes)[0], m.layer_idx)
         full = mine.shape[1]
-        make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, q.device)  # noqa: E731
-        seen = None if plans is None else plans.derived((_visibility, cu_seqlens, document_ids), make)
-        if seen is None or seen[1].numel() != full or seen[1].device != q.device:
-            seen = make()
+        seen = _seen(plans, cu_seqlens, document_ids, full, rank, world_size, layout, q.device)
         q_pos, docs = seen[0], seen[2]
         cuts = []
         for row in range(q.shape[0]):
@@ -454,6 +447,15 @@ def _resolved(call: IndexerCall, picked: torch.Tensor) -> torch.Tensor:
     call.selected = picked.to(torch.int32)
     call.hidden_states = call.q_resid = call.position_embeddings = call.position_ids = call.cache = None
     return call.selected
+
+
+def _seen(plans, cu_seqlens, document_ids, full: int, rank: int, world_size: int, layout: str, device) -> tuple:
+    """``_visibility``, built once per forward when ``plans`` (the model's ``PlanCache``) is given."""
+    make = lambda: _visibility(cu_seqlens, document_ids, full, rank, world_size, layout, device)  # noqa: E731
+    seen = None if plans is None else plans.derived((_visibility, cu_seqlens, document_ids), make)
+    if seen is None or seen[1].numel() != full or seen[1].device != device:  # (another batch's, not reused)
+        seen = make()
+    return seen
 
 
 def _visibility(cu_seqlens, document_ids, full: int, rank: int, world_size: int, layout: str, device) -> tuple:
