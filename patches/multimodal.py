@@ -446,23 +446,7 @@ def _check_step3p5(config) -> None:
         )
 
 
-def _check_cosmos3_edge(config) -> None:
-    """``generic.check``, on Transformers 5.24 or later: on 5.17 its training with images under LoRA or gradient
-    checkpointing gives another loss than the unmodified model's even at one rank (3e-3 apart, measured; not
-    understood), so hf_ring refuses it there."""
-    import transformers
-    from packaging.version import Version
-
-    if Version(transformers.__version__) < Version("5.24"):
-        raise ValueError(
-            f"cosmos3_edge: hf_ring supports Cosmos3 Edge on Transformers 5.24 or later (this is "
-            f"{transformers.__version__}, where its training under LoRA or gradient checkpointing does not match the "
-            "unmodified model's); upgrade Transformers"
-        )
-    generic.check(config)
-
-
-INNER_CHECKS = {"step3p5": _check_step3p5, "cosmos3_edge_text": _check_cosmos3_edge}
+INNER_CHECKS = {"step3p5": _check_step3p5}
 """Inner text models with a check of their own (else the generic table's: ``generic.CHECKS``, ``generic.check``)."""
 
 INNER = {

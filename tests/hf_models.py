@@ -692,8 +692,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "molmo2": "5.24", "mistral_large4": "5.24",
          "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
-         "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
-         "cosmos3_edge": "5.24"}  # fmt: skip
+         "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -1492,6 +1491,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def one_document(model, batch: dict) -> dict:
+    """``batch`` as the unmodified model reads it as one document per row. Transformers 5.17's Cosmos3 Edge, given no
+    attention mask and no cache (``use_cache=False``, as under gradient checkpointing), builds its mask from the
+    temporal axis of its multimodal positions, and reads their jumps at an image as the starts of packed documents
+    (text after an image cannot see the text before it); with a cache, or an attention mask, or on 5.24 (which reads
+    packing only from packed positions), it sees one document. There it gets an all-ones mask."""
+    if model.config.model_type != "cosmos3_edge" or transformers_at_least("5.24") or "attention_mask" in batch:
+        return batch
+    return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+
+
 def reference_step(model, batch, whole: bool = False):
     """Loss and gradients of the unmodified model; a packed batch as every document on its own (gpt-oss's
     eager attention, for one, does not see packing in position_ids), or with ``whole`` as one packed row (Llama 4
@@ -1499,7 +1509,7 @@ def reference_step(model, batch, whole: bool = False):
     model.zero_grad(set_to_none=True)
     pos = batch.get("position_ids")
     if pos is None or whole:
-        loss = model(**batch, use_cache=False).loss
+        loss = model(**one_document(model, batch), use_cache=False).loss
     else:  # the collator's labels start every document with -100: no target crosses a boundary
         starts = (pos[0] == 0).nonzero().flatten().tolist() + [pos.shape[1]]
         total, count = 0.0, 0

@@ -26,6 +26,7 @@ from tests.hf_models import (
     in_transformers,
     make_batch,
     make_model,
+    one_document,
     text_only,
     transformers_at_least,
     with_token_types,
@@ -1368,34 +1369,20 @@ def test_qwen4_exp_picks_the_blocks_its_own_indexer_picks_and_reverts(monkeypatc
         "position_ids": torch.cat([torch.arange(n) for n in (9, 17, 14)])[None],
     }
     indexer = model.model.layers[1].self_attn.indexer
-    indexers = [indexer, *(layer.self_attn.indexer for layer in attention_only.model.layers)]
-    theirs = []
-    hooks = [i.register_forward_hook(lambda m, args, out: theirs.append(out[:, 0])) for i in indexers]
     calls = ((model, plain), (model, padded), (attention_only, packed))
-    with torch.no_grad():
-        ref = [m(**x).logits for m, x in calls]
-    for h in hooks:
-        h.remove()
-    hf_ring.apply_ring_attention(model)
-    hf_ring.apply_ring_attention(attention_only)
+    theirs, ours, ref, got = _selections(calls, monkeypatch)
     assert isinstance(vars(indexer).get("forward"), DeferIndexer)
     assert isinstance(vars(model.model.layers[0].ple).get("forward"), ShardedPLE)
-    ours = []
-    real = sparse._select_blocks
-    monkeypatch.setattr(sparse, "_select_blocks", lambda *a, **k: ours.append(real(*a, **k)) or ours[-1])
     with torch.no_grad():
-        got = [m(**x).logits for m, x in calls]
         monkeypatch.setattr(sparse, "CHUNK_BYTES", 1)  # one query per chunk
         chunked = model(**plain).logits
     rows = (torch.ones_like(keep), keep, torch.ones_like(keep[:1]))
     for r, g, k in zip(ref, got, rows, strict=True):
         assert float((g - r)[k].norm() / r[k].norm()) <= 1e-5
     assert float((chunked - ref[0]).norm() / ref[0].norm()) <= 1e-5
-    assert len(theirs) == 4 and len(ours) == 5  # (the packed batch through two indexers; the chunked call)
-    for want, picked, k in zip(theirs, ours, (*rows, rows[-1])):  # the same keys, as sets, for every real query
-        chosen = torch.zeros(*picked.shape[:2], picked.shape[1] + 1, dtype=torch.bool)
-        chosen.scatter_(-1, torch.where(picked >= 0, picked, picked.shape[1]).long(), True)
-        assert torch.equal(chosen[..., :-1][k], want[k])
+    assert len(theirs) == len(ours) == 4  # (the packed batch through two indexers)
+    for want, picked, k in zip(theirs, ours, (*rows, rows[-1]), strict=True):  # the same keys, for every real query
+        assert torch.equal(_chosen(picked)[k], want[k])
         assert int(want[k].sum(-1).max()) == 2 * 4 + 3  # (the budget reached: the selection bites)
     hf_ring.revert_ring_attention(model)
     assert not any(isinstance(vars(m).get("forward"), (DeferIndexer, ShardedPLE)) for m in model.modules())
@@ -1406,23 +1393,34 @@ def test_qwen4_exp_picks_the_blocks_its_own_indexer_picks_and_reverts(monkeypatc
         assert float((model(**plain).logits - ref[0]).norm() / ref[0].norm()) > 1e-3
 
 
-def _selections(model, calls: tuple, monkeypatch) -> tuple:
-    """``(the unpatched indexer's masks, hf_ring's selections, logits before, logits after)`` of Qwen4-Exp's indexed
-    layer 1 over ``calls`` (model inputs), the model then patched."""
+def _selections(calls: tuple, monkeypatch) -> tuple:
+    """``(the unpatched indexers' masks, hf_ring's selections, logits before, logits after)`` of Qwen4-Exp's indexed
+    layers over ``calls`` (pairs of a model and its inputs), the models then patched."""
     from hf_ring import sparse
 
+    models = list({id(m): m for m, _ in calls}.values())
     theirs, ours = [], []
-    hook = model.model.layers[1].self_attn.indexer.register_forward_hook(lambda m, a, out: theirs.append(out[:, 0]))
+    indexers = [getattr(getattr(layer, "self_attn", None), "indexer", None) for m in models for layer in m.model.layers]
+    hooks = [i.register_forward_hook(lambda m, a, out: theirs.append(out[:, 0])) for i in indexers if i is not None]
     with torch.no_grad():
-        ref = [model(**x).logits for x in calls]
-    hook.remove()
-    hf_ring.apply_ring_attention(model)
+        ref = [m(**x).logits for m, x in calls]
+    for h in hooks:
+        h.remove()
+    for m in models:
+        hf_ring.apply_ring_attention(m)
     real = sparse._select_blocks
     monkeypatch.setattr(sparse, "_select_blocks", lambda *a, **k: ours.append(real(*a, **k)) or ours[-1])
     with torch.no_grad():
-        got = [model(**x).logits for x in calls]
+        got = [m(**x).logits for m, x in calls]
     monkeypatch.setattr(sparse, "_select_blocks", real)
     return theirs, ours, ref, got
+
+
+def _chosen(picked: torch.Tensor) -> torch.Tensor:
+    """hf_ring's selection (global positions, -1 none) as the indexer's mask: ``[batch, queries, keys]`` bool."""
+    chosen = torch.zeros(*picked.shape[:2], picked.shape[1] + 1, dtype=torch.bool)
+    chosen.scatter_(-1, torch.where(picked >= 0, picked, picked.shape[1]).long(), True)
+    return chosen[..., :-1]
 
 
 def test_qwen4_exp_breaks_ties_between_blocks_as_its_own_indexer_does(monkeypatch):
@@ -1435,21 +1433,35 @@ def test_qwen4_exp_breaks_ties_between_blocks_as_its_own_indexer_does(monkeypatc
     padded, plain, keep = _padded_and_plain()
     for seed in range(3):
         model = make_model("qwen4_exp_text", seed=seed, indexer_n_heads=2).eval()
-        theirs, ours, ref, got = _selections(model, (plain, padded), monkeypatch)
+        theirs, ours, ref, got = _selections(((model, plain), (model, padded)), monkeypatch)
         for want, picked, r, g, k in zip(theirs, ours, ref, got, (torch.ones_like(keep), keep), strict=True):
-            chosen = torch.zeros(*picked.shape[:2], picked.shape[1] + 1, dtype=torch.bool)
-            chosen.scatter_(-1, torch.where(picked >= 0, picked, picked.shape[1]).long(), True)
-            assert torch.equal(chosen[..., :-1][k], want[k]), seed
+            assert torch.equal(_chosen(picked)[k], want[k]), seed
             assert float((g - r)[k].norm() / r[k].norm()) <= 1e-5, seed
 
 
-def test_cosmos3_edge_is_refused_before_transformers_5_24():
-    """On Transformers 5.17 Cosmos3 Edge's training with images under LoRA or gradient checkpointing gave another loss
-    than the unmodified model's at one rank (3e-3 apart): refused there, with the release to use."""
+def test_cosmos3_edge_sees_one_document_where_transformers_5_17_reads_its_image_positions_as_packing():
+    """Transformers 5.17's Cosmos3 Edge, given no attention mask and no cache (``use_cache=False``, as under gradient
+    checkpointing), reads the jumps of its multimodal positions at an image as packed documents; with a cache or a
+    mask, and on 5.24, it sees one document. hf_ring, given a batch by ``shard_batch`` (no mask), computes the one
+    document at one rank: the parity cases compare it with the model given an all-ones mask there (``one_document``)."""
+    if not in_transformers("cosmos3_edge"):
+        pytest.skip("Cosmos3 Edge is not in this Transformers release")
+    model = make_model("cosmos3_edge", images=True).eval()
+    _, batch = make_batch("images", 40, family="cosmos3_edge")
+    assert "attention_mask" not in batch
+    with torch.no_grad():
+        bare = model(**batch, use_cache=False).loss
+        cached = model(**batch, use_cache=True).loss
+        masked = model(**{**batch, "attention_mask": torch.ones_like(batch["input_ids"])}, use_cache=False).loss
+        reference = model(**one_document(model, batch), use_cache=False).loss
+        hf_ring.apply_ring_attention(model)
+        ours = model(**hf_ring.shard_batch(batch)).loss  # (no mask; use_cache=False)
+    assert abs(float(masked - cached)) <= 1e-6 and abs(float(reference - cached)) <= 1e-6
+    assert abs(float(ours - cached)) <= 1e-5
     if transformers_at_least("5.24"):
-        pytest.skip("Cosmos3 Edge is supported on this Transformers release")
-    with pytest.raises(ValueError, match="5.24 or later"):
-        hf_ring.apply_ring_attention(make_model("cosmos3_edge", images=True))
+        assert abs(float(bare - cached)) <= 1e-6
+    else:  # (measured 7.1e-3 apart)
+        assert abs(float(bare - cached)) > 1e-3
 
 
 def test_a_selection_of_keys_is_checked_before_any_communication():
