@@ -111,6 +111,7 @@ _HARMLESS_KWARGS = (
     "output_hidden_states", "return_dict", "position_embeddings", "layer_idx", "token_type_ids",
     "num_items_in_batch", "shift_labels", "labels",  # loss keywords the model's forward passes along (Gemma 4: labels)
     "logits_to_keep",  # the head's slice; some wrappers (GOT-OCR 2.0, LLaVA-OneVision) pass it to their text model
+    "output_router_logits",  # the MoE router's logits returned (a load-balancing loss: hf_ring.patches._router)
 )  # fmt: skip
 
 

@@ -301,7 +301,8 @@ def _chunked_forward(
     if kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False)):
         raise ValueError(
             "output_router_logits=True adds the MoE router's auxiliary loss, which hf_ring's chunked loss does "
-            "not compute; set config.output_router_logits=False (or revert_chunked_loss(model))"
+            "not compute; set config.output_router_logits=False, or turn the chunked loss off "
+            "(revert_chunked_loss(model); chunked_loss=False for the plugin and the Trainer)"
         )
     extra = _extra_loss_labels(self)
     if extra is not None and kwargs.get(extra) is not None:

@@ -47,7 +47,7 @@ from ..hf_attention import (
 )
 from ..layout import shard
 from ..ring import PlanCache
-from . import _lend, _rope, _shared_kv, _sparse, _split_vision, _temperature, linear
+from . import _lend, _rope, _router, _shared_kv, _sparse, _split_vision, _temperature, linear
 from ._hooks import remove_hooks
 
 __all__ = [
@@ -475,6 +475,7 @@ class FamilyPatch:
         text = model.config.get_text_config()  # the model's own config, but for a vision-language model
         rotaries = _rope.check(model, self.name)
         self.check_config(text)
+        _router.check(model)
         modules = self.attention_modules(model)
         mixers = self.linear_modules(model)
         if not (modules if self.attention_class else mixers):
@@ -517,6 +518,7 @@ class FamilyPatch:
             _split_vision.install(model, cfg)  # (in place of the encoders an earlier apply installed)
         else:
             _split_vision.remove(model)
+        _router.install(model, cfg)  # (last: its pre-hook reads the keywords the others leave)
         setattr(model, ORIGINAL_ATTR, original)
         return model
 
@@ -543,6 +545,7 @@ class FamilyPatch:
         _lend.remove(model)
         linear.remove(model)
         _split_vision.remove(model)
+        _router.remove(model)
         _set_hooks(model, None)
         delattr(model, ORIGINAL_ATTR)
         return model

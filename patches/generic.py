@@ -26,10 +26,8 @@ of the ring (``hf_attention``), and its layers without RoPE have their queries s
 whole row (``_temperature``).
 
 What the generic patch refuses (``check``): layer types other than full / sliding attention (and Llama 4's
-chunked attention), and the
-MoE router's load-balancing loss (``config.output_router_logits=True``): computed per rank on its
-local tokens it would not be the loss of the whole sequence. Qwen2-MoE also refuses sliding layers
-(``CHECKS``).
+chunked attention). Qwen2-MoE also refuses sliding layers (``CHECKS``). The MoE router's load-balancing loss
+(``output_router_logits=True``) is the whole sequence's (``_router``).
 
 Models of these families are switched by ``hf_ring.apply_ring_attention(model)`` (or
 ``hf_ring.patches.get_patch(model_type)``); they have no family-named entry points.
@@ -173,7 +171,6 @@ def check(config, *, windows: bool = True) -> None:
         check_layer_types(config, what)
     else:
         check_layer_types(config, what, allowed=("full_attention",), window=False)
-    _check_router(config, what)
 
 
 def check_linear(config, sliding: bool = False) -> None:
@@ -184,7 +181,6 @@ def check_linear(config, sliding: bool = False) -> None:
     what = getattr(config, "model_type", "model")
     allowed = ("full_attention", "linear_attention", "conv", "hybrid", "mlp", "moe")
     check_layer_types(config, what, allowed=(*allowed, "sliding_attention") if sliding else allowed, window=sliding)
-    _check_router(config, what)
     if (getattr(config, "z_loss_coefficient", None) or 0) > 0:
         raise ValueError(
             f"{what}: config.z_loss_coefficient={config.z_loss_coefficient} adds a z-loss (the mean squared "
@@ -202,15 +198,6 @@ def check_minimax(config) -> None:
     """``check_linear`` for MiniMax, whose attention layers all take ``config.sliding_window`` when it is set."""
     check_linear(config)
     check_window(config, getattr(config, "model_type", "model"))
-
-
-def _check_router(config, what: str) -> None:
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(
-            f"{what}: config.output_router_logits=True returns the MoE router's logits (for a load-balancing loss), "
-            "which each rank would have for its own tokens only (not for the whole sequence); set "
-            "config.output_router_logits=False to train with context parallelism"
-        )
 
 
 def check_without_windows(config) -> None:
@@ -266,7 +253,6 @@ def check_sparse(config) -> None:
     what = getattr(config, "model_type", "model")
     allowed = ("full_attention", "indexed_attention", "deepseek_sparse_attention")
     check_layer_types(config, what, allowed=allowed, window=False)
-    _check_router(config, what)
 
 
 def check_sparse_sliding(config) -> None:
@@ -275,7 +261,6 @@ def check_sparse_sliding(config) -> None:
     their window."""
     what = getattr(config, "model_type", "model")
     check_layer_types(config, what, allowed=("full_attention", "indexed_attention", "sliding_attention"))
-    _check_router(config, what)
 
 
 def check_sparse_linear(config) -> None:
@@ -283,7 +268,6 @@ def check_sparse_linear(config) -> None:
     indexer picks blocks of keys (``indexed_attention``: ``hf_ring.sparse``); no windows."""
     what = getattr(config, "model_type", "model")
     check_layer_types(config, what, allowed=("linear_attention", "indexed_attention"), window=False)
-    _check_router(config, what)
 
 
 def check_llama4(config) -> None:
@@ -295,7 +279,6 @@ def check_llama4(config) -> None:
     chunked = "chunked_attention" in list(getattr(config, "layer_types", None) or [])
     if chunked and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"{what}: chunked-attention layers need a positive config.attention_chunk_size, got {chunk!r}")
-    _check_router(config, what)
 
 
 LINEAR = {

@@ -94,8 +94,6 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
 
 
 def test_generic_patch_refuses_what_it_does_not_implement():
-    with pytest.raises(ValueError, match="output_router_logits=True returns the MoE router's logits"):
-        hf_ring.apply_ring_attention(make_model("mixtral", output_router_logits=True))
     with pytest.raises(ValueError, match=r"cohere2: layer types \['chunked_attention'\] are not supported"):
         hf_ring.apply_ring_attention(make_model("cohere2", layer_types=["chunked_attention", "full_attention"]))
     # MiniMax M3's sparse-indexer attention layers (their top-k blocks span the whole sequence)
@@ -938,6 +936,33 @@ def test_family_patch_errors(monkeypatch):
     assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in llama.modules())
 
 
+def test_the_router_loss_function_is_hf_rings_only_inside_a_patched_models_forward():
+    """While a model is patched its family's load-balancing function is replaced (the parity cases check its loss of
+    the whole sequence); an unpatched model of the same family still gets its own loss, revert restores the
+    function, and a function computing another formula is not taken (a family with one is refused)."""
+    import transformers.models.mixtral.modeling_mixtral as modeling
+    from hf_ring.patches import _router
+
+    own = modeling.load_balancing_loss_func
+    patched = make_model("mixtral", output_router_logits=True, router_aux_loss_coef=1.0)
+    other = make_model("mixtral", seed=1, output_router_logits=True, router_aux_loss_coef=1.0)
+    ids = _ids(shape=(2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, -7:] = 0  # (right padding: no target is predicted from padding)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        ref = [m(input_ids=ids, attention_mask=mask, labels=labels).loss for m in (patched, other)]
+        hf_ring.apply_ring_attention(patched)
+        hf_ring.apply_ring_attention(patched)  # again: one replacement, undone by one revert
+        assert modeling.load_balancing_loss_func is not own
+        assert torch.equal(other(input_ids=ids, attention_mask=mask, labels=labels).loss, ref[1])
+        local = hf_ring.shard_batch({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        assert abs(float(patched(**local).loss - ref[0])) <= 1e-5
+        hf_ring.revert_ring_attention(patched)
+    assert modeling.load_balancing_loss_func is own
+    assert not _router._agrees(lambda gate_logits, num_experts=None, top_k=2, attention_mask=None: 0.5)
+
+
 @pytest.mark.parametrize(
     "family, attr, value, match",
     [
@@ -945,7 +970,7 @@ def test_family_patch_errors(monkeypatch):
         ("qwen2", "layer_types", ["full_attention", "chunked_attention", "full_attention"], "chunked_attention"),
         ("qwen3", "sliding_window", None, "sliding_attention layers but config.sliding_window is None"),
         ("qwen2_moe", "layer_types", ["sliding_attention", "full_attention"], "does not pass its window"),
-        ("olmoe", "output_router_logits", True, "load-balancing loss"),
+        ("deepseek_v3", "output_router_logits", True, "computes none, or another"),
         ("olmoe", "sliding_window", 8, "given to the attention but not to the model's mask"),
         ("bamba", "z_loss_coefficient", 1e-4, "z-loss"),
         ("gpt2", "add_cross_attention", True, "add_cross_attention=True"),

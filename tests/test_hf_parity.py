@@ -59,6 +59,8 @@ PHIMOE_LONGROPE = {**LONGROPE, "rope_parameters": {**LONGROPE["rope_parameters"]
                                                    "long_mscale": 1.3}}  # fmt: skip
 
 # name: (family, batch kind, seq_len, options). seq_len 45 is padded by shard_batch (to 48 for 2 and 4 ranks).
+ROUTER_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 1.0}
+
 CASES = {
     "llama-plain": ("llama", "plain", 45, {}),
     "llama-packed": ("llama", "packed", 40, {}),
@@ -81,6 +83,16 @@ CASES = {
     "qwen3_moe-packed": ("qwen3_moe", "packed", 40, {}),
     "mixtral-plain": ("mixtral", "plain", 45, {}),
     "mixtral-lora": ("mixtral", "packed", 40, {"lora": True}),
+    # the MoE router's load-balancing loss of the whole sequence (hf_ring.patches._router), weighed 1.0 so it counts
+    "mixtral-router-loss-padded": ("mixtral", "padded", 45, {"config": ROUTER_LOSS}),
+    "qwen3_moe-router-loss-lora-checkpointing": (
+        "qwen3_moe",
+        "plain",
+        40,
+        {"config": ROUTER_LOSS, "lora": True, "checkpointing": True},
+    ),
+    "gpt_oss-router-loss-contiguous": ("gpt_oss", "plain", 40, {"config": ROUTER_LOSS, "layout": "contiguous"}),
+    "qwen3_vl_moe-images-router-loss": ("qwen3_vl_moe", "images-padded", 40, {"config": ROUTER_LOSS}),
     "granite-padded": ("granite", "padded", 40, {}),
     "smollm3-packed": ("smollm3", "packed", 45, {}),
     "cohere2-plain": ("cohere2", "plain", 40, {}),
