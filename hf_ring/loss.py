@@ -19,16 +19,19 @@ belongs to the causal LM inside it: the wrapper's forward runs with that head se
 ``torch.compile`` and PEFT models. ``backend="liger"`` hands the projection and the loss to Liger-Kernel's
 fused linear cross-entropy instead (optional, ``pip install 'hf-ring[liger]'``; CUDA; the lm_head must be a
 plain ``nn.Linear``, not sharded on its own; the logit scale is folded into the hidden states and the final
-softcap passed to the kernel). Refused with a clear error: a family hf_ring does not know (its
-logit transform would be unknown), ``output_router_logits`` (an MoE auxiliary loss), a custom
-``loss_type``, ``logits_to_keep`` with labels.
+softcap passed to the kernel). With ``output_router_logits`` the MoE router's load-balancing loss is added as the
+family adds it (the whole sequence's under the ring: ``patches._router``). Refused with a clear error: a family
+hf_ring does not know (its logit transform would be unknown), a custom ``loss_type``, ``logits_to_keep`` with
+labels.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
+import re
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -298,12 +301,6 @@ def _chunked_forward(
         )  # fmt: skip
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         raise ValueError("logits_to_keep cannot be combined with labels under hf_ring's chunked loss")
-    if kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False)):
-        raise ValueError(
-            "output_router_logits=True adds the MoE router's auxiliary loss, which hf_ring's chunked loss does "
-            "not compute; set config.output_router_logits=False, or turn the chunked loss off "
-            "(revert_chunked_loss(model); chunked_loss=False for the plugin and the Trainer)"
-        )
     extra = _extra_loss_labels(self)
     if extra is not None and kwargs.get(extra) is not None:
         raise ValueError(
@@ -347,8 +344,64 @@ def _chunked_forward(
         chunk_size=chunk_size,
         backend=backend,
     )
-    out = _output(loss, outputs)
+    aux = None
+    requested = kwargs.get("output_router_logits")
+    if requested is None and _router_rule(type(self))[1]:
+        requested = getattr(self.config.get_text_config(), "output_router_logits", False)
+    if requested:
+        coef, aux = _router_loss(self, outputs, attention_mask)
+        if aux is not None:
+            loss = loss + coef * aux.to(loss.device)
+    out = _output(loss, outputs, aux)
     return out.to_tuple() if return_dict is False else out
+
+
+def _router_loss(target, outputs, attention_mask) -> tuple:
+    """``(weight, the MoE router's load-balancing loss)`` as the family's causal LM adds it to its loss (None: the
+    family adds none): the wrapper's own forward computed it (``aux_loss``), or the family's function of the router
+    logits (hf_ring's loss of the whole sequence while the model is patched: ``patches._router``)."""
+    from .patches import _router
+
+    text = target.config.get_text_config()
+    weights = [
+        getattr(where, name, None) for where in (target, text) for name in ("router_aux_loss_coef", "aux_loss_coef")
+    ]
+    coef = next((w for w in weights if w is not None), 0.0)  # (JetMoE names it aux_loss_coef)
+    aux = getattr(outputs, "aux_loss", None)
+    module = _router._module_of(target)
+    if aux is not None or module is None or not _router_rule(type(target))[0]:
+        return coef, aux
+    experts = getattr(target, "num_experts", None) or getattr(text, "num_experts", None)
+    experts = experts or getattr(text, "num_local_experts", None)
+    top_k = getattr(target, "num_experts_per_tok", None) or getattr(text, "num_experts_per_tok", None)
+    logits = getattr(outputs, "router_logits", None)
+    if logits is None or experts is None or top_k is None:
+        raise ValueError(
+            f"{target.config.model_type}: output_router_logits=True, but hf_ring's chunked loss found no router "
+            "logits or expert counts to compute its load-balancing loss from; revert_chunked_loss(model) "
+            "(chunked_loss=False for the plugin and the Trainer)"
+        )
+    aux = getattr(module, _router.NAME)(logits, experts, top_k, attention_mask)
+    if not isinstance(aux, torch.Tensor):  # (the function's 0 for logits that are not a tuple of layers)
+        raise ValueError(
+            f"{target.config.model_type}: output_router_logits=True, but its router logits are not one tensor per "
+            "layer (this Transformers release's own forward fails on them too); set output_router_logits=False"
+        )
+    return coef, aux
+
+
+@functools.cache
+def _router_rule(cls) -> tuple:
+    """``(adds, reads the config)``: ``cls``'s forward adds the router's load-balancing loss, and takes
+    ``output_router_logits`` from the config when the call does not give it (Transformers 5.17's JetMoE and
+    vision-language MoE wrappers take the call's keyword only; its Qwen3-VL-MoE adds none then)."""
+    from .patches import _router
+
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # (no source: as the family's module defines the function)
+        return True, True
+    return _router.NAME in source, re.search(r"config(\.\w+)*\.output_router_logits", source) is not None
 
 
 class _ChunkedForward:
@@ -370,7 +423,7 @@ class _ChunkedForward:
         return _chunked_forward(self.model, *args, **kwargs)
 
 
-def _output(loss, outputs):
+def _output(loss, outputs, aux=None):
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     common = dict(  # (a model without attention, Mamba2, has neither attentions nor past_key_values)
@@ -378,7 +431,7 @@ def _output(loss, outputs):
         hidden_states=outputs.hidden_states, attentions=getattr(outputs, "attentions", None),
     )  # fmt: skip
     if hasattr(outputs, "router_logits"):
-        return MoeCausalLMOutputWithPast(aux_loss=None, router_logits=outputs.router_logits, **common)
+        return MoeCausalLMOutputWithPast(aux_loss=aux, router_logits=outputs.router_logits, **common)
     return CausalLMOutputWithPast(**common)
 
 
