@@ -36,7 +36,7 @@ $(IMAGE)/.installed: pyproject.toml
 	python3 -m venv $(IMAGE)
 	$(IMAGE)/bin/python -m pip install -q --upgrade pip
 	$(IMAGE)/bin/python -m pip install -q "torch==2.11.0" "triton==3.6.0" "transformers==5.17.0" "accelerate==1.15.*" \
-		"peft>=0.17" "numpy<2.3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "setuptools>=77,<82" wheel
+		"peft>=0.21,<0.22" "numpy<2.3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "setuptools>=77,<82" wheel
 	$(IMAGE)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -204,6 +204,18 @@ def _ring_sft_trainer() -> type:
         joins one small all-gather that takes back what the CP group's other ranks counted again (DP groups may
         mix image and text batches)."""
 
+        def _check_loss_contract(self) -> None:
+            super()._check_loss_contract()
+            cp = self.ring_plugin.cp_size or self.accelerator.num_processes
+            if getattr(self, "aux_loss_enabled", False) and cp > 1:
+                # (TRL adds it beside its fused head's loss, weighted for data parallelism: under the ring each rank's
+                # share would count 1 / CP size of a plain run's)
+                raise ValueError(
+                    "RingSFTTrainer does not support the MoE router's auxiliary loss under context parallelism; set "
+                    "SFTConfig(router_aux_loss_coef=0.0), or train with RingAttentionTrainer, whose model adds the "
+                    "router loss of the whole sequence"
+                )
+
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             info = inputs.get(SHARD_INFO_KWARG)
             whole = isinstance(info, ShardInfo) and info.whole_inputs

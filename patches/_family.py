@@ -49,6 +49,7 @@ from ..layout import shard
 from ..ring import PlanCache
 from . import _lend, _rope, _router, _shared_kv, _sparse, _split_vision, _temperature, linear
 from ._hooks import remove_hooks
+from ._neftune import NoiseScale
 
 __all__ = [
     "BlockIds",
@@ -334,10 +335,14 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
     for m in model.modules():
         if not isinstance(m, PreTrainedModel):
             continue
-        remove_hooks(m, (StartBatch, EndBatch, TextOnly, ShardEmbeddings, BlockIds))
+        remove_hooks(m, (StartBatch, EndBatch, TextOnly, ShardEmbeddings, BlockIds, NoiseScale))
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
             m.register_forward_hook(EndBatch(plans), always_call=True)
+            if m is top:  # (NEFTune's noise: the unsharded batch's magnitude)
+                scale = NoiseScale()
+                m.register_forward_pre_hook(scale.before, with_kwargs=True)
+                m.register_forward_hook(scale.after, always_call=True)
             if blocks is not None and m.config is top.config:  # (after TextOnly, prepended below: it runs first)
                 m.register_forward_pre_hook(blocks, with_kwargs=True, prepend=True)
             if text_only is not None and m.config is top.config:  # every level that takes images (not the tower)

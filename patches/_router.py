@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import inspect
 import sys
 
 import torch
 
 from ..comm import StateGather, group_rank_and_size
 from ..layout import shard
-from ..ring_config import DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, RingConfig
+from ..ring_config import DECODE_KWARG, DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, RingConfig
+from ._hooks import remove_hooks
 
 NAME = "load_balancing_loss_func"
 
 _SCOPE: contextvars.ContextVar = contextvars.ContextVar("hf_ring_router_scope", default=None)
-_ATTR = "_hf_ring_router"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +41,17 @@ class _Scope:
 
     cfg: RingConfig
     keep: torch.Tensor | None
+    decode: bool = False  # (a call of ring_generate's: the same tokens on every rank after the prefill)
 
 
 def _module_of(model):
-    """The modeling module defining ``model``'s class and a load-balancing function, along its bases; or None."""
+    """The module whose globals the forward of ``model``'s class reads (the family's modeling module, along the
+    class's bases: a class FSDP2 or a user made), if it defines a load-balancing function; else None."""
     for cls in type(model).__mro__:
-        module = sys.modules.get(cls.__module__)
-        if callable(getattr(module, NAME, None)):
-            return module
+        forward = vars(cls).get("forward")
+        if forward is not None:
+            module = sys.modules.get(inspect.unwrap(forward).__module__)
+            return module if callable(getattr(module, NAME, None)) else None
     return None
 
 
@@ -73,35 +77,23 @@ def _own(model) -> tuple:
 
 
 def install(model, cfg: RingConfig) -> None:
-    """Replace the load-balancing function of ``model``'s family while it is patched (``check`` first), and mark
-    its forward's scope."""
+    """Mark ``model``'s forward as the scope of hf_ring's load-balancing loss (``check`` first), its family's
+    function replaced by ``_Balanced`` (once per process: outside a patched model's forward it is the family's
+    own, so a deep copy of a patched model, or another model of the family, finds what it needs)."""
     remove(model)
     module, original = _own(model)
     if original is None:
         return
     if not isinstance(getattr(module, NAME), _Balanced):
         setattr(module, NAME, _Balanced(original))
-    getattr(module, NAME).users += 1
     scoper = _Scoper(cfg)
-    hooks = (
-        model.register_forward_pre_hook(scoper.enter, with_kwargs=True),
-        model.register_forward_hook(scoper.leave, always_call=True),
-    )
-    setattr(model, _ATTR, (module, hooks))
+    model.register_forward_pre_hook(scoper.enter, with_kwargs=True)
+    model.register_forward_hook(scoper.leave, always_call=True)
 
 
 def remove(model) -> None:
-    """Undo ``install`` on ``model`` (the module's own function back once no patched model uses it)."""
-    installed = vars(model).pop(_ATTR, None)
-    if installed is None:
-        return
-    module, hooks = installed
-    for h in hooks:
-        h.remove()
-    balanced = getattr(module, NAME)
-    balanced.users -= 1
-    if balanced.users == 0:
-        setattr(module, NAME, balanced.original)
+    """Undo ``install`` on ``model``: its forward is no scope any more (the family's own loss)."""
+    remove_hooks(model, _Scoper)
 
 
 class _Scoper:
@@ -111,15 +103,21 @@ class _Scoper:
         self.cfg = cfg
         self.tokens = []
 
+    def __getstate__(self):  # (a copy of a patched model, deep or pickled: none of its scopes open)
+        return {"cfg": self.cfg, "tokens": []}
+
     def enter(self, module, args, kwargs) -> None:
         info = kwargs.get(SHARD_INFO_KWARG)
         keep = None
         if info is not None:
             docs = kwargs.get(DOCUMENT_IDS_KWARG)
             full = info.seq_len
-            valid = torch.arange(full)[None] < full - info.pad if docs is None else docs.detach().cpu() >= 0
+            valid = (
+                torch.arange(full, device="cpu")[None] < full - info.pad if docs is None else docs.detach().cpu() >= 0
+            )
             keep = shard(valid, dim=1, rank=info.rank, world_size=info.world_size, layout=info.layout)
-        self.tokens.append(_SCOPE.set(_Scope(self.cfg, keep)))
+        decode = kwargs.get(DECODE_KWARG) is not None
+        self.tokens.append(_SCOPE.set(_Scope(self.cfg, keep, decode)))
 
     def leave(self, module, args, output) -> None:  # (also when the forward raises)
         if self.tokens:
@@ -132,7 +130,6 @@ class _Balanced:
 
     def __init__(self, original):
         self.original = original
-        self.users = 0
 
     def __call__(self, gate_logits, num_experts=None, top_k=2, attention_mask=None):
         scope = _SCOPE.get()
@@ -142,6 +139,8 @@ class _Balanced:
             return 0
         rows = gate_logits[0].shape[0]
         keep = scope.keep
+        if scope.decode:  # ring_generate's new tokens, real and the same on every rank (the cache's mask is longer)
+            return self.original(gate_logits, num_experts, top_k, None)
         if keep is None:  # a forward without shard_batch: the model's own, at one rank
             if group_rank_and_size(scope.cfg.group)[1] == 1:
                 return self.original(gate_logits, num_experts, top_k, attention_mask)
@@ -192,14 +191,15 @@ def _agrees(original) -> bool:
     and without an attention mask, at one rank)."""
     if original not in _AGREES:
         g = torch.Generator().manual_seed(0)
-        logits = tuple(torch.randn(6, 4, generator=g) for _ in range(2))
-        mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+        logits = tuple(torch.randn(6, 4, generator=g, device="cpu") for _ in range(2))
+        mask = torch.tensor([[1, 1, 1], [0, 1, 1]], device="cpu")
+        every = torch.ones(2, 3, dtype=torch.bool, device="cpu")
         try:
             ok = all(
                 abs(float(original(logits, 4, 2, m)) - float(balanced(logits, 4, 2, k))) <= 1e-6
-                for m, k in ((None, torch.ones(2, 3, dtype=torch.bool)), (mask, mask.bool()))
+                for m, k in ((None, every), (mask, mask.bool()))
             )
-        except Exception:  # (another signature: not the formula)
+        except TypeError:  # (another signature: not the formula)
             ok = False
         _AGREES[original] = ok
     return _AGREES[original]

@@ -80,6 +80,9 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "gpt2-learned-positions": ("gpt2", 2, 14, 3, {}),  # absolute positions from the global position ids
     "diffllama-differential": ("diffllama", 1, 13, 0, {}),  # two attention maps per layer, each decoded
     "granitemoe_swa-sinks-window": ("granitemoe_swa", 2, 14, 3, {}),
+    # the MoE router's logits on (its load-balancing loss's hooks run; Transformers' own generate() fails with them on
+    # a cache: the reference generates without)
+    "mixtral-router-logits": ("mixtral", 2, 14, 3, {"router_logits": True}),
     # decoder layers that call their attention without the model's keywords: they lend it the sharded cache
     "nemotron-lent-keywords": ("nemotron", 2, 14, 3, {}),
     "stablelm-lent-keywords": ("stablelm", 1, 13, 0, {}),
@@ -326,6 +329,8 @@ def _worker(rank, world):
                                  **_kwargs(opts))  # fmt: skip
         if extra:  # (the padding ring_generate adds, on the left of the prompt: its sequences do not show it)
             ref.sequences = ref.sequences[:, extra:]
+        if opts.get("router_logits"):
+            model.config.output_router_logits = True
         hf_ring.apply_ring_attention(model, layout=opts.get("layout", "zigzag"))
         torch.manual_seed(7)  # every rank seeds alike, as the reference did
         try:

@@ -937,13 +937,16 @@ def test_family_patch_errors(monkeypatch):
 
 
 def test_the_router_loss_function_is_hf_rings_only_inside_a_patched_models_forward():
-    """While a model is patched its family's load-balancing function is replaced (the parity cases check its loss of
-    the whole sequence); an unpatched model of the same family still gets its own loss, revert restores the
-    function, and a function computing another formula is not taken (a family with one is refused)."""
+    """While a model is patched its family's load-balancing function is hf_ring's within its forward (the parity
+    cases check its loss of the whole sequence): an unpatched model of the same family, or the model reverted, still
+    gets its own loss; a deep copy of a patched model keeps its scope hooks, revert removes them; a
+    function computing another formula is not taken (a family with one is refused)."""
+    import copy
+
     import transformers.models.mixtral.modeling_mixtral as modeling
     from hf_ring.patches import _router
 
-    own = modeling.load_balancing_loss_func
+    own = getattr(modeling.load_balancing_loss_func, "original", modeling.load_balancing_loss_func)  # (patched before)
     patched = make_model("mixtral", output_router_logits=True, router_aux_loss_coef=1.0)
     other = make_model("mixtral", seed=1, output_router_logits=True, router_aux_loss_coef=1.0)
     ids = _ids(shape=(2, 40))
@@ -954,12 +957,17 @@ def test_the_router_loss_function_is_hf_rings_only_inside_a_patched_models_forwa
         ref = [m(input_ids=ids, attention_mask=mask, labels=labels).loss for m in (patched, other)]
         hf_ring.apply_ring_attention(patched)
         hf_ring.apply_ring_attention(patched)  # again: one replacement, undone by one revert
-        assert modeling.load_balancing_loss_func is not own
+        assert modeling.load_balancing_loss_func.original is own
         assert torch.equal(other(input_ids=ids, attention_mask=mask, labels=labels).loss, ref[1])
         local = hf_ring.shard_batch({"input_ids": ids, "attention_mask": mask, "labels": labels})
-        assert abs(float(patched(**local).loss - ref[0])) <= 1e-5
-        hf_ring.revert_ring_attention(patched)
-    assert modeling.load_balancing_loss_func is own
+        for m in (patched, copy.deepcopy(patched)):
+            assert abs(float(m(**local).loss - ref[0])) <= 1e-5
+            hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+            assert sum(isinstance(getattr(h, "__self__", None), _router._Scoper) for h in hooks) == 2
+            hf_ring.revert_ring_attention(m)
+            hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+            assert not any(isinstance(getattr(h, "__self__", None), _router._Scoper) for h in hooks)
+            assert torch.equal(m(input_ids=ids, attention_mask=mask, labels=labels).loss, ref[0])
     assert not _router._agrees(lambda gate_logits, num_experts=None, top_k=2, attention_mask=None: 0.5)
 
 

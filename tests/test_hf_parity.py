@@ -828,8 +828,35 @@ def worker(rank: int, world_size: int, names: list) -> dict:
     if world_size > 1:
         out["errors"] = _distributed_errors(rank, world_size)
     out["shards"] = _shards()
+    out["neftune"] = _neftune()
     out["parity"] = _parity(rank, names)
     return out
+
+
+def _neftune() -> dict:
+    """NEFTune (Transformers' ``activate_neftune``, alpha 5) on a patched model given a ``shard_batch`` output of a
+    45-token batch: the largest noise of this rank's embeddings over the unsharded batch's magnitude (``5 /
+    sqrt(45 x hidden)``: uniform noise, so about 1 and never above), and the alpha after the forward."""
+    import math
+
+    from transformers.integrations.neftune import activate_neftune
+
+    import hf_ring
+
+    batch, _ = make_batch("padded", 45)
+    model = _prepare("llama", {})
+    hf_ring.apply_ring_attention(model)
+    embeddings = model.get_input_embeddings()
+    activate_neftune(model, 5.0)
+    seen = []
+    embeddings.register_forward_hook(lambda m, args, out: seen.append((args[0], out.detach())))  # (after NEFTune's)
+    with torch.no_grad():
+        model(**hf_ring.shard_batch(batch))
+    ids, noisy = seen[0]
+    with torch.no_grad():
+        noise = noisy - torch.nn.functional.embedding(ids, embeddings.weight)
+    bound = 5.0 / math.sqrt(45 * embeddings.weight.shape[1])
+    return {"ratio": float(noise.abs().max()) / bound, "alpha": embeddings.neftune_noise_alpha}
 
 
 def _check(results: dict, world_size: int) -> None:
@@ -894,6 +921,9 @@ def test_hf_integration_distributed(world_size):
         assert torch.equal(docs.long(), want["ring_document_ids"][:, : docs.shape[1]])
         assert all(torch.equal(s["ring_document_ids"], docs) for s in shards)
         assert all(s["use_cache"] is False for s in shards)
+
+    for r in results:  # NEFTune's noise of the unsharded batch (per rank: sqrt(CP size) times larger)
+        assert 0.9 < r["neftune"]["ratio"] <= 1 + 1e-6 and r["neftune"]["alpha"] == 5.0, r["neftune"]
 
     if world_size > 1:  # every rank raised the same clear error, and the group survived
         for r in results:

@@ -198,6 +198,13 @@ def _packed_and_trl(out: Path, train: list) -> dict:
     except ImportError:
         res["trl"] = None
         return res
+    try:  # a MoE model: TRL turns its router's auxiliary loss on
+        from tests.hf_models import make_model
+
+        sft_trainer(RingSFTTrainer, out, train, model=make_model("mixtral"), name="sft_moe")
+        res["trl_moe"] = "no error"
+    except ValueError as e:
+        res["trl_moe"] = str(e)
     trainer = sft_trainer(RingSFTTrainer, out, train)
     trainer.train()
     # TRL's own fused LM head (no full logits either) stays in charge; its metrics come from it
@@ -314,6 +321,7 @@ def test_trl_sft_trainer(launch):
     _close(r["trl"], r["ref_losses"])
     assert r["trl_weights_err"] <= RTOL
     assert all(x["trl_keeps_its_head"] for x in launch)
+    assert all("router_aux_loss_coef=0.0" in x["trl_moe"] for x in launch), r["trl_moe"]
     # entropy and token accuracy, exact over the CP group (TRL gathers its per-rank sums over every process)
     ((entropy, accuracy),) = r["trl_metrics"]
     ((want_entropy, want_accuracy),) = r["trl_metrics_ref"]
