@@ -10,7 +10,7 @@ COMPAT := $(VENV)/compat-transformers-5.17
 # datasets, DeepSpeed or Liger), run on CPU before a GPU session. About 5 GB of wheels: not part of `make test`.
 IMAGE := .venv-gpu-image
 
-.PHONY: demo test test-all test-gpu-image lint format bench-cpu bench-gpu ring-demo clean
+.PHONY: demo test test-all test-gpu-image lint format bench-cpu bench-gpu gpu-session ring-demo clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -56,6 +56,9 @@ bench-gpu:  ## on a CUDA machine with the project installed: ring-step kernels, 
 	python3 benchmarks/bench_kernel.py
 	python3 benchmarks/bench_ring_sim.py
 	python3 benchmarks/bench_longest_gpu.py
+
+gpu-session:  ## on a CUDA machine: install, GPU tests, both benchmarks, each phase time-boxed, all written to OUT
+	python3 benchmarks/gpu_session.py --out $(or $(OUT),gpu-session)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

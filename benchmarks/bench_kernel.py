@@ -120,14 +120,22 @@ def random_inputs(args, seqlen: int, head_dim: int, device: torch.device, seed: 
     )
 
 
-def write_rows(name: str, fields: list[str], rows: list[dict], folder: Path = RESULTS) -> Path:
-    """Append ``rows`` to ``<folder>/<name>.csv`` (header written once)."""
-    return append_rows(folder / f"{name}.csv", fields, rows)
+class Rows(list):
+    """The rows of ``<folder>/<name>.csv``, each appended to the file as it is measured (header written
+    once), so a run stopped by a time limit keeps every row it finished."""
+
+    def __init__(self, name: str, fields: list[str], folder: Path = RESULTS):
+        super().__init__()
+        self.path, self.fields = Path(folder) / f"{name}.csv", fields
+
+    def add(self, row: dict) -> None:
+        self.append(row)
+        append_rows(self.path, self.fields, [row])
 
 
-def finish(name: str, fields: list[str], rows: list[dict], folder: Path, inaccurate: list[str], what: str) -> int:
-    """Write the rows, list the inaccurate results; the exit status (1 if any was inaccurate)."""
-    print(f"wrote {len(rows)} rows to {write_rows(name, fields, rows, folder)}")
+def finish(rows: Rows, inaccurate: list[str], what: str) -> int:
+    """List the inaccurate results; the exit status (1 if any was inaccurate)."""
+    print(f"wrote {len(rows)} rows to {rows.path}")
     for line in inaccurate:
         print(f"INACCURATE {what}: {line}")
     return 1 if inaccurate else 0
@@ -282,7 +290,7 @@ def main(argv=None) -> int:
     device, env = started
     from hf_ring.kernels.mask import BlockMask
 
-    rows, inaccurate = [], []
+    rows, inaccurate = Rows("bench_kernel", FIELDS, args.results_dir), []
     for d in args.head_dims:
         for seqlen in args.seqlens:
             b, hq, hkv = args.batch, args.q_heads, args.kv_heads
@@ -310,7 +318,7 @@ def main(argv=None) -> int:
                         tflops = flops[name] / ms / 1e9
                         print(f"d={d:3d} L={seqlen:6d} {kind:12s} {impl:11s} {name:8s} {ms:9.3f} ms "
                               f"{tflops:7.1f} TFLOP/s  rel_err {err:.1e}")  # fmt: skip
-                        rows.append({**env, "impl": impl, "kind": kind, "pass": name, "dtype": args.dtype,
+                        rows.add({**env, "impl": impl, "kind": kind, "pass": name, "dtype": args.dtype,
                                      "batch": b, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "seqlen": seqlen,
                                      "ms": f"{ms:.4f}", "tflops": f"{tflops:.2f}", "rel_err": f"{err:.3e}"})  # fmt: skip
                 del reference
@@ -322,7 +330,7 @@ def main(argv=None) -> int:
             del q, k, v, do
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return finish("bench_kernel", FIELDS, rows, args.results_dir, inaccurate, "ring step")
+    return finish(rows, inaccurate, "ring step")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernel import DTYPES, add_common_args, bench_ms, finish, rel_err, start
+from bench_kernel import DTYPES, Rows, add_common_args, bench_ms, finish, rel_err, start
 
 FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "backend", "through", "pass", "ranks",
           "tokens_per_rank", "dtype", "batch", "q_heads", "kv_heads", "head_dim", "layout", "t_full_ms", "t_rank_ms",
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     import hf_ring
 
     b, hq, hkv, d = args.batch, args.q_heads, args.kv_heads, args.head_dim
-    rows, inaccurate = [], []
+    rows, inaccurate = Rows("bench_ring_sim", FIELDS, args.results_dir), []
     for tokens in args.tokens:
         for n in args.ranks:
             full = full_inputs(args, n * tokens, d, device, seed=1000 * n + tokens)
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
                     print(f"N={n} T={tokens:6d} {backend:6s} {name:8s} T_full={t_full[name]:9.3f} ms  "
                           f"T_rank={tr:9.3f} ms (rank {slowest})  efficiency={100 * eff:6.1f}%  "
                           f"vs best SDPA={100 * vs:6.1f}%")  # fmt: skip
-                    rows.append({**env, "backend": backend, "through": "ring_attention", "pass": name, "ranks": n,
+                    rows.add({**env, "backend": backend, "through": "ring_attention", "pass": name, "ranks": n,
                                  "tokens_per_rank": tokens, "dtype": args.dtype, "batch": b, "q_heads": hq,
                                  "kv_heads": hkv, "head_dim": d, "layout": args.layout,
                                  "t_full_ms": f"{t_full[name]:.6g}", "t_rank_ms": f"{tr:.6g}", "slowest_rank": slowest,
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
             del full, shards, blocks
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return finish("bench_ring_sim", FIELDS, rows, args.results_dir, inaccurate, "virtual ranks")
+    return finish(rows, inaccurate, "virtual ranks")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_kernel  # noqa: E402
 import bench_ring_sim  # noqa: E402
+import gpu_session  # noqa: E402
 
 TINY = ["--device", "cpu", "--dtype", "fp32", "--q-heads", "2", "--kv-heads", "1"]
 
@@ -192,3 +194,32 @@ def test_bench_vision_split_cpu_divides_the_patches_and_keeps_the_result(tmp_pat
     assert split["patches_per_rank"] == "128 128" and whole["patches_per_rank"] == "256 256", rows
     assert all(r["same_result"] is True and r["status"] == "ok" for r in rows) and split["vision_ratio"] > 0, rows
     assert len(_rows(tmp_path, "v")) == 2
+
+
+def test_gpu_session_dry_run_runs_every_phase_into_one_flat_folder(tmp_path, capsys):
+    """The one-command GPU check on CPU: every phase passes, its rows land in --out, and what comes
+    back stays within the device tool's limit (8 files, no folders)."""
+    assert gpu_session.main(["--out", str(tmp_path), "--dry-run", "--longest", "200"]) == 0
+    summary = _rows(tmp_path, "summary")
+    assert [(r["phase"], r["status"]) for r in summary] == [
+        (name, "ok") for name in ("env", "tests", "bench_kernel", "bench_ring_sim", "longest")
+    ]
+    assert {r["impl"] for r in _rows(tmp_path, "bench_kernel")} >= {"triton", "sdpa"}
+    assert {r["backend"] for r in _rows(tmp_path, "bench_ring_sim")} == {"sdpa", "triton"}
+    assert max(int(r["seq_len"]) for r in _rows(tmp_path, "longest_gpu") if r["status"] == "ok") == 192
+    files = list(tmp_path.iterdir())
+    assert len(files) <= 8 and all(f.is_file() for f in files)
+    log = (tmp_path / "session.log").read_text()
+    assert log.count("=====") == 2 * len(summary) and "every phase passed" in capsys.readouterr().out
+
+
+def test_gpu_session_stops_a_phase_at_its_limit_with_its_children(tmp_path):
+    """A phase over its limit is stopped, grandchildren included, and reported as a timeout."""
+    marker = tmp_path / "child-alive"
+    child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(marker)!r}).write_text('x')"
+    cmd = [sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"]  # fmt: skip
+    status, seconds = gpu_session.run_phase("sleeper", cmd, 1, tmp_path / "session.log")
+    assert status == "timeout" and seconds < 10
+    time.sleep(4)
+    assert not marker.exists()  # the grandchild went with its phase
+    assert "===== sleeper: timeout" in (tmp_path / "session.log").read_text()
