@@ -101,6 +101,15 @@ def run_phase(name: str, cmd: list[str], limit: int, log: Path, env: dict | None
     return status, seconds
 
 
+def stage(root: Path = REPO) -> None:
+    """Where ``pip install`` cannot run (no build backend, no registry): the link ``hf_ring/patches`` ->
+    ``patches/`` in the checkout at ``root``, so ``hf_ring.patches`` imports from the tree as it does installed
+    (with ``root`` on ``PYTHONPATH``; the tests put it first on their path anyway)."""
+    link = root / "hf_ring" / "patches"
+    if not link.is_symlink():
+        link.symlink_to(Path("..") / "patches", target_is_directory=True)
+
+
 def _tail(log: Path, start: int, lines: int = 25) -> str:
     """The last ``lines`` lines ``log`` gained after byte ``start``."""
     with log.open("rb") as f:
@@ -134,10 +143,16 @@ def main(argv=None) -> int:
     for name, cmd, limit in planned:
         start = log.stat().st_size if log.exists() else 0
         status, seconds = run_phase(name, cmd, limit, log, env)
+        if name == "install" and status != "ok":  # import the checkout in place instead
+            stage(REPO)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+            with log.open("a") as f:
+                f.write(f"===== install: pip gave {status}; hf_ring imported from {REPO} (hf_ring/patches linked)\n")
+            status = f"staged ({status} from pip)"
         append_rows(args.out / "summary.csv", SUMMARY, [{"date": date, "device": device, "phase": name,
                     "status": status, "seconds": f"{seconds:.1f}", "limit_s": limit, "command": " ".join(cmd)}])  # fmt: skip
         print(f"\n----- {name}: {status} in {seconds:.1f} s (limit {limit} s)\n{_tail(log, start)}", flush=True)
-        if status != "ok":
+        if status != "ok" and not status.startswith("staged"):
             failed.append(name)
     print(f"\nfailed: {', '.join(failed)}" if failed else "\nevery phase passed")
     return 1 if failed else 0

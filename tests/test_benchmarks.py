@@ -9,6 +9,7 @@ visible pairs) and check that a corrupted kernel is caught.
 from __future__ import annotations
 
 import csv
+import os
 import sys
 import time
 from pathlib import Path
@@ -223,3 +224,37 @@ def test_gpu_session_stops_a_phase_at_its_limit_with_its_children(tmp_path):
     time.sleep(4)
     assert not marker.exists()  # the grandchild went with its phase
     assert "===== sleeper: timeout" in (tmp_path / "session.log").read_text()
+
+
+def test_gpu_session_stages_the_package_where_pip_cannot_install_it(tmp_path):
+    """Without pip, the phases import the checkout in place: ``hf_ring.patches`` from ``patches/`` through a link
+    (on a copy of the tree, with nothing installed on the path)."""
+    import shutil
+    import subprocess
+
+    repo = Path(gpu_session.REPO)
+    for part in ("hf_ring", "patches"):
+        shutil.copytree(repo / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    gpu_session.stage(tmp_path)
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+            "import hf_ring.patches as p; print(p.__file__, len(p.REGISTRY))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert out[0] == str(tmp_path / "hf_ring" / "patches" / "__init__.py")
+    assert int(out[1]) == len(__import__("hf_ring.patches").patches.REGISTRY)
+
+
+def test_gpu_session_goes_on_from_the_checkout_when_pip_fails(tmp_path, monkeypatch):
+    """An install phase that fails links the checkout in place, puts it on the later phases' path, and is not a
+    failure of the session."""
+    py = sys.executable
+    linked = []
+    monkeypatch.setattr(gpu_session, "stage", linked.append)
+    monkeypatch.setattr(gpu_session, "phases", lambda args: [
+        ("install", [py, "-c", "raise SystemExit(3)"], 30),
+        ("env", [py, "-c", "import os; print('PATH', os.environ['PYTHONPATH'])"], 30),
+    ])  # fmt: skip
+    assert gpu_session.main(["--out", str(tmp_path), "--dry-run"]) == 0
+    assert linked == [gpu_session.REPO]
+    assert [r["status"] for r in _rows(tmp_path, "summary")] == ["staged (exit 3 from pip)", "ok"]
+    assert f"PATH {gpu_session.REPO}" in (tmp_path / "session.log").read_text()
