@@ -66,7 +66,7 @@ def build_model(shape: dict, max_len: int, device: torch.device, dtype: torch.dt
     cfg = LlamaConfig(**shape, max_position_embeddings=max_len, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, torch_dtype=dtype)
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
