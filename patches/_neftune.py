@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from ..ring_config import SHARD_INFO_KWARG
+from ..ring_config import SHARD_INFO_KWARG, ShardInfo
 
 ATTR = "neftune_noise_alpha"
 
@@ -29,6 +29,8 @@ class NoiseScale:
 
     def before(self, module, args, kwargs) -> None:
         info = kwargs.get(SHARD_INFO_KWARG)
+        if not isinstance(info, ShardInfo):  # (none, or not shard_batch's: the forward's own check says so)
+            info = None
         embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
         alpha = getattr(embeddings, ATTR, None)
         collated = None if info is None else info.seq_len - info.pad

@@ -43,6 +43,10 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 RTOL = 1e-5  # fp32: ring attention and the gathered log-probabilities reorder sums, nothing else changes
+# DeepSpeed's final weights: ZeRO sums the gradients in its buckets' order, and Adam divides each by its running RMS,
+# so an entry whose gradient is near zero moves by up to the learning rate on rounding alone (measured 1.06e-5 in
+# layer 0's v_proj on an Intel Xeon, below 1e-5 on an AMD EPYC; the losses and metrics stay within RTOL)
+ZERO_WEIGHTS_RTOL = 2e-5
 PAIRS = 2  # per DP group and micro-batch
 BETA = 0.5
 
@@ -219,9 +223,10 @@ def test_ring_preference_trainers_match_trl_on_the_whole_sequences(runs, world, 
                 scale = max(abs(want[key]), logps if key.startswith("rewards/") else 0.1 * key.startswith("logits/"))
                 err = abs(got[key] - want[key]) / scale if scale else _rel(got[key], want[key])
                 assert err <= RTOL, (world, key, got[key], want[key])
+        bound = ZERO_WEIGHTS_RTOL if run == "deepspeed" else RTOL
         for name, value in ref["state"].items():
             a, b = torch.tensor(r["state"][name]), torch.tensor(value)
-            assert float((a - b).norm() / b.norm()) <= RTOL, (world, name)
+            assert float((a - b).norm() / b.norm()) <= bound, (world, name)
 
 
 def test_ring_preference_trainers_refuse_what_they_cannot_compute(runs):
