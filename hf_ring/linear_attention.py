@@ -51,7 +51,7 @@ import torch
 from .chunks import Chunks, Uses, by_run, causal_conv1d, chunks, groups, padded, row
 from .comm import StateGather
 
-__all__ = ["Chunks", "chunks", "causal_conv1d", "gated_delta_rule", "mamba2_scan", "mamba_scan"]
+__all__ = ["Chunks", "chunks", "causal_conv1d", "diagonal_scan", "gated_delta_rule", "mamba2_scan", "mamba_scan"]
 
 
 def gated_delta_rule(
@@ -225,6 +225,59 @@ def mamba_scan(
             memory["state"] = scan.kernel_state(carry[..., : A.numel()]).detach()
         return y + skip
     return _scan(scan, inputs, plan, gather, documents, torch.float32, memory) + skip
+
+
+def diagonal_scan(x: torch.Tensor, a: torch.Tensor, *, plan: Chunks, gather: StateGather | None) -> torch.Tensor:
+    """A diagonal linear recurrence over the whole sequence, on this rank's tokens (RecurrentGemma's RG-LRU)::
+
+        h_t = a_t * h_{t-1} + x_t        (element by element; h_0 = 0 before the sequence)
+
+    A chunk that starts from ``X`` ends in ``P * X + F`` and outputs ``h_t(0) + (a_1 ... a_t) * X`` (``P``: the
+    product of its gates): every rank runs its chunks from a zero state, token by token as the model does (fp32),
+    all-gathers ``(F, P)`` and corrects. A gate of 0 (the model's reset at a document's first token) stops what
+    came before, so packed documents need no cut here.
+
+    Args:
+        x, a: [batch, local_seq, channels]; plan, gather: as for ``mamba2_scan``.
+
+    Returns:
+        [batch, local_seq, channels] fp32.
+    """
+    scan, inputs = _Diagonal(), [x.float(), a.float()]
+    if plan.world_size == 1:
+        with torch.autocast(x.device.type, enabled=False):
+            return scan.run(inputs)[0]
+    return _scan(scan, inputs, plan, gather, None, torch.float32)
+
+
+class _Diagonal:
+    """``diagonal_scan`` as ``_scan`` drives it: inputs ``(x, a)``; the carry of a piece is ``[F | P]`` (``[2 *
+    channels]``: the zero-state final state beside the product of the gates)."""
+
+    def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        x, a = inputs
+        h, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):  # (the model's order of operations)
+            h = a[:, t] * h + x[:, t]
+            out.append(h)
+        return torch.stack(out, dim=1), torch.cat([h, a.prod(dim=1)], dim=-1)
+
+    def cut(self, carry: torch.Tensor) -> torch.Tensor:
+        final, _ = carry.chunk(2, dim=-1)
+        return torch.cat([final, torch.zeros_like(final)], dim=-1)
+
+    def empty(self, carry: torch.Tensor) -> torch.Tensor:
+        return carry.new_zeros(*carry.shape[:-1], carry.shape[-1] // 2)
+
+    def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        final, product = carry.chunk(2, dim=-1)
+        return product * state + final
+
+    def kernel_state(self, state: torch.Tensor) -> torch.Tensor:
+        return state
+
+    def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
+        return out if state is None else out + torch.cumprod(inputs[1], dim=1) * state[:, None]
 
 
 class _DeltaRule:

@@ -124,15 +124,15 @@ FAMILIES = {
     "mamba2": None,  # no attention: its Mamba2 mixers only (``LINEAR``)
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
     "mimo_v2_flash": "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashAttention",
-    "minimax": "transformers.models.minimax.modeling_minimax.MiniMaxAttention",
     "minicpm3": "transformers.models.minicpm3.modeling_minicpm3.MiniCPM3Attention",
+    "minimax": "transformers.models.minimax.modeling_minimax.MiniMaxAttention",
     "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2Attention",
-    "mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextSelfAttention",
     "minimax_m3_vl_text": "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLAttention",
     "ministral": "transformers.models.ministral.modeling_ministral.MinistralAttention",
     "ministral3": "transformers.models.ministral3.modeling_ministral3.Ministral3Attention",
     "mistral4": "transformers.models.mistral4.modeling_mistral4.Mistral4Attention",
     "mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralAttention",
+    "mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextSelfAttention",
     "nanochat": "transformers.models.nanochat.modeling_nanochat.NanoChatAttention",
     "nemotron": "transformers.models.nemotron.modeling_nemotron.NemotronAttention",
     "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHAttention",
@@ -150,12 +150,13 @@ FAMILIES = {
     "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5Attention",
     "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextAttention",
+    "qwen4_exp_text": "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention",
+    "recurrent_gemma": "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaAttention",
     "seed_oss": "transformers.models.seed_oss.modeling_seed_oss.SeedOssAttention",
     "smollm3": "transformers.models.smollm3.modeling_smollm3.SmolLM3Attention",
     "solar_open": "transformers.models.solar_open.modeling_solar_open.SolarOpenAttention",
     "stablelm": "transformers.models.stablelm.modeling_stablelm.StableLmAttention",
     "starcoder2": "transformers.models.starcoder2.modeling_starcoder2.Starcoder2Attention",
-    "qwen4_exp_text": "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention",
     "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma.VaultGemmaAttention",
     "youtu": "transformers.models.youtu.modeling_youtu.YoutuAttention",
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2Attention",
@@ -305,10 +306,11 @@ LINEAR = {
         "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextGatedDeltaNet",
         "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextPLELayer",
     ),
+    "recurrent_gemma": "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock",
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer",
 }
 """Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention, MiniMax's lightning attention), Mamba,
-Mamba2 or short-convolution class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
+Mamba2, short-convolution or RG-LRU (RecurrentGemma) class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
 SPARSE = ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "mistral_large4_text",
           "qwen4_exp_text")  # fmt: skip
@@ -322,6 +324,7 @@ CHECKS = {
     "llama4_text": check_llama4,
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
+    "recurrent_gemma": check_linear_sliding,
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
 }  # fmt: skip
@@ -344,6 +347,8 @@ holds whole): their modules attend locally, by the model's own implementation
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
+    "recurrent_gemma": "its recurrent blocks keep their decoding state on the modules, not in a cache the sharded "
+    "cache could hold",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 
@@ -370,6 +375,7 @@ LOGIT_TRANSFORMS = {
     "hyperclovax": LogitTransform(multiply="logits_scaling"),
     "minicpm3": LogitTransform(divide="logits_scaling"),  # divides the hidden states (the head has no bias)
     "nanochat": LogitTransform(softcap="final_logit_softcapping"),
+    "recurrent_gemma": LogitTransform(softcap="logits_soft_cap"),
     "vaultgemma": LogitTransform(softcap="final_logit_softcapping"),
 }
 """What these families' causal-LM heads do to the lm_head output before the loss (the others: nothing)."""

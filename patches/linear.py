@@ -1,7 +1,8 @@
 """Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
 Qwen3.5-MoE, OLMo Hybrid), Kimi Delta Attention (Kimi Linear), lightning attention (MiniMax), Mamba layers (Jamba,
 Mamba, Falcon-Mamba), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H,
-Falcon-H1, Zamba2, and the pure Mamba2 model, which has no attention layer) and short convolutions (LFM2, LFM2-MoE).
+Falcon-H1, Zamba2, and the pure Mamba2 model, which has no attention layer), short convolutions (LFM2, LFM2-MoE) and
+RecurrentGemma's recurrent blocks (a short convolution and the RG-LRU: ``ShardedRecurrentBlock``).
 
 These hybrid models interleave full-attention layers (switched to ring attention like every family) with layers
 that look back along the sequence another way: a short causal convolution, followed in the Gated DeltaNet by the
@@ -39,11 +40,11 @@ from ..chunks import Uses, previous
 from ..comm import RingComm, StateGather, group_rank_and_size
 from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_group
 from ..layout import LAYOUTS, documents_from_cu_seqlens, positions, several_documents
-from ..linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan, mamba_scan
+from ..linear_attention import causal_conv1d, chunks, diagonal_scan, gated_delta_rule, mamba2_scan, mamba_scan
 from . import _lend
 from ._lend import LENT, Lent
 
-__all__ = ["FIELDS", "ShardedMixer", "ShardedPLE", "check", "install", "remove"]
+__all__ = ["FIELDS", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock", "check", "install", "remove"]
 
 FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kernel", "documents",
           *(f"unused_{i}" for i in range(8)))  # fmt: skip
@@ -81,7 +82,7 @@ class ShardedMixer:
                 return self.run(hidden_states, plan, None, None, None, memory, kwargs)
             except BaseException as e:  # the peers would wait in the next layer's exchange: stop the group
                 if world_size > 1:
-                    guard.failed([cfg.group], e, f" in a decode step of layer {m.layer_idx}")
+                    guard.failed([cfg.group], e, f" in a decode step of layer {self.layer}")
                 raise
         if memory is not None:  # the prefill: the padding ring_generate added before the prompt reaches no convolution
             memory["added"] = _added(cache, hidden_states.device)
@@ -104,7 +105,7 @@ class ShardedMixer:
         grad = torch.is_grad_enabled() and hidden_states.requires_grad
         name = "a linear-attention layer"
         if cfg.plans is not None:  # counted as the ring's calls are (hf_ring.guard), named by its layer
-            cfg.plans.progress.label = f"layer {m.layer_idx}"
+            cfg.plans.progress.label = f"layer {self.layer}"
             name = cfg.plans.progress.call(groups, grad)
         try:
             gather = StateGather(cfg.group, cfg.timeout)
@@ -113,9 +114,14 @@ class ShardedMixer:
             guard.failed(groups, e, f" in {name}")
             raise
 
+    @property
+    def layer(self) -> int:
+        """The index of the module's decoder layer."""
+        return self.module.layer_idx
+
     def record(self):
         """The key of the module's record in ``ring_generate``'s sharded cache (``_memory``)."""
-        return self.module.layer_idx
+        return self.layer
 
     def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
         """The module's computation on this rank's tokens (after the checks)."""
@@ -199,6 +205,62 @@ class ShardedPLE(ShardedMixer):
         return out if halo.tails is None else Uses.apply(out, halo.tails)
 
 
+class ShardedRecurrentBlock(ShardedMixer):
+    """The ``forward`` of RecurrentGemma's recurrent block (Griffin's: ``(input_states, position_ids, attention_mask,
+    use_cache, ...)``, returning ``(output, None)``) while its model is patched: its depthwise convolution over the
+    CP group (``causal_conv1d``), then the RG-LRU's gates computed by the module itself on this rank's tokens and
+    its recurrence over the group (``hf_ring.linear_attention.diagonal_scan``). The recurrence starts afresh where
+    ``position_ids`` is 0, as in the model, and packed documents are kept apart in the convolution and the
+    recurrence both, as if each ran alone (the model's convolution would run across them). Padding is not zeroed:
+    the model feeds it into its recurrence as it is."""
+
+    masks_input = False
+    layer = None  # (the module keeps no index: ``install`` finds it)
+
+    def __init__(self, module: torch.nn.Module, cfg: RingConfig, layer: int | None = None):
+        self.module, self.cfg, self.layer = module, cfg, layer
+
+    def record(self):  # (ring_generate refuses the family: no record is kept)
+        return ("recurrent_block", self.layer)
+
+    def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
+        m = self.module
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError(f"{type(m).__name__} was called without position_ids: its recurrence resets at position 0")
+        y = m.act_fn(m.linear_y(hidden_states))
+        x = m.linear_x(hidden_states).transpose(1, 2)
+
+        def conv(t):  # (the model's own convolution, padded on both sides: its first outputs are the causal ones)
+            return m.conv_1d(t)[..., : t.shape[-1]]
+
+        x = causal_conv1d(x, conv, m.conv1d_width, plan, gather, packed, memory).transpose(1, 2)
+        starts = None if packed is None else _document_starts(packed, plan).to(x.device)
+
+        def scan(hidden_states, recurrent_gate, reset, recurrent_states=None, **_):
+            if starts is not None:
+                reset = reset | starts[:, :, None]
+            a = recurrent_gate.float() * ~reset  # (as the model's scan: no carry across a reset)
+            return diagonal_scan(hidden_states, a, plan=plan, gather=gather).to(hidden_states.dtype), None
+
+        lru = m.rg_lru
+        lru._rnn_scan = scan  # the module's gates, then this scan (an instance attribute for this call)
+        try:
+            x = lru(x, position_ids.expand(x.shape[0], -1))
+        finally:
+            del lru._rnn_scan
+            lru.recurrent_states = None
+        return m.linear_out(x * y), None
+
+
+def _document_starts(documents: torch.Tensor, plan) -> torch.Tensor:
+    """[1 or batch, local_seq] True at this rank's tokens that start a document (``documents``: the unsharded
+    sequence's ids, [1 or batch, full_seq])."""
+    at = torch.tensor([i * plan.length + o for i in plan.index for o in range(plan.length)])
+    before = documents[:, (at - 1).clamp_min(0)]
+    return (at == 0) | (documents[:, at] != before)
+
+
 class _Halo:
     """Stands for the cache of Qwen4-Exp's per-layer embedding run on this rank's runs of tokens, stacked on the
     batch: its n-gram context is the ids before each run (``ids``); handed its convolution's inputs, it puts the
@@ -247,7 +309,10 @@ def _added(cache, device) -> torch.Tensor | None:
 
 def _refusal(m, cache_params, memory, cfg: RingConfig, rank: int, world_size: int, local_len: int) -> str | None:
     """What this rank cannot run, as a message that says what to do; or None."""
-    if cache_params is not None and (_has_state(cache_params, m.layer_idx) or _passed(cache_params, m, memory)):
+    layer = getattr(m, "layer_idx", None)  # (RecurrentGemma's recurrent blocks keep none: their caches are their own)
+    if cache_params is not None and (
+        (layer is not None and _has_state(cache_params, layer)) or _passed(cache_params, m, memory)
+    ):
         return (
             "a cache holding earlier tokens (generation) is not supported for linear-attention layers under "
             "hf_ring; generate with hf_ring.ring_generate(model, inputs, ...), or call "
@@ -288,7 +353,7 @@ def conv_kernel_size(m) -> int:
     more than the tokens it looks back, by its dilated convolution or its n-grams)."""
     if hasattr(m, "ple_embedding"):
         return max(m.short_conv_state_len, m.ple_embedding.context_len) + 1
-    return getattr(m, "conv_kernel_size", 1)
+    return getattr(m, "conv_kernel_size", getattr(m, "conv1d_width", 1))
 
 
 def _has_state(cache, layer_idx: int) -> bool:
@@ -365,8 +430,11 @@ def _project(m, hidden_states):
 
 def _output(m) -> torch.nn.Module:
     """The module's output projection (OLMo Hybrid's ``o_proj``, Qwen4-Exp's per-layer embedding's ``value_proj``,
-    the others' ``out_proj``)."""
-    return m.o_proj if hasattr(m, "o_proj") else m.value_proj if hasattr(m, "value_proj") else m.out_proj
+    RecurrentGemma's ``linear_out``, the others' ``out_proj``)."""
+    for name in ("o_proj", "value_proj", "linear_out"):
+        if hasattr(m, name):
+            return getattr(m, name)
+    return m.out_proj
 
 
 def _kernels(module):
@@ -566,7 +634,10 @@ def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | 
     keywords of its call; ``"model"``, ``model`` lends them to all (``Lent``); ``"base"``, ``model`` lends them to
     its base model, which unpacks them into its own call (``UnpackLent``). ``_lend.remove`` takes those hooks down."""
     for m in modules:
-        m.forward = (ShardedPLE if hasattr(m, "ple_embedding") else ShardedMixer)(m, cfg)
+        if hasattr(m, "rg_lru"):
+            m.forward = ShardedRecurrentBlock(m, cfg, _layer_index(model, m))
+        else:
+            m.forward = (ShardedPLE if hasattr(m, "ple_embedding") else ShardedMixer)(m, cfg)
     ple = [m for m in modules if hasattr(m, "ple_embedding")]
     if ple:  # (called without the batch's keywords: its decoder layer lends them in conv_mask)
         _lend.install(model, ple, keys=LENT, unpack=False, into="conv_mask")
@@ -574,6 +645,16 @@ def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | 
         _lend.install(model, modules, keys=LENT, unpack=False)
     elif lend == "model" or (lend == "base" and model.base_model is not model):  # (a bare base model: nothing to lend)
         _lend.install_on_model(model, LENT, unpack_in_base=lend == "base")
+
+
+def _layer_index(model: torch.nn.Module, module: torch.nn.Module) -> int | None:
+    """The index of the decoder layer holding ``module`` in the model's list of layers (None: not in one)."""
+    for layers in model.modules():
+        if isinstance(layers, torch.nn.ModuleList):
+            for i, layer in enumerate(layers):
+                if any(sub is module for sub in layer.modules()):
+                    return i
+    return None
 
 
 def remove(model: torch.nn.Module) -> None:

@@ -162,6 +162,11 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "jamba": ("JambaConfig", "JambaForCausalLM", {"mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
               "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0,
               "num_experts": 4, "num_experts_per_tok": 2}),
+    # RecurrentGemma (Griffin): recurrent blocks (a width-4 convolution, the RG-LRU) around a sliding-window
+    # multi-query attention layer with half-rotary heads, final logit softcapping
+    "recurrent_gemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {"num_hidden_layers": 3, "num_key_value_heads": 1,
+                        "lru_width": 64, "attention_window_size": 6, "conv1d_width": 4, "logits_soft_cap": 3.0,
+                        "block_types": ["recurrent", "attention", "recurrent"]}),
     # MiniMax: lightning attention (a fixed decay per head, in blocks of 8 here) beside attention, experts
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", {"head_dim": 16, "block_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
                 "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"]}),

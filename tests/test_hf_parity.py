@@ -512,6 +512,22 @@ CASES = {
         40,
         {"lora": ["in_proj", "x_proj"], "checkpointing": True},
     ),
+    # RecurrentGemma (Griffin): its recurrent blocks' convolution and RG-LRU over the ranks around sliding-window
+    # attention; the recurrence restarts at each packed document (position 0), the convolution runs across them, and
+    # padding feeds the recurrence, all as in the model (random biases and a drawn padding embedding, so both show)
+    "recurrent_gemma-plain": ("recurrent_gemma", "plain", 40, {"random_biases": True}),
+    "recurrent_gemma-packed-lora-checkpointing": (
+        "recurrent_gemma",
+        "packed",
+        40,
+        {"lora": ["q_proj", "v_proj", "linear_x", "linear_y"], "checkpointing": True, "random_biases": True},
+    ),
+    "recurrent_gemma-padded-contiguous": (
+        "recurrent_gemma",
+        "padded",
+        45,
+        {"layout": "contiguous", "random_biases": True, "pad_embedding": True},
+    ),
     # Jamba: Mamba layers called without the batch's keywords (their decoder layer lends them, also to a checkpointed
     # layer's recomputation), attention without RoPE, experts; random biases, so that the padding a mixer did not
     # see would reach the real tokens (zero at initialisation: it would not); x_proj's LoRA B gradient is the worst
