@@ -247,9 +247,10 @@ class ShardedFusedHead:
     coordinates: position i scores token i + 1). The log-probabilities keep their gradient (the all-gather's backward
     sums every rank's gradient of this rank's tokens). Any other call goes to the model as it is."""
 
-    def __init__(self, fused, ring):
+    def __init__(self, fused, ring, model=None):
         self.fused = fused  # TRL's fused forward, bound to the model
         self.ring = ring
+        self.model = model  # (whose NEFTune noise gets the whole batch's magnitude: ``patches._neftune``)
         functools.update_wrapper(self, fused)  # its signature: the model's forward's, which generate() reads
 
     def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
@@ -258,6 +259,7 @@ class ShardedFusedHead:
         from .batch import multimodal, shard_for
         from .comm import StateGather
         from .layout import unshard
+        from .patches._neftune import unsharded_noise
 
         ring = self.ring
         names = ("input_ids", "attention_mask")
@@ -277,7 +279,8 @@ class ShardedFusedHead:
         for key in ("labels", "num_items_in_batch"):
             local.pop(key, None)
         kwargs.pop("shift_labels", None)
-        out = self.fused(**{**kwargs, **local}, shift_labels=shift, fused_lm_head=True)
+        with unsharded_noise(self.model, local.get(SHARD_INFO_KWARG)):
+            out = self.fused(**{**kwargs, **local}, shift_labels=shift, fused_lm_head=True)
         gather = StateGather(ring.cp_group, timeout=ring.plugin.timeout, what="the log-probabilities' all-gather")
         for name in _PER_TOKEN:
             x = getattr(out, name, None)
@@ -545,7 +548,7 @@ def _preference_class(base: type, name: str) -> type:
                 if fused is None:
                     raise ValueError(f"{name}: {type(target).__name__} has no fused LM head from TRL")
                 if not isinstance(fused, ShardedFusedHead):
-                    target.forward = ShardedFusedHead(fused, ring)
+                    target.forward = ShardedFusedHead(fused, ring, target)
 
         def compute_loss(self, *args, **kwargs):
             """TRL's loss and metrics with its gathers over the DP group (``_OverDP``): a CP group's ranks hold the

@@ -6,11 +6,14 @@ length that of the embedded batch. Under the ring a text batch's embeddings are 
 would be ``sqrt(CP size)`` times the unsharded model's. While a model is patched, each forward given a
 ``shard_batch`` output scales the embedding module's ``neftune_noise_alpha`` so that the magnitude is the one of
 the batch the collator made (before ``shard_batch``'s padding), and restores it after the forward (``NoiseScale``).
-The noise itself is drawn by each rank from its own random state.
+The preference and online trainers shard inside the model's call (``hf_ring.trainer.ShardedFusedHead``), after the
+hooks: they scale it around that call (``unsharded_noise``). The noise itself is drawn by each rank from its own
+random state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from ..ring_config import SHARD_INFO_KWARG, ShardInfo
@@ -28,20 +31,37 @@ class NoiseScale:
         return {"saved": []}
 
     def before(self, module, args, kwargs) -> None:
-        info = kwargs.get(SHARD_INFO_KWARG)
-        if not isinstance(info, ShardInfo):  # (none, or not shard_batch's: the forward's own check says so)
-            info = None
-        embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
-        alpha = getattr(embeddings, ATTR, None)
-        collated = None if info is None else info.seq_len - info.pad
-        if alpha is None or not collated:
-            self.saved.append(None)
-            return
-        embedded = info.seq_len if info.whole_inputs else info.seq_len // info.world_size
-        setattr(embeddings, ATTR, alpha * math.sqrt(embedded / collated))
-        self.saved.append((embeddings, alpha))
+        self.saved.append(_scale(module, kwargs.get(SHARD_INFO_KWARG)))
 
     def after(self, module, args, output) -> None:  # (also when the forward raises)
-        saved = self.saved.pop() if self.saved else None
-        if saved is not None:
-            setattr(saved[0], ATTR, saved[1])
+        _restore(self.saved.pop() if self.saved else None)
+
+
+@contextlib.contextmanager
+def unsharded_noise(model, info):
+    """Within: ``model``'s NEFTune magnitude that of the batch ``info`` (a ``ShardInfo``) was cut from."""
+    saved = _scale(model, info)
+    try:
+        yield
+    finally:
+        _restore(saved)
+
+
+def _scale(module, info) -> tuple | None:
+    """Scale the NEFTune alpha of ``module``'s input embeddings for the shard ``info`` describes; what to restore
+    (None: no NEFTune, or ``info`` is not ``shard_batch``'s, which the forward's own check reports)."""
+    if not isinstance(info, ShardInfo):
+        return None
+    embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    alpha = getattr(embeddings, ATTR, None)
+    collated = info.seq_len - info.pad
+    if alpha is None or not collated:
+        return None
+    embedded = info.seq_len if info.whole_inputs else info.seq_len // info.world_size
+    setattr(embeddings, ATTR, alpha * math.sqrt(embedded / collated))
+    return embeddings, alpha
+
+
+def _restore(saved: tuple | None) -> None:
+    if saved is not None:
+        setattr(saved[0], ATTR, saved[1])

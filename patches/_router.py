@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import inspect
 import sys
 
@@ -36,12 +37,23 @@ _SCOPE: contextvars.ContextVar = contextvars.ContextVar("hf_ring_router_scope", 
 
 @dataclasses.dataclass(frozen=True)
 class _Scope:
-    """The forward of a patched model: its CP group, and this rank's real tokens (``keep``: [batch or 1, local_seq]
-    bool, or None when the forward was not given a ``shard_batch`` output)."""
+    """The forward of a patched model: its CP group, and what names this rank's real tokens (``shard_batch``'s
+    ``ShardInfo`` and document ids; ``info`` None when the forward was not given a ``shard_batch`` output)."""
 
     cfg: RingConfig
-    keep: torch.Tensor | None
-    decode: bool = False  # (a call of ring_generate's: the same tokens on every rank after the prefill)
+    info: object = None
+    docs: torch.Tensor | None = None
+    generate: bool = False  # (a call of ring_generate's, its prefill or a decode step)
+
+    def keep(self) -> torch.Tensor | None:
+        """[batch or 1, local_seq] bool: this rank's real tokens (None: no ``shard_batch`` output). Built when the
+        loss is asked for, not on every forward (the ids' copy to the host would be a sync on a GPU)."""
+        info = self.info
+        if info is None:
+            return None
+        full = info.seq_len
+        valid = torch.arange(full, device="cpu")[None] < full - info.pad if self.docs is None else self.docs.cpu() >= 0
+        return shard(valid, dim=1, rank=info.rank, world_size=info.world_size, layout=info.layout)
 
 
 def _module_of(model):
@@ -108,16 +120,9 @@ class _Scoper:
 
     def enter(self, module, args, kwargs) -> None:
         info = kwargs.get(SHARD_INFO_KWARG)
-        keep = None
-        if info is not None:
-            docs = kwargs.get(DOCUMENT_IDS_KWARG)
-            full = info.seq_len
-            valid = (
-                torch.arange(full, device="cpu")[None] < full - info.pad if docs is None else docs.detach().cpu() >= 0
-            )
-            keep = shard(valid, dim=1, rank=info.rank, world_size=info.world_size, layout=info.layout)
-        decode = kwargs.get(DECODE_KWARG) is not None
-        self.tokens.append(_SCOPE.set(_Scope(self.cfg, keep, decode)))
+        docs = kwargs.get(DOCUMENT_IDS_KWARG)
+        scope = _Scope(self.cfg, info, None if docs is None else docs.detach(), kwargs.get(DECODE_KWARG) is not None)
+        self.tokens.append(_SCOPE.set(scope))
 
     def leave(self, module, args, output) -> None:  # (also when the forward raises)
         if self.tokens:
@@ -130,6 +135,7 @@ class _Balanced:
 
     def __init__(self, original):
         self.original = original
+        functools.update_wrapper(self, original)  # (its name, docstring and signature, as the module's own)
 
     def __call__(self, gate_logits, num_experts=None, top_k=2, attention_mask=None):
         scope = _SCOPE.get()
@@ -138,9 +144,9 @@ class _Balanced:
         if gate_logits is None or not isinstance(gate_logits, tuple):
             return 0
         rows = gate_logits[0].shape[0]
-        keep = scope.keep
-        if scope.decode:  # ring_generate's new tokens, real and the same on every rank (the cache's mask is longer)
-            return self.original(gate_logits, num_experts, top_k, None)
+        if scope.generate:  # ring_generate's prefill and decode steps: nothing reads aux_loss there; the family's
+            return self.original(gate_logits, num_experts, top_k, None)  # own on this rank's tokens, no collective
+        keep = scope.keep()
         if keep is None:  # a forward without shard_batch: the model's own, at one rank
             if group_rank_and_size(scope.cfg.group)[1] == 1:
                 return self.original(gate_logits, num_experts, top_k, attention_mask)
@@ -199,7 +205,7 @@ def _agrees(original) -> bool:
                 abs(float(original(logits, 4, 2, m)) - float(balanced(logits, 4, 2, k))) <= 1e-6
                 for m, k in ((None, every), (mask, mask.bool()))
             )
-        except TypeError:  # (another signature: not the formula)
+        except Exception:  # (another signature or shape rule, e.g. Doge's: not the formula)  # noqa: BLE001
             ok = False
         _AGREES[original] = ok
     return _AGREES[original]
