@@ -233,8 +233,8 @@ def diagonal_scan(x: torch.Tensor, a: torch.Tensor, *, plan: Chunks, gather: Sta
         h_t = a_t * h_{t-1} + x_t        (element by element; h_0 = 0 before the sequence)
 
     A chunk that starts from ``X`` ends in ``P * X + F`` and outputs ``h_t(0) + (a_1 ... a_t) * X`` (``P``: the
-    product of its gates): every rank runs its chunks from a zero state, token by token as the model does (fp32),
-    all-gathers ``(F, P)`` and corrects. A gate of 0 (the model's reset at a document's first token) stops what
+    product of its gates): every rank runs its chunks from a zero state (fp32, by doubling: ``_Recurrence``, where
+    the model loops over tokens), all-gathers ``(F, P)`` and corrects. A gate of 0 (the model's reset at a document's first token) stops what
     came before, so packed documents need no cut here.
 
     Args:
@@ -256,11 +256,8 @@ class _Diagonal:
 
     def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
         x, a = inputs
-        h, out = torch.zeros_like(x[:, 0]), []
-        for t in range(x.shape[1]):  # (the model's order of operations)
-            h = a[:, t] * h + x[:, t]
-            out.append(h)
-        return torch.stack(out, dim=1), torch.cat([h, a.prod(dim=1)], dim=-1)
+        h = _Recurrence.apply(a, x)
+        return h, torch.cat([h[:, -1], a.prod(dim=1)], dim=-1)
 
     def cut(self, carry: torch.Tensor) -> torch.Tensor:
         final, _ = carry.chunk(2, dim=-1)
@@ -278,6 +275,40 @@ class _Diagonal:
 
     def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
         return out if state is None else out + torch.cumprod(inputs[1], dim=1) * state[:, None]
+
+
+class _Recurrence(torch.autograd.Function):
+    """``h_t = a_t * h_{t-1} + x_t`` from ``h_0 = 0`` over dim 1 of ``[batch, seq, channels]`` tensors, forward and
+    backward each one scan by doubling (``_doubling``: ``log2(seq)`` vectorised steps instead of ``seq`` small
+    ones), keeping only ``a`` and ``h`` for the backward. The backward is the same recurrence run from the end:
+    ``dx_t = dh_t + a_{t+1} dx_{t+1}``, ``da_t = dx_t h_{t-1}``. The sums are taken in another order than a loop
+    over tokens (fp32: rounding only)."""
+
+    @staticmethod
+    def forward(ctx, a, x):
+        h = _doubling(a, x)
+        ctx.save_for_backward(a, h)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, h = ctx.saved_tensors
+        after = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1)
+        dx = _doubling(after.flip(1), grad.flip(1)).flip(1)
+        return dx * torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1), dx
+
+
+def _doubling(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The inclusive scan of ``h_t = a_t * h_{t-1} + x_t`` (``h_0 = 0``) over dim 1, without autograd: after the
+    step of span ``d`` each ``(a_t, x_t)`` holds the composition of the ``2d`` steps ending at ``t``."""
+    with torch.no_grad():
+        d, n = 1, x.shape[1]
+        while d < n:
+            x = torch.cat([x[:, :d], torch.addcmul(x[:, d:], a[:, d:], x[:, :-d])], dim=1)
+            if 2 * d < n:
+                a = torch.cat([a[:, :d], a[:, d:] * a[:, :-d]], dim=1)
+            d *= 2
+    return x
 
 
 class _DeltaRule:

@@ -15,7 +15,7 @@ import torch
 import hf_ring
 from hf_ring import layout as L
 from hf_ring.comm import StateGather
-from hf_ring.linear_attention import causal_conv1d, chunks, gated_delta_rule, mamba2_scan, mamba_scan
+from hf_ring.linear_attention import causal_conv1d, chunks, diagonal_scan, gated_delta_rule, mamba2_scan, mamba_scan
 from tests.dist_utils import run_distributed
 from tests.hf_models import (
     RTOL_DECAY,
@@ -188,6 +188,59 @@ def _kda_layer(x, weight, decay, beta, shape, plan, gather, documents=None):
     return _layer(x, weight, decay, beta, shape, plan, gather, documents, kernel=chunk_kimi_delta_attention)
 
 
+DIAGONAL_SHAPES = [(2, 36, 6, 4), (1, 60, 5, 3)]  # (batch, seq, channels, conv kernel)
+
+
+def _diagonal_inputs(shape):
+    b, n, d, kernel = shape
+    g = torch.Generator().manual_seed(sum(shape) + 3)
+    x = torch.randn(b, d, n, generator=g)
+    weight = torch.randn(d, kernel, generator=g) / kernel
+    gate = torch.randn(b, n, d, generator=g) + 2.0  # (its sigmoid: the decays, most near 1, so states carry far)
+    upstream = torch.randn(b, n, d, generator=g)
+    return x, weight, gate, upstream
+
+
+def _diagonal_layer(x, weight, gate, shape, plan, gather, documents=None):
+    """Convolution then RecurrentGemma's recurrence (``diagonal_scan``), the gates zeroed at each document's first
+    token as the model's reset zeroes them (so a document starts afresh)."""
+    y = causal_conv1d(x, lambda t: torch.nn.functional.conv1d(t, weight[:, None], padding=shape[-1] - 1,
+                                                              groups=t.shape[1])[..., : t.shape[-1]],
+                      shape[-1], plan, gather, documents).transpose(1, 2)  # fmt: skip
+    a = torch.sigmoid(gate)
+    if documents is not None:
+        at = torch.tensor([i * plan.length + o for i in plan.index for o in range(plan.length)])
+        starts = documents[:, at] != documents[:, (at - 1).clamp_min(0)]
+        a = a * ~starts[:, :, None]
+    return diagonal_scan(y, a, plan=plan, gather=gather)
+
+
+def test_the_diagonal_recurrence_by_doubling_is_the_loop_over_tokens():
+    """``diagonal_scan``'s scan (``_Recurrence``: doubling steps, its own backward) against the loop over tokens the
+    model runs, float64, lengths around powers of two, a zero gate (a reset) inside; and torch's gradcheck."""
+    from hf_ring.linear_attention import _Recurrence
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 7, 8, 9, 33):
+        a = torch.rand(2, n, 5, generator=g, dtype=torch.float64)
+        a[0, n // 2] = 0.0
+        x = torch.randn(2, n, 5, generator=g, dtype=torch.float64)
+        a.requires_grad_(True)
+        x.requires_grad_(True)
+        h, states = torch.zeros(2, 5, dtype=torch.float64), []
+        for t in range(n):
+            h = a[:, t] * h + x[:, t]
+            states.append(h)
+        ref = torch.stack(states, dim=1)
+        got = _Recurrence.apply(a, x)
+        upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+        want = torch.autograd.grad((ref * upstream).sum(), (a, x))
+        mine = torch.autograd.grad((got * upstream).sum(), (a, x))
+        assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12), n
+        assert all(torch.allclose(m, w, rtol=1e-12, atol=1e-12) for m, w in zip(mine, want)), n
+        assert torch.autograd.gradcheck(_Recurrence.apply, (a, x))
+
+
 def _leaves(*ts):
     return [t.clone().requires_grad_(True) for t in ts]
 
@@ -203,6 +256,7 @@ KINDS = {
                lambda b, n, h, p, g, s, k: h * (p * s + 1) + (h * p + 2 * g * s) * (k - 1)),
     "mamba": (_mamba1_layer, _mamba1_inputs, (1, 5, 6), MAMBA1_SHAPES,
               lambda b, n, d, s, k: d * s + d + 1 + d * (k - 1)),
+    "diagonal": (_diagonal_layer, _diagonal_inputs, (1,), DIAGONAL_SHAPES, lambda b, n, d, k: 2 * d + d * (k - 1)),
 }  # fmt: skip
 
 
@@ -245,7 +299,7 @@ def _sharded_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_recurrences_match_the_unsharded_sequence(world):
-    """Gated DeltaNet, Kimi Delta Attention, Mamba2 and Mamba: outputs and the gradients of the inputs, the decays or step sizes, the
+    """Gated DeltaNet, Kimi Delta Attention, Mamba2, Mamba and RecurrentGemma's RG-LRU: outputs and the gradients of the inputs, the decays or step sizes, the
     convolution weight and the parameters, every rank, both layouts with chunks (contiguous: rank 0 needs nothing
     from the others yet joins the backward's collectives); packed documents against each document alone."""
     for rank, results in enumerate(run_distributed(_sharded_worker, world, timeout=300)):
