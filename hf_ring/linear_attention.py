@@ -227,7 +227,9 @@ def mamba_scan(
     return _scan(scan, inputs, plan, gather, documents, torch.float32, memory) + skip
 
 
-def diagonal_scan(x: torch.Tensor, a: torch.Tensor, *, plan: Chunks, gather: StateGather | None) -> torch.Tensor:
+def diagonal_scan(
+    x: torch.Tensor, a: torch.Tensor, *, plan: Chunks, gather: StateGather | None, memory: dict | None = None
+) -> torch.Tensor:
     """A diagonal linear recurrence over the whole sequence, on this rank's tokens (RecurrentGemma's RG-LRU)::
 
         h_t = a_t * h_{t-1} + x_t        (element by element; h_0 = 0 before the sequence)
@@ -239,15 +241,28 @@ def diagonal_scan(x: torch.Tensor, a: torch.Tensor, *, plan: Chunks, gather: Sta
 
     Args:
         x, a: [batch, local_seq, channels]; plan, gather: as for ``mamba2_scan``.
+        memory: ``hf_ring.ring_generate``'s record of this layer: empty, it gets the state after the whole sequence
+            (``"state"``, the same on every rank); holding it, ``x`` and ``a`` are the next tokens (the same on every
+            rank), run from it token by token, and the record moves on.
 
     Returns:
         [batch, local_seq, channels] fp32.
     """
     scan, inputs = _Diagonal(), [x.float(), a.float()]
+    if memory is not None and "state" in memory:  # decode steps: from the state, no exchange
+        h, out = memory["state"], []
+        for t in range(x.shape[1]):
+            h = inputs[1][:, t] * h + inputs[0][:, t]
+            out.append(h)
+        memory["state"] = h.detach()
+        return torch.stack(out, dim=1)
     if plan.world_size == 1:
         with torch.autocast(x.device.type, enabled=False):
-            return scan.run(inputs)[0]
-    return _scan(scan, inputs, plan, gather, None, torch.float32)
+            out = scan.run(inputs)[0]
+        if memory is not None:
+            memory["state"] = out[:, -1].detach()
+        return out
+    return _scan(scan, inputs, plan, gather, None, torch.float32, memory)
 
 
 class _Diagonal:

@@ -347,8 +347,6 @@ holds whole): their modules attend locally, by the model's own implementation
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
-    "recurrent_gemma": "its recurrent blocks keep their decoding state on the modules, not in a cache the sharded "
-    "cache could hold",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 

@@ -209,7 +209,9 @@ class ShardedRecurrentBlock(ShardedMixer):
     """The ``forward`` of RecurrentGemma's recurrent block (Griffin's: ``(input_states, position_ids, attention_mask,
     use_cache, ...)``, returning ``(output, None)``) while its model is patched: its depthwise convolution over the
     CP group (``causal_conv1d``), then the RG-LRU's gates computed by the module itself on this rank's tokens and
-    its recurrence over the group (``hf_ring.linear_attention.diagonal_scan``). The recurrence starts afresh where
+    its recurrence over the group (``hf_ring.linear_attention.diagonal_scan``); in ``ring_generate`` its record keeps
+    the convolution's last inputs and the state after the prompt, from which decode steps run locally, as the
+    model's own decoding runs from the state it keeps on the module. The recurrence starts afresh where
     ``position_ids`` is 0, as in the model, and packed documents are kept apart in the convolution and the
     recurrence both, as if each ran alone (the model's convolution would run across them). Padding is not zeroed:
     the model feeds it into its recurrence as it is."""
@@ -220,7 +222,7 @@ class ShardedRecurrentBlock(ShardedMixer):
     def __init__(self, module: torch.nn.Module, cfg: RingConfig, layer: int | None = None):
         self.module, self.cfg, self.layer = module, cfg, layer
 
-    def record(self):  # (ring_generate refuses the family: no record is kept)
+    def record(self):
         return ("recurrent_block", self.layer)
 
     def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
@@ -241,7 +243,8 @@ class ShardedRecurrentBlock(ShardedMixer):
             if starts is not None:
                 reset = reset | starts[:, :, None]
             a = recurrent_gate.float() * ~reset  # (as the model's scan: no carry across a reset)
-            return diagonal_scan(hidden_states, a, plan=plan, gather=gather).to(hidden_states.dtype), None
+            out = diagonal_scan(hidden_states, a, plan=plan, gather=gather, memory=memory)
+            return out.to(hidden_states.dtype), None
 
         lru = m.rg_lru
         lru._rnn_scan = scan  # the module's gates, then this scan (an instance attribute for this call)

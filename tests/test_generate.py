@@ -106,6 +106,9 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     "mamba2": ("mamba2", 2, 14, 3, "zigzag"),  # no attention: the causal LM lends its backbone the batch's keywords
     "falcon_mamba-contiguous": ("falcon_mamba", 1, 13, 0, "contiguous"),
     "lfm2": ("lfm2", 2, 13, 4, "zigzag"),  # short convolutions only
+    # RecurrentGemma: RG-LRU recurrences (its own decoding keeps their state on the modules), sliding attention
+    "recurrent_gemma": ("recurrent_gemma", 2, 14, 3, "zigzag"),
+    "recurrent_gemma-contiguous": ("recurrent_gemma", 1, 13, 0, "contiguous"),
     # lightning attention; its model takes only its own cache class (its reference: each row alone, unpadded)
     "minimax": ("minimax", 2, 14, 3, "zigzag"),
     # Transformers 5.24: LFM3 (convolutions, sliding and full layers), Lara-Mini (Gated DeltaNet), Bailing
@@ -504,6 +507,7 @@ FORGETTING = {
         "lara_mini",
         "bailing_hybrid-contiguous",
         "qwen4_exp_text",
+        "recurrent_gemma",
     )
 }
 
@@ -535,6 +539,7 @@ FOUR_RANKS = {  # 8 zig-zag chunks of 4 tokens (at least the convolution's 3 inp
     "qwen4_exp_text": ("qwen4_exp_text", 2, 29, 3, "zigzag"),  # (5.24; its per-layer embeddings look 3 tokens back)
     "qwen4_exp_text-contiguous": ("qwen4_exp_text", 1, 13, 0, "contiguous"),
     "qwen4_exp_text-short": ("qwen4_exp_text", 2, 5, 4, "zigzag"),  # padding within its embeddings' look-back
+    "recurrent_gemma": ("recurrent_gemma", 2, 29, 3, "zigzag"),
 }
 
 
