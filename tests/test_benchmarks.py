@@ -258,3 +258,23 @@ def test_gpu_session_goes_on_from_the_checkout_when_pip_fails(tmp_path, monkeypa
     assert linked == [gpu_session.REPO]
     assert [r["status"] for r in _rows(tmp_path, "summary")] == ["staged (exit 3 from pip)", "ok"]
     assert f"PATH {gpu_session.REPO}" in (tmp_path / "session.log").read_text()
+
+
+def test_bench_scan_cpu_checks_the_scan_against_the_models_loop_and_times_both(tmp_path, monkeypatch, capsys):
+    import bench_scan_cpu
+
+    from hf_ring import linear_attention
+
+    out = tmp_path / "scan.csv"
+    assert bench_scan_cpu.main(["--seq-lens", "9", "16", "--channels", "4", "--repeat", "1", "--out", str(out)]) == 0
+    rows = _rows(tmp_path, "scan")
+    assert [int(r["seq_len"]) for r in rows] == [9, 16]
+    for r in rows:
+        assert float(r["rel_err"]) < 1e-5 and float(r["loop_median_ms"]) > 0 and float(r["scan_median_ms"]) > 0
+        assert float(r["loop_vs_scan"]) == pytest.approx(
+            float(r["loop_median_ms"]) / float(r["scan_median_ms"]), rel=0.03
+        )
+    wrong = linear_attention._Recurrence.apply
+    monkeypatch.setattr(linear_attention._Recurrence, "apply", lambda a, x: wrong(a, 1.1 * x))
+    assert bench_scan_cpu.main(["--seq-lens", "9", "--channels", "4", "--repeat", "1", "--out", str(out)]) == 1
+    assert "INACCURATE scan: seq 9" in capsys.readouterr().out
