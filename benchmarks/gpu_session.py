@@ -6,11 +6,12 @@ within its own time limit, everything it writes in one flat folder.
     python3 benchmarks/gpu_session.py --out DIR --dry-run     # CPU: every phase on tiny shapes (the tests)
 
 Sized for a device lease of 15 minutes with 10 minutes per command: the default phases' limits add up to
-470 s, so one call ends with time left to rerun a phase. A phase that runs over its limit is stopped
-(its whole process group); the rows it finished are already in its CSV file (the benchmarks append each
-row as they measure it) and the next phase starts. ``longest`` (one forward + backward of a Llama-3.1-8B
-shape at ``--longest`` tokens, chunked loss and offload) takes minutes at 512K tokens: it runs only when
-asked for, best in a call of its own.
+470 s, so one call ends with time left to rerun a phase, and no plan over ``BUDGET_S`` (570 s) is started.
+A phase that runs over its limit is stopped (its whole process group, also when the session itself is
+stopped: no phase outlives the call); the rows it finished are already in its CSV file (the benchmarks
+append each row as they measure it) and the next phase starts. ``longest`` (one forward + backward of a
+Llama-3.1-8B shape at ``--longest`` tokens, chunked loss and offload) takes minutes at 512K tokens: it runs
+only when asked for, with ``install`` alone beside it (a lease of its own).
 
 Written under ``--out`` (flat, at most 8 files, as the device tool brings them back):
 ``session.log`` (each phase's command, output, exit status and seconds), ``summary.csv`` (one row per
@@ -34,6 +35,7 @@ from _cpu import append_rows
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 SUMMARY = ["date", "device", "phase", "status", "seconds", "limit_s", "command"]
+BUDGET_S = 570  # the device tool's 600 s per command, less the start of this script and the transfers
 #: The benchmarks' shape for a dry run: fp32 in Triton's interpreter, 2 query heads on 1 key/value head.
 TINY = ["--device", "cpu", "--dtype", "fp32", "--q-heads", "2", "--kv-heads", "1"]
 
@@ -53,18 +55,11 @@ def phases(args) -> list[tuple[str, list[str], int]]:
         n = str(args.longest or 0)
         longest = ["--start", n, "--limit", n, "--step", n]
         tests = [str(REPO / "tests")]
+    env = ("import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, "
+           "transformers.__version__); print('DEVICE', torch.cuda.get_device_name() if torch.cuda.is_available() "
+           "else 'no CUDA device')")  # fmt: skip
     every = [
-        (
-            "env",
-            [
-                py,
-                "-c",
-                "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, "
-                "triton.__version__, transformers.__version__); print(torch.cuda.get_device_name() "
-                "if torch.cuda.is_available() else 'no CUDA device')",
-            ],
-            30,
-        ),  # fmt: skip
+        ("env", [py, "-c", env], 30),
         ("install", [py, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", str(REPO)], 60),
         ("tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *tests], 180),
         ("bench_kernel", [py, str(BENCH / "bench_kernel.py"), *kernel, "--results-dir", out], 80),
@@ -72,33 +67,51 @@ def phases(args) -> list[tuple[str, list[str], int]]:
         (
             "longest",
             [py, str(BENCH / "bench_longest_gpu.py"), "--configs", "chunked+offload", *longest, "--results-dir", out],
-            540,
+            480,
         ),  # fmt: skip
     ]
-    wanted = args.only or [name for name, _, _ in every if name != "longest" or args.longest]
+    wanted = ["env", *(args.only or [name for name, _, _ in every if name != "longest" or args.longest])]
     if args.dry_run:
         wanted = [name for name in wanted if name != "install"]  # the dry run uses the installed checkout
     return [p for p in every if p[0] in wanted]
 
 
 def run_phase(name: str, cmd: list[str], limit: int, log: Path, env: dict | None = None) -> tuple[str, float]:
-    """Run ``cmd`` with its output appended to ``log``; stop its process group after ``limit`` seconds.
-    Returns the status (``ok``, ``exit N`` or ``timeout``) and the seconds it ran."""
+    """Run ``cmd`` with its output appended to ``log`` in a process group of its own (not a session: it goes
+    with the call), and stop the group when the phase ends, after ``limit`` seconds at most, or when this
+    script is told to stop (SIGTERM, SIGINT). Returns the status (``ok``, ``exit N`` or ``timeout``) and the
+    seconds it ran."""
     with log.open("a") as f:
         f.write(f"\n===== {name}: {' '.join(cmd)} (limit {limit} s)\n")
         f.flush()
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, process_group=0)
+
+        def stop(signum, frame):  # (the call is being stopped: take the phase along)
+            _kill(proc.pid)
+            raise SystemExit(128 + signum)
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             rc = proc.wait(timeout=limit)
             status = "ok" if rc == 0 else f"exit {rc}"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             status = "timeout"
+        finally:
+            _kill(proc.pid)  # (and whatever it left behind: a distributed test's workers)
+            proc.wait()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         seconds = time.monotonic() - t0
         f.write(f"===== {name}: {status} after {seconds:.1f} s\n")
     return status, seconds
+
+
+def _kill(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def stage(root: Path = REPO) -> None:
@@ -133,16 +146,20 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.dry_run:
         env["TRITON_INTERPRET"] = "1"
-    device = "cpu (dry run)" if args.dry_run else _device_name()
+    device = "cpu (dry run)" if args.dry_run else "unknown"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     planned = phases(args)
-    print(
-        f"{device}: phases {', '.join(n for n, _, _ in planned)} within {sum(s for _, _, s in planned)} s", flush=True
-    )
+    total = sum(limit for _, _, limit in planned)
+    if total > BUDGET_S and not args.dry_run:
+        p.error(f"phases {', '.join(n for n, _, _ in planned)} may take {total} s, over the {BUDGET_S} s of one call: "
+                "ask for fewer with --only (longest: --only install longest)")  # fmt: skip
+    print(f"phases {', '.join(n for n, _, _ in planned)} within {total} s", flush=True)
     failed = []
     for name, cmd, limit in planned:
         start = log.stat().st_size if log.exists() else 0
         status, seconds = run_phase(name, cmd, limit, log, env)
+        if name == "env" and not args.dry_run:  # (the device as the env phase saw it: no CUDA in this process)
+            device = next((ln[7:] for ln in _tail(log, start).splitlines() if ln.startswith("DEVICE ")), device)
         if name == "install" and status != "ok":  # import the checkout in place instead
             stage(REPO)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -156,15 +173,6 @@ def main(argv=None) -> int:
             failed.append(name)
     print(f"\nfailed: {', '.join(failed)}" if failed else "\nevery phase passed")
     return 1 if failed else 0
-
-
-def _device_name() -> str:
-    try:
-        import torch
-
-        return torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    except Exception as e:  # noqa: BLE001 - the env phase reports the details
-        return f"torch not importable ({type(e).__name__})"
 
 
 if __name__ == "__main__":

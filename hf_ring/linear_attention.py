@@ -258,7 +258,7 @@ def diagonal_scan(
         return torch.stack(out, dim=1)
     if plan.world_size == 1:
         with torch.autocast(x.device.type, enabled=False):
-            out = scan.run(inputs)[0]
+            out = _Recurrence.apply(inputs[1], inputs[0])
         if memory is not None:
             memory["state"] = out[:, -1].detach()
         return out
@@ -306,22 +306,31 @@ class _Recurrence(torch.autograd.Function):
         return h
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         a, h = ctx.saved_tensors
-        after = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1)
-        dx = _doubling(after.flip(1), grad.flip(1)).flip(1)
-        return dx * torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1), dx
+        after = torch.empty_like(a)  # a_{t+1}, none after the last token
+        after[:, :-1] = a[:, 1:]
+        after[:, -1:] = 0
+        dx = _doubling(after, grad, reverse=True)
+        da = dx.clone()
+        da[:, 1:] *= h[:, :-1]
+        da[:, :1] = 0
+        return da, dx
 
 
-def _doubling(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The inclusive scan of ``h_t = a_t * h_{t-1} + x_t`` (``h_0 = 0``) over dim 1, without autograd: after the
-    step of span ``d`` each ``(a_t, x_t)`` holds the composition of the ``2d`` steps ending at ``t``."""
+def _doubling(a: torch.Tensor, x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """The inclusive scan of ``h_t = a_t * h_{t-1} + x_t`` (``h_0 = 0``) over dim 1, without autograd (``reverse``:
+    ``h_t = a_t * h_{t+1} + x_t`` from the end): after the step of span ``d`` each ``(a_t, x_t)`` holds the
+    composition of the ``2d`` steps ending (starting) at ``t``. Two working copies and one step's temporary."""
     with torch.no_grad():
+        a, x = a.clone(), x.clone()
         d, n = 1, x.shape[1]
         while d < n:
-            x = torch.cat([x[:, :d], torch.addcmul(x[:, d:], a[:, d:], x[:, :-d])], dim=1)
+            to, fro = (slice(None, n - d), slice(d, None)) if reverse else (slice(d, None), slice(None, n - d))
+            x[:, to] = torch.addcmul(x[:, to], a[:, to], x[:, fro])
             if 2 * d < n:
-                a = torch.cat([a[:, :d], a[:, d:] * a[:, :-d]], dim=1)
+                a[:, to] = a[:, to] * a[:, fro]
             d *= 2
     return x
 

@@ -237,7 +237,13 @@ class ShardedRecurrentBlock(ShardedMixer):
             return m.conv_1d(t)[..., : t.shape[-1]]
 
         x = causal_conv1d(x, conv, m.conv1d_width, plan, gather, packed, memory).transpose(1, 2)
-        starts = None if packed is None else _document_starts(packed, plan).to(x.device)
+        starts = None
+        if packed is not None:  # (once per forward with a plan cache: every layer then reuses its device copy)
+
+            def make():
+                return _document_starts(packed, plan).to(x.device, non_blocking=True)
+
+            starts = make() if self.cfg.plans is None else self.cfg.plans.derived((_document_starts, packed), make)
 
         def scan(hidden_states, recurrent_gate, reset, recurrent_states=None, **_):
             if starts is not None:
@@ -259,7 +265,7 @@ class ShardedRecurrentBlock(ShardedMixer):
 def _document_starts(documents: torch.Tensor, plan) -> torch.Tensor:
     """[1 or batch, local_seq] True at this rank's tokens that start a document (``documents``: the unsharded
     sequence's ids, [1 or batch, full_seq])."""
-    at = torch.tensor([i * plan.length + o for i in plan.index for o in range(plan.length)])
+    at = (torch.tensor(plan.index)[:, None] * plan.length + torch.arange(plan.length)).flatten()
     before = documents[:, (at - 1).clamp_min(0)]
     return (at == 0) | (documents[:, at] != before)
 
@@ -638,7 +644,10 @@ def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | 
     its base model, which unpacks them into its own call (``UnpackLent``). ``_lend.remove`` takes those hooks down."""
     for m in modules:
         if hasattr(m, "rg_lru"):
-            m.forward = ShardedRecurrentBlock(m, cfg, _layer_index(model, m))
+            layer = _layer_index(model, m)
+            if layer is None:  # (ring_generate keys each block's record by it)
+                raise ValueError(f"{type(m).__name__} is in no list of decoder layers: hf_ring cannot number it")
+            m.forward = ShardedRecurrentBlock(m, cfg, layer)
         else:
             m.forward = (ShardedPLE if hasattr(m, "ple_embedding") else ShardedMixer)(m, cfg)
     ple = [m for m in modules if hasattr(m, "ple_embedding")]

@@ -221,9 +221,21 @@ def test_gpu_session_stops_a_phase_at_its_limit_with_its_children(tmp_path):
     cmd = [sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"]  # fmt: skip
     status, seconds = gpu_session.run_phase("sleeper", cmd, 1, tmp_path / "session.log")
     assert status == "timeout" and seconds < 10
+    left = tmp_path / "left-alive"  # a phase that ends at once, leaving its child behind: the child goes too
+    child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(left)!r}).write_text('x')"
+    cmd = [sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}])"]
+    assert gpu_session.run_phase("leaver", cmd, 30, tmp_path / "session.log")[0] == "ok"
     time.sleep(4)
-    assert not marker.exists()  # the grandchild went with its phase
+    assert not marker.exists() and not left.exists()  # the grandchildren went with their phases
     assert "===== sleeper: timeout" in (tmp_path / "session.log").read_text()
+
+
+def test_gpu_session_refuses_a_plan_longer_than_one_call(tmp_path):
+    with pytest.raises(SystemExit):  # (everything and the 8B step: over the device tool's 10 minutes)
+        gpu_session.main(["--out", str(tmp_path), "--longest", "524288"])
+    assert not (tmp_path / "summary.csv").exists()  # refused before anything ran
+    args = gpu_session.argparse.Namespace(out=tmp_path, only=["install", "longest"], longest=524288, dry_run=False)
+    assert sum(limit for _, _, limit in gpu_session.phases(args)) <= gpu_session.BUDGET_S
 
 
 def test_gpu_session_stages_the_package_where_pip_cannot_install_it(tmp_path):

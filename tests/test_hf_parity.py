@@ -513,8 +513,8 @@ CASES = {
         {"lora": ["in_proj", "x_proj"], "checkpointing": True},
     ),
     # RecurrentGemma (Griffin): its recurrent blocks' convolution and RG-LRU over the ranks around sliding-window
-    # attention; the recurrence restarts at each packed document (position 0), the convolution runs across them, and
-    # padding feeds the recurrence, all as in the model (random biases and a drawn padding embedding, so both show)
+    # attention; packed documents each as if alone (the model's own convolution would run across them), padding fed
+    # to the recurrence as the model feeds it (random biases and a drawn padding embedding, so that both show)
     "recurrent_gemma-plain": ("recurrent_gemma", "plain", 40, {"random_biases": True}),
     "recurrent_gemma-packed-lora-checkpointing": (
         "recurrent_gemma",
