@@ -854,47 +854,28 @@ def _neftune() -> dict:
     """NEFTune (Transformers' ``activate_neftune``, alpha 5) on a patched model given a ``shard_batch`` output of a
     45-token batch: the largest noise of this rank's embeddings over the unsharded batch's magnitude (``5 /
     sqrt(45 x hidden)``: uniform noise, so about 1 and never above), and the alpha after the forward."""
-    import math
-
-    from transformers.integrations.neftune import activate_neftune
-
     import hf_ring
 
-    batch, _ = make_batch("padded", 45)
-    model = _prepare("llama", {})
-    hf_ring.apply_ring_attention(model)
-    embeddings = model.get_input_embeddings()
-    activate_neftune(model, 5.0)
+    batch, model, embeddings = _neftune_model()
     seen = []
     embeddings.register_forward_hook(lambda m, args, out: seen.append((args[0], out.detach())))  # (after NEFTune's)
     with torch.no_grad():
         model(**hf_ring.shard_batch(batch))
-    ids, noisy = seen[0]
-    with torch.no_grad():
-        noise = noisy - torch.nn.functional.embedding(ids, embeddings.weight)
-    bound = 5.0 / math.sqrt(45 * embeddings.weight.shape[1])
-    return {"ratio": float(noise.abs().max()) / bound, "alpha": embeddings.neftune_noise_alpha}
+    return _noise_ratio(embeddings, *seen[0])
 
 
 def _neftune_fused() -> dict:
     """``_neftune`` through the preference and online trainers' path, ``hf_ring.trainer.ShardedFusedHead``, which
     shards the whole batch inside the model's call (after its hooks): TRL's fused forward stood in for by one that
     embeds this rank's tokens."""
-    import math
     import types
 
     import torch.distributed as dist
-    from transformers.integrations.neftune import activate_neftune
 
-    import hf_ring
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import ShardedFusedHead
 
-    batch, _ = make_batch("padded", 45)
-    model = _prepare("llama", {})
-    hf_ring.apply_ring_attention(model)
-    embeddings = model.get_input_embeddings()
-    activate_neftune(model, 5.0)
+    batch, model, embeddings = _neftune_model()
     seen = []
 
     def fused(input_ids, **kwargs):
@@ -905,10 +886,31 @@ def _neftune_fused() -> dict:
                                  plugin=RingAttentionPlugin(layout="zigzag"))  # fmt: skip
     with torch.no_grad():
         ShardedFusedHead(fused, ring, model)(batch["input_ids"], batch["attention_mask"], fused_lm_head=True)
-    ids, noisy = seen[0]
-    noise = noisy - torch.nn.functional.embedding(ids, embeddings.weight)
+    return {**_noise_ratio(embeddings, *seen[0]), "tokens": seen[0][0].shape[1]}
+
+
+def _neftune_model() -> tuple:
+    """``(the padded 45-token batch, a patched Llama with NEFTune at alpha 5, its input embeddings)``."""
+    from transformers.integrations.neftune import activate_neftune
+
+    import hf_ring
+
+    batch, _ = make_batch("padded", 45)
+    model = _prepare("llama", {})
+    hf_ring.apply_ring_attention(model)
+    activate_neftune(model, 5.0)
+    return batch, model, model.get_input_embeddings()
+
+
+def _noise_ratio(embeddings, ids, noisy) -> dict:
+    """The largest noise in ``noisy`` (the embeddings of ``ids``) over the 45-token batch's NEFTune magnitude, and
+    the alpha left on the module."""
+    import math
+
+    with torch.no_grad():
+        noise = noisy - torch.nn.functional.embedding(ids, embeddings.weight)
     bound = 5.0 / math.sqrt(45 * embeddings.weight.shape[1])
-    return {"ratio": float(noise.abs().max()) / bound, "alpha": embeddings.neftune_noise_alpha, "tokens": ids.shape[1]}
+    return {"ratio": float(noise.abs().max()) / bound, "alpha": embeddings.neftune_noise_alpha}
 
 
 def _check(results: dict, world_size: int) -> None:
