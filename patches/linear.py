@@ -239,9 +239,10 @@ class ShardedRecurrentBlock(ShardedMixer):
         x = causal_conv1d(x, conv, m.conv1d_width, plan, gather, packed, memory).transpose(1, 2)
         starts = None
         if packed is not None:  # (once per forward with a plan cache: every layer then reuses its device copy)
+            rank, world_size = group_rank_and_size(self.cfg.group) if plan.world_size > 1 else (0, 1)
 
             def make():
-                return _document_starts(packed, plan).to(x.device, non_blocking=True)
+                return _document_starts(packed, rank, world_size, self.cfg.layout).to(x.device, non_blocking=True)
 
             starts = make() if self.cfg.plans is None else self.cfg.plans.derived((_document_starts, packed), make)
 
@@ -262,10 +263,10 @@ class ShardedRecurrentBlock(ShardedMixer):
         return m.linear_out(x * y), None
 
 
-def _document_starts(documents: torch.Tensor, plan) -> torch.Tensor:
+def _document_starts(documents: torch.Tensor, rank: int, world_size: int, layout: str) -> torch.Tensor:
     """[1 or batch, local_seq] True at this rank's tokens that start a document (``documents``: the unsharded
     sequence's ids, [1 or batch, full_seq])."""
-    at = (torch.tensor(plan.index)[:, None] * plan.length + torch.arange(plan.length)).flatten()
+    at = positions(documents.shape[1], rank=rank, world_size=world_size, layout=layout)
     before = documents[:, (at - 1).clamp_min(0)]
     return (at == 0) | (documents[:, at] != before)
 
