@@ -9,8 +9,8 @@ Three kinds of ring step, all with GQA (default 32 query heads : 8 key/value hea
   whole block and skips the hidden tiles from the positions.
 
 FLOPs count only visible (query, key) pairs: forward 4*d per pair, backward 2.5x forward.
-Implementations: ``triton``, ``sdpa`` and ``torch`` are hf_ring's backends running one ring step
-(``forward`` merging into the accumulators, ``backward`` from the final LSE); ``sdpa-flash`` and
+Implementations: ``triton``, ``sdpa``, ``cudnn`` (GPU only) and ``torch`` are hf_ring's backends running one
+ring step (``forward`` merging into the accumulators, ``backward`` from the final LSE); ``sdpa-flash`` and
 ``sdpa-cudnn`` are PyTorch's public SDPA with that backend forced (GPU only).
 Before timing a step, every implementation's output and gradients are compared with an fp32 SDPA
 reference on the same inputs (``rel_err``, the largest relative error of out, dq, dk, dv); the
@@ -191,18 +191,23 @@ def rel_err(results, reference) -> float:
     return worst
 
 
-OURS = ("triton", "sdpa", "torch")  # hf_ring's backends; the others are PyTorch's SDPA
+OURS = ("triton", "sdpa", "cudnn", "torch")  # hf_ring's backends; the others are PyTorch's SDPA
 
 
 def backend_step(name, q, k, v, do, mask, scale):
-    """(fwd, bwd, fwd+bwd) callables of one ring step with hf_ring's backend ``name``, and its (out, dq, dk, dv).
+    """(fwd, bwd, fwd+bwd) callables of one ring step with hf_ring's backend ``name``, and its (out, dq, dk, dv);
+    None where the backend cannot run these inputs.
 
     The forward merges into the same accumulators on every call: the same work as a fresh step.
     The backward includes ``delta = rowsum(dO * O)``, as SDPA's backward does.
     """
-    from hf_ring.kernels import get_backend
+    from hf_ring.kernels import get_backend, unsupported_by
 
     backend = get_backend(name, q.device)
+    reason = unsupported_by(backend, q, k, v)
+    if reason:
+        print(f"  {name} cannot run here: {reason}")
+        return None
     b, hq, lq, d = q.shape
     out = torch.zeros(b, hq, lq, d, device=q.device)
     lse = torch.full((b, hq, lq), -math.inf, device=q.device)
@@ -280,7 +285,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
-    p.add_argument("--impls", nargs="+", default=["triton", "sdpa", "sdpa-flash", "sdpa-cudnn"],
+    p.add_argument("--impls", nargs="+", default=["triton", "sdpa", "cudnn", "sdpa-flash", "sdpa-cudnn"],
                    choices=[*OURS, "sdpa-flash", "sdpa-cudnn"])  # fmt: skip
     add_common_args(p)
     args = p.parse_args(argv)

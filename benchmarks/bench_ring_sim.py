@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[8192], help="tokens per rank")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layout", choices=["zigzag", "striped", "contiguous"], default="zigzag")
-    p.add_argument("--backends", nargs="+", default=["sdpa", "triton"], choices=["sdpa", "triton", "torch"])
+    p.add_argument("--backends", nargs="+", default=["sdpa", "triton"], choices=["sdpa", "cudnn", "triton", "torch"])
     p.add_argument("--all-ranks", action="store_true", help="time every rank (default: ranks 0 and N-1)")
     add_common_args(p)
     args = p.parse_args(argv)

@@ -231,7 +231,8 @@ class RingAttentionPlugin:
         cp_size: ranks per context-parallel group; must divide the number of processes. None: the
             environment variable ``HF_RING_CP_SIZE``, else every process (one CP group, no DP).
         layout: ``"zigzag"`` (default), ``"striped"`` or ``"contiguous"``. None: ``HF_RING_LAYOUT`` or zigzag.
-        backend: local attention kernel: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"flash_attn"``.
+        backend: local attention kernel: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"``,
+            ``"flash_attn"``.
             None: ``HF_RING_BACKEND`` or auto.
         ulysses_size: the Ulysses x Ring hybrid inside each CP group (``hf_ring.apply_ring_attention``): U
             consecutive ranks exchange heads for sequence, the ring runs across the cp_size / U groups; an

@@ -67,7 +67,7 @@ def apply_ring_attention(
         group: the context-parallel process group (None: the default group; none initialised: 1 rank).
         layout: how the sequence is split across ranks (``"zigzag"``, ``"striped"``, ``"contiguous"``);
             must match the layout given to ``shard_batch``.
-        backend: local kernel backend (``"auto"``, ``"torch"``, ``"triton"``, ``"flash_attn"``).
+        backend: local kernel backend (``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"``, ``"flash_attn"``).
         ulysses_size: the Ulysses x Ring hybrid: U consecutive ranks of the group exchange heads for sequence
             (all-to-all) and the ring runs across the N / U groups; ``"auto"``: the largest U that divides
             the group's size and the query heads and stays inside one node (``hf_ring.comm.auto_ulysses_size``);

@@ -103,7 +103,7 @@ def ring_attention(
             when every rank passed it). Per call (each layer has its own); saved for the backward as it is (int32
             is enough); the steps then run on the torch backend, which reads it per tile. Pure ring only (no
             ``ulysses``).
-        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"`` or ``"flash_attn"``.
+        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
         plans: a ``PlanCache`` to build the plan once per batch and reuse it (see ``PlanCache``: its

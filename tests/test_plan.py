@@ -71,22 +71,24 @@ def test_pieces_refuse_what_a_causal_flag_cannot_express():
 
 
 class _Count:
-    """Counts calls of sdpa_backend's fused-op wrappers."""
+    """Counts the calls of the sdpa backend's fused ops."""
 
     def __init__(self, monkeypatch):
         self.fwd = self.bwd = 0
-        fwd, bwd = sdpa_backend._fwd, sdpa_backend._bwd
 
-        def counting_fwd(*a):
-            self.fwd += 1
-            return fwd(*a)
+        def counted(op):
+            def fwd(*a):
+                self.fwd += 1
+                return op.fwd(*a)
 
-        def counting_bwd(*a):
-            self.bwd += 1
-            return bwd(*a)
+            def bwd(*a):
+                self.bwd += 1
+                return op.bwd(*a)
 
-        monkeypatch.setattr(sdpa_backend, "_fwd", counting_fwd)
-        monkeypatch.setattr(sdpa_backend, "_bwd", counting_bwd)
+            return op._replace(fwd=fwd, bwd=bwd)
+
+        for name, ops in list(sdpa_backend.OPS.items()):
+            monkeypatch.setitem(sdpa_backend.OPS, name, tuple(counted(op) for op in ops))
 
 
 def _step(backend, q, k, v, do, mask, scale):

@@ -14,7 +14,8 @@ when it is set, and ``"auto"`` falls back to the torch backend where the chosen 
 
 Backends: ``"torch"`` (reference, any device), ``"triton"`` (our fused kernels), ``"sdpa"``
 (PyTorch's fused attention ops, forward and backward, with the masked steps on ``"triton"`` on CUDA
-and on ``"torch"`` elsewhere), ``"flash_attn"`` (optional). ``"auto"`` picks a forward and a
+and on ``"torch"`` elsewhere), ``"cudnn"`` (``"sdpa"`` with PyTorch's cuDNN attention op first; CUDA
+only), ``"flash_attn"`` (optional). ``"auto"`` picks a forward and a
 backward backend by device type and input dtype from measured figures (``AUTO``; the figures are in
 docs/kernels.md): on CPU ``"sdpa"`` for fp32, and for fp16/bf16 ``"sdpa"`` forward with the
 ``"torch"`` backward (PyTorch's CPU flash backward is 3.4-6.5x slower than ours there); on CUDA
@@ -36,8 +37,11 @@ __all__ = [
     "resolve_backend", "triton_importable", "unsupported_by",
 ]  # fmt: skip
 
-BACKENDS = ("auto", "torch", "triton", "sdpa", "flash_attn")
-_MODULES = {"torch": "torch_backend", "triton": "triton_backend", "sdpa": "sdpa_backend", "flash_attn": "flash_backend"}
+BACKENDS = ("auto", "torch", "triton", "sdpa", "cudnn", "flash_attn")
+_MODULES = {
+    "torch": "torch_backend", "triton": "triton_backend", "sdpa": "sdpa_backend", "cudnn": "cudnn_backend",
+    "flash_attn": "flash_backend",
+}  # fmt: skip
 
 #: What ``"auto"`` runs: (device type, ``"fp32"`` or ``"half"``) -> (forward backend, backward backend),
 #: from the figures in docs/kernels.md (CPU: ``bench_kernel.py --device cpu --impls torch sdpa``).

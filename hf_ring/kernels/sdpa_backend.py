@@ -1,79 +1,194 @@
-"""The ``"sdpa"`` backend: PyTorch's own fused attention kernels, forward and backward, per ring step.
+"""The ``"sdpa"`` and ``"cudnn"`` backends: PyTorch's own fused attention ops, forward and backward, per ring step.
 
 Same contract as ``torch_backend``. PyTorch's scaled-dot-product attention ops that return the
 log-sum-exp run every ring step whose mask is a set of fully visible rectangles and causal diagonals
 (``BlockMask.pieces``: no mask, the causal diagonal, the zig-zag halves, the striped layout's shifted
 diagonal); each rectangle's output and natural-log LSE are merged into the fp32 accumulators.
 
-- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (fp32, fp16, bf16; GQA
-  native).
-- CUDA: ``aten._scaled_dot_product_flash_attention`` and its backward (fp16 / bf16, head_dim a
-  multiple of 8 up to 256).
+Each backend tries its ops in order and runs a step on the first that takes the inputs (``OPS``):
+
+- ``"sdpa"``: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (fp32, fp16, bf16; GQA
+  native); on CUDA ``aten._scaled_dot_product_flash_attention`` (fp16 / bf16, one head_dim, a multiple
+  of 8 up to 256; GQA native), else ``aten._scaled_dot_product_efficient_attention`` (also fp32, and a
+  value head_dim of its own; key/value heads repeated for GQA).
+- ``"cudnn"`` (CUDA only): ``aten._scaled_dot_product_cudnn_attention`` (fp16 / bf16, one head_dim, a
+  multiple of 8 up to 128; key/value heads repeated for GQA, inputs made contiguous), else as ``"sdpa"``.
 
 Backward: the ring saves the global output and LSE, so the fused backward of each rectangle, given
 the global ``out`` and ``lse`` (it derives ``delta = rowsum(dO * O)`` from them), yields exactly that
-rectangle's share of dQ, dK and dV.
+rectangle's share of dQ, dK and dV. The ops' LSE layouts differ: flash ``[B, H, L]``; efficient
+``[B, H, L rounded up to 32]`` (the tail unused); cuDNN ``[B, H, L, 1]``.
 
-Steps these ops cannot express (sliding windows, packed documents, fp32 on CUDA, float64) run on the
-``triton`` backend on CUDA and on the ``torch`` backend elsewhere, inside the same call. The ops have
-no attention logit softcapping: with ``softcap`` every step runs on that fallback.
+Steps these ops cannot express (sliding windows, packed documents, float64, inputs no op takes) run on
+the ``triton`` backend on CUDA and on the ``torch`` backend elsewhere, inside the same call. The ops
+have no attention logit softcapping: with ``softcap`` every step runs on that fallback.
 
 Caveat: the ops return their output and gradients in the input dtype, so in fp16/bf16 each rectangle
 is rounded once before it is merged (the triton kernels keep fp32 until the end of the ring).
-GPU status: the CUDA ops have not run on a GPU in this project's tests yet; the CPU ops are tested.
+GPU status: the CUDA ops have not run on a GPU in this project's tests yet (their calls are checked
+against PyTorch's op schemas and meta kernels); the CPU op is tested.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from . import masked_fallback, torch_backend, unsupported_by
 from .mask import BlockMask
 
-__all__ = ["SOFTCAP", "backward", "forward", "runs_on_fused_ops", "unsupported"]
+__all__ = ["OPS", "SOFTCAP", "FusedOp", "backward", "forward", "fused_op", "unsupported"]
 
 _HALF = (torch.float16, torch.bfloat16)
+_aten = torch.ops.aten
 SOFTCAP = True  # on the masked fallback (the fused ops have no softcapping)
 
 
-def runs_on_fused_ops(q: torch.Tensor, v: torch.Tensor | None = None) -> bool:
-    """True when PyTorch's fused ops take inputs like ``q`` and ``v`` (device, dtype, head_dim; the flash ops
-    need v's head_dim equal to q's; ``v`` None: like ``q``)."""
-    if v is not None and v.shape[-1] != q.shape[-1]:
-        return False
-    if q.device.type == "cpu":
-        return q.dtype in (torch.float32, *_HALF)
-    if q.device.type == "cuda":
-        d = q.shape[-1]
-        return q.dtype in _HALF and d % 8 == 0 and d <= 256
-    return False
+class FusedOp(NamedTuple):
+    """One of PyTorch's fused attention ops, wrapped to one contract.
+
+    ``takes(q, v)``: the op runs inputs like these. ``fwd(q, k, v, causal, scale)``: (out in q's dtype,
+    natural-log lse fp32 [B, Hq, Lq]) of plain attention, top-left causal. ``bwd(do, q, k, v, out, lse,
+    causal, scale)``: (dq, dk, dv) in q's dtype, given the global output and LSE of the rows; dk / dv per
+    key/value head or per query head. k / v may have fewer heads than q in both.
+    """
+
+    name: str
+    takes: Callable[[torch.Tensor, torch.Tensor], bool]
+    fwd: Callable
+    bwd: Callable
+
+
+def _repeat_kv(x: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """Key/value heads repeated to ``q_heads`` (query head h reads key/value head h // group)."""
+    return x if x.shape[1] == q_heads else x.repeat_interleave(q_heads // x.shape[1], dim=1)
+
+
+def _nothing(q, dtype):
+    return torch.empty(0, dtype=dtype, device=q.device)
+
+
+# CPU flash ---------------------------------------------------------------------------------------------
+
+
+def _cpu_fwd(q, k, v, causal, scale):
+    return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_bwd(do, q, k, v, out, lse, causal, scale):
+    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+# CUDA flash --------------------------------------------------------------------------------------------
+
+
+def _flash_fwd(q, k, v, causal, scale):
+    res = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return res[0], res[1]
+
+
+def _flash_bwd(do, q, k, v, out, lse, causal, scale):
+    i32, i64 = _nothing(q, torch.int32), _nothing(q, torch.int64)
+    return _aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out, lse, i32, i32, q.shape[2], k.shape[2], 0.0, causal, i64, i64, scale=scale
+    )
+
+
+# CUDA memory-efficient: LSE rows padded to a multiple of 32; no GQA ---------------------------------------
+
+
+def _lse_rows(length: int) -> int:
+    return -(-length // 32) * 32
+
+
+def _efficient_fwd(q, k, v, causal, scale):
+    hq = q.shape[1]
+    res = _aten._scaled_dot_product_efficient_attention(
+        q, _repeat_kv(k, hq), _repeat_kv(v, hq), None, True, 0.0, causal, scale=scale
+    )
+    return res[0], res[1].narrow(2, 0, q.shape[2])
+
+
+def _efficient_bwd(do, q, k, v, out, lse, causal, scale):
+    hq, lq = q.shape[1], q.shape[2]
+    padded = torch.nn.functional.pad(lse, (0, _lse_rows(lq) - lq))
+    seed = _nothing(q, torch.int64)
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        do, q, _repeat_kv(k, hq), _repeat_kv(v, hq), None, out, padded, seed, seed, 0.0,
+        [True, True, True, False], causal, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+# CUDA cuDNN: LSE [B, H, L, 1]; no GQA ------------------------------------------------------------------
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x.contiguous()`` (written as a clone, which PyTorch's fake CUDA tensors also run)."""
+    return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+
+
+def _cudnn_inputs(q, k, v):
+    hq = q.shape[1]
+    return _dense(q), _dense(_repeat_kv(k, hq)), _dense(_repeat_kv(v, hq))
+
+
+def _cudnn_fwd(q, k, v, causal, scale):
+    q, k, v = _cudnn_inputs(q, k, v)
+    res = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return res[0], res[1].squeeze(-1)
+
+
+def _cudnn_bwd(do, q, k, v, out, lse, causal, scale):
+    q, k, v = _cudnn_inputs(q, k, v)
+    seed = _nothing(q, torch.int64)
+    return _aten._scaled_dot_product_cudnn_attention_backward(
+        _dense(do), q, k, v, _dense(out), _dense(lse.unsqueeze(-1)), seed, seed, None, None, None,
+        q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+    )  # fmt: skip
+
+
+def _head_dims_ok(q, v, largest: int, one: bool) -> bool:
+    dims = (q.shape[-1], v.shape[-1])
+    return (not one or dims[0] == dims[1]) and all(d % 8 == 0 and d <= largest for d in dims)
+
+
+def _takes_cpu_flash(q, v) -> bool:
+    return q.device.type == "cpu" and q.dtype in (torch.float32, *_HALF) and v.shape[-1] == q.shape[-1]
+
+
+def _takes_flash(q, v) -> bool:
+    return q.device.type == "cuda" and q.dtype in _HALF and _head_dims_ok(q, v, 256, one=True)
+
+
+def _takes_efficient(q, v) -> bool:
+    return q.device.type == "cuda" and q.dtype in (torch.float32, *_HALF) and _head_dims_ok(q, v, 256, one=False)
+
+
+def _takes_cudnn(q, v) -> bool:
+    return q.device.type == "cuda" and q.dtype in _HALF and _head_dims_ok(q, v, 128, one=True)
+
+
+CPU_FLASH = FusedOp("flash_for_cpu", _takes_cpu_flash, _cpu_fwd, _cpu_bwd)
+FLASH = FusedOp("flash", _takes_flash, _flash_fwd, _flash_bwd)
+EFFICIENT = FusedOp("efficient", _takes_efficient, _efficient_fwd, _efficient_bwd)
+CUDNN = FusedOp("cudnn", _takes_cudnn, _cudnn_fwd, _cudnn_bwd)
+
+#: The ops each backend tries, in order.
+OPS = {"sdpa": (CPU_FLASH, FLASH, EFFICIENT), "cudnn": (CUDNN, FLASH, EFFICIENT)}
+
+
+def fused_op(q: torch.Tensor, v: torch.Tensor | None = None, backend: str = "sdpa") -> FusedOp | None:
+    """The first of ``backend``'s ops that takes inputs like ``q`` and ``v`` (``v`` None: like ``q``), or None."""
+    v = q if v is None else v
+    return next((op for op in OPS[backend] if op.takes(q, v)), None)
 
 
 def unsupported(q, k, v) -> str | None:
     """Why these inputs cannot run here, or None: what the fused ops cannot take goes to the fallback."""
     return unsupported_by(masked_fallback(q.device), q, k, v)
-
-
-def _fwd(q, k, v, causal: bool, scale: float):
-    """(out in q's dtype, lse fp32 [B, Hq, Lq]) of plain attention, top-left causal."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    return res[0], res[1]
-
-
-def _bwd(do, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) in q's dtype of one rectangle, given the global output and LSE of its rows."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
-    empty_i32 = torch.empty(0, dtype=torch.int32, device=q.device)
-    empty_i64 = torch.empty(0, dtype=torch.int64, device=q.device)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        do, q, k, v, out, lse, empty_i32, empty_i32, q.shape[2], k.shape[2], 0.0, causal, empty_i64, empty_i64,
-        scale=scale,
-    )  # fmt: skip
 
 
 def _kv_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -83,37 +198,45 @@ def _kv_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g.unflatten(1, (kv_heads, g.shape[1] // kv_heads)).sum(2)
 
 
-def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None):
+def _plan(q, v, mask: BlockMask, softcap, backend: str):
+    op = fused_op(q, v, backend) if softcap is None else None
+    pieces = mask.pieces() if op is not None else None
+    return (op, pieces) if pieces is not None else (None, None)
+
+
+def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None,
+            backend: str = "sdpa"):  # fmt: skip
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
     q: [batch, q_heads, local_q, head_dim]; k, v: [batch, kv_heads, local_k, head_dim] (any strides
-    with a contiguous last dimension; values of another head_dim run on the fallback). out: [batch, q_heads,
-    local_q, v_head_dim] fp32; lse: [batch, q_heads, local_q] fp32. softcap: logit softcapping (the step then
-    runs on the fallback).
+    with a contiguous last dimension). out: [batch, q_heads, local_q, v_head_dim] fp32; lse: [batch,
+    q_heads, local_q] fp32. softcap: logit softcapping (the step then runs on the fallback). backend:
+    whose ops (``OPS``).
     Returns ``(out, lse)``.
     """
-    pieces = mask.pieces() if runs_on_fused_ops(q, v) and softcap is None else None
-    if pieces is None:
+    op, pieces = _plan(q, v, mask, softcap, backend)
+    if op is None:
         return masked_fallback(q.device).forward(q, k, v, mask, scale, out, lse, softcap=softcap)
     for kind, qs, ks in pieces:
-        o, blk_lse = _fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], kind == "causal", scale)
+        o, blk_lse = op.fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], kind == "causal", scale)
         torch_backend.merge_(out[:, :, qs], lse[:, :, qs], o.float(), blk_lse.float())
     return out, lse
 
 
-def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, softcap=None):
+def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, softcap=None,
+             backend: str = "sdpa"):  # fmt: skip
     """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place.
 
     Shapes as in ``torch_backend.backward``; ``out``: the global output [batch, q_heads, local_q,
     head_dim] in q's dtype (without it, or with ``softcap``, the step runs on the fallback).
     Returns ``(dq, dk, dv)``.
     """
-    pieces = mask.pieces() if out is not None and runs_on_fused_ops(q, v) and softcap is None else None
-    if pieces is None:
+    op, pieces = _plan(q, v, mask, softcap, backend) if out is not None else (None, None)
+    if op is None:
         return masked_fallback(q.device).backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, softcap=softcap)
     hkv = k.shape[1]
     for kind, qs, ks in pieces:
-        g_q, g_k, g_v = _bwd(
+        g_q, g_k, g_v = op.bwd(
             do[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs].contiguous(),
             kind == "causal", scale,
         )  # fmt: skip
