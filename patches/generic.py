@@ -132,6 +132,7 @@ FAMILIES = {
     "ministral3": "transformers.models.ministral3.modeling_ministral3.Ministral3Attention",
     "mistral4": "transformers.models.mistral4.modeling_mistral4.Mistral4Attention",
     "mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralAttention",
+    "modernbert-decoder": "transformers.models.modernbert_decoder.modeling_modernbert_decoder.ModernBertDecoderAttention",
     "mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextSelfAttention",
     "nanochat": "transformers.models.nanochat.modeling_nanochat.NanoChatAttention",
     "nemotron": "transformers.models.nemotron.modeling_nemotron.NemotronAttention",

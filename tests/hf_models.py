@@ -105,6 +105,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}),
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "logit_scale": 0.5, **_SLIDE_FULL}),
     "cwm": ("CwmConfig", "CwmForCausalLM", {"head_dim": 16, **_SLIDE_FULL}),
+    # ModernBERT decoder (Ettin): windows of local_attention // 2, multi-head attention, a prediction head
+    "modernbert-decoder": ("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM",
+                           {"local_attention": 12, "layer_types": _SLIDE_FULL["layer_types"], "num_key_value_heads": 4,
+                            "cls_token_id": 3, "sep_token_id": 4}),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": 32}),
     "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **_SLIDE_FULL}),
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),

@@ -79,6 +79,7 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "llama-dynamic-padded-batch": ("llama", 2, 30, 3, {"config": DYNAMIC}),
     "gpt2-learned-positions": ("gpt2", 2, 14, 3, {}),  # absolute positions from the global position ids
     "diffllama-differential": ("diffllama", 1, 13, 0, {}),  # two attention maps per layer, each decoded
+    "modernbert-decoder-windows": ("modernbert-decoder", 2, 14, 3, {"scores": True}),  # sliding and full layers
     "granitemoe_swa-sinks-window": ("granitemoe_swa", 2, 14, 3, {}),
     # the MoE router's logits on (its load-balancing loss's hooks run; Transformers' own generate() fails with them on
     # a cache: the reference generates without)

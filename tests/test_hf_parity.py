@@ -132,6 +132,13 @@ CASES = {
     "bitnet-padded": ("bitnet", "padded", 45, {}),
     "cohere2_moe-plain": ("cohere2_moe", "plain", 40, {}),
     "cwm-packed": ("cwm", "packed", 45, {}),
+    "modernbert-decoder-packed": ("modernbert-decoder", "packed", 45, {}),
+    "modernbert-decoder-padded-lora-checkpointing": (
+        "modernbert-decoder",
+        "padded",
+        40,
+        {"lora": True, "checkpointing": True},
+    ),
     "ernie4_5_moe-padded": ("ernie4_5_moe", "padded", 40, {}),
     "exaone_moe-plain": ("exaone_moe", "plain", 45, {}),
     "flex_olmo-packed": ("flex_olmo", "packed", 40, {}),
