@@ -138,6 +138,17 @@ class RingComm:
             )
         return RuntimeError(f"ring_attention: rank {self.rank} of the ring lost its peers{where} ({peers}): {error}")
 
+    def _collective_device(self, device: torch.device | None) -> torch.device:
+        """Where a small collective's tensor lives: ``device`` when it is a GPU and the group runs NCCL; the current
+        GPU for a group of NCCL alone (which takes no CPU tensor); else the CPU (gloo, or a group with a CPU backend
+        beside NCCL)."""
+        backend = str(dist.get_backend(self.group))
+        if "nccl" in backend and device is not None and device.type == "cuda":
+            return device
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def partner(self) -> RingComm:
         """A communicator over the same group with the next tag (for a second exchange in flight)."""
         return RingComm(self.group, tag=self.tag + 1, timeout=self.timeout)
@@ -146,12 +157,12 @@ class RingComm:
         """Every rank's ``values`` (the same length everywhere), in rank order: one small all-gather.
 
         The tensor lives on ``device`` when the group's backend is NCCL and ``device`` is a GPU (NCCL
-        needs it there; reading the result back is then one small device-to-host copy), else on the CPU.
+        needs it there; reading the result back is then one small device-to-host copy), on the current GPU for a
+        group of NCCL alone given no GPU ``device``, else on the CPU.
         """
         if self.world_size == 1:
             return [list(values)]
-        on_gpu = device is not None and device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
-        mine = torch.tensor(values, dtype=torch.int64, device=device if on_gpu else "cpu")
+        mine = torch.tensor(values, dtype=torch.int64, device=self._collective_device(device))
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(every, mine, group=self.group)
@@ -166,8 +177,9 @@ class RingComm:
         named in errors."""
         if self.world_size == 1:
             return t.clone()
-        on_gpu = t.is_cuda and "nccl" in str(dist.get_backend(self.group))
-        out = t.clone() if on_gpu else t.cpu().clone()
+        where = self._collective_device(t.device)
+        on_gpu = where.type == "cuda"
+        out = t.to(where, copy=True)
         limit = None if self.timeout is None or on_gpu else datetime.timedelta(seconds=self.timeout)
         try:
             work = dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group, async_op=True)

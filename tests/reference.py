@@ -97,7 +97,7 @@ def virtual_ring(
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         out = hf_ring.ring_attention(*leaves, **kw)
         return (out.detach(), *torch.autograd.grad(out, leaves, do))
-    pos = [positions(q.shape[2], rank=r, world_size=n, layout=layout) for r in range(n)]
+    pos = [positions(q.shape[2], rank=r, world_size=n, layout=layout, device=q.device) for r in range(n)]
     blocks = [_message(k.index_select(2, p), v.index_select(2, p)) for p in pos]  # what each rank sends first
     out, dq = torch.zeros(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device), torch.zeros_like(q)
     dk, dv = torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)

@@ -191,3 +191,49 @@ def test_glue_of_the_ops_with_their_own_lse_layouts(op, layout, monkeypatch):
             for name, a, r in zip(("out", "dq", "dk", "dv"), mine, ref):
                 assert rel_err(a, r) <= FP32_TOL, (op, layout, rank, src, name)
     assert stand_ins.calls > 0
+
+
+@pytest.mark.parametrize("backend,device,want", [
+    ("nccl", None, "cuda:0"),  # NCCL alone takes no CPU tensor: the current GPU
+    ("nccl", "cuda:1", "cuda:1"),
+    ("nccl", "cpu", "cuda:0"),
+    ("cpu:gloo,cuda:nccl", None, "cpu"),  # a CPU backend beside NCCL: the CPU
+    ("cpu:gloo,cuda:nccl", "cuda:1", "cuda:1"),
+    ("gloo", "cuda:1", "cpu"),
+])  # fmt: skip
+def test_small_collectives_put_their_tensor_where_the_groups_backend_takes_it(backend, device, want, monkeypatch):
+    """The pre-flight all-gather and the rotary embedding's all-reduce on a group of NCCL alone: on a GPU even when
+    the caller has no GPU tensor (an error path where q is not a tensor), which NCCL needs."""
+    from hf_ring import comm
+
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    ring = object.__new__(comm.RingComm)
+    ring.group = None
+    got = ring._collective_device(None if device is None else torch.device(device))
+    assert got == torch.device(want)
+
+
+def test_flash_backward_leaves_the_variable_length_arguments_undefined(monkeypatch):
+    """PyTorch's CUDA flash backward runs its variable-length kernel whenever ``cum_seq_q`` is defined (an empty
+    tensor too): dense steps must pass None, as the forward returns them."""
+    seen = {}
+
+    class Recording:
+        def __getattr__(self, name):
+            op = getattr(torch.ops.aten, name)
+
+            def call(*args, **kwargs):
+                seen[name] = args
+                return op(*args, **kwargs)
+
+            return call
+
+    monkeypatch.setattr(sdpa_backend, "_aten", Recording())
+    mode = fake_tensor.FakeTensorMode()
+    with mode:
+        q, k, v, do = (_fake_cuda(mode, (1, 4, 64, 128), torch.bfloat16) for _ in range(4))
+        out, lse = sdpa_backend.FLASH.fwd(q, k, v, True, 0.1)
+        sdpa_backend.FLASH.bwd(do, q, k, v, out, lse, True, 0.1)
+    args = seen["_scaled_dot_product_flash_attention_backward"]
+    assert args[6] is None and args[7] is None  # cum_seq_q, cum_seq_k

@@ -90,9 +90,11 @@ def _flash_fwd(q, k, v, causal, scale):
 
 
 def _flash_bwd(do, q, k, v, out, lse, causal, scale):
-    i32, i64 = _nothing(q, torch.int32), _nothing(q, torch.int64)
+    # cum_seq_q / cum_seq_k undefined (None), as the forward returns them for dense inputs: a defined one, even empty,
+    # selects the variable-length kernel
+    seed = _nothing(q, torch.int64)
     return _aten._scaled_dot_product_flash_attention_backward(
-        do, q, k, v, out, lse, i32, i32, q.shape[2], k.shape[2], 0.0, causal, i64, i64, scale=scale
+        do, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, seed, scale=scale
     )
 
 
