@@ -15,7 +15,8 @@ context-parallel loss contract of ``shard_batch`` holds unchanged. The output ha
 without labels the model's own forward runs (logits as before).
 
 Works with any lm_head module (tied embeddings, LoRA on the head; Llama 4's vision-language wrapper, whose head
-belongs to the causal LM inside it: the wrapper's forward runs with that head set aside), gradient checkpointing,
+belongs to the causal LM inside it: the wrapper's forward runs with that head set aside; a head of two modules, the
+``lm_head`` then the output embeddings, as ModernBERT decoder's), gradient checkpointing,
 ``torch.compile`` and PEFT models. ``backend="liger"`` hands the projection and the loss to Liger-Kernel's
 fused linear cross-entropy instead (optional, ``pip install 'hf-ring[liger]'``; CUDA; the lm_head must be a
 plain ``nn.Linear``, not sharded on its own; the logit scale is folded into the hidden states and the final
@@ -232,6 +233,16 @@ def _check(target) -> None:
             )
 
 
+def _head(target) -> torch.nn.Module:
+    """The module mapping the base model's last hidden states to the logits: the ``lm_head``, or, where the family's
+    head is two modules, both in turn (ModernBERT decoder: its prediction head ``lm_head``, then its output embeddings
+    ``decoder``, the projection to the vocabulary)."""
+    head, out = target.lm_head, target.get_output_embeddings()
+    if isinstance(out, torch.nn.Module) and all(out is not m for m in head.modules()):
+        return torch.nn.Sequential(head, out)
+    return head
+
+
 def _inner_causal_lm(target):
     """The module whose ``lm_head`` the chunked loss sets aside to run the wrapper's own forward, else None: the
     causal LM inside a vision-language wrapper that has no ``lm_head`` of its own (Llama 4: the wrapper takes the
@@ -317,7 +328,7 @@ def _chunked_forward(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=use_cache, **_cache(past_key_values), **kwargs,
         )  # fmt: skip
-        hidden, head = outputs.last_hidden_state, self.lm_head
+        hidden, head = outputs.last_hidden_state, _head(self)
     else:  # the wrapper's own forward without labels, its causal LM's head set aside: hidden states for logits
         with _HeadAside(inner) as head:
             outputs = type(self).forward(

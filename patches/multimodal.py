@@ -3,8 +3,8 @@ batches with images and video.
 
 Transformers loads some of the most fine-tuned checkpoints as vision-language models even for text work:
 ``AutoModelForCausalLM`` maps Gemma 3 (4B, 12B, 27B; ``model_type`` ``gemma3``) to
-``Gemma3ForConditionalGeneration``, Gemma 4 (``gemma4``, with vision and audio towers) to
-``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
+``Gemma3ForConditionalGeneration``, Gemma 3n (``gemma3n``, vision and audio) to ``Gemma3nForConditionalGeneration``,
+Gemma 4 (``gemma4``, with vision and audio towers) to ``Gemma4ForConditionalGeneration``, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) are their
 ``...ForConditionalGeneration`` (text models that exist only inside them: ``INNER``), as are GLM-4.1V (``glm4v``),
 GLM-4.5V / 4.6V (``glm4v_moe``, ``glm46v``) and GLM-OCR (``glm_ocr``), InternVL 3 / 3.5 holds a Qwen2,
 Qwen3, Qwen3-MoE or Llama text model, LLaVA, LLaVA-NeXT and LLaVA-NeXT-Video a Llama, Mistral or Qwen2 one,
@@ -46,10 +46,10 @@ and checks the text config.
 Images and video (``IMAGES``: LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, ViP-LLaVA, Video-LLaVA,
 Perception LM, FastVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, InternVL, Mistral 3,
 Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, GOT-OCR 2.0, Ovis2, Qianfan-OCR,
-Gemma 3, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
+Gemma 3, Gemma 3n, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
 Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, ERNIE-4.5-VL, Step 3.7, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers,
-Cosmos3; audio: Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model
+Cosmos3; audio: Gemma 3n, Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model
 attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
@@ -112,6 +112,7 @@ MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_fe
 
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
+    "gemma3n": ("gemma3n_text",),  # Gemma 3n (text, vision, audio)
     "gemma4": ("gemma4_text",),  # Gemma 4 (text, vision, audio)
     "gemma4_unified": ("gemma4_unified_text",),  # Gemma 4 Unified (encoder-free: patches and audio projected)
     "qwen2_vl": ("qwen2_vl_text",),
@@ -218,6 +219,7 @@ IMAGES = (
     "idefics3",
     "smolvlm",
     "gemma3",
+    "gemma3n",
     "gemma4",
     "gemma4_unified",
     "lfm2_vl",
@@ -415,6 +417,7 @@ BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "gemma4_unified": 
 
 
 LOGIT_TRANSFORMS = {
+    "gemma3n": generic.LOGIT_TRANSFORMS["gemma3n_text"],
     "gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"],
     "cohere_compass": generic.LOGIT_TRANSFORMS["cohere_compass_text"],  # the text config's logit_scale (None: none)
     "hyperclovax_vision_v2": generic.LOGIT_TRANSFORMS["hyperclovax"],  # the text config's logits_scaling

@@ -29,6 +29,7 @@ SCALE_FACTORS = {
     "gemma4_unified": 0.2,
     "gemma4_unified-audio": 0.2,
     "gemma3n_text": 0.2,
+    "gemma3n": 0.2,
 }
 
 
@@ -317,6 +318,11 @@ _GRANITE_TEXT = {"model_type": "granite", "attention_multiplier": 0.2, "embeddin
                  "residual_multiplier": 0.5, "logits_scaling": 2.0}  # fmt: skip
 
 VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyond the common sizes, vision config)
+    # Gemma 3n: a convolutional tower stands in for its timm MobileNetV5 (timm is no test dependency; _Gemma3nTower), a
+    # [batch, 32, 2, 2] map: 4 soft tokens per 28 x 28 image; its vision vocabulary VOCAB.. (MEDIA_TOKENS), its audio
+    # one after it (GEMMA3N_AUDIO_TOKEN)
+    "gemma3n": ("Gemma3nConfig", "Gemma3nForConditionalGeneration", MORE_FAMILIES["gemma3n_text"][2],
+                {"hidden_size": 32, "vocab_size": 8, "vocab_offset": VOCAB}),
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", MORE_FAMILIES["gemma4_text"][2],
                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "num_key_value_heads": 2, "head_dim": 16, "patch_size": 14, "pooling_kernel_size": 2}),
@@ -708,7 +714,7 @@ a release where they do not), and Perception LM, whose 5.17 config builds its ti
 (the tiny model's stand-in tower needs 5.24)."""
 
 
-DRAWN_PADDING_EMBEDDING = ("gemma3n_text",)
+DRAWN_PADDING_EMBEDDING = ("gemma3n_text", "gemma3n")
 """Families whose padding token's embedding (zero at initialisation, ``padding_idx``) ``make_model`` draws at random,
 as a trained checkpoint has it: Gemma 3n's AltUp takes the square root of each token's mean square, whose gradient
 at a zero embedding is NaN (in the unmodified model too), and ``shard_batch`` pads with token 0."""
@@ -891,6 +897,13 @@ def make_config(family: str, **overrides):
                                       "use_qformer_text_input": False}}  # fmt: skip
         if family == "gemma4_unified-audio":  # no audio tower: frames of 16 features, one token each
             top = {"audio_config": {"audio_embed_dim": 16}, "audio_token_id": AUDIO_TOKEN}
+        if family == "gemma3n":  # a conformer audio tower: 32 frames of 16 mel bins, two stride-2 convolutions -> 8
+            top = {"audio_config": {"vocab_size": 4, "vocab_offset": VOCAB + len(MEDIA_TOKENS), "input_feat_size": 16,
+                                    "hidden_size": 32, "conf_num_attention_heads": 2, "conf_num_hidden_layers": 1,
+                                    "sscp_conv_channel_size": [8, 8], "conf_attention_chunk_size": 4,
+                                    "conf_attention_context_left": 5},
+                   "vision_soft_tokens_per_image": 4, "audio_soft_tokens_per_image": 8,
+                   "image_token_id": MEDIA_TOKENS["image_token_id"], "audio_token_id": GEMMA3N_AUDIO_TOKEN}  # fmt: skip
         if family == "gemma4-audio":  # a conformer audio tower: 32 frames of 128 mel bins -> 8 tokens
             top = {"audio_config": GEMMA4_AUDIO, "audio_token_id": AUDIO_TOKEN}
         if family in OMNI_AUDIO:  # its audio tower (always built); the vision start token its positions always read
@@ -970,7 +983,22 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
     cls = classes[family]
     cls = getattr(tf, cls) if isinstance(cls, str) else cls  # (by name: families of later releases too)
     torch.manual_seed(seed)
-    model = cls(make_config(family, **overrides)).to(dtype)
+    config = make_config(family, **overrides)
+    if family == "gemma3n":  # its vision tower built from the config is timm's: _Gemma3nTower in its place
+        from unittest import mock
+
+        from transformers.models.gemma3n import modeling_gemma3n
+
+        build = modeling_gemma3n.AutoModel.from_config
+
+        def tower(*args, **kwargs):  # (5.17 passes the config by keyword)
+            cfg = args[0] if args else kwargs["config"]
+            return _Gemma3nTower() if cfg.model_type == "gemma3n_vision" else build(*args, **kwargs)
+
+        with mock.patch.object(modeling_gemma3n.AutoModel, "from_config", tower):
+            model = cls(config).to(dtype)
+    else:
+        model = cls(config).to(dtype)
     model.config.use_cache = False
     if family in DRAWN_PADDING_EMBEDDING:
         with torch.no_grad():
@@ -1043,6 +1071,25 @@ NEMOTRON_H_OMNI_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attenti
                          "num_mel_bins": 16, "dropout": 0.0, "layerdrop": 0.0, "activation_dropout": 0.0,
                          "attention_dropout": 0.0, "projection_hidden_size": 48, "projection_bias": False}  # fmt: skip
 AUDIO_TOKEN = VOCAB + 3  # Gemma 4's audio placeholder in models made with images=True (outside MEDIA_TOKENS)
+GEMMA3N_AUDIO_TOKEN = VOCAB + len(MEDIA_TOKENS) + 1  # Gemma 3n's: inside its audio vocabulary, after the vision one
+
+
+class _Gemma3nTower(torch.nn.Module):
+    """A convolutional tower in place of Gemma 3n's timm MobileNetV5: 28 x 28 images in patches of 14, width 32 (a
+    [batch, 32, 2, 2] map, as timm's [batch, width, h, w]), no ``PreTrainedModel`` inside (whose config Gemma 3n's would
+    not know when setting the attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, 32, kernel_size=14, stride=14)
+        self.mix = torch.nn.Conv2d(32, 32, kernel_size=1)
+
+    def forward(self, pixel_values, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        return BaseModelOutput(last_hidden_state=self.mix(torch.nn.functional.gelu(self.patches(pixel_values))))
+
+
 OMNI_AUDIO = {  # the Qwen-Omni thinkers' audio towers, 16 mel bins: Qwen2.5-Omni's two convolutions (one strided) and
     # pooling by 2 (32 frames of a clip -> 8 tokens), Qwen3-Omni's three strided 2-D convolutions (64 frames -> 8)
     "qwen2_5_omni_thinker": {"num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2,
@@ -1060,7 +1107,7 @@ NEXT_PINPOINTS = [[28, 28], [28, 56]]  # LLaVA-NeXT's tile layouts for the tiny 
 GRANITE4_VISION_PINPOINTS = [[56, 56], [56, 112]]  # Granite 4 Vision's: a tile's 4 x 4 patches downsampled to 2 x 2
 
 
-_FOUR_TOKENS = ("granite_docling", "llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
+_FOUR_TOKENS = ("gemma3n", "granite_docling", "llava", "lfm2_vl", "idefics2", "got_ocr2", "vipllava", "video_llava", "perception_lm", "fast_vlm",
                 "llama4", "kimi_k25", "exaone4_5", "minimax_m3_vl", "lfm3_vl", "apertus1p5", "minicpmv4_6",
                 "minicpmv4_7", "minicpm_ocr",
                 "video_llama_3", "janus", "deepseek_vl", "deepseek_vl_hybrid", "paligemma",
@@ -1355,10 +1402,18 @@ def _dots3_note_clips(g: torch.Generator) -> dict:
             "chunk_sample_lengths": torch.tensor([10240, 7680, 10240])}  # fmt: skip
 
 
+def _gemma3n_clips(g: torch.Generator) -> dict:
+    """Three clips of 32 frames x 16 mel bins, the second of 24 real frames (``input_features_mask``): 8, 6 and 8
+    audio tokens, each clip's padded by the model to its 8 placeholders."""
+    frames = torch.ones(3, 32, dtype=torch.bool)
+    frames[1, 24:] = False
+    return {"input_features": torch.randn(3, 32, 16, generator=g), "input_features_mask": frames}
+
+
 AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips, "granite_speech": _granite_speech_clips,
                "granite_speech_plus": _granite_speech_clips, "nemotron_h_omni": _nemotron_h_omni_clips,
                "gemma4_unified-audio": _gemma4_unified_clips, "muse_spark": _muse_spark_clips,
-               "dots3_note": _dots3_note_clips}  # fmt: skip
+               "dots3_note": _dots3_note_clips, "gemma3n": _gemma3n_clips}  # fmt: skip
 """Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
 AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8), "granite_speech": (8, 6, 8),
                 "granite_speech_plus": (8, 6, 8), "nemotron_h_omni": (8, 7, 8), "gemma4_unified-audio": (8, 6, 8),
@@ -1392,7 +1447,7 @@ def make_batch(kind: str, seq_len: int, *, seed: int = 1, family: str | None = N
         if family in OMNI_AUDIO:  # the last clip shorter (its feature_attention_mask, OMNI_FRAMES): 6 tokens
             spans[-1] = (*_IMAGE_SPOTS[-1], 6)
         for b, p, n in spans:
-            ids[b, p : p + n] = AUDIO_TOKEN
+            ids[b, p : p + n] = GEMMA3N_AUDIO_TOKEN if family == "gemma3n" else AUDIO_TOKEN
         labels, mask = _labels_and_padding(ids, 3)
         if apertus:
             samples = torch.ones(2, 64, dtype=torch.long)

@@ -247,6 +247,8 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "qwen2_vl-images": ("qwen2_vl", "images-padded", {}),  # multimodal RoPE: positions and offsets follow the images
     "qwen2_5_vl-video": ("qwen2_5_vl", "video", {}),
     "gemma4-audio": ("gemma4-audio", "audio", {}),  # audio features merged on the whole prompt
+    "gemma3n-images": ("gemma3n", "images-padded", {}),  # per-layer inputs, layers sharing keys/values
+    "gemma3n-audio": ("gemma3n", "audio", {}),
     "gemma4_unified-images": ("gemma4_unified", "images-padded", {}),  # both ways within each image, every layer
     "cohere_compass-images": ("cohere_compass", "images-padded", {}),  # multimodal RoPE on its sliding layers only
     "hyperclovax_vision_v2-images": ("hyperclovax_vision_v2", "images-padded", {}),  # 1-D RoPE after a Qwen tower

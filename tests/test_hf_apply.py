@@ -200,6 +200,7 @@ def _sub_configs(config) -> list:
         "emu3",
         "ernie4_5_vl_moe",
         "gemma3",
+        "gemma3n",
         "gemma4",
         "gemma4_unified",
         "glm4v",
@@ -368,6 +369,8 @@ def _text_only_batches_and_refused_images(family):
         ("gemma3", "images-padded"),  # image tokens see each other both ways (ring_block_ids)
         ("gemma4", "images"),  # causal over images (use_bidirectional_attention=None, the smaller checkpoints)
         ("gemma4-audio", "audio"),
+        ("gemma3n", "images-padded"),  # a convolutional tower in place of its timm one
+        ("gemma3n", "audio"),  # its conformer; a shorter clip padded to its placeholders by the model
         ("gemma4_unified", "images-padded"),  # patches projected without a tower, both ways within each image
         ("cohere_compass", "images"),  # Qwen3-VL's tower, deepstack features, multimodal RoPE on sliding layers
         ("hyperclovax_vision_v2", "images-padded"),  # Qwen2.5-VL's tower, HyperCLOVA X text (1-D RoPE)

@@ -398,6 +398,11 @@ CASES = {
     # Gemma 4: both ways on its sliding layers only (its full layers stay causal), KV-shared layers, per-layer inputs
     "gemma4-images-padded": ("gemma4", "images-padded", 45, {"config": {"use_bidirectional_attention": "vision"}}),
     "gemma4-images-causal-checkpointing": ("gemma4", "images", 40, {"checkpointing": True}),
+    # Gemma 3n with images and audio (AltUp, per-layer inputs cut with the embeddings, layers sharing keys/values)
+    "gemma3n-images-padded": ("gemma3n", "images-padded", 40, {}),
+    "gemma3n-images-lora-checkpointing": ("gemma3n", "images", 45, {"lora": True, "checkpointing": True}),
+    "gemma3n-audio": ("gemma3n", "audio", 40, {}),
+    "gemma3n-packed": ("gemma3n", "packed", 45, {}),
     # Gemma 4 Unified: patches projected without a tower (padding patches stripped), both ways within each image
     "gemma4_unified-images-padded": (
         "gemma4_unified",
