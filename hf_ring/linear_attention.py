@@ -44,6 +44,8 @@ must hold at least K - 1 tokens.
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -107,10 +109,41 @@ def gated_delta_rule(
             memory["state"] = final.detach().float()
         return out
     # fp32 into the kernel: its zero-state outputs and u_t are corrected before the one rounding to the input dtype
-    # (Transformers' fallback kernel computes in fp32 anyway); fp32 states and their composition, also under autocast
+    # (Transformers' fallback kernel computes in fp32 anyway); fp32 states and their composition, also under autocast.
+    # flash-linear-attention's kernels take no fp32 (_kernel_inputs): half-precision inputs go to them as they are
     dk, dv = key.shape[-1], value.shape[-1]
-    inputs = [t.float() for t in (query, key, _widened(value, dk), g, beta)]
+    kernel, dtype = _kernel_inputs(kernel, query.dtype)
+    inputs = [t.to(dtype) for t in (query, key, _widened(value, dk))] + [
+        g.float(),
+        beta.float() if dtype == torch.float32 else beta,
+    ]
     return _scan(_DeltaRule(kernel, dk, dv, kernel_kwargs), inputs, plan, gather, documents, query.dtype, memory)
+
+
+def _fla(kernel: Callable) -> bool:
+    """The kernel is flash-linear-attention's (fp16 / bf16 only): called directly, or through Transformers' dispatch
+    (``use_kernel_func_from_hub_with_fallback``, which picks fla's kernel whenever fla is installed)."""
+    if (getattr(kernel, "__module__", None) or "").split(".")[0] == "fla":
+        return True
+    return hasattr(kernel, "__wrapped__") and importlib.util.find_spec("fla") is not None
+
+
+def _kernel_inputs(kernel: Callable, dtype: torch.dtype) -> tuple[Callable, torch.dtype]:
+    """``(kernel, dtype of its q / k / v)`` on the composed path: fp32 where the kernel takes it; fla's kernel in the
+    inputs' half precision (its outputs then rounded once more before the correction, as the unsharded fla run rounds
+    them); for fp32 inputs under fla, Transformers' PyTorch kernel beneath its dispatch (the unsharded model's fla
+    call would refuse them)."""
+    if not _fla(kernel):
+        return kernel, torch.float32
+    if dtype in (torch.float16, torch.bfloat16):
+        return kernel, dtype
+    reference = inspect.unwrap(kernel)
+    if reference is kernel:
+        raise ValueError(
+            f"{getattr(kernel, '__name__', kernel)} (flash-linear-attention) takes no float32 inputs; run the model "
+            "in bfloat16 or float16"
+        )
+    return reference, torch.float32
 
 
 def mamba2_scan(
