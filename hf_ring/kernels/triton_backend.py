@@ -15,6 +15,7 @@ float64 inputs are delegated to ``torch_backend``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -132,6 +133,12 @@ def interpreted() -> bool:
     return type(_dq_kernel).__name__ == "InterpretedFunction"
 
 
+def _on_device(x: torch.Tensor):
+    """Triton launches on the current CUDA device and stream: the tensors' device for the launch (a process whose
+    model sits on ``cuda:1`` without ``torch.cuda.set_device(1)``); nothing on CPU."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 # --------------------------------------------------------------------------- custom ops
 
 
@@ -154,7 +161,8 @@ def _fwd_op(
     blocks: bool = False,
 ) -> None:
     cfg = KernelConfig.from_list(config)
-    fwd_launch(q, k, v, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, out, lse, cfg, softcap, blocks)
+    with _on_device(q):
+        fwd_launch(q, k, v, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, out, lse, cfg, softcap, blocks)
 
 
 @_fwd_op.register_fake
@@ -188,7 +196,8 @@ def _bwd_op(
 ) -> None:
     cfg = KernelConfig.from_list(config)
     pos = (q_pos, k_pos, q_doc, k_doc)
-    bwd_launch(do, q, k, v, lse, delta, pos, scale, causal, window, dq, dk, dv, cfg, softcap, blocks)
+    with _on_device(q):
+        bwd_launch(do, q, k, v, lse, delta, pos, scale, causal, window, dq, dk, dv, cfg, softcap, blocks)
 
 
 @_bwd_op.register_fake
