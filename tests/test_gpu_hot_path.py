@@ -138,7 +138,7 @@ def test_virtual_ranks_through_ring_attention(backend, layout):
         assert max(errs) <= 2e-2, f"rank {rank} {backend} {layout}: (out, dq, dk, dv) {errs}"
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "cudnn", "triton"])
+@pytest.mark.parametrize("backend", ["sdpa", "cudnn", "triton", "torch"])
 def test_steady_state_forward_backward_without_host_sync(backend):
     """After the first call built the plan, a forward + backward through ring_attention (4 virtual
     ranks, the masks' positions on the device) makes no synchronising CUDA call."""

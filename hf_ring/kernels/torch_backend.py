@@ -16,6 +16,7 @@ A row that sees no key keeps ``lse = -inf`` and output 0; in the backward its pr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -75,8 +76,21 @@ def _unfold_rows(x: torch.Tensor, hq: int) -> torch.Tensor:
     return x.reshape(b, hkv * g, x.shape[2] // g, *x.shape[3:])
 
 
+def _on(mask: BlockMask, device: torch.device) -> BlockMask:
+    """``mask`` with its positions and documents on ``device`` for the tile masks (uploaded once per mask, without
+    blocking: no host-device copy per tile on a GPU); the mask itself elsewhere, and while dynamo traces."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return mask
+    key = ("tiles on", str(device))
+    if key not in mask._cache:
+        t = mask.device_tensors(device)
+        mask._cache[key] = dataclasses.replace(mask, **t, _cache={})
+    return mask._cache[key]
+
+
 def _tile_mask(mask: BlockMask, qs: slice, ks: slice, group: int) -> torch.Tensor:
-    """Dense mask of a tile, broadcastable to the folded scores [B, Hkv, G * tile_q, tile_k]."""
+    """Dense mask of a tile, broadcastable to the folded scores [B, Hkv, G * tile_q, tile_k] (``mask`` as ``_on``
+    gives it: on the scores' device)."""
     vis = mask.visible(qs, ks)  # [Bd, tq, tk]
     bd, tq, tk = vis.shape
     return vis[:, None, None].expand(bd, 1, group, tq, tk).reshape(bd, 1, group * tq, tk)
@@ -104,6 +118,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     k_tiles = tiles(mask.k_pos, BLOCK_K)
+    on_device = _on(mask, q.device)
     for qs in tiles(mask.q_pos, BLOCK_Q):
         qf = _fold(q, hkv, qs)
         m = torch.full(qf.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
@@ -115,7 +130,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
                 continue
             s, _ = _scores(qf, k[:, :, ks].float(), scale, softcap)
             if kind != FULL:
-                s.masked_fill_(~_tile_mask(mask, qs, ks, group).to(s.device), -math.inf)
+                s.masked_fill_(~_tile_mask(on_device, qs, ks, group).to(s.device), -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_safe.unsqueeze(-1))
@@ -124,9 +139,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
             acc.mul_(corr.unsqueeze(-1)).add_(torch.matmul(p, v[:, :, ks].float()))
             m = m_new
         seen = denom > 0
-        blk_lse = torch.where(
-            seen, m + torch.log(torch.where(seen, denom, torch.ones_like(denom))), m.new_tensor(-math.inf)
-        )
+        blk_lse = torch.where(seen, m + torch.log(torch.where(seen, denom, torch.ones_like(denom))), -math.inf)
         blk_out = acc / torch.where(seen, denom, torch.ones_like(denom)).unsqueeze(-1)
         merge_(out[:, :, qs], lse[:, :, qs], _unfold_rows(blk_out, hq), _unfold_rows(blk_lse, hq))
     return out, lse
@@ -145,6 +158,7 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
     k_tiles = tiles(mask.k_pos, BLOCK_K)
     # Rows that saw nothing have lse = -inf; +inf makes their probabilities exactly 0.
     lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf), lse)
+    on_device = _on(mask, q.device)
     for qs in tiles(mask.q_pos, BLOCK_Q):
         qf = _fold(q, hkv, qs)
         dof = _fold(do, hkv, qs)
@@ -159,7 +173,7 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
             s, t = _scores(qf, kt, scale, softcap)
             p = torch.exp(s - lse_t)
             if kind != FULL:
-                p.masked_fill_(~_tile_mask(mask, qs, ks, group).to(p.device), 0.0)
+                p.masked_fill_(~_tile_mask(on_device, qs, ks, group).to(p.device), 0.0)
             dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), dof)
             ds = p * (torch.matmul(dof, vt.transpose(-1, -2)) - delta_t)
             if t is not None:
