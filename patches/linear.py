@@ -44,7 +44,8 @@ from ..linear_attention import causal_conv1d, chunks, diagonal_scan, gated_delta
 from . import _lend
 from ._lend import LENT, Lent
 
-__all__ = ["FIELDS", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock", "check", "install", "remove"]
+__all__ = ["FIELDS", "ShardedLinear", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock", "check", "install",
+           "remove"]  # fmt: skip
 
 FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kernel", "documents",
           *(f"unused_{i}" for i in range(8)))  # fmt: skip
@@ -52,15 +53,15 @@ FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kern
 
 
 class ShardedMixer:
-    """The ``forward`` of a linear-attention or short-convolution module while its model is patched (Transformers'
-    signatures: ``(hidden_states, cache_params / past_key_values / cache, attention_mask, **kwargs)``; Transformers
-    5.24 names the cache ``cache``)."""
+    """The ``forward`` of a sequence-mixing module other than attention while its model is patched: what every kind
+    shares (the checks on every rank, padding, packed documents, the group's failure handling, ``ring_generate``'s
+    records); each kind's computation is its ``run`` (``ShardedLinear``, ``ShardedPLE``, ``ShardedRecurrentBlock``).
+    Transformers' signatures: ``(hidden_states, cache_params / past_key_values / cache, attention_mask, **kwargs)``
+    (Transformers 5.24 names the cache ``cache``)."""
 
     def __init__(self, module: torch.nn.Module, cfg: RingConfig):
         self.module = module
         self.cfg = cfg
-        self.compute = _computation(module)
-        self.kernels = _kernels(module)
 
     masks_input = True  # (the module's input is zeroed at padding)
 
@@ -125,7 +126,7 @@ class ShardedMixer:
 
     def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
         """The module's computation on this rank's tokens (after the checks)."""
-        return self.compute(self.module, self.kernels, hidden_states, plan, gather, packed, keep, memory)
+        raise NotImplementedError
 
     def _check(self, error, hidden_states, docs, rank, world_size) -> None:
         """The cross-rank check, once per forward (the plan cache's), joined by every rank (``docs``: the batch's
@@ -148,6 +149,19 @@ class ShardedMixer:
             plans.store(key, (docs,), True)
 
 
+class ShardedLinear(ShardedMixer):
+    """A linear-attention, Mamba / Mamba2 or short-convolution module (``_computation``), with the kernels of the
+    Transformers module defining its class (``_kernels``: found when installed, or a clear error)."""
+
+    def __init__(self, module: torch.nn.Module, cfg: RingConfig):
+        super().__init__(module, cfg)
+        self.compute = _computation(module)
+        self.kernels = _kernels(module)
+
+    def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
+        return self.compute(self.module, self.kernels, hidden_states, plan, gather, packed, keep, memory)
+
+
 class ShardedPLE(ShardedMixer):
     """The ``forward`` of Qwen4-Exp's per-layer embedding (``(hidden_states, input_ids, cache, conv_mask)``) while
     its model is patched. It looks back along the sequence twice: its n-gram embedding hashes each token's id with
@@ -158,9 +172,6 @@ class ShardedPLE(ShardedMixer):
     convolution inputs, the same on every rank, from which a decode step runs locally."""
 
     masks_input = False  # (the module zeroes its gated values at padding itself, given the padding as conv_mask)
-
-    def __init__(self, module: torch.nn.Module, cfg: RingConfig):
-        self.module, self.cfg = module, cfg
 
     def __call__(self, hidden_states, input_ids, cache=None, conv_mask=None, **kwargs):
         return super().__call__(hidden_states, attention_mask=conv_mask, cache=cache, ple_input_ids=input_ids)
@@ -220,7 +231,8 @@ class ShardedRecurrentBlock(ShardedMixer):
     layer = None  # (the module keeps no index: ``install`` finds it)
 
     def __init__(self, module: torch.nn.Module, cfg: RingConfig, layer: int | None = None):
-        self.module, self.cfg, self.layer = module, cfg, layer
+        super().__init__(module, cfg)
+        self.layer = layer
 
     def record(self):
         return ("recurrent_block", self.layer)
@@ -650,7 +662,7 @@ def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | 
                 raise ValueError(f"{type(m).__name__} is in no list of decoder layers: hf_ring cannot number it")
             m.forward = ShardedRecurrentBlock(m, cfg, layer)
         else:
-            m.forward = (ShardedPLE if hasattr(m, "ple_embedding") else ShardedMixer)(m, cfg)
+            m.forward = (ShardedPLE if hasattr(m, "ple_embedding") else ShardedLinear)(m, cfg)
     ple = [m for m in modules if hasattr(m, "ple_embedding")]
     if ple:  # (called without the batch's keywords: its decoder layer lends them in conv_mask)
         _lend.install(model, ple, keys=LENT, unpack=False, into="conv_mask")
