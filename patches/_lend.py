@@ -41,21 +41,30 @@ LENT = (DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, POSITIONS_KWARG, "position_ids", "
 
 class LendKeywords:
     """Forward pre-hook (with keywords) of a module that calls the modules below it with the mask but without the
-    batch's keywords: ``keys``, or with ``keys=None`` every keyword its forward does not name (those it drops)."""
+    batch's keywords: ``keys``, or with ``keys=None`` every keyword its forward does not name (those it drops).
+    ``entry``: the mask argument is a mapping of masks (ZAYA's attention), and the callee gets its ``entry``."""
 
-    def __init__(self, module: torch.nn.Module, keys: tuple | None = LENT, into: str = "attention_mask"):
+    def __init__(
+        self, module: torch.nn.Module, keys: tuple | None = LENT, into: str = "attention_mask", entry: str | None = None
+    ):
         names = [p.name for p in inspect.signature(type(module).forward).parameters.values()][1:]
         self.position = names.index(into) if into in names else -1
-        self.keys, self.named, self.into = keys, frozenset(names), into
+        self.keys, self.named, self.into, self.entry = keys, frozenset(names), into, entry
 
     def __call__(self, module, args, kwargs):
-        if isinstance(kwargs.get(self.into), Lent) or self.position < 0 or len(args) > self.position:
+        mask = kwargs.get(self.into)
+        if self.entry is not None:
+            if not isinstance(mask, dict) or isinstance(mask.get(self.entry), Lent):
+                return None
+        elif isinstance(mask, Lent) or self.position < 0 or len(args) > self.position:
             return None  # (a mask given by position: nothing lent, and the callee refuses a batch it cannot see)
         if self.keys is None:
             lent = {k: v for k, v in kwargs.items() if k not in self.named}
         else:
             lent = {k: kwargs[k] for k in self.keys if k in kwargs}  # (shard_batch's document ids, None too)
-        return args, {**kwargs, self.into: Lent(kwargs.get(self.into), lent)}
+        if self.entry is not None:
+            return args, {**kwargs, self.into: {**mask, self.entry: Lent(mask.get(self.entry), lent)}}
+        return args, {**kwargs, self.into: Lent(mask, lent)}
 
 
 class UnpackLent:
@@ -71,15 +80,21 @@ class UnpackLent:
 
 
 def install(
-    model: torch.nn.Module, modules: list, keys: tuple | None = None, unpack: bool = True, into: str = "attention_mask"
+    model: torch.nn.Module,
+    modules: list,
+    keys: tuple | None = None,
+    unpack: bool = True,
+    into: str = "attention_mask",
+    entry: str | None = None,
 ) -> None:
     """Make the module holding each of ``modules`` (its decoder layer) lend it ``keys`` of its own call (None: every
-    keyword its forward does not name) in its argument ``into``; with ``unpack``, each of ``modules`` unpacks them by
-    a pre-hook (an attention module; hf_ring's sharded mixers unpack them themselves)."""
+    keyword its forward does not name) in its argument ``into`` (``entry``: in that entry of the mapping it is);
+    with ``unpack``, each of ``modules`` unpacks them by a pre-hook (an attention module; hf_ring's sharded mixers
+    unpack them themselves)."""
     parents = {id(c): p for p in model.modules() for c in p.children()}
     for m in modules:
         layer = parents[id(m)]
-        layer.register_forward_pre_hook(LendKeywords(layer, keys, into), with_kwargs=True)
+        layer.register_forward_pre_hook(LendKeywords(layer, keys, into, entry), with_kwargs=True)
         if unpack:
             m.register_forward_pre_hook(UnpackLent(), with_kwargs=True)
 

@@ -42,7 +42,7 @@ __all__ = [
     "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
-    "check_llama4", "check_minimax", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
+    "check_llama4", "check_minimax", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
     "check_without_windows",
 ]  # fmt: skip
 
@@ -154,6 +154,7 @@ FAMILIES = {
     "qwen4_exp_text": "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention",
     "recurrent_gemma": "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaAttention",
     "seed_oss": "transformers.models.seed_oss.modeling_seed_oss.SeedOssAttention",
+    "zaya": "transformers.models.zaya.modeling_zaya.ZayaAttention",
     "smollm3": "transformers.models.smollm3.modeling_smollm3.SmolLM3Attention",
     "solar_open": "transformers.models.solar_open.modeling_solar_open.SolarOpenAttention",
     "stablelm": "transformers.models.stablelm.modeling_stablelm.StableLmAttention",
@@ -194,6 +195,12 @@ def check_linear(config, sliding: bool = False) -> None:
 def check_linear_sliding(config) -> None:
     """``check_linear`` for hybrids with sliding-window attention layers beside their full ones (LFM3, Lara-Mini)."""
     check_linear(config, sliding=True)
+
+
+def check_zaya(config) -> None:
+    """``check`` for ZAYA: its layer types name full and sliding-window attention layers ``hybrid`` and
+    ``hybrid_sliding`` (each with its CCA projection: ``hf_ring.patches.linear``)."""
+    check_layer_types(config, getattr(config, "model_type", "model"), allowed=("hybrid", "hybrid_sliding"))
 
 
 def check_minimax(config) -> None:
@@ -309,6 +316,8 @@ LINEAR = {
     ),
     "recurrent_gemma": "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock",
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer",
+    # ZAYA: its attention's query/key convolutions and delayed values (CCA), computed before the attention function
+    "zaya": "transformers.models.zaya.modeling_zaya.ZayaCCAProjection",
 }
 """Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention, MiniMax's lightning attention), Mamba,
 Mamba2, short-convolution or RG-LRU (RecurrentGemma) class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
@@ -325,7 +334,7 @@ CHECKS = {
     "llama4_text": check_llama4,
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
-    "recurrent_gemma": check_linear_sliding,
+    "recurrent_gemma": check_linear_sliding, "zaya": check_zaya,
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
 }  # fmt: skip

@@ -44,7 +44,7 @@ from ..linear_attention import causal_conv1d, chunks, diagonal_scan, gated_delta
 from . import _lend
 from ._lend import LENT, Lent
 
-__all__ = ["FIELDS", "ShardedLinear", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock", "check", "install",
+__all__ = ["FIELDS", "ShardedCCA", "ShardedLinear", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock", "check", "install",
            "remove"]  # fmt: skip
 
 FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kernel", "documents",
@@ -275,6 +275,51 @@ class ShardedRecurrentBlock(ShardedMixer):
         return m.linear_out(x * y), None
 
 
+class ShardedCCA(ShardedMixer):
+    """The ``forward`` of ZAYA's compressed convolutional attention projection (``(hidden_states, cache, conv_mask)
+    -> (query, key, value)``) while its model is patched: queries and keys mixed by its two causal convolutions over
+    the CP group (``causal_conv1d``: the inputs before each chunk from the ranks holding them), their residual paths
+    per token, and the values' delayed half from the token before (the same exchange, one token back). Packed
+    documents are kept apart in both (the model's own convolution and delay run across them, as if each ran alone
+    here). Its attention module calls it without the batch's keywords: the module lends them in ``conv_mask``. In
+    ``ring_generate`` its record keeps the last convolution inputs and the last token's input."""
+
+    def record(self):
+        return ("cca", self.module.layer_idx)
+
+    def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
+        m = self.module
+        qk_memory = v_memory = None
+        if memory is not None:  # (two convolutions: a record each, ring_generate's padding given to both)
+            added = memory.pop("added", None)
+            qk_memory, v_memory = memory.setdefault("qk", {}), memory.setdefault("v", {})
+            if added is not None:
+                qk_memory["added"] = v_memory["added"] = added
+        batch, n, _ = hidden_states.shape
+        heads = (batch, n, -1, m.head_dim)
+        queries, keys = m.q_proj(hidden_states), m.k_proj(hidden_states)
+        # the residual paths, per token (as the module computes them)
+        key_residual = keys.view(heads).repeat_interleave(m.num_key_value_groups, dim=2)
+        query_residual = (queries.view(heads) + key_residual) * 0.5
+        key_residual = query_residual.view(batch, n, -1, m.num_key_value_groups, m.head_dim).mean(dim=-2)
+
+        def conv(t):  # (the module's two convolutions, unpadded: zeros before the start make them causal)
+            return m.conv_qk_grouped(m.conv_qk_depthwise(F.pad(t, (m.conv_kernel_size, 0))))
+
+        mixed = torch.cat([queries, keys], dim=-1).transpose(1, 2)
+        mixed = causal_conv1d(mixed, conv, m.conv_kernel_size + 1, plan, gather, packed, qk_memory).transpose(1, 2)
+        width = query_residual.shape[-2] * query_residual.shape[-1]
+        query = mixed[..., :width].reshape(heads) + query_residual
+        key = mixed[..., width:].reshape(heads) + key_residual
+
+        def shift(t):  # each token's input is the one before it (zeros before the start)
+            return F.pad(t, (1, 0))[..., :-1]
+
+        before = causal_conv1d(hidden_states.transpose(1, 2), shift, 2, plan, gather, packed, v_memory)
+        value = torch.cat([m.v_proj_current(hidden_states), m.v_proj_delayed(before.transpose(1, 2))], dim=-1)
+        return query, key, value.view(heads)
+
+
 def _document_starts(documents: torch.Tensor, rank: int, world_size: int, layout: str) -> torch.Tensor:
     """[1 or batch, local_seq] True at this rank's tokens that start a document (``documents``: the unsharded
     sequence's ids, [1 or batch, full_seq])."""
@@ -375,6 +420,8 @@ def conv_kernel_size(m) -> int:
     more than the tokens it looks back, by its dilated convolution or its n-grams)."""
     if hasattr(m, "ple_embedding"):
         return max(m.short_conv_state_len, m.ple_embedding.context_len) + 1
+    if hasattr(m, "conv_qk_depthwise"):  # ZAYA's CCA: its two convolutions look back conv_kernel_size tokens
+        return m.conv_kernel_size + 1
     return getattr(m, "conv_kernel_size", getattr(m, "conv1d_width", 1))
 
 
@@ -456,7 +503,7 @@ def _output(m) -> torch.nn.Module:
     for name in ("o_proj", "value_proj", "linear_out"):
         if hasattr(m, name):
             return getattr(m, name)
-    return m.out_proj
+    return m.out_proj if hasattr(m, "out_proj") else m.q_proj  # (ZAYA's CCA projection has no output projection)
 
 
 def _kernels(module):
@@ -661,11 +708,16 @@ def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | 
             if layer is None:  # (ring_generate keys each block's record by it)
                 raise ValueError(f"{type(m).__name__} is in no list of decoder layers: hf_ring cannot number it")
             m.forward = ShardedRecurrentBlock(m, cfg, layer)
+        elif hasattr(m, "conv_qk_depthwise"):
+            m.forward = ShardedCCA(m, cfg)
         else:
             m.forward = (ShardedPLE if hasattr(m, "ple_embedding") else ShardedLinear)(m, cfg)
     ple = [m for m in modules if hasattr(m, "ple_embedding")]
     if ple:  # (called without the batch's keywords: its decoder layer lends them in conv_mask)
         _lend.install(model, ple, keys=LENT, unpack=False, into="conv_mask")
+    cca = [m for m in modules if hasattr(m, "conv_qk_depthwise")]
+    if cca:  # (called with the mask mapping's "conv" entry alone: its attention module lends the keywords there)
+        _lend.install(model, cca, keys=LENT, unpack=False, into="attention_mask", entry="conv")
     if lend == "layer":
         _lend.install(model, modules, keys=LENT, unpack=False)
     elif lend == "model" or (lend == "base" and model.base_model is not model):  # (a bare base model: nothing to lend)

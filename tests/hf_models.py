@@ -106,6 +106,11 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "bitnet": ("BitNetConfig", "BitNetForCausalLM", {}),
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "logit_scale": 0.5, **_SLIDE_FULL}),
     "cwm": ("CwmConfig", "CwmForCausalLM", {"head_dim": 16, **_SLIDE_FULL}),
+    # ZAYA: CCA (queries and keys mixed by two causal convolutions, 2 tokens back; values half delayed by a token),
+    # sliding and full layers, a router carrying its state across layers, a skip expert
+    "zaya": ("ZayaConfig", "ZayaForCausalLM", {"head_dim": 16, "layer_types": ["hybrid_sliding", "hybrid"],
+                                               "sliding_window": 6, "num_experts": 4, "num_experts_per_tok": 1,
+                                               "moe_intermediate_size": 32, "router_hidden_size": 16}),
     # ModernBERT decoder (Ettin): windows of local_attention // 2, multi-head attention, a prediction head
     "modernbert-decoder": ("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM",
                            {"local_attention": 12, "layer_types": _SLIDE_FULL["layer_types"], "num_key_value_heads": 4,
@@ -1028,6 +1033,11 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             with torch.no_grad():
                 m.cross_attn_attn_gate.fill_(0.7)
                 m.cross_attn_mlp_gate.fill_(0.5)
+    for m in model.modules():  # ZAYA's key scale starts at zero (every key 0, the attention uniform): draw it, so that
+        # the keys (its convolved CCA projections) matter
+        if type(m).__name__ == "ZayaQKNorm":
+            with torch.no_grad():
+                m.temp.copy_(1.0 + 0.3 * torch.randn(m.temp.shape, generator=torch.Generator().manual_seed(9)))
     for m in model.modules():  # learned sinks start at zero: give each head its own, which the ring must keep apart
         if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
             with torch.no_grad():
@@ -1640,6 +1650,7 @@ DECAY_PARAMS = (
     "self_attn.lambda_k1",
     "self_attn.lambda_q2",
     "self_attn.lambda_k2",
+    "self_attn.qk_norm.temp",
 )
 """The Gated DeltaNet's decay parameters and the projections that feed the decay: their gradients are sums over
 every token of terms that nearly cancel (norm 1e-4 for A_log in the tiny models), so any reordering of the
@@ -1649,7 +1660,9 @@ gradient is 6e-10 there (its step sizes start at 0.001 to 0.1), beside 1e-2 for 
 (1.2e-5 relative) at one rank, where only the padding added for the layout differs. DiffLlama's lambdas (the
 weight of its second attention map): sums over every query of differences of two attentions, norm 6e-5 beside 1.5
 for the largest, moved by 2e-9 absolute (2.7e-5 relative; 6.6e-5 at one rank, where the reference's SDPA sums in
-another order). Their error is reported apart (``decay``)."""
+another order). ZAYA's key scale (``qk_norm.temp``, one per key/value head): a sum over every query and key of
+score gradients, which Transformers' own SDPA and eager attention give 1.7e-5 apart (fp32, a padded batch; the
+ring measured up to 3.5e-5). Their error is reported apart (``decay``)."""
 
 
 RTOL_DECAY = 1e-3

@@ -110,6 +110,7 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     # RecurrentGemma: RG-LRU recurrences (its own decoding keeps their state on the modules), sliding attention
     "recurrent_gemma": ("recurrent_gemma", 2, 14, 3, "zigzag"),
     "recurrent_gemma-contiguous": ("recurrent_gemma", 1, 13, 0, "contiguous"),
+    "zaya": ("zaya", 2, 14, 3, "zigzag"),  # CCA: its convolutions' and delayed values' inputs before each new token
     # lightning attention; its model takes only its own cache class (its reference: each row alone, unpadded)
     "minimax": ("minimax", 2, 14, 3, "zigzag"),
     # Transformers 5.24: LFM3 (convolutions, sliding and full layers), Lara-Mini (Gated DeltaNet), Bailing
@@ -156,8 +157,10 @@ def _forgetting(model):
             for key, record in cache.mixer_records.items():
                 if "state" in record:
                     record["state"].zero_()
-                if isinstance(key, tuple):  # Qwen4-Exp's per-layer embedding: its convolution's last inputs
-                    record["conv"].zero_()
+                if isinstance(key, tuple):  # Qwen4-Exp's per-layer embedding, ZAYA's CCA: their convolutions' inputs
+                    for part in (record, *(v for v in record.values() if isinstance(v, dict))):
+                        if "conv" in part:
+                            part["conv"].zero_()
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -511,6 +514,7 @@ FORGETTING = {
         "bailing_hybrid-contiguous",
         "qwen4_exp_text",
         "recurrent_gemma",
+        "zaya",
     )
 }
 
@@ -543,6 +547,7 @@ FOUR_RANKS = {  # 8 zig-zag chunks of 4 tokens (at least the convolution's 3 inp
     "qwen4_exp_text-contiguous": ("qwen4_exp_text", 1, 13, 0, "contiguous"),
     "qwen4_exp_text-short": ("qwen4_exp_text", 2, 5, 4, "zigzag"),  # padding within its embeddings' look-back
     "recurrent_gemma": ("recurrent_gemma", 2, 29, 3, "zigzag"),
+    "zaya-short": ("zaya", 2, 7, 2, "zigzag"),  # (prompts shorter than 8 chunks of its 2 inputs back: padded)
 }
 
 

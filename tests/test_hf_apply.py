@@ -13,7 +13,7 @@ import pytest
 import torch
 from hf_ring.patches import REGISTRY, _lend, get_patch
 from hf_ring.patches._lend import LendKeywords, UnpackLent
-from hf_ring.patches.linear import ShardedMixer, ShardedPLE
+from hf_ring.patches.linear import ShardedCCA, ShardedMixer, ShardedPLE
 
 import hf_ring
 from hf_ring import hf_attention
@@ -136,8 +136,10 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     mixing = [t for t in types if t not in ("mlp", "moe")] or [None] * text.num_hidden_layers  # (Nemotron-H: MLPs)
     ple = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedPLE)]  # (Qwen4-Exp's, beside a mixer)
     assert len(ple) == len(getattr(text, "ple_layer_ids", None) or ()) and all(_lends(model, m) for m in ple)
-    assert len(modules) + len(linear) - len(ple) + len(local) == len(mixing) + types.count("hybrid")  # (Falcon-H1:
-    # attention and Mamba2 in one layer)
+    cca = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedCCA)]  # (ZAYA's, inside each attention)
+    assert len(cca) == (len(modules) if family == "zaya" else 0) and all(_lends(model, m) for m in cca)
+    both = 0 if cca else types.count("hybrid")  # (Falcon-H1: attention and Mamba2 in one layer, of type "hybrid")
+    assert len(modules) + len(linear) - len(ple) - len(cca) + len(local) == len(mixing) + both
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
     assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
     if family == "jamba":  # its layers call their mixer without the batch's keywords: they lend theirs

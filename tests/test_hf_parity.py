@@ -527,6 +527,18 @@ CASES = {
     # RecurrentGemma (Griffin): its recurrent blocks' convolution and RG-LRU over the ranks around sliding-window
     # attention; packed documents each as if alone (the model's own convolution would run across them), padding fed
     # to the recurrence as the model feeds it (random biases and a drawn padding embedding, so that both show)
+    # ZAYA's CCA: queries and keys convolved 2 tokens back and values half delayed, across rank edges; padded with
+    # random biases (padding then carries values, which must be zeroed before the projections, as the model zeroes
+    # them): Transformers' own SDPA and eager attention give this model's gradients up to 1.2e-5 apart (its conv
+    # weights, router), the ring measured up to 1.7e-5 (4 ranks): bound 3e-5
+    "zaya-plain": ("zaya", "plain", 45, {}),
+    "zaya-packed-lora-checkpointing": (
+        "zaya",
+        "packed",
+        45,
+        {"lora": ["q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj"], "checkpointing": True},
+    ),  # fmt: skip
+    "zaya-padded-contiguous": ("zaya", "padded", 40, {"layout": "contiguous", "random_biases": True, "rtol": 3e-5}),
     "recurrent_gemma-plain": ("recurrent_gemma", "plain", 40, {"random_biases": True}),
     "recurrent_gemma-packed-lora-checkpointing": (
         "recurrent_gemma",
