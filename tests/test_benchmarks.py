@@ -211,7 +211,9 @@ def test_gpu_session_dry_run_runs_every_phase_into_one_flat_folder(tmp_path, cap
     files = list(tmp_path.iterdir())
     assert len(files) <= 8 and all(f.is_file() for f in files)
     log = (tmp_path / "session.log").read_text()
-    assert log.count("=====") == 2 * len(summary) and "every phase passed" in capsys.readouterr().out
+    for r in summary:  # each phase's command and its end, in the log (pytest's own ===== lines beside them)
+        assert log.count(f"\n===== {r['phase']}: ") == 2, r["phase"]
+    assert "every phase passed" in capsys.readouterr().out
 
 
 def test_gpu_session_stops_a_phase_at_its_limit_with_its_children(tmp_path):

@@ -8,7 +8,8 @@
 - The glue around the ops whose layouts differ from the flash op's (the memory-efficient op's LSE rows
   padded to a multiple of 32, cuDNN's ``[B, H, L, 1]`` LSE, neither taking GQA) runs on CPU against
   stand-ins of those ops with exactly those layouts, written here from the meta kernels' shapes; the
-  stand-ins refuse anything else (fewer key/value heads, an LSE of another shape, cuDNN's strided inputs).
+  stand-ins refuse anything else (fewer key/value heads, an LSE of another shape, cuDNN's strided inputs, an output
+  and its gradient given to the memory-efficient backward in another layout than its forward returns).
   Numbers of the real ops on CUDA: test_gpu_hot_path.py.
 """
 
@@ -150,6 +151,8 @@ class _StandIns:
         self._check(q, k, v, False)
         lq = q.shape[2]
         assert lse.shape == (*q.shape[:2], -(-lq // 32) * 32) and list(wanted) == [True, True, True, False]
+        # its kernel reads out and dO with the row stride of its forward's output: [B, L, H, D] dense
+        assert out.transpose(1, 2).is_contiguous() and do.transpose(1, 2).is_contiguous()
         return (*_grads(do, q, k, v, out, lse[:, :, :lq], causal, scale), None)
 
     def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, lse_wanted, dropout, causal, debug, *, scale):

@@ -105,6 +105,11 @@ def _lse_rows(length: int) -> int:
     return -(-length // 32) * 32
 
 
+def _as_returned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [B, H, L, D] as a view of a dense [B, L, H, D] tensor (the memory-efficient forward's output layout)."""
+    return _dense(t.transpose(1, 2)).transpose(1, 2)
+
+
 def _efficient_fwd(q, k, v, causal, scale):
     hq = q.shape[1]
     res = _aten._scaled_dot_product_efficient_attention(
@@ -114,6 +119,9 @@ def _efficient_fwd(q, k, v, causal, scale):
 
 
 def _efficient_bwd(do, q, k, v, out, lse, causal, scale):
+    # its kernel reads out (and computes delta from it in fp16 / bf16) with the row stride of the layout its forward
+    # returns, [B, L, H, D] dense: out and dO given in that layout, whatever slice of the ring's output they are
+    out, do = (_as_returned(t) for t in (out, do))
     hq, lq = q.shape[1], q.shape[2]
     padded = torch.nn.functional.pad(lse, (0, _lse_rows(lq) - lq))
     seed = _nothing(q, torch.int64)
