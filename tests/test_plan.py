@@ -102,22 +102,28 @@ def _step(backend, q, k, v, do, mask, scale):
     return out, dq, dk, dv
 
 
-@pytest.mark.parametrize("layout", hf_ring.LAYOUTS)
-def test_sdpa_steps_run_fused_ops_and_match_torch_backend(layout, monkeypatch):
+def steps_match_torch_backend(layout: str, q, k, v, do, what: tuple = ()) -> None:
+    """Every ring step of 3 ranks of 24 tokens (``layout``), forward and backward through the sdpa backend, against
+    the torch backend (fp32)."""
     world, full = 3, 72
     pos = [hf_ring.positions(full, rank=r, world_size=world, layout=layout) for r in range(world)]
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 24, 40, generator=g).transpose(1, 2).transpose(1, 2)  # a strided view
-    k, v = (torch.randn(2, 24, 2, 40, generator=g).transpose(1, 2) for _ in range(2))  # [B, L, H, D] views
-    do = torch.randn(2, 4, 24, 40, generator=g)
-    count = _Count(monkeypatch)
     for rank in range(world):
         for src in range(world):
             mask = BlockMask(pos[rank], pos[src], causal=True)
             mine = _step(sdpa_backend, q, k, v, do, mask, 0.3)
             ref = _step(torch_backend, q, k, v, do, mask, 0.3)
             for name, a, r in zip(("out", "dq", "dk", "dv"), mine, ref):
-                assert rel_err(a, r) <= FP32_TOL, (layout, rank, src, name)
+                assert rel_err(a, r) <= FP32_TOL, (*what, layout, rank, src, name)
+
+
+@pytest.mark.parametrize("layout", hf_ring.LAYOUTS)
+def test_sdpa_steps_run_fused_ops_and_match_torch_backend(layout, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 24, 40, generator=g).transpose(1, 2).transpose(1, 2)  # a strided view
+    k, v = (torch.randn(2, 24, 2, 40, generator=g).transpose(1, 2) for _ in range(2))  # [B, L, H, D] views
+    do = torch.randn(2, 4, 24, 40, generator=g)
+    count = _Count(monkeypatch)
+    steps_match_torch_backend(layout, q, k, v, do)
     assert count.fwd > 0 and count.bwd == count.fwd  # every expressible step ran PyTorch's fused ops
 
 
