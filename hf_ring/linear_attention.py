@@ -122,10 +122,34 @@ def gated_delta_rule(
 
 def _fla(kernel: Callable) -> bool:
     """The kernel is flash-linear-attention's (fp16 / bf16 only): called directly, or through Transformers' dispatch
-    (``use_kernel_func_from_hub_with_fallback``, which picks fla's kernel whenever fla is installed)."""
-    if (getattr(kernel, "__module__", None) or "").split(".")[0] == "fla":
+    (``use_kernel_func_from_hub_with_fallback``: the implementation it chose, held in its closure; without one to
+    read, fla's whenever fla is installed). Cached per kernel."""
+    if kernel not in _FLA:
+        _FLA[kernel] = _from_fla(kernel)
+    return _FLA[kernel]
+
+
+_FLA: dict = {}
+
+
+def _from_fla(kernel: Callable) -> bool:
+    def fla(f) -> bool:
+        return (getattr(f, "__module__", None) or "").split(".")[0] == "fla"
+
+    if fla(kernel):
         return True
-    return hasattr(kernel, "__wrapped__") and importlib.util.find_spec("fla") is not None
+    if not hasattr(kernel, "__wrapped__"):
+        return False
+    f = kernel
+    while f is not None:  # (Transformers' dispatch, under the hub's wrapper)
+        try:
+            chosen = inspect.getclosurevars(f).nonlocals.get("implementation")
+        except (TypeError, ValueError):
+            chosen = None
+        if chosen is not None:
+            return fla(chosen)
+        f = getattr(f, "__wrapped__", None)
+    return importlib.util.find_spec("fla") is not None
 
 
 def _kernel_inputs(kernel: Callable, dtype: torch.dtype) -> tuple[Callable, torch.dtype]:

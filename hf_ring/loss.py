@@ -136,8 +136,7 @@ def chunked_causal_lm_loss(
 def _chunked_sum(flat, head, targets, ignore_index, transform, chunk_size):
     """Summed fp32 cross-entropy of ``head(flat)``, one checkpointed chunk of tokens at a time."""
     if chunk_size is None:
-        width = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [1])[0]
-        chunk_size = default_chunk_size(width)
+        chunk_size = default_chunk_size(_vocab_width(head))
     recompute = torch.is_grad_enabled() and flat.requires_grad
     # no target here (a shard of prompt or padding): one empty chunk, so the head still takes part and its
     # gradient is a zero tensor as with the full logits (DDP and FSDP2 expect one on every rank)
@@ -147,6 +146,13 @@ def _chunked_sum(flat, head, targets, ignore_index, transform, chunk_size):
         args = (flat[a : a + chunk_size], head, transform, targets[a : a + chunk_size], ignore_index)
         total = total + (checkpoint(_chunk_loss, *args, use_reentrant=False) if recompute else _chunk_loss(*args))
     return total
+
+
+def _vocab_width(head) -> int:
+    """The logits per token ``head`` gives: its last module's ``out_features`` or weight rows (1: neither, a head of
+    another kind; its chunk is then as long as it can be)."""
+    last = head[-1] if isinstance(head, torch.nn.Sequential) else head
+    return getattr(last, "out_features", None) or getattr(getattr(last, "weight", None), "shape", [1])[0]
 
 
 class _ScaleCap:

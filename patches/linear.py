@@ -1,13 +1,15 @@
 """Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
 Qwen3.5-MoE, OLMo Hybrid), Kimi Delta Attention (Kimi Linear), lightning attention (MiniMax), Mamba layers (Jamba,
 Mamba, Falcon-Mamba), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H,
-Falcon-H1, Zamba2, and the pure Mamba2 model, which has no attention layer), short convolutions (LFM2, LFM2-MoE) and
-RecurrentGemma's recurrent blocks (a short convolution and the RG-LRU: ``ShardedRecurrentBlock``).
+Falcon-H1, Zamba2, and the pure Mamba2 model, which has no attention layer), short convolutions (LFM2, LFM2-MoE),
+RecurrentGemma's recurrent blocks (a short convolution and the RG-LRU: ``ShardedRecurrentBlock``) and ZAYA's
+convolutional attention projection (``ShardedCCA``).
 
 These hybrid models interleave full-attention layers (switched to ring attention like every family) with layers
 that look back along the sequence another way: a short causal convolution, followed in the Gated DeltaNet by the
 gated delta rule and in Mamba2 by a selective state-space scan, recurrences over the sequence. While a model is patched, each such module's ``forward`` is
-replaced (an instance attribute; ``revert`` removes it) by ``ShardedMixer``, which computes what the module
+replaced (an instance attribute; ``revert`` removes it) by a ``ShardedMixer`` (``ShardedLinear`` for the
+linear-attention, Mamba and short-convolution layers), which computes what the module
 computes on the unsharded sequence, with the module's own projections, norm and kernels (Transformers'
 ``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention`` and ``mamba2_chunk_scan``,
 or the hub kernels they dispatch to), around ``hf_ring.linear_attention`` (the states and convolution inputs each
@@ -23,7 +25,8 @@ document id -1, or a 2-D ``attention_mask`` with one rank) zeroes the layer's in
 a layer its decoder layer calls without the batch's keywords (LFM2 on Transformers 5.17) refuses padded batches.
 
 Qwen4-Exp's per-layer embeddings look back too (hashed n-grams of the token ids, a dilated causal convolution):
-``ShardedPLE`` runs their own forward on each run of the rank's tokens, given what lies before it.
+``ShardedPLE`` runs their own forward on each run of the rank's tokens, given what lies before it. ZAYA's attention
+mixes its queries and keys by two causal convolutions and delays half of each value by a token: ``ShardedCCA``.
 """
 
 from __future__ import annotations

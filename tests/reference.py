@@ -1,4 +1,5 @@
-"""Plain attention on the unsharded sequence: the reference every numeric test compares with."""
+"""Plain attention on the unsharded sequence: the reference every numeric test compares with; and one ring step
+through a kernel backend (``backend_step``), checked against the torch backend (``steps_match_torch_backend``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dense_mask", "reference_attention", "sdpa_attention", "rel_err", "doc_ids_from_cu", "virtual_ring"]
+__all__ = ["backend_step", "dense_mask", "reference_attention", "sdpa_attention", "rel_err", "doc_ids_from_cu",
+           "steps_match_torch_backend", "virtual_ring"]  # fmt: skip
 
 
 def doc_ids_from_cu(cu: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -112,3 +114,34 @@ def virtual_ring(
             dk[:, :, pos[(r - step) % n]] += gk
             dv[:, :, pos[(r - step) % n]] += gv
     return out, dq, dk, dv
+
+
+def backend_step(backend, q, k, v, do, mask, scale):
+    """``(out, dq, dk, dv)`` of one ring step through a kernel backend's ``forward`` and ``backward`` (fp32
+    accumulators, the final LSE and output handed to the backward, as the ring does)."""
+    b, hq, lq, d = q.shape
+    out = torch.zeros(b, hq, lq, d)
+    lse = torch.full((b, hq, lq), -math.inf)
+    backend.forward(q, k, v, mask, scale, out, lse)
+    delta = (do.float() * out).sum(-1)
+    dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+    backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, out=out.to(q.dtype))
+    return out, dq, dk, dv
+
+
+def steps_match_torch_backend(layout: str, q, k, v, do, what: tuple = ()) -> None:
+    """Every ring step of 3 ranks of 24 tokens (``layout``), forward and backward through the sdpa backend, against
+    the torch backend (fp32)."""
+    import hf_ring
+    from hf_ring.kernels import BlockMask, sdpa_backend, torch_backend
+
+    world, full = 3, 72
+    pos = [hf_ring.positions(full, rank=r, world_size=world, layout=layout) for r in range(world)]
+    for rank in range(world):
+        for src in range(world):
+            mask = BlockMask(pos[rank], pos[src], causal=True)
+            mine = backend_step(sdpa_backend, q, k, v, do, mask, 0.3)
+            ref = backend_step(torch_backend, q, k, v, do, mask, 0.3)
+            for name, a, r in zip(("out", "dq", "dk", "dv"), mine, ref):
+                # fp32: the same math in another order, rounding only
+                assert rel_err(a, r) <= 1e-5, (*what, layout, rank, src, name)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hf_ring
+from hf_ring import loss
 from hf_ring.loss import default_chunk_size, is_chunked, liger_unavailable
 
 from .dist_utils import run_distributed
@@ -59,6 +60,8 @@ def _families() -> list:
 @pytest.mark.parametrize("family", _families())
 def test_every_family_matches_the_unmodified_loss_and_gradients(family):
     model = make_model(family)
+    if loss._inner_causal_lm(model) is None:  # the default chunk follows the head's vocabulary (two modules too)
+        assert loss._vocab_width(loss._head(model)) == model.config.get_text_config().vocab_size, family
     for kind in ("plain", "padded"):
         batch, masked = make_batch(kind, 40)
         if family in NAN_AT_PADDING:

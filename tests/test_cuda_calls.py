@@ -23,7 +23,7 @@ import torch
 import hf_ring
 from hf_ring.kernels import cudnn_backend, sdpa_backend
 
-from .test_plan import steps_match_torch_backend
+from .reference import steps_match_torch_backend
 
 fake_tensor = pytest.importorskip("torch._subclasses.fake_tensor")
 CUDA = torch.device("cuda", 0)

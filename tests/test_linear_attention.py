@@ -458,7 +458,7 @@ def _fla_like(seen: list):
     return chunk_gated_delta_rule
 
 
-def test_fla_kernels_get_half_precision_inputs_and_float32_goes_to_the_pytorch_kernel(monkeypatch):
+def test_fla_kernels_get_half_precision_inputs_and_float32_goes_to_the_pytorch_kernel():
     """flash-linear-attention's kernels take no float32: on the composed path (several ranks) a bf16 model's inputs
     reach them as bf16 (one more rounding of their outputs: within 1.1x the unsharded bf16 error, measured 1.03x and
     1.07x at 2 and 4 ranks), and a float32 model under Transformers' dispatch to fla runs Transformers' PyTorch kernel
@@ -474,19 +474,25 @@ def test_fla_kernels_get_half_precision_inputs_and_float32_goes_to_the_pytorch_k
         ring = _virtual_ranks(_rule(fla), low, world, layout)
         assert set(seen) == {torch.bfloat16}
         assert rel(ring.float(), exact) <= 1.1 * yardstick, (world, layout, rel(ring.float(), exact), yardstick)
-    # Transformers' dispatch with fla installed: float32 inputs run the PyTorch kernel it wraps
+    # Transformers' dispatch having chosen fla (the implementation held in its closure, as it holds it): float32
+    # inputs run the PyTorch kernel it wraps, exactly; having chosen its PyTorch kernel (fla not installed here), it
+    # is not taken for fla's
     import functools
-    import importlib.util
+    import inspect
 
-    @functools.wraps(reference)
-    def dispatch(*args, **kwargs):
-        return fla(*args, **kwargs)
+    from hf_ring.linear_attention import _fla
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else real(name, *a))
+    def dispatcher(implementation):
+        @functools.wraps(inspect.unwrap(reference))
+        def dispatch(*args, **kwargs):
+            return implementation(*args, **kwargs)
+
+        return dispatch
+
+    assert _fla(dispatcher(fla)) and not _fla(reference)
     fp32 = _rule_inputs("cpu", torch.float32)
     seen.clear()
-    assert rel(_virtual_ranks(_rule(dispatch), fp32, 2, "zigzag"), exact) <= 1e-5 and not seen
+    assert rel(_virtual_ranks(_rule(dispatcher(fla)), fp32, 2, "zigzag"), exact) <= 1e-5 and not seen
     with pytest.raises(ValueError, match="takes no float32 inputs; run the model in bfloat16"):
         _virtual_ranks(_rule(fla), fp32, 2, "zigzag")
 

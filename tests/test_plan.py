@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,7 +22,7 @@ import hf_ring
 from hf_ring.kernels import BlockMask, sdpa_backend, torch_backend
 
 from .dist_utils import run_distributed
-from .reference import reference_attention, rel_err
+from .reference import backend_step, reference_attention, rel_err, steps_match_torch_backend
 
 FP32_TOL = 1e-5  # the same math in a different order: fp32 rounding only
 
@@ -91,31 +89,6 @@ class _Count:
             monkeypatch.setitem(sdpa_backend.OPS, name, tuple(counted(op) for op in ops))
 
 
-def _step(backend, q, k, v, do, mask, scale):
-    b, hq, lq, d = q.shape
-    out = torch.zeros(b, hq, lq, d)
-    lse = torch.full((b, hq, lq), -math.inf)
-    backend.forward(q, k, v, mask, scale, out, lse)
-    delta = (do.float() * out).sum(-1)
-    dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
-    backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, out=out.to(q.dtype))
-    return out, dq, dk, dv
-
-
-def steps_match_torch_backend(layout: str, q, k, v, do, what: tuple = ()) -> None:
-    """Every ring step of 3 ranks of 24 tokens (``layout``), forward and backward through the sdpa backend, against
-    the torch backend (fp32)."""
-    world, full = 3, 72
-    pos = [hf_ring.positions(full, rank=r, world_size=world, layout=layout) for r in range(world)]
-    for rank in range(world):
-        for src in range(world):
-            mask = BlockMask(pos[rank], pos[src], causal=True)
-            mine = _step(sdpa_backend, q, k, v, do, mask, 0.3)
-            ref = _step(torch_backend, q, k, v, do, mask, 0.3)
-            for name, a, r in zip(("out", "dq", "dk", "dv"), mine, ref):
-                assert rel_err(a, r) <= FP32_TOL, (*what, layout, rank, src, name)
-
-
 @pytest.mark.parametrize("layout", hf_ring.LAYOUTS)
 def test_sdpa_steps_run_fused_ops_and_match_torch_backend(layout, monkeypatch):
     g = torch.Generator().manual_seed(0)
@@ -133,7 +106,10 @@ def test_sdpa_falls_back_for_windows_and_documents(monkeypatch):
     docs = torch.tensor([[0] * 10 + [1] * 14], dtype=torch.int32)
     q, k, v, do = (torch.randn(1, 2, 24, 16) for _ in range(4))
     for mask in (BlockMask(p, p, window=5), BlockMask(p, p, q_doc=docs, k_doc=docs)):
-        mine, ref = _step(sdpa_backend, q, k, v, do, mask, 0.25), _step(torch_backend, q, k, v, do, mask, 0.25)
+        mine, ref = (
+            backend_step(sdpa_backend, q, k, v, do, mask, 0.25),
+            backend_step(torch_backend, q, k, v, do, mask, 0.25),
+        )
         assert max(rel_err(a, r) for a, r in zip(mine, ref)) <= FP32_TOL
     assert count.fwd == count.bwd == 0
 
