@@ -321,3 +321,15 @@ def test_loopback_comm_checks_its_ranks():
         hf_ring.LoopbackComm(0, 1, [])
     with pytest.raises(ValueError, match="0 <= rank < world_size"):
         hf_ring.LoopbackComm(3, 2, [])
+
+
+def test_a_selection_of_a_mask_reuses_its_device_copies():
+    """DeepSeek sparse attention selects keys per layer on a step's mask: the positions' device copies, uploaded
+    once for the step, go with every selection (no upload per layer), and the selection's own tile masks are its own."""
+    p = torch.arange(16)
+    mask = BlockMask(p, p, causal=True)
+    copies = mask.device_tensors(torch.device("cpu"))
+    selected = torch.randint(0, 16, (1, 16, 4))
+    chosen = mask.with_selection(selected, 16)
+    assert chosen.device_tensors(torch.device("cpu")) is copies
+    assert torch.equal(chosen.visible(), mask.visible() & chosen._chosen(slice(None), slice(None), 16))

@@ -133,7 +133,9 @@ class BlockMask:
             cols = torch.full((seq_len,), -1, dtype=torch.int64)
             cols[self.k_pos] = torch.arange(self.k_pos.numel())
             self._cache[key] = cols.to(selected.device)
-        return dataclasses.replace(self, selected=selected, columns=self._cache[key], _cache={})
+        # (the same positions: their device copies, already uploaded, go with it, so no layer uploads them again)
+        shared = {k: v for k, v in self._cache.items() if k == "pinned" or (isinstance(k, tuple) and k[0] == "device")}
+        return dataclasses.replace(self, selected=selected, columns=self._cache[key], _cache=shared)
 
     def _chosen(self, qs: slice, ks: slice, tile_k: int) -> torch.Tensor:
         """[batch, tile_q, tile_k] bool: the keys of the tile that each query's selection lists."""
@@ -247,7 +249,7 @@ class BlockMask:
         On a GPU the host copies are pinned and uploaded without blocking (the cache keeps the pinned
         tensors alive until the mask is dropped, so the copy never reads freed memory).
         """
-        key = str(device)
+        key = ("device", str(device))
         if key not in self._cache:
             keep = self._cache.setdefault("pinned", [])
 
