@@ -47,8 +47,8 @@ from ..linear_attention import causal_conv1d, chunks, diagonal_scan, gated_delta
 from . import _lend
 from ._lend import LENT, Lent
 
-__all__ = ["FIELDS", "ShardedCCA", "ShardedLinear", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock", "check", "install",
-           "remove"]  # fmt: skip
+__all__ = ["FIELDS", "ShardedCCA", "ShardedLinear", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock", "check",
+           "install", "remove"]  # fmt: skip
 
 FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kernel", "documents",
           *(f"unused_{i}" for i in range(8)))  # fmt: skip
@@ -58,7 +58,8 @@ FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kern
 class ShardedMixer:
     """The ``forward`` of a sequence-mixing module other than attention while its model is patched: what every kind
     shares (the checks on every rank, padding, packed documents, the group's failure handling, ``ring_generate``'s
-    records); each kind's computation is its ``run`` (``ShardedLinear``, ``ShardedPLE``, ``ShardedRecurrentBlock``).
+    records); each kind's computation is its ``run`` (``ShardedLinear``, ``ShardedPLE``, ``ShardedRecurrentBlock``,
+    ``ShardedCCA``).
     Transformers' signatures: ``(hidden_states, cache_params / past_key_values / cache, attention_mask, **kwargs)``
     (Transformers 5.24 names the cache ``cache``)."""
 

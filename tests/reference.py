@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["backend_step", "dense_mask", "reference_attention", "sdpa_attention", "rel_err", "doc_ids_from_cu",
+__all__ = ["backend_step", "dense_mask", "fused_op_calls", "reference_attention", "sdpa_attention", "rel_err", "doc_ids_from_cu",
            "steps_match_torch_backend", "virtual_ring"]  # fmt: skip
 
 
@@ -118,15 +118,37 @@ def virtual_ring(
 
 def backend_step(backend, q, k, v, do, mask, scale):
     """``(out, dq, dk, dv)`` of one ring step through a kernel backend's ``forward`` and ``backward`` (fp32
-    accumulators, the final LSE and output handed to the backward, as the ring does)."""
-    b, hq, lq, d = q.shape
-    out = torch.zeros(b, hq, lq, d)
-    lse = torch.full((b, hq, lq), -math.inf)
+    accumulators on q's device, the final LSE and output handed to the backward, as the ring does)."""
+    b, hq, lq, device = *q.shape[:3], q.device
+    out = torch.zeros(b, hq, lq, v.shape[-1], device=device)
+    lse = torch.full((b, hq, lq), -math.inf, device=device)
     backend.forward(q, k, v, mask, scale, out, lse)
     delta = (do.float() * out).sum(-1)
-    dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+    dq, dk, dv = (torch.zeros(x.shape, device=device) for x in (q, k, v))
     backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, out=out.to(q.dtype))
     return out, dq, dk, dv
+
+
+def fused_op_calls(monkeypatch) -> list:
+    """``[(op name, "fwd" or "bwd")]``, one entry per call of the sdpa / cudnn backends' fused ops from here on."""
+    from hf_ring.kernels import sdpa_backend
+
+    calls = []
+
+    def recorded(op):
+        def fwd(*a):
+            calls.append((op.name, "fwd"))
+            return op.fwd(*a)
+
+        def bwd(*a):
+            calls.append((op.name, "bwd"))
+            return op.bwd(*a)
+
+        return op._replace(fwd=fwd, bwd=bwd)
+
+    for backend, ops in list(sdpa_backend.OPS.items()):
+        monkeypatch.setitem(sdpa_backend.OPS, backend, tuple(recorded(op) for op in ops))
+    return calls
 
 
 def steps_match_torch_backend(layout: str, q, k, v, do, what: tuple = ()) -> None:

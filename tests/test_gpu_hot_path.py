@@ -7,8 +7,6 @@ is tested in test_plan.py and test_ring.py.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +14,7 @@ import torch.nn.functional as F
 import hf_ring
 from hf_ring.kernels import BlockMask, get_backend, sdpa_backend, torch_backend
 
-from .reference import rel_err
+from .reference import backend_step, fused_op_calls, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,28 +31,6 @@ def _rand(*shape, dtype, seed):
     return torch.randn(*shape, device=CUDA, generator=g).to(dtype)
 
 
-def _step(backend, q, k, v, do, mask, scale):
-    b, hq, lq, d = (*q.shape[:3], v.shape[-1])
-    out = torch.zeros(b, hq, lq, d, device=CUDA)
-    lse = torch.full((b, hq, lq), -math.inf, device=CUDA)
-    backend.forward(q, k, v, mask, scale, out, lse)
-    dq, dk, dv = (torch.zeros(x.shape, device=CUDA) for x in (q, k, v))
-    backend.backward(do, q, k, v, lse, (do.float() * out).sum(-1), mask, scale, dq, dk, dv, out=out.to(q.dtype))
-    return out, dq, dk, dv
-
-
-def _ran(monkeypatch):
-    """The names of the fused ops that run, one entry per forward call."""
-    names = []
-    for backend, ops in list(sdpa_backend.OPS.items()):
-
-        def counted(op):
-            return op._replace(fwd=lambda *a: names.append(op.name) or op.fwd(*a))
-
-        monkeypatch.setitem(sdpa_backend.OPS, backend, tuple(counted(op) for op in ops))
-    return names
-
-
 @pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
 @pytest.mark.parametrize("backend,dtype,op", [
     ("sdpa", torch.bfloat16, "flash"), ("sdpa", torch.float16, "flash"), ("sdpa", torch.float32, "efficient"),
@@ -66,19 +42,20 @@ def test_fused_cuda_steps_match_torch_backend(layout, backend, dtype, op, monkey
     q = _rand(2, 8, 1024, 128, dtype=dtype, seed=0)
     k, v = (_rand(2, 2, 1024, 128, dtype=dtype, seed=s) for s in (1, 2))
     do = _rand(2, 8, 1024, 128, dtype=dtype, seed=3)
-    ran = _ran(monkeypatch)
+    calls = fused_op_calls(monkeypatch)
     module = get_backend(backend, CUDA)
     for src in (0, 1, 3):
         mask = BlockMask(pos[1], pos[src], causal=True)
-        mine = _step(module, q, k, v, do, mask, 0.09)
-        ref = _step(torch_backend, q.float(), k.float(), v.float(), do.float(), mask, 0.09)
-        low = _step(torch_backend, q, k, v, do, mask, 0.09)  # fp32 math on the rounded inputs
+        mine = backend_step(module, q, k, v, do, mask, 0.09)
+        ref = backend_step(torch_backend, q.float(), k.float(), v.float(), do.float(), mask, 0.09)
+        low = backend_step(torch_backend, q, k, v, do, mask, 0.09)  # fp32 math on the rounded inputs
         for name, a, r, y in zip(("out", "dq", "dk", "dv"), mine, ref, low):
             if dtype == torch.float32:  # the same math in another order: rounding only
                 assert rel_err(a, r) <= 1e-5, (layout, src, name)
             else:
                 assert rel_err(a, r) <= LOWP_FACTOR * max(rel_err(y, r), 4e-3) + LOWP_EPS, (layout, src, name)
-    assert set(ran) == {op}, f"expected PyTorch's {op} op, ran {set(ran)}"
+    ran = {name for name, _ in calls}
+    assert ran == {op}, f"expected PyTorch's {op} op, ran {ran}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -87,15 +64,15 @@ def test_efficient_op_runs_values_of_their_own_head_dim(dtype, monkeypatch):
     pos = hf_ring.positions(2048, rank=0, world_size=2)
     q, k = (_rand(1, 4, 1024, 192, dtype=dtype, seed=s) for s in (4, 5))
     v, do = (_rand(1, 4, 1024, 128, dtype=dtype, seed=s) for s in (6, 7))
-    ran = _ran(monkeypatch)
+    calls = fused_op_calls(monkeypatch)
     mask = BlockMask(pos, pos, causal=True)
-    mine = _step(sdpa_backend, q, k, v, do, mask, 0.07)
-    ref = _step(torch_backend, q.float(), k.float(), v.float(), do.float(), mask, 0.07)
-    low = _step(torch_backend, q, k, v, do, mask, 0.07)
+    mine = backend_step(sdpa_backend, q, k, v, do, mask, 0.07)
+    ref = backend_step(torch_backend, q.float(), k.float(), v.float(), do.float(), mask, 0.07)
+    low = backend_step(torch_backend, q, k, v, do, mask, 0.07)
     for name, a, r, y in zip(("out", "dq", "dk", "dv"), mine, ref, low):
         bound = 1e-5 if dtype == torch.float32 else LOWP_FACTOR * max(rel_err(y, r), 4e-3) + LOWP_EPS
         assert rel_err(a, r) <= bound, name
-    assert set(ran) == {"efficient"}
+    assert {name for name, _ in calls} == {"efficient"}
 
 
 def _virtual_ring(n, layout, backend, dtype, tokens=1024, heads=(8, 2), d=128):

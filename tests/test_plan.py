@@ -22,7 +22,7 @@ import hf_ring
 from hf_ring.kernels import BlockMask, sdpa_backend, torch_backend
 
 from .dist_utils import run_distributed
-from .reference import backend_step, reference_attention, rel_err, steps_match_torch_backend
+from .reference import backend_step, fused_op_calls, reference_attention, rel_err, steps_match_torch_backend
 
 FP32_TOL = 1e-5  # the same math in a different order: fp32 rounding only
 
@@ -68,40 +68,20 @@ def test_pieces_refuse_what_a_causal_flag_cannot_express():
     assert BlockMask(p, torch.arange(0, 32, 2), causal=True).pieces() is None  # different steps
 
 
-class _Count:
-    """Counts the calls of the sdpa backend's fused ops."""
-
-    def __init__(self, monkeypatch):
-        self.fwd = self.bwd = 0
-
-        def counted(op):
-            def fwd(*a):
-                self.fwd += 1
-                return op.fwd(*a)
-
-            def bwd(*a):
-                self.bwd += 1
-                return op.bwd(*a)
-
-            return op._replace(fwd=fwd, bwd=bwd)
-
-        for name, ops in list(sdpa_backend.OPS.items()):
-            monkeypatch.setitem(sdpa_backend.OPS, name, tuple(counted(op) for op in ops))
-
-
 @pytest.mark.parametrize("layout", hf_ring.LAYOUTS)
 def test_sdpa_steps_run_fused_ops_and_match_torch_backend(layout, monkeypatch):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 24, 40, generator=g).transpose(1, 2).transpose(1, 2)  # a strided view
     k, v = (torch.randn(2, 24, 2, 40, generator=g).transpose(1, 2) for _ in range(2))  # [B, L, H, D] views
     do = torch.randn(2, 4, 24, 40, generator=g)
-    count = _Count(monkeypatch)
+    calls = fused_op_calls(monkeypatch)
     steps_match_torch_backend(layout, q, k, v, do)
-    assert count.fwd > 0 and count.bwd == count.fwd  # every expressible step ran PyTorch's fused ops
+    passes = [p for _, p in calls]  # every expressible step ran PyTorch's fused ops, forward and backward
+    assert passes.count("fwd") > 0 and passes.count("bwd") == passes.count("fwd")
 
 
 def test_sdpa_falls_back_for_windows_and_documents(monkeypatch):
-    count = _Count(monkeypatch)
+    calls = fused_op_calls(monkeypatch)
     p = torch.arange(24)
     docs = torch.tensor([[0] * 10 + [1] * 14], dtype=torch.int32)
     q, k, v, do = (torch.randn(1, 2, 24, 16) for _ in range(4))
@@ -111,7 +91,7 @@ def test_sdpa_falls_back_for_windows_and_documents(monkeypatch):
             backend_step(torch_backend, q, k, v, do, mask, 0.25),
         )
         assert max(rel_err(a, r) for a, r in zip(mine, ref)) <= FP32_TOL
-    assert count.fwd == count.bwd == 0
+    assert calls == []
 
 
 def test_document_ids_of_any_integer_range():

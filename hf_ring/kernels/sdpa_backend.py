@@ -66,6 +66,11 @@ def _repeat_kv(x: torch.Tensor, q_heads: int) -> torch.Tensor:
     return x if x.shape[1] == q_heads else x.repeat_interleave(q_heads // x.shape[1], dim=1)
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x.contiguous()`` (written as a clone, which PyTorch's fake CUDA tensors also run)."""
+    return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+
+
 def _nothing(q, dtype):
     return torch.empty(0, dtype=dtype, device=q.device)
 
@@ -133,11 +138,6 @@ def _efficient_bwd(do, q, k, v, out, lse, causal, scale):
 
 
 # CUDA cuDNN: LSE [B, H, L, 1]; no GQA ------------------------------------------------------------------
-
-
-def _dense(x: torch.Tensor) -> torch.Tensor:
-    """``x.contiguous()`` (written as a clone, which PyTorch's fake CUDA tensors also run)."""
-    return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
 
 
 def _cudnn_inputs(q, k, v):
