@@ -6,10 +6,23 @@ from pathlib import Path
 
 
 def append_rows(path: Path, fields: list, rows: list) -> Path:
-    """Append ``rows`` (dicts) to the CSV file ``path`` with columns ``fields``; the header once, for a new file."""
+    """Append ``rows`` (dicts) to the CSV file ``path`` with columns ``fields``; the header once, for a new file.
+
+    A file written with other columns (an older version of the script) is first rewritten with ``fields`` and
+    its own columns that ``fields`` lacks, its rows left blank in the columns they did not have."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists()
+    if not new:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            old, kept = reader.fieldnames or [], list(reader)
+        fields = [*fields, *(c for c in old if c not in fields)]
+        if old != fields:
+            with path.open("w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=fields)
+                w.writeheader()
+                w.writerows(kept)
     with path.open("a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         if new:

@@ -11,7 +11,9 @@ Three kinds of ring step, all with GQA (default 32 query heads : 8 key/value hea
 FLOPs count only visible (query, key) pairs: forward 4*d per pair, backward 2.5x forward.
 Implementations: ``triton``, ``sdpa``, ``cudnn`` (GPU only) and ``torch`` are hf_ring's backends running one
 ring step (``forward`` merging into the accumulators, ``backward`` from the final LSE); ``sdpa-flash`` and
-``sdpa-cudnn`` are PyTorch's public SDPA with that backend forced (GPU only).
+``sdpa-cudnn`` are PyTorch's public SDPA with that backend forced (GPU only). Each row's ``op`` says what
+ran: the fused op an hf_ring backend chose (``flash``, ``efficient``, ``cudnn``, ``flash_for_cpu``, or the
+fallback backend), or ``+repeat_kv`` where a forced SDPA backend needed the key/value heads repeated.
 Before timing a step, every implementation's output and gradients are compared with an fp32 SDPA
 reference on the same inputs (``rel_err``, the largest relative error of out, dq, dk, dv); the
 script exits 1 when one of hf_ring's backends is less accurate than 2x SDPA-flash (plus 1e-3) in
@@ -50,7 +52,7 @@ from _cpu import append_rows, cpu_name
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("full", "causal", "zigzag-half")
 PASSES = ("fwd", "bwd", "fwd+bwd")
-FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "impl", "kind", "pass", "dtype",
+FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "impl", "op", "kind", "pass", "dtype",
           "batch", "q_heads", "kv_heads", "head_dim", "seqlen", "ms", "tflops", "rel_err"]  # fmt: skip
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -232,9 +234,22 @@ def backend_step(name, q, k, v, do, mask, scale):
     return (fwd, bwd, both), result
 
 
+def op_ran(impl: str, q, v, mask, gqa: bool = True) -> str:
+    """What ran the step timed as ``impl``: for hf_ring's ``sdpa`` / ``cudnn`` backends the fused op (or the
+    fallback backend) that took it, for PyTorch's forced SDPA backends their kernel, ``+repeat_kv`` where the
+    key/value heads had to be repeated."""
+    if impl in ("sdpa", "cudnn"):
+        from hf_ring.kernels.sdpa_backend import step_op
+
+        return step_op(q, v, mask, backend=impl)
+    if impl.startswith("sdpa-"):
+        return impl.removeprefix("sdpa-") + ("" if gqa else "+repeat_kv")
+    return impl
+
+
 def sdpa_step(q, k, v, do, ks, causal, scale, backend):
-    """(fwd, bwd, fwd+bwd) callables of SDPA with one backend and its (out, dq, dk, dv), or None if
-    the backend cannot run this shape or device."""
+    """(fwd, bwd, fwd+bwd) callables of SDPA with one backend, its (out, dq, dk, dv), and whether it took the
+    key/value heads as they are (native GQA); or None if the backend cannot run this shape or device."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sdp = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
@@ -276,7 +291,7 @@ def sdpa_step(q, k, v, do, ks, causal, scale, backend):
     def both():
         torch.autograd.grad(run(), (qr, kr, vr), do)
 
-    return (fwd, bwd, both), result
+    return (fwd, bwd, both), result, gqa
 
 
 def main(argv=None) -> int:
@@ -313,7 +328,8 @@ def main(argv=None) -> int:
                         sdpa_step(q, k, v, do, ks, causal, scale, impl))  # fmt: skip
                     if made is None:
                         continue
-                    fns, result = made
+                    fns, result = made[:2]
+                    op = op_ran(impl, q, v, mask, gqa=made[-1] if impl not in OURS else True)
                     errors[impl] = err = rel_err(result, reference)
                     del result
                     for name, fn in zip(PASSES, fns):
@@ -321,9 +337,9 @@ def main(argv=None) -> int:
                             continue
                         ms = bench_ms(fn, device)
                         tflops = flops[name] / ms / 1e9
-                        print(f"d={d:3d} L={seqlen:6d} {kind:12s} {impl:11s} {name:8s} {ms:9.3f} ms "
+                        print(f"d={d:3d} L={seqlen:6d} {kind:12s} {impl:11s} {op:14s} {name:8s} {ms:9.3f} ms "
                               f"{tflops:7.1f} TFLOP/s  rel_err {err:.1e}")  # fmt: skip
-                        rows.add({**env, "impl": impl, "kind": kind, "pass": name, "dtype": args.dtype,
+                        rows.add({**env, "impl": impl, "op": op, "kind": kind, "pass": name, "dtype": args.dtype,
                                      "batch": b, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "seqlen": seqlen,
                                      "ms": f"{ms:.4f}", "tflops": f"{tflops:.2f}", "rel_err": f"{err:.3e}"})  # fmt: skip
                 del reference

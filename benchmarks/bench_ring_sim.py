@@ -16,7 +16,8 @@ the fastest of PyTorch's SDPA backends on the full sequence instead.
 
 Before timing, every rank's output and gradients are checked against fp32 SDPA on the full
 sequence (dK/dV: the loopback records each rank's share of every block's gradient, summed here);
-the script exits 1 when a rank is wrong. Rows go to ``benchmarks/results/bench_ring_sim.csv`` with
+the script exits 1 when a rank is wrong. ``op`` names the fused op that ran the ring's steps (as in
+``bench_kernel.py``). Rows go to ``benchmarks/results/bench_ring_sim.csv`` with
 device, library versions and date. Without a GPU (and without ``--device cpu``) it says so and exits 0.
 
     python benchmarks/bench_ring_sim.py                        # N = 2, 4, 8; 8K tokens per rank
@@ -32,9 +33,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernel import DTYPES, Rows, add_common_args, bench_ms, finish, rel_err, start
+from bench_kernel import DTYPES, Rows, add_common_args, bench_ms, finish, op_ran, rel_err, start
 
-FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "backend", "through", "pass", "ranks",
+FIELDS = ["date", "gpu", "torch", "triton", "cuda", "cudnn", "flash_attn", "backend", "op", "through", "pass", "ranks",
           "tokens_per_rank", "dtype", "batch", "q_heads", "kv_heads", "head_dim", "layout", "t_full_ms", "t_rank_ms",
           "slowest_rank", "efficiency", "t_sdpa_ms", "vs_sdpa", "rel_err"]  # fmt: skip
 
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
         return 0
     device, env = started
     import hf_ring
+    from hf_ring.kernels.mask import BlockMask
 
     b, hq, hkv, d = args.batch, args.q_heads, args.kv_heads, args.head_dim
     rows, inaccurate = Rows("bench_ring_sim", FIELDS, args.results_dir), []
@@ -192,7 +194,9 @@ def main(argv=None) -> int:
                       for r in range(n)]  # fmt: skip
             blocks = [torch.stack([s[1], s[2]]) for s in shards]  # what each rank sends first
             ref = reference(full)  # (once for every backend)
+            pos = torch.arange(tokens)
             for backend in args.backends:
+                op = op_ran(backend, shards[0][0], shards[0][2], BlockMask(q_pos=pos, k_pos=pos, causal=True))
                 ranks = [virtual_rank(r, n, args.layout, backend, shards, blocks) for r in range(n)]
                 err = check(n, args.layout, shards, [run for _, _, run in ranks], ref, device)
                 print(f"N={n} T={tokens:6d} {backend:6s}: out/dq/dk/dv rel_err {err:.1e} against fp32 SDPA")
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
                     print(f"N={n} T={tokens:6d} {backend:6s} {name:8s} T_full={t_full[name]:9.3f} ms  "
                           f"T_rank={tr:9.3f} ms (rank {slowest})  efficiency={100 * eff:6.1f}%  "
                           f"vs best SDPA={100 * vs:6.1f}%")  # fmt: skip
-                    rows.add({**env, "backend": backend, "through": "ring_attention", "pass": name, "ranks": n,
+                    rows.add({**env, "backend": backend, "op": op, "through": "ring_attention", "pass": name, "ranks": n,
                                  "tokens_per_rank": tokens, "dtype": args.dtype, "batch": b, "q_heads": hq,
                                  "kv_heads": hkv, "head_dim": d, "layout": args.layout,
                                  "t_full_ms": f"{t_full[name]:.6g}", "t_rank_ms": f"{tr:.6g}", "slowest_rank": slowest,

@@ -60,13 +60,19 @@ def _corrupt_forward(monkeypatch):
 
 
 def test_bench_kernel_dry_run_rows_and_accuracy(tmp_path, capsys):
-    argv = [*TINY, "--seqlens", "64", "--head-dims", "16", "--passes", "fwd+bwd", "--impls", "triton",
-            "sdpa-flash", "--results-dir", str(tmp_path)]  # fmt: skip
+    impls = ("triton", "sdpa", "sdpa-flash")
+    argv = [*TINY, "--seqlens", "64", "--head-dims", "16", "--passes", "fwd+bwd", "--impls", *impls,
+            "--results-dir", str(tmp_path)]  # fmt: skip
     assert bench_kernel.main(argv) == 0
     rows = _rows(tmp_path, "bench_kernel")
-    assert sorted((r["kind"], r["impl"]) for r in rows) == sorted(
-        (k, i) for k in bench_kernel.KINDS for i in ("triton", "sdpa-flash")
-    )
+    assert sorted((r["kind"], r["impl"]) for r in rows) == sorted((k, i) for k in bench_kernel.KINDS for i in impls)
+    # what ran each row: the triton kernel; the sdpa backend's CPU flash op (every one of these steps is a set of
+    # rectangles and diagonals); PyTorch's CPU flash kernel, which takes the key/value heads as they are
+    assert {(r["impl"], r["op"]) for r in rows} == {
+        ("triton", "triton"),
+        ("sdpa", "flash_for_cpu"),
+        ("sdpa-flash", "flash"),
+    }
     for r in rows:
         assert r["pass"] == "fwd+bwd" and float(r["ms"]) > 0
         flops = 3.5 * 4 * 2 * 16 * _visible_pairs(r["kind"], 64)  # fwd 4*d per pair, bwd 2.5x, 2 heads
@@ -91,6 +97,7 @@ def test_bench_ring_sim_dry_run(tmp_path, capsys, layout):
     assert bench_ring_sim.main(argv) == 0
     rows = _rows(tmp_path, "bench_ring_sim")
     assert [(r["backend"], r["pass"]) for r in rows] == [(b, p) for b in ("sdpa", "triton") for p in ("fwd", "fwd+bwd")]
+    assert [r["op"] for r in rows] == ["flash_for_cpu"] * 2 + ["triton"] * 2
     for r in rows:
         assert r["layout"] == layout and int(r["ranks"]) == 3 and int(r["slowest_rank"]) in (0, 2)
         assert r["through"] == "ring_attention"
@@ -292,3 +299,23 @@ def test_bench_scan_cpu_checks_the_scan_against_the_models_loop_and_times_both(t
     monkeypatch.setattr(linear_attention._Recurrence, "apply", lambda a, x: wrong(a, 1.1 * x))
     assert bench_scan_cpu.main(["--seq-lens", "9", "--channels", "4", "--repeat", "1", "--out", str(out)]) == 1
     assert "INACCURATE scan: seq 9" in capsys.readouterr().out
+
+
+def test_append_rows_keeps_a_file_written_with_other_columns(tmp_path):
+    """A results file from an older script (one column fewer, one column since dropped) gets the new header; its
+    rows keep their values, blank where they had no value, and the new rows line up with the new header."""
+    from _cpu import append_rows
+
+    path = tmp_path / "r.csv"
+    path.write_text("date,impl,gone,ms\n2026-01-01,triton,x,1.5\n")
+    append_rows(path, ["date", "impl", "op", "ms"], [{"date": "2026-02-02", "impl": "sdpa", "op": "flash", "ms": 2}])
+    append_rows(path, ["date", "impl", "op", "ms"], [{"date": "2026-03-03", "impl": "torch", "op": "torch", "ms": 3}])
+    with path.open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["date", "impl", "op", "ms", "gone"]
+        rows = list(reader)
+    assert rows == [
+        {"date": "2026-01-01", "impl": "triton", "op": "", "ms": "1.5", "gone": "x"},
+        {"date": "2026-02-02", "impl": "sdpa", "op": "flash", "ms": "2", "gone": ""},
+        {"date": "2026-03-03", "impl": "torch", "op": "torch", "ms": "3", "gone": ""},
+    ]

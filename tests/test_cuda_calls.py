@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import hf_ring
-from hf_ring.kernels import cudnn_backend, sdpa_backend
+from hf_ring.kernels import cudnn_backend, sdpa_backend, triton_importable
+from hf_ring.kernels.mask import BlockMask
 
 from .reference import steps_match_torch_backend
 
@@ -84,12 +85,20 @@ def test_efficient_op_takes_values_of_their_own_head_dim(dtype):
     (torch.bfloat16, 68, None, None), (torch.bfloat16, 512, None, None), (torch.float64, 64, None, None),
 ])  # fmt: skip
 def test_cuda_routes_each_step_to_the_first_op_that_takes_it(dtype, d, sdpa, cudnn):
+    pos = torch.arange(64)
+    diagonal, windowed = BlockMask(q_pos=pos, k_pos=pos, causal=True), BlockMask(q_pos=pos, k_pos=pos, window=16)
+    fallback = "triton" if triton_importable() else "torch"
+    assert diagonal.pieces() == [("causal", slice(0, 64), slice(0, 64))]  # (cached: the fake mode runs no real op)
     mode = fake_tensor.FakeTensorMode()
     with mode:
         q = _fake_cuda(mode, (1, 4, 64, d), dtype)
         for backend, want in (("sdpa", sdpa), ("cudnn", cudnn)):
             op = sdpa_backend.fused_op(q, q, backend)
             assert (op and op.name) == want, backend
+            # what the benchmarks record: the op, or the fallback where no op takes the inputs or the mask
+            assert sdpa_backend.step_op(q, q, diagonal, backend=backend) == (want or fallback)
+            assert sdpa_backend.step_op(q, q, windowed, backend=backend) == fallback
+            assert sdpa_backend.step_op(q, q, diagonal, softcap=30.0, backend=backend) == fallback
         # values of another head_dim: only the memory-efficient op
         other = sdpa_backend.fused_op(q, _fake_cuda(mode, (1, 4, 64, d // 2), dtype))
         assert (other and other.name) == ("efficient" if sdpa and d // 2 % 8 == 0 else None)

@@ -39,7 +39,7 @@ import torch
 from . import masked_fallback, torch_backend, unsupported_by
 from .mask import BlockMask
 
-__all__ = ["OPS", "SOFTCAP", "FusedOp", "backward", "forward", "fused_op", "unsupported"]
+__all__ = ["OPS", "SOFTCAP", "FusedOp", "backward", "forward", "fused_op", "step_op", "unsupported"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _aten = torch.ops.aten
@@ -194,6 +194,13 @@ def fused_op(q: torch.Tensor, v: torch.Tensor | None = None, backend: str = "sdp
     """The first of ``backend``'s ops that takes inputs like ``q`` and ``v`` (``v`` None: like ``q``), or None."""
     v = q if v is None else v
     return next((op for op in OPS[backend] if op.takes(q, v)), None)
+
+
+def step_op(q: torch.Tensor, v: torch.Tensor, mask: BlockMask, *, softcap=None, backend: str = "sdpa") -> str:
+    """What runs a step like this one: the fused op's name (``FusedOp.name``), or the fallback backend's
+    (``"triton"``, ``"torch"``) where no op takes it. Benchmarks record it beside the backend."""
+    op, _ = _plan(q, v, mask, softcap, backend)
+    return op.name if op is not None else masked_fallback(q.device).__name__.rsplit(".", 1)[-1].removesuffix("_backend")
 
 
 def unsupported(q, k, v) -> str | None:
