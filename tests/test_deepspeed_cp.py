@@ -32,17 +32,22 @@ from tests.train_utils import (
     GA,
     SEQ_LEN,
     STEPS,
+    OnDeepSpeed,
     collate,
     collate_images,
+    ds_config,
     image_samples,
     max_param_rel_err,
     plugin_train,
     read_results,
     replica_reference,
+    reset_accelerate,
     run_worker,
+    switch_to_deepspeed,
     tiny_llama,
     token_dataset,
     torchrun,
+    zero3_full_state,
 )
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed") if __name__ != "__main__" else None
@@ -56,55 +61,15 @@ RTOL = 1e-5  # fp32: ring attention and the sharded reduction reorder sums, noth
 BF16_FACTOR, BF16_EPS = 2.0, 1e-3
 
 
-def _full_state(module) -> dict:
-    """The full state dict of a (possibly ZeRO-3 partitioned) module (every rank takes part)."""
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
-        return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def _switch_to_deepspeed(accelerator, ds_plugin, mixed_precision: str | None = None) -> None:
-    """Turn ``accelerator`` to DeepSpeed with ``ds_plugin``, as Accelerate does on a GPU (on CPU it leaves it off)."""
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-
-    ds_plugin.set_mixed_precision(mixed_precision or accelerator.state._mixed_precision)
-    accelerator.state.deepspeed_plugins = ds_plugin
-    # both shared states: every AcceleratorState() made later copies PartialState's fields over its own
-    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.DEEPSPEED
-    ds_plugin.select(_from_accelerator_state=True)
-    accelerator.deepspeed_engine_wrapped = None
-
-
 def _deepspeed_accelerator(stage: int, mixed_precision: str = "no"):
     """A fresh ``Accelerator`` on CPU switched to DeepSpeed ZeRO-``stage`` (one model per Accelerator)."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    _reset_accelerate()
+    reset_accelerate()
     accelerator = Accelerator(cpu=True)
-    _switch_to_deepspeed(accelerator, DeepSpeedPlugin(zero_stage=stage, gradient_clipping=CLIP), mixed_precision)
+    switch_to_deepspeed(accelerator, DeepSpeedPlugin(zero_stage=stage, gradient_clipping=CLIP), mixed_precision)
     return accelerator
-
-
-class _OnDeepSpeed:
-    """Mixed into a Trainer class: its Accelerator switched to the DeepSpeed plugin its arguments describe."""
-
-    def create_accelerator_and_postprocess(self):
-        super().create_accelerator_and_postprocess()
-        _switch_to_deepspeed(self.accelerator, self.args.deepspeed_plugin)
-        self.is_deepspeed_enabled = True
-
-
-def _ds_config(stage: int) -> dict:
-    return {
-        "zero_optimization": {"stage": stage},
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_allow_untested_optimizer": True,
-    }
 
 
 def _trainer(out: Path, world: int, stage: int) -> tuple[list, dict, list]:
@@ -112,28 +77,17 @@ def _trainer(out: Path, world: int, stage: int) -> tuple[list, dict, list]:
     from hf_ring.trainer import RingAttentionTrainer
     from tests.train_utils import logged_losses, trainer_args
 
-    _reset_accelerate()
+    reset_accelerate()
     train = token_dataset(BATCH * GA * STEPS * (world // 2), SEQ_LEN)
-    trainer = type("DeepSpeedTrainer", (_OnDeepSpeed, RingAttentionTrainer), {})(
+    trainer = type("DeepSpeedTrainer", (OnDeepSpeed, RingAttentionTrainer), {})(
         model=tiny_llama(),
-        args=trainer_args(out, f"trainer_z{stage}", gradient_accumulation_steps=GA, deepspeed=_ds_config(stage)),
+        args=trainer_args(out, f"trainer_z{stage}", gradient_accumulation_steps=GA, deepspeed=ds_config(stage)),
         train_dataset=train,
         data_collator=collate,
         ring_plugin=RingAttentionPlugin(cp_size=2),
     )
     trainer.train()
-    return logged_losses(trainer), _full_state(trainer.model_wrapped.module), train
-
-
-def _reset_accelerate() -> None:
-    """Forget the last Accelerator (DeepSpeed allows one model per Accelerator); the process group stays."""
-    from accelerate import PartialState
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
-
-    AcceleratorState._reset_state()  # keeps PartialState, the process group
-    if PartialState._shared_state:
-        PartialState().distributed_type = DistributedType.MULTI_CPU  # switched back from DeepSpeed
+    return logged_losses(trainer), zero3_full_state(trainer.model_wrapped.module), train
 
 
 def worker(out: Path) -> None:
@@ -159,7 +113,7 @@ def worker(out: Path) -> None:
         res[f"z{stage}_engine"] = type(model).__name__
         res[f"z{stage}_unwrap_is_original"] = accelerator.unwrap_model(model) is original
         res[f"z{stage}_losses"] = losses
-        states[stage] = _full_state(model.module)
+        states[stage] = zero3_full_state(model.module)
         if stage == 3:
             accelerator.load_state(str(out / "state"))
             loss = model(**next(iter(accelerator.skip_first_batches(dl, STEPS - 1)))).loss
@@ -167,7 +121,7 @@ def worker(out: Path) -> None:
             opt.step()
             opt.zero_grad()
             res["resumed_loss"] = plugin.reduce_loss(loss).item()
-            res["resumed_weights_err"] = max_param_rel_err(_full_state(model.module), states[3])
+            res["resumed_weights_err"] = max_param_rel_err(zero3_full_state(model.module), states[3])
 
     # a vision-language model on batches with images under ZeRO-3 (Qwen2-VL, its vision tower partitioned too)
     accelerator = _deepspeed_accelerator(3)
@@ -175,7 +129,7 @@ def worker(out: Path) -> None:
     vlm, _, _, res["images_losses"] = plugin_train(
         RingAttentionPlugin(cp_size=2), accelerator, vlm, images, STEPS, collate_fn=collate_images
     )
-    states["images"] = _full_state(vlm.module)
+    states["images"] = zero3_full_state(vlm.module)
 
     # DeepSpeed's bf16 mode (bf16 model, fp32 master weights, fp32 reduction) under ZeRO-2, two steps, with
     # CP and, as the baseline of DeepSpeed's own bf16 error, as plain data parallelism (cp_size=1)
@@ -197,12 +151,12 @@ def worker(out: Path) -> None:
         from hf_ring.trainer import RingSFTTrainer
         from tests.train_utils import logged_losses, sft_trainer
 
-        _reset_accelerate()
-        cls = type("DeepSpeedSFTTrainer", (_OnDeepSpeed, RingSFTTrainer), {})
-        trainer = sft_trainer(cls, out, train, gradient_accumulation_steps=GA, deepspeed=_ds_config(3))
+        reset_accelerate()
+        cls = type("DeepSpeedSFTTrainer", (OnDeepSpeed, RingSFTTrainer), {})
+        trainer = sft_trainer(cls, out, train, gradient_accumulation_steps=GA, deepspeed=ds_config(3))
         trainer.train()
         res["trl_losses"] = logged_losses(trainer)
-        trainer_states["trl"] = _full_state(trainer.model_wrapped.module)
+        trainer_states["trl"] = zero3_full_state(trainer.model_wrapped.module)
 
     if rank == 0:
         from tests.train_utils import trainer_reference

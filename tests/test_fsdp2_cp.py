@@ -33,10 +33,12 @@ import torch
 
 from tests.train_utils import (
     BATCH,
+    FSDP2_ARGS,
     GA,
     LR,
     SEQ_LEN,
     STEPS,
+    OnFsdp2,
     collate,
     collate_images,
     full_state,
@@ -47,6 +49,7 @@ from tests.train_utils import (
     read_results,
     replica_reference,
     run_worker,
+    switch_to_fsdp2,
     tiny_llama,
     token_dataset,
     torchrun,
@@ -56,42 +59,15 @@ RTOL = 1e-5  # fp32: ring attention and sharded reduction reorder sums, nothing 
 BF16_FACTOR, BF16_EPS = 2.0, 1e-3  # bf16 compute: at most 2x the error of the same bf16 arithmetic unsharded
 
 
-def _switch_to_fsdp2(accelerator, fsdp_plugin) -> None:
-    """Turn ``accelerator`` to FSDP2 with ``fsdp_plugin``, as Accelerate does on a GPU (on CPU it leaves FSDP off)."""
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-
-    # both shared states: every AcceleratorState() made later copies PartialState's fields over its own
-    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = fsdp_plugin
-
-
 def _fsdp2_accelerator(mixed_precision_policy=None):
     """An ``Accelerator`` on CPU switched to FSDP2, as it is on a GPU with ``fsdp_version: 2``."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
     accelerator = Accelerator(cpu=True)
-    _switch_to_fsdp2(
+    switch_to_fsdp2(
         accelerator, FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=mixed_precision_policy)
     )
     return accelerator
-
-
-class _OnFsdp2:
-    """Mixed into a Trainer class: its Accelerator switched to the FSDP2 plugin its arguments describe,
-    as Accelerate does on a GPU (on CPU it leaves FSDP off)."""
-
-    def create_accelerator_and_postprocess(self):
-        from accelerate import FullyShardedDataParallelPlugin
-
-        super().create_accelerator_and_postprocess()
-        _switch_to_fsdp2(self.accelerator, FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
-        self.is_fsdp_enabled = True
-
-
-FSDP2_ARGS = dict(
-    fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
-)
 
 
 HYBRIDS = {
@@ -123,7 +99,7 @@ def _trainers(out: Path, world: int) -> dict:
 
     res: dict = {}
     train = token_dataset(BATCH * GA * STEPS * (world // 2), SEQ_LEN)
-    trainer = type("FsdpTrainer", (_OnFsdp2, RingAttentionTrainer), {})(
+    trainer = type("FsdpTrainer", (OnFsdp2, RingAttentionTrainer), {})(
         model=tiny_llama(),
         args=trainer_args(out, "trainer", gradient_accumulation_steps=GA, **FSDP2_ARGS),
         train_dataset=train,
@@ -137,7 +113,7 @@ def _trainers(out: Path, world: int) -> dict:
     if world == 2 and _has_trl():
         from hf_ring.trainer import RingSFTTrainer
 
-        cls = type("FsdpSFTTrainer", (_OnFsdp2, RingSFTTrainer), {})
+        cls = type("FsdpSFTTrainer", (OnFsdp2, RingSFTTrainer), {})
         trainer = sft_trainer(cls, out, train, gradient_accumulation_steps=GA, **FSDP2_ARGS)
         trainer.train()
         res["trl_losses"] = logged_losses(trainer)
@@ -160,7 +136,7 @@ def _with_parallelism_config(accelerator, data, dp: int, cp: int) -> dict:
     from hf_ring.accelerate import RingAttentionPlugin
 
     pc = ParallelismConfig(dp_shard_size=dp, cp_size=cp)
-    _switch_to_fsdp2(accelerator, FullyShardedDataParallelPlugin(fsdp_version=2))
+    switch_to_fsdp2(accelerator, FullyShardedDataParallelPlugin(fsdp_version=2))
     accelerator.state.parallelism_config = pc
     accelerator.state.device_mesh = pc.get_device_mesh("cpu")
     pc._validate_accelerator(accelerator)
@@ -225,7 +201,7 @@ def worker(out: Path) -> None:
 
     # -- B: an FSDP2 mixed-precision policy: bf16 parameters, fp32 gradient reduction ------------------
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    _switch_to_fsdp2(accelerator, FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy))
+    switch_to_fsdp2(accelerator, FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy))
     model_b, _, _, res["bf16_losses"] = plugin_train(plugin, accelerator, tiny_llama(), data, 2)
     bf16_state = full_state(model_b)
 

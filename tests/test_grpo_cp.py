@@ -76,8 +76,8 @@ def _trainer(cls, out: Path, name: str, per_device: int, seen: list, lora: bool 
                processing_class=tiny_tokenizer(), **peft, **ring)  # fmt: skip
 
 
-def _run(trainer, seen: list) -> dict:
-    from tests.test_preference_cp import _run as run
+def run_trainer(trainer, seen: list) -> dict:
+    from tests.train_utils import run_trainer as run
 
     res = run(trainer)
     res["history"] = [{k: v for k, v in h.items() if k != "step_time"} for h in res["history"]]
@@ -104,19 +104,19 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
 
         if plain:
             seen = []
-            res["dp"] = _run(_trainer(GRPOTrainer, out, "plain", 2, seen, **dp), seen)
+            res["dp"] = run_trainer(_trainer(GRPOTrainer, out, "plain", 2, seen, **dp), seen)
             from trl import RLOOTrainer
 
             seen = []  # (RLOO's leave-one-out baselines over prompt groups that span both processes)
-            res["rloo_dp"] = _run(_trainer(RLOOTrainer, out, "plain_rloo", 2, seen, beta=0.1), seen)
+            res["rloo_dp"] = run_trainer(_trainer(RLOOTrainer, out, "plain_rloo", 2, seen, beta=0.1), seen)
         else:
             for case, lora in (("cp", False), ("lora", True)):
                 seen = []
-                res[case] = _run(_trainer(GRPOTrainer, out, f"ref_{case}", 4, seen, lora=lora, **grpo), seen)
+                res[case] = run_trainer(_trainer(GRPOTrainer, out, f"ref_{case}", 4, seen, lora=lora, **grpo), seen)
             from trl import RLOOTrainer
 
             seen = []
-            res["rloo"] = _run(_trainer(RLOOTrainer, out, "ref_rloo", 4, seen, beta=0.1), seen)
+            res["rloo"] = run_trainer(_trainer(RLOOTrainer, out, "ref_rloo", 4, seen, beta=0.1), seen)
             refused = {}
             cases = (("vllm", {"use_vllm": True}), ("cache", {"cache_implementation": "static"}),
                      ("no cache", {"generation_kwargs": {"use_cache": False}}), ("tools", {"tools": [len]}))  # fmt: skip
@@ -134,24 +134,26 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
             for case, lora in (("cp", False), ("lora", True)):
                 seen = []
                 trainer = _trainer(RingGRPOTrainer, out, case, 4, seen, lora=lora, ring_plugin=plugin, **grpo)
-                res[case] = _run(trainer, seen)
+                res[case] = run_trainer(trainer, seen)
             seen = []  # rewards that differ between the ranks: the first rank's count for the group
-            res["noisy"] = _run(_trainer(RingGRPOTrainer, out, "noisy", 4, seen, ring_plugin=plugin, noise=True, **grpo),
+            res["noisy"] = run_trainer(_trainer(RingGRPOTrainer, out, "noisy", 4, seen, ring_plugin=plugin, noise=True, **grpo),
                                 seen)  # fmt: skip
             res["deepspeed"] = _on_deepspeed(out, grpo)
             res["fsdp2"] = _on_fsdp2(out, grpo)
             from hf_ring.trainer import RingRLOOTrainer
 
             seen = []
-            res["rloo"] = _run(_trainer(RingRLOOTrainer, out, "rloo", 4, seen, ring_plugin=plugin, beta=0.1), seen)
+            res["rloo"] = run_trainer(
+                _trainer(RingRLOOTrainer, out, "rloo", 4, seen, ring_plugin=plugin, beta=0.1), seen
+            )
         else:
             seen = []
-            res["dp"] = _run(_trainer(RingGRPOTrainer, out, "ring_dp", 2, seen, ring_plugin=plugin, **dp), seen)
+            res["dp"] = run_trainer(_trainer(RingGRPOTrainer, out, "ring_dp", 2, seen, ring_plugin=plugin, **dp), seen)
             from hf_ring.trainer import RingRLOOTrainer
 
             seen = []
             rloo = _trainer(RingRLOOTrainer, out, "ring_rloo", 2, seen, ring_plugin=plugin, beta=0.1)
-            res["rloo_dp"] = _run(rloo, seen)
+            res["rloo_dp"] = run_trainer(rloo, seen)
     (out / f"{'plain' if plain else 'w'}{world}rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -164,17 +166,17 @@ def _on_deepspeed(out: Path, config: dict) -> dict | None:
         return None
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingGRPOTrainer
-    from tests.test_deepspeed_cp import _ds_config, _full_state, _OnDeepSpeed, _reset_accelerate
+    from tests.train_utils import OnDeepSpeed, ds_config, reset_accelerate, zero3_full_state
 
-    _reset_accelerate()
-    cls = type("DeepSpeedGRPO", (_OnDeepSpeed, RingGRPOTrainer), {})
+    reset_accelerate()
+    cls = type("DeepSpeedGRPO", (OnDeepSpeed, RingGRPOTrainer), {})
     # every parameter partitioned (the tiny model's would all stay whole below DeepSpeed's default threshold)
-    zero3 = {**_ds_config(3), "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    zero3 = {**ds_config(3), "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     seen = []
     trainer = _trainer(cls, out, "deepspeed", 4, seen, ring_plugin=RingAttentionPlugin(cp_size=2),
                        deepspeed=zero3, **config)  # fmt: skip
-    res = _run(trainer, seen)
-    res["state"] = {k: v.tolist() for k, v in _full_state(trainer.model_wrapped.module).items()}  # (partitioned)
+    res = run_trainer(trainer, seen)
+    res["state"] = {k: v.tolist() for k, v in zero3_full_state(trainer.model_wrapped.module).items()}  # (partitioned)
     res["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
     res["partitioned"] = all(p.numel() == 0 for p in trainer.model_wrapped.module.parameters())
     return res
@@ -184,14 +186,13 @@ def _on_fsdp2(out: Path, config: dict) -> dict:
     """Run 2's GRPO case under FSDP2 (the policy's layers and its reference model sharded over both ranks)."""
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingGRPOTrainer
-    from tests.test_deepspeed_cp import _reset_accelerate
-    from tests.test_fsdp2_cp import FSDP2_ARGS, _OnFsdp2
+    from tests.train_utils import FSDP2_ARGS, OnFsdp2, reset_accelerate
 
-    _reset_accelerate()
-    cls = type("Fsdp2GRPO", (_OnFsdp2, RingGRPOTrainer), {})
+    reset_accelerate()
+    cls = type("Fsdp2GRPO", (OnFsdp2, RingGRPOTrainer), {})
     seen = []
     trainer = _trainer(cls, out, "fsdp2", 4, seen, ring_plugin=RingAttentionPlugin(cp_size=2), **FSDP2_ARGS, **config)
-    res = _run(trainer, seen)
+    res = run_trainer(trainer, seen)
     res["sharded"] = type(trainer.model_wrapped).__name__.startswith("FSDP")
     return res
 

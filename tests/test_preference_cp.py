@@ -31,7 +31,7 @@ import torch
 from tests.train_utils import (
     SFT_KEYS,
     VOCAB,
-    logged_losses,
+    run_trainer,
     run_worker,
     tiny_llama,
     tiny_tokenizer,
@@ -98,21 +98,6 @@ def _kto(cls, out: Path, name: str, n: int = 24, **extra):
                train_dataset=Dataset.from_list(rows), processing_class=tiny_tokenizer(), **extra)  # fmt: skip
 
 
-def _run(trainer) -> dict:
-    import inspect
-
-    trainer.train()
-    history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    # (FSDP2's parameters are DTensors: every rank gathers each whole)
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist() for k, v in model.state_dict().items()}
-    from hf_ring.apply import unwrap_transformers_model
-
-    signature = list(inspect.signature(unwrap_transformers_model(model).forward).parameters)  # (generate() reads it)
-    return {"losses": logged_losses(trainer), "history": [h for h in history if "loss" in h], "state": state,
-            "signature": signature}  # fmt: skip
-
-
 def worker(out: Path, world: int, plain: bool = False) -> None:
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingDPOTrainer
@@ -121,17 +106,17 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
     if plain:  # TRL's own KTOTrainer over 2 DP processes, 26 completions: the last batch short
         from trl import KTOTrainer
 
-        res = {"kto_uneven": _run(_kto(KTOTrainer, out, "plain_kto", n=26))}
+        res = {"kto_uneven": run_trainer(_kto(KTOTrainer, out, "plain_kto", n=26))}
         (out / f"plain{world}rank{rank}.json").write_text(json.dumps(res))
         return
     if world == 1:
         from trl import DPOTrainer
 
-        res = {f"dp{dp}": _run(_trainer(DPOTrainer, out, f"ref{dp}", dp, PAIRS * dp)) for dp in (1, 2)}
-        res["lora"] = _run(_trainer(DPOTrainer, out, "ref_lora", 1, PAIRS, lora=True))
+        res = {f"dp{dp}": run_trainer(_trainer(DPOTrainer, out, f"ref{dp}", dp, PAIRS * dp)) for dp in (1, 2)}
+        res["lora"] = run_trainer(_trainer(DPOTrainer, out, "ref_lora", 1, PAIRS, lora=True))
         from trl import KTOTrainer
 
-        res["kto"] = _run(_kto(KTOTrainer, out, "ref_kto"))
+        res["kto"] = run_trainer(_kto(KTOTrainer, out, "ref_kto"))
         try:
             _trainer(RingDPOTrainer, out, "refused", 1, PAIRS, config={"precompute_ref_log_probs": True},
                      ring_plugin=RingAttentionPlugin(cp_size=1))  # fmt: skip
@@ -140,21 +125,21 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
             res["refused"] = str(e)
     else:
         trainer = _trainer(RingDPOTrainer, out, "ring", world // 2, PAIRS, ring_plugin=RingAttentionPlugin(cp_size=2))
-        res = _run(trainer)
+        res = run_trainer(trainer)
         if world == 2:
             lora = _trainer(
                 RingDPOTrainer, out, "lora", 1, PAIRS, lora=True, ring_plugin=RingAttentionPlugin(cp_size=2)
             )
-            res["lora"] = _run(lora)
+            res["lora"] = run_trainer(lora)
             res["deepspeed"] = _on_deepspeed(out)
             from hf_ring.trainer import RingKTOTrainer
 
-            res["kto"] = _run(_kto(RingKTOTrainer, out, "kto", ring_plugin=RingAttentionPlugin(cp_size=2)))
+            res["kto"] = run_trainer(_kto(RingKTOTrainer, out, "kto", ring_plugin=RingAttentionPlugin(cp_size=2)))
         if world == 4:  # DP 2 x CP 2, the last batch short: KTO's KL term gathered as a plain DP run gathers it
             from hf_ring.trainer import RingKTOTrainer
 
             kto = _kto(RingKTOTrainer, out, "kto_uneven", n=26, ring_plugin=RingAttentionPlugin(cp_size=2))
-            res["kto_uneven"] = _run(kto)
+            res["kto_uneven"] = run_trainer(kto)
     (out / f"w{world}rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -166,13 +151,13 @@ def _on_deepspeed(out: Path) -> dict | None:
         return None
     from hf_ring.accelerate import RingAttentionPlugin
     from hf_ring.trainer import RingDPOTrainer
-    from tests.test_deepspeed_cp import _ds_config, _OnDeepSpeed, _reset_accelerate
+    from tests.train_utils import OnDeepSpeed, ds_config, reset_accelerate
 
-    _reset_accelerate()
-    cls = type("DeepSpeedDPO", (_OnDeepSpeed, RingDPOTrainer), {})
-    trainer = _trainer(cls, out, "deepspeed", 1, PAIRS, config={"deepspeed": _ds_config(2)},
+    reset_accelerate()
+    cls = type("DeepSpeedDPO", (OnDeepSpeed, RingDPOTrainer), {})
+    trainer = _trainer(cls, out, "deepspeed", 1, PAIRS, config={"deepspeed": ds_config(2)},
                        ring_plugin=RingAttentionPlugin(cp_size=2))  # fmt: skip
-    return _run(trainer)
+    return run_trainer(trainer)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 import this module as ``tests.train_utils``; the repository root is on ``PYTHONPATH``).
 
 A tiny random Llama, token datasets, the single-process references (per data-parallel replica, or the
-Trainer's token-weighted loss), ``torchrun`` launches and their JSON results, and the Trainer / TRL
-arguments of those runs.
+Trainer's token-weighted loss), ``torchrun`` launches and their JSON results, the Trainer / TRL
+arguments of those runs, and the switches to FSDP2 and DeepSpeed that Accelerate makes on a GPU (on CPU it
+leaves both off), for an ``Accelerator`` or mixed into a Trainer class.
 """
 
 from __future__ import annotations
@@ -345,3 +346,102 @@ def full_state(model) -> dict:
     return {
         k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
     }
+
+
+# The engines Accelerate and the Trainer switch to on a GPU, switched to on CPU ----------------------------
+
+
+def switch_to_fsdp2(accelerator, fsdp_plugin) -> None:
+    """Turn ``accelerator`` to FSDP2 with ``fsdp_plugin``, as Accelerate does on a GPU (on CPU it leaves FSDP off)."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    # both shared states: every AcceleratorState() made later copies PartialState's fields over its own
+    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = fsdp_plugin
+
+
+class OnFsdp2:
+    """Mixed into a Trainer class: its Accelerator switched to the FSDP2 plugin its arguments describe,
+    as Accelerate does on a GPU (on CPU it leaves FSDP off)."""
+
+    def create_accelerator_and_postprocess(self):
+        from accelerate import FullyShardedDataParallelPlugin
+
+        super().create_accelerator_and_postprocess()
+        switch_to_fsdp2(self.accelerator, FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
+        self.is_fsdp_enabled = True
+
+
+FSDP2_ARGS = dict(
+    fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+)
+
+
+def zero3_full_state(module) -> dict:
+    """The full state dict of a (possibly ZeRO-3 partitioned) module (every rank takes part)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def switch_to_deepspeed(accelerator, ds_plugin, mixed_precision: str | None = None) -> None:
+    """Turn ``accelerator`` to DeepSpeed with ``ds_plugin``, as Accelerate does on a GPU (on CPU it leaves it off)."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    ds_plugin.set_mixed_precision(mixed_precision or accelerator.state._mixed_precision)
+    accelerator.state.deepspeed_plugins = ds_plugin
+    # both shared states: every AcceleratorState() made later copies PartialState's fields over its own
+    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.DEEPSPEED
+    ds_plugin.select(_from_accelerator_state=True)
+    accelerator.deepspeed_engine_wrapped = None
+
+
+class OnDeepSpeed:
+    """Mixed into a Trainer class: its Accelerator switched to the DeepSpeed plugin its arguments describe."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        switch_to_deepspeed(self.accelerator, self.args.deepspeed_plugin)
+        self.is_deepspeed_enabled = True
+
+
+def ds_config(stage: int) -> dict:
+    """The Trainer's DeepSpeed configuration of ZeRO-``stage`` (batch sizes and clipping from its arguments)."""
+    return {
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def reset_accelerate() -> None:
+    """Forget the last Accelerator (DeepSpeed allows one model per Accelerator); the process group stays."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    AcceleratorState._reset_state()  # keeps PartialState, the process group
+    if PartialState._shared_state:
+        PartialState().distributed_type = DistributedType.MULTI_CPU  # switched back from DeepSpeed
+
+
+def run_trainer(trainer) -> dict:
+    """Train; the logged losses, the log history with a loss, the final weights (gathered from FSDP2), and the
+    signature of the model's forward (which ``generate()`` reads)."""
+    import inspect
+
+    trainer.train()
+    history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    # (FSDP2's parameters are DTensors: every rank gathers each whole)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist() for k, v in model.state_dict().items()}
+    from hf_ring.apply import unwrap_transformers_model
+
+    signature = list(inspect.signature(unwrap_transformers_model(model).forward).parameters)  # (generate() reads it)
+    return {"losses": logged_losses(trainer), "history": [h for h in history if "loss" in h], "state": state,
+            "signature": signature}  # fmt: skip
