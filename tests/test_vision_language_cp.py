@@ -43,6 +43,7 @@ from tests.train_utils import (
     image_samples,
     max_param_rel_err,
     read_results,
+    rel_err,
     replica_reference,
     run_worker,
     token_dataset,
@@ -167,9 +168,15 @@ def worker(out: Path) -> None:
         # a key bias gets no gradient but rounding (the softmax ignores a shift shared by a row's scores): the
         # vision tower's stay at 0 within 1e-6, compared on that absolute scale rather than relative to their norm
         bias = [k for k in ref_state if k.endswith("k_proj.bias")]
-        res["gemma3_images_weights_err"] = max_param_rel_err(
-            {k: v for k, v in gemma_state.items() if k not in bias},
-            {k: v for k, v in ref_state.items() if k not in bias},
+        # The vision tower's biases start at 0 and their gradients sum many terms of both signs: fp32 rounding alone
+        # moves them, the single-process fp32 run's by up to 3e-5 from the same run in fp64 (torch 2.11; measured).
+        # So each parameter of the CP run is held to fp64 arithmetic, within twice the fp32 run's own distance
+        # from it (plus 1e-6): ``gemma3_images_weights_err`` <= 1.
+        _, exact = replica_reference(gemma_images, 1, STEPS, dtype=torch.float64, make=gemma, collate_fn=collate_images)
+        res["gemma3_images_weights_err"] = max(
+            rel_err(gemma_state[k], exact[k]) / (2 * rel_err(ref_state[k], exact[k]) + 1e-6)
+            for k in ref_state
+            if k not in bias
         )
         res["gemma3_key_bias"] = max(float((gemma_state[k] - ref_state[k]).abs().max()) for k in bias)
         res["gemma3_vision_trained"] = sum(
@@ -202,7 +209,7 @@ def test_training_matches_one_process(results, way):
     got, ref = results[0][way], results[0][f"{way}_ref"]
     assert results[1][way] == got  # every rank logs the same global loss
     assert len(got) == STEPS and max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= RTOL, (got, ref)
-    assert results[0][f"{way}_weights_err"] <= RTOL
+    assert results[0][f"{way}_weights_err"] <= (1.0 if way == "gemma3_images" else RTOL)  # (gemma3: see the worker)
     if way == "images":  # the vision tower trained (every rank's image features reached it)
         assert results[0]["images_vision_trained"] > 0
         # each rank encoded one of a batch's two images (16 patches of its 32): the tower's work divided
