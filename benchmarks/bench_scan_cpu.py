@@ -1,5 +1,5 @@
 """RecurrentGemma's RG-LRU recurrence, forward + backward: the model's loop over tokens against hf_ring's scan by
-doubling (``hf_ring.linear_attention._Recurrence``), side by side in one process (CPU).
+doubling (``hf_ring._scans.Recurrence``), side by side in one process (CPU).
 
 ``h_t = a_t * h_{t-1} + x_t`` over ``[1, seq, channels]`` fp32 (RecurrentGemma-2B's 2560 channels by default). The
 model's ``_rnn_scan`` writes each state into its output in place, so its backward's work grows with the square of
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         a = torch.rand(1, n, args.channels, generator=g) * 0.1 + 0.9  # (decays near 1: states carry far)
         x = torch.randn(1, n, args.channels, generator=g)
         grad = torch.randn(1, n, args.channels, generator=g)
-        scan_fn = linear_attention._Recurrence.apply
+        scan_fn = linear_attention.Recurrence.apply
         ref, mine = _run(_loop, a, x, grad), _run(scan_fn, a, x, grad)
         err = max(float((m - r).norm() / r.norm()) for m, r in zip(mine, ref))
         if not err <= 1e-5:

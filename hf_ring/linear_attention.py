@@ -31,12 +31,12 @@ Mamba2 (``mamba2_scan``) is the same with a scalar decay per head: a chunk's tra
 so the kernel runs as it is (from a zero state, returning its final state) and the correction needs only the
 cumulative decays and ``C_t``. Mamba (``mamba_scan``) decays each state entry on its own (``exp(dt A)`` with ``A``
 per channel and state entry): its carry is the zero-state final state and the chunk's summed step sizes per
-channel. The recurrences run through one driver (``_scan``), each described by a small class (``_DeltaRule``,
-``_Mamba2``, ``_Mamba``): its kernel call, its carry ``[F | P]``, how a carry composes and how a
+channel. The recurrences run through one driver (``drive``), each described by a small class (``DeltaRule``,
+``Mamba2``, ``Mamba``): its kernel call, its carry ``[F | P]``, how a carry composes and how a
 starting state corrects the outputs.
 
 Packed documents (``documents=``): each rank cuts its chunks where the document changes; the state and the
-convolution start afresh at each document, as if each ran alone (``_scan``).
+convolution start afresh at each document, as if each ran alone (``drive``).
 
 Limits: the striped layout has no chunks (every token's predecessor lives on another rank) and is refused; chunks
 must hold at least K - 1 tokens.
@@ -50,7 +50,8 @@ from collections.abc import Callable
 
 import torch
 
-from .chunks import Chunks, Uses, by_run, causal_conv1d, chunks, groups, padded, row
+from ._scans import DeltaRule, Diagonal, Mamba, Mamba2, Recurrence, drive, widened
+from .chunks import Chunks, causal_conv1d, chunks
 from .comm import StateGather
 
 __all__ = ["Chunks", "chunks", "causal_conv1d", "diagonal_scan", "gated_delta_rule", "mamba2_scan", "mamba_scan"]
@@ -81,7 +82,7 @@ def gated_delta_rule(
             kernel it dispatches to); states ``[batch, v_heads, d_k, d_v]``.
         plan: this rank's runs (``chunks``). gather: the group's ``StateGather`` (None: one rank).
         documents: None, or [1 or batch, full_seq] document ids of the unsharded sequence (the same on every rank):
-            the state starts from zero at each document's first token (see ``_scan``).
+            the state starts from zero at each document's first token (see ``drive``).
         memory: ``hf_ring.ring_generate``'s record of this layer: empty, it gets the state after the whole sequence
             (``"state"``, fp32, the same on every rank); holding it, the tokens are the next ones of the sequence
             (the same on every rank), run from it locally, and the record moves on.
@@ -113,11 +114,11 @@ def gated_delta_rule(
     # flash-linear-attention's kernels take no fp32 (_kernel_inputs): half-precision inputs go to them as they are
     dk, dv = key.shape[-1], value.shape[-1]
     kernel, dtype = _kernel_inputs(kernel, query.dtype)
-    inputs = [t.to(dtype) for t in (query, key, _widened(value, dk))] + [
+    inputs = [t.to(dtype) for t in (query, key, widened(value, dk))] + [
         g.float(),
         beta.float() if dtype == torch.float32 else beta,
     ]
-    return _scan(_DeltaRule(kernel, dk, dv, kernel_kwargs), inputs, plan, gather, documents, query.dtype, memory)
+    return drive(DeltaRule(kernel, dk, dv, kernel_kwargs), inputs, plan, gather, documents, query.dtype, memory)
 
 
 def _fla(kernel: Callable) -> bool:
@@ -226,7 +227,7 @@ def mamba2_scan(
         memory["state"] = final.detach().float()
         return y.float()
     inputs = [t.float() for t in (x, dt, B, C)]
-    return _scan(_Mamba2(kernel, chunk_size, A.float(), None if D is None else D.float()), inputs, plan, gather,
+    return drive(Mamba2(kernel, chunk_size, A.float(), None if D is None else D.float()), inputs, plan, gather,
                  documents, torch.float32, memory)  # fmt: skip
 
 
@@ -252,7 +253,7 @@ def mamba_scan(
     with a ``[channels, d_state]`` state, decayed element by element (``A``: ``[channels, d_state]``). A chunk that
     starts from ``X`` ends in ``exp(A S) * X + F`` (``S``: its step sizes summed per channel) and outputs
     ``y_t(0) + (exp(A s_t) * X) C_t`` (``s_t``: the sum up to ``t``): every rank runs its chunks once from a zero
-    state, all-gathers ``(F, S)`` and corrects (over blocks of tokens, ``_DecayedReadout``).
+    state, all-gathers ``(F, S)`` and corrects (over blocks of tokens, ``DecayedReadout``).
 
     Args:
         x: [batch, local_seq, channels] (the convolution's output); dt: [batch, local_seq, channels], the step sizes
@@ -273,7 +274,7 @@ def mamba_scan(
         ys = [step_kernel(memory["state"], x[:, t].float(), dt[:, t].float(), A.float(), B[:, t].float(),
                           C[:, t].float(), D=None, dt_softplus=False) for t in range(x.shape[1])]  # fmt: skip
         return torch.stack(ys, dim=1).float() + skip
-    scan = _Mamba(kernel, A.float())
+    scan = Mamba(kernel, A.float())
     inputs = [t.float() for t in (x, dt, B, C)]
     if documents is None and plan.world_size == 1:  # the kernel as the model calls it (fp32, also under autocast)
         with torch.autocast(x.device.type, enabled=False):
@@ -281,7 +282,7 @@ def mamba_scan(
         if memory is not None:
             memory["state"] = scan.kernel_state(carry[..., : A.numel()]).detach()
         return y + skip
-    return _scan(scan, inputs, plan, gather, documents, torch.float32, memory) + skip
+    return drive(scan, inputs, plan, gather, documents, torch.float32, memory) + skip
 
 
 def diagonal_scan(
@@ -292,7 +293,7 @@ def diagonal_scan(
         h_t = a_t * h_{t-1} + x_t        (element by element; h_0 = 0 before the sequence)
 
     A chunk that starts from ``X`` ends in ``P * X + F`` and outputs ``h_t(0) + (a_1 ... a_t) * X`` (``P``: the
-    product of its gates): every rank runs its chunks from a zero state (fp32, by doubling: ``_Recurrence``, where
+    product of its gates): every rank runs its chunks from a zero state (fp32, by doubling: ``Recurrence``, where
     the model loops over tokens), all-gathers ``(F, P)`` and corrects. A gate of 0 (the model's reset at a document's first token) stops what
     came before, so packed documents need no cut here.
 
@@ -305,7 +306,7 @@ def diagonal_scan(
     Returns:
         [batch, local_seq, channels] fp32.
     """
-    scan, inputs = _Diagonal(), [x.float(), a.float()]
+    scan, inputs = Diagonal(), [x.float(), a.float()]
     if memory is not None and "state" in memory:  # decode steps: from the state, no exchange
         h, out = memory["state"], []
         for t in range(x.shape[1]):
@@ -315,354 +316,8 @@ def diagonal_scan(
         return torch.stack(out, dim=1)
     if plan.world_size == 1:
         with torch.autocast(x.device.type, enabled=False):
-            out = _Recurrence.apply(inputs[1], inputs[0])
+            out = Recurrence.apply(inputs[1], inputs[0])
         if memory is not None:
             memory["state"] = out[:, -1].detach()
         return out
-    return _scan(scan, inputs, plan, gather, None, torch.float32, memory)
-
-
-class _Diagonal:
-    """``diagonal_scan`` as ``_scan`` drives it: inputs ``(x, a)``; the carry of a piece is ``[F | P]`` (``[2 *
-    channels]``: the zero-state final state beside the product of the gates)."""
-
-    def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        x, a = inputs
-        h = _Recurrence.apply(a, x)
-        return h, torch.cat([h[:, -1], a.prod(dim=1)], dim=-1)
-
-    def cut(self, carry: torch.Tensor) -> torch.Tensor:
-        final, _ = carry.chunk(2, dim=-1)
-        return torch.cat([final, torch.zeros_like(final)], dim=-1)
-
-    def empty(self, carry: torch.Tensor) -> torch.Tensor:
-        return carry.new_zeros(*carry.shape[:-1], carry.shape[-1] // 2)
-
-    def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        final, product = carry.chunk(2, dim=-1)
-        return product * state + final
-
-    def kernel_state(self, state: torch.Tensor) -> torch.Tensor:
-        return state
-
-    def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
-        return out if state is None else out + torch.cumprod(inputs[1], dim=1) * state[:, None]
-
-
-class _Recurrence(torch.autograd.Function):
-    """``h_t = a_t * h_{t-1} + x_t`` from ``h_0 = 0`` over dim 1 of ``[batch, seq, channels]`` tensors, forward and
-    backward each one scan by doubling (``_doubling``: ``log2(seq)`` vectorised steps instead of ``seq`` small
-    ones), keeping only ``a`` and ``h`` for the backward. The backward is the same recurrence run from the end:
-    ``dx_t = dh_t + a_{t+1} dx_{t+1}``, ``da_t = dx_t h_{t-1}``. The sums are taken in another order than a loop
-    over tokens (fp32: rounding only)."""
-
-    @staticmethod
-    def forward(ctx, a, x):
-        h = _doubling(a, x)
-        ctx.save_for_backward(a, h)
-        return h
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        a, h = ctx.saved_tensors
-        after = torch.empty_like(a)  # a_{t+1}, none after the last token
-        after[:, :-1] = a[:, 1:]
-        after[:, -1:] = 0
-        dx = _doubling(after, grad, reverse=True)
-        da = dx.clone()
-        da[:, 1:] *= h[:, :-1]
-        da[:, :1] = 0
-        return da, dx
-
-
-def _doubling(a: torch.Tensor, x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """The inclusive scan of ``h_t = a_t * h_{t-1} + x_t`` (``h_0 = 0``) over dim 1, without autograd (``reverse``:
-    ``h_t = a_t * h_{t+1} + x_t`` from the end): after the step of span ``d`` each ``(a_t, x_t)`` holds the
-    composition of the ``2d`` steps ending (starting) at ``t``. Two working copies and one step's temporary."""
-    with torch.no_grad():
-        a, x = a.clone(), x.clone()
-        d, n = 1, x.shape[1]
-        while d < n:
-            to, fro = (slice(None, n - d), slice(d, None)) if reverse else (slice(d, None), slice(None, n - d))
-            x[:, to] = torch.addcmul(x[:, to], a[:, to], x[:, fro])
-            if 2 * d < n:
-                a[:, to] = a[:, to] * a[:, fro]
-            d *= 2
-    return x
-
-
-class _DeltaRule:
-    """The gated delta rule as ``_scan`` drives it: inputs ``(q, k, v widened, g, beta)``; the carry of a piece is
-    ``[F | P]`` (``[heads, d_k, d_v + d_k]``: the zero-state final state beside the product of the transitions,
-    what the identity's columns of the starting state ``[0 | I]`` end as)."""
-
-    def __init__(self, kernel: Callable, dk: int, dv: int, kwargs: dict):
-        self.kernel, self.dk, self.dv, self.kwargs = kernel, dk, dv, kwargs
-
-    def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, g, beta = inputs
-        start = _identity_start(q.shape[0], v.shape[2], self.dk, self.dv, q.device)
-        out, final = self.kernel(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, **self.kwargs)
-        return out, final.float()
-
-    def cut(self, carry: torch.Tensor) -> torch.Tensor:
-        """The carry of a piece whose document ends in it: its state, no transition (the next one starts anew)."""
-        return torch.cat([carry[..., : self.dv], torch.zeros_like(carry[..., self.dv :])], dim=-1)
-
-    def empty(self, carry: torch.Tensor) -> torch.Tensor:
-        return carry.new_zeros(*carry.shape[:-1], self.dv)
-
-    def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        return carry[..., self.dv :] @ state + carry[..., : self.dv]
-
-    def kernel_state(self, state: torch.Tensor) -> torch.Tensor:
-        """A composed state as the kernel takes it (``[batch, heads, d_k, d_v]``, as composed)."""
-        return state
-
-    def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
-        y = out[..., : self.dv].float()
-        if state is None:
-            return y
-        return y + torch.einsum("blhk,bhkv->blhv", out[..., self.dv :].float(), state)
-
-
-class _Mamba2:
-    """Mamba2's scan as ``_scan`` drives it: inputs ``(x, dt, B, C)``; the carry of a piece is ``[F | a]``
-    (``[heads, head_dim * d_state + 1]``: the zero-state final state, flattened, beside the product of the
-    decays)."""
-
-    def __init__(self, kernel: Callable, chunk_size: int, A: torch.Tensor, D: torch.Tensor | None):
-        self.kernel, self.chunk_size, self.A, self.D = kernel, chunk_size, A, D
-        self.state_shape = None  # (head_dim, d_state), from the first call
-
-    def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        x, dt, B, C = inputs
-        self.state_shape = (x.shape[-1], B.shape[-1])
-        # pieces shorter than the model's chunk (packed documents) in chunks of the next power of two (at least 16):
-        # the kernel pads every call to a multiple of its chunk; the result is the same up to rounding
-        n = x.shape[1]
-        chunk = self.chunk_size if n >= self.chunk_size else min(self.chunk_size, max(16, 1 << (n - 1).bit_length()))
-        out, final = self.kernel(x, dt, self.A, B, C, chunk, D=self.D, return_final_states=True)
-        decay = (dt * self.A).sum(dim=1).exp()  # [n, heads]; zero-padded ends (dt = 0) leave it as it is
-        return out.float(), torch.cat([final.float().flatten(-2), decay[..., None]], dim=-1)
-
-    def cut(self, carry: torch.Tensor) -> torch.Tensor:
-        return torch.cat([carry[..., :-1], torch.zeros_like(carry[..., -1:])], dim=-1)
-
-    def empty(self, carry: torch.Tensor) -> torch.Tensor:
-        return carry.new_zeros(*carry.shape[:-1], carry.shape[-1] - 1)
-
-    def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        return carry[..., -1:] * state + carry[..., :-1]
-
-    def kernel_state(self, state: torch.Tensor) -> torch.Tensor:
-        """A composed state as the kernel takes it: ``[batch, heads, head_dim, d_state]``."""
-        return state.unflatten(-1, self.state_shape)
-
-    def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
-        if state is None:
-            return out
-        _, dt, _, C = inputs
-        C = C.repeat_interleave(out.shape[2] // C.shape[2], dim=2)  # [n, len, heads, d_state]
-        decay = torch.cumsum(dt * self.A, dim=1).exp()  # [n, len, heads]
-        state = state.unflatten(-1, (out.shape[-1], C.shape[-1]))  # [n, heads, head_dim, d_state]
-        return out + decay[..., None] * torch.einsum("blhs,bhps->blhp", C, state)
-
-
-class _Mamba:
-    """Mamba's (Mamba1's) scan as ``_scan`` drives it: inputs ``(x, dt, B, C)``; the carry of a piece is ``[F | S |
-    k]`` (``[channels * d_state + channels + 1]``: the zero-state final state, flattened; the step sizes summed per
-    channel, whose ``exp(A S)`` is the piece's transition; 1, or 0 once ``cut``: no transition).
-
-    The final state is read from the kernel's outputs, not its returned state (mamba-ssm's backward drops the
-    returned state's gradient): ``d_state`` tokens appended with ``dt = 0`` (no decay, no input) and ``C`` the unit
-    vectors output ``F`` itself, through the kernel's own backward."""
-
-    def __init__(self, kernel: Callable, A: torch.Tensor):
-        self.kernel, self.A = kernel, A
-
-    def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        x, dt, B, C = inputs
-        n, length, d_state = x.shape[0], x.shape[1], self.A.shape[1]
-        eye = torch.eye(d_state, dtype=C.dtype, device=C.device).expand(n, d_state, d_state)
-        x, dt, B = (torch.cat([t, t.new_zeros(n, d_state, t.shape[-1])], dim=1) for t in (x, dt, B))
-        C = torch.cat([C, eye], dim=1)
-        y = self.kernel(x.transpose(1, 2), dt.transpose(1, 2), self.A, B.transpose(1, 2), C.transpose(1, 2), D=None,
-                        z=None)  # fmt: skip
-        y = y.transpose(1, 2).float()  # [n, length + d_state, channels]
-        total = dt.sum(dim=1)  # [n, channels]; zero-padded ends (dt = 0) leave it as it is
-        final = y[:, length:].transpose(1, 2)  # [n, channels, d_state]
-        carry = torch.cat([final.flatten(-2), total, torch.ones_like(total[..., :1])], dim=-1)
-        return y[:, :length], carry
-
-    def _parts(self, carry: torch.Tensor) -> tuple:
-        n = self.A.numel()
-        return carry[..., :n], carry[..., n:-1], carry[..., -1:]
-
-    def cut(self, carry: torch.Tensor) -> torch.Tensor:
-        state, total, through = self._parts(carry)
-        return torch.cat([state, torch.zeros_like(total), torch.zeros_like(through)], dim=-1)
-
-    def empty(self, carry: torch.Tensor) -> torch.Tensor:
-        return carry.new_zeros(*carry.shape[:-1], self.A.numel())
-
-    def step(self, carry: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        final, total, through = self._parts(carry)
-        return (total[..., None] * self.A).exp().flatten(-2) * through * state + final
-
-    def kernel_state(self, state: torch.Tensor) -> torch.Tensor:
-        """A composed state as the kernel takes it: ``[batch, channels, d_state]``."""
-        return state.unflatten(-1, tuple(self.A.shape))
-
-    def output(self, out: torch.Tensor, inputs: list, state: torch.Tensor | None) -> torch.Tensor:
-        if state is None:
-            return out
-        _, dt, _, C = inputs
-        return out + _DecayedReadout.apply(C, torch.cumsum(dt, dim=1), self.A, self.kernel_state(state))
-
-
-READOUT_BLOCK = 1 << 24
-"""How many ``[tokens, channels, d_state]`` fp32 values ``_DecayedReadout`` makes at a time (64 MiB: 128 tokens of
-a row at 8192 channels x 16 states)."""
-
-
-class _DecayedReadout(torch.autograd.Function):
-    """``out[n, t, c] = sum_s C[n, t, s] exp(A[c, s] T[n, t, c]) X[n, c, s]``: what a starting state ``X`` adds to a
-    Mamba piece's outputs (``T``: the step sizes summed up to ``t``). Computed over blocks of tokens, forward and
-    backward (recomputed there), so no ``[tokens, channels, d_state]`` tensor is held, as an einsum would for its
-    backward (512 KiB per token at 8192 channels x 16 states)."""
-
-    @staticmethod
-    def forward(ctx, C, T, A, X):
-        ctx.save_for_backward(C, T, A, X)
-        out = T.new_empty(T.shape)
-        for lo, hi in _blocks(T, A.shape[1]):
-            out[:, lo:hi] = (_decays(T[:, lo:hi], A) * X[:, None] * C[:, lo:hi, None, :]).sum(-1)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        C, T, A, X = ctx.saved_tensors
-        dC, dT = torch.empty_like(C), torch.empty_like(T)
-        dA, dX = torch.zeros_like(A), torch.zeros_like(X)
-        for lo, hi in _blocks(T, A.shape[1]):
-            g = grad[:, lo:hi, :, None]  # [n, blk, c, 1]
-            gE = g * _decays(T[:, lo:hi], A)  # [n, blk, c, s]
-            dC[:, lo:hi] = (gE * X[:, None]).sum(2)
-            gEC = gE * C[:, lo:hi, None, :]
-            dX += gEC.sum(1)
-            part = gEC * X[:, None]  # d out / d exponent
-            dT[:, lo:hi] = (part * A).sum(-1)
-            dA += (part * T[:, lo:hi, :, None]).sum((0, 1))
-        return dC, dT, dA, dX
-
-
-def _decays(T: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """``exp(A[c, s] T[n, t, c])``: [n, t, c, s]."""
-    return (T[..., None] * A).exp()
-
-
-def _blocks(T: torch.Tensor, d_state: int) -> list:
-    """Token ranges of ``T`` ([n, tokens, channels]) of about ``READOUT_BLOCK`` values with their states."""
-    n, length, c = T.shape
-    step = max(1, READOUT_BLOCK // max(1, n * c * d_state))
-    return [(lo, min(lo + step, length)) for lo in range(0, length, step)]
-
-
-def _widened(value: torch.Tensor, dk: int) -> torch.Tensor:
-    """The values in fp32 with ``dk`` zero columns after their own: the identity's columns of the starting state
-    (``_identity_start``) then carry P_t."""
-    return torch.cat([value.float(), value.new_zeros(*value.shape[:-1], dk, dtype=torch.float32)], dim=-1)
-
-
-def _identity_start(n: int, heads: int, dk: int, dv: int, device) -> torch.Tensor:
-    """``n`` starting states ``[0 | I]``: ``[n, heads, d_k, d_v + d_k]`` fp32, zeros beside a d_k identity."""
-    start = torch.zeros(n, heads, dk, dv + dk, dtype=torch.float32, device=device)
-    start[..., dv:] = torch.eye(dk, dtype=torch.float32, device=device)
-    return start
-
-
-def _compose(scan, every: torch.Tensor, plan: Chunks) -> dict:
-    """The state each of this rank's chunks starts from (chunk -> [batch, ...], fp32), composed in sequence order
-    from every chunk's carry (``every``: [world, runs, batch, ...])."""
-    last = max(plan.index)
-    starts, x = {}, scan.empty(every[0, 0])
-    for c in range(last + 1):
-        if c in plan.index:
-            starts[c] = x
-        if c < last:
-            x = scan.step(every[plan.owner(c)], x)
-    return starts
-
-
-def _last(scan, every: torch.Tensor, plan: Chunks) -> torch.Tensor:
-    """The state after the whole sequence (``[batch, ...]`` as the kernel takes it), composed from every chunk's
-    carry (``every``: [world, runs, batch, ...])."""
-    x = scan.empty(every[0, 0])
-    for c in range(plan.total):
-        x = scan.step(every[plan.owner(c)], x)
-    return scan.kernel_state(x).detach()
-
-
-def _scan(scan, inputs: list, plan: Chunks, gather, documents, dtype, memory: dict | None = None) -> torch.Tensor:
-    """A recurrence affine in its starting state (``scan``: ``_DeltaRule``, ``_Mamba2``, ``_Mamba``) over the CP group, on this
-    rank's tokens (``inputs``: fp32 [batch, local_seq, ...]), in ``dtype``.
-
-    Without documents: this rank's runs in one kernel call (stacked on the batch) from a zero state; every chunk's
-    carry all-gathered; each run's starting state composed in sequence order and its outputs corrected.
-
-    With documents: each batch row's runs cut into segments of one document, run in a few kernel calls
-    (``groups``: zero-padded at their ends to the group's longest, at most twice the tokens in all; zero inputs
-    leave the state as it is). A segment starting a document starts from zero; only a run's first segment, when
-    its document goes on from the chunk before, takes that chunk's state (its output corrected), and a chunk
-    passes its transition on only if one document runs through it (else the next chunk's state is its last
-    segment's). ``memory`` (``ring_generate``'s prefill): gets the state after the whole sequence."""
-    b = inputs[0].shape[0]
-    runs = [plan.split(t, dim=1) for t in inputs]  # each [runs, b, n, ...]
-    with torch.autocast(inputs[0].device.type, enabled=False):
-        if documents is None:
-            flat = [t.flatten(0, 1) for t in runs]
-            out, carry = scan.run(flat)
-            every = gather.gather(carry.unflatten(0, (plan.count, b)))  # [world, runs, b, ...]
-            if memory is not None:
-                memory["state"] = _last(scan, every, plan)
-            starts = _compose(scan, every, plan)
-            y = scan.output(out, flat, torch.stack([starts[c] for c in plan.index]).flatten(0, 1))
-            return Uses.apply(plan.join(y.to(dtype).unflatten(0, (plan.count, b)), dim=1), every)
-        rows, exports = [], []
-        for r in range(b):
-            _, segments = row(documents, r, plan)
-            done: list = [None] * len(segments)  # (out, carry, inputs) of each segment
-            for group in groups([s.end - s.start for s in segments]):
-                longest = max(segments[i].end - segments[i].start for i in group)
-                pieces = [
-                    padded([t[segments[i].run, r, segments[i].start : segments[i].end] for i in group], longest)
-                    for t in runs
-                ]
-                out, carry = scan.run(pieces)
-                for j, i in enumerate(group):
-                    done[i] = (out[j], carry[j], [t[j] for t in pieces])
-            rows.append((segments, done))
-            state = []
-            for i in range(plan.count):
-                mine = [j for j, s in enumerate(segments) if s.run == i]
-                through = len(mine) == 1 and segments[mine[0]].continues  # one document through the whole chunk
-                carry = done[mine[-1]][1]
-                state.append(carry if through else scan.cut(carry))
-            exports.append(torch.stack(state))
-        mine = torch.stack(exports, dim=1)  # [runs, b, ...]
-        every = None if gather is None else gather.gather(mine)  # [world, runs, b, ...]
-        if memory is not None:
-            memory["state"] = _last(scan, mine[None] if every is None else every, plan)
-        starts = {} if every is None else _compose(scan, every, plan)
-        result = []
-        for r, (segments, done) in enumerate(rows):
-            pieces = []
-            for s, (out, _, ins) in zip(segments, done):
-                n = s.end - s.start
-                x = starts[plan.index[s.run]][r][None] if s.continues else None
-                pieces.append(scan.output(out[None, :n], [t[None, :n] for t in ins], x)[0])
-            result.append(by_run(segments, pieces, plan, dim=0))  # [runs, n, ...]
-        y = plan.join(torch.stack(result, dim=1).to(dtype), dim=1)
-    return y if every is None else Uses.apply(y, every)
+    return drive(scan, inputs, plan, gather, None, torch.float32, memory)

@@ -295,8 +295,8 @@ def test_bench_scan_cpu_checks_the_scan_against_the_models_loop_and_times_both(t
         assert float(r["loop_vs_scan"]) == pytest.approx(
             float(r["loop_median_ms"]) / float(r["scan_median_ms"]), rel=0.03
         )
-    wrong = linear_attention._Recurrence.apply
-    monkeypatch.setattr(linear_attention._Recurrence, "apply", lambda a, x: wrong(a, 1.1 * x))
+    wrong = linear_attention.Recurrence.apply
+    monkeypatch.setattr(linear_attention.Recurrence, "apply", lambda a, x: wrong(a, 1.1 * x))
     assert bench_scan_cpu.main(["--seq-lens", "9", "--channels", "4", "--repeat", "1", "--out", str(out)]) == 1
     assert "INACCURATE scan: seq 9" in capsys.readouterr().out
 

@@ -216,9 +216,9 @@ def _diagonal_layer(x, weight, gate, shape, plan, gather, documents=None):
 
 
 def test_the_diagonal_recurrence_by_doubling_is_the_loop_over_tokens():
-    """``diagonal_scan``'s scan (``_Recurrence``: doubling steps, its own backward) against the loop over tokens the
+    """``diagonal_scan``'s scan (``Recurrence``: doubling steps, its own backward) against the loop over tokens the
     model runs, float64, lengths around powers of two, a zero gate (a reset) inside; and torch's gradcheck."""
-    from hf_ring.linear_attention import _Recurrence
+    from hf_ring._scans import Recurrence
 
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 3, 7, 8, 9, 33):
@@ -232,13 +232,13 @@ def test_the_diagonal_recurrence_by_doubling_is_the_loop_over_tokens():
             h = a[:, t] * h + x[:, t]
             states.append(h)
         ref = torch.stack(states, dim=1)
-        got = _Recurrence.apply(a, x)
+        got = Recurrence.apply(a, x)
         upstream = torch.randn(ref.shape, generator=g, dtype=torch.float64)
         want = torch.autograd.grad((ref * upstream).sum(), (a, x))
         mine = torch.autograd.grad((got * upstream).sum(), (a, x))
         assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12), n
         assert all(torch.allclose(m, w, rtol=1e-12, atol=1e-12) for m, w in zip(mine, want)), n
-        assert torch.autograd.gradcheck(_Recurrence.apply, (a, x))
+        assert torch.autograd.gradcheck(Recurrence.apply, (a, x))
 
 
 def _leaves(*ts):
@@ -595,7 +595,7 @@ def test_mamba_in_low_precision_under_autocast():
 def test_mamba_readout_of_a_starting_state_in_blocks(monkeypatch):
     """What a starting state adds to a Mamba piece's outputs, computed over blocks of tokens forward and backward:
     against the einsum, and its gradients by finite differences (fp64), in one block and in blocks of 2 tokens."""
-    from hf_ring import linear_attention as la
+    from hf_ring import _scans as la
 
     g = torch.Generator().manual_seed(3)
     n, t, c, s = 2, 7, 3, 4
@@ -607,8 +607,8 @@ def test_mamba_readout_of_a_starting_state_in_blocks(monkeypatch):
     for block, count in ((la.READOUT_BLOCK, 1), (2 * n * c * s, 4)):
         monkeypatch.setattr(la, "READOUT_BLOCK", block)
         assert len(la._blocks(T, s)) == count
-        torch.testing.assert_close(la._DecayedReadout.apply(C, T, A, X), want, rtol=1e-12, atol=1e-12)
-        assert torch.autograd.gradcheck(la._DecayedReadout.apply, (C, T, A, X))
+        torch.testing.assert_close(la.DecayedReadout.apply(C, T, A, X), want, rtol=1e-12, atol=1e-12)
+        assert torch.autograd.gradcheck(la.DecayedReadout.apply, (C, T, A, X))
 
 
 def _selective_gradient_errors(run, device: str) -> dict:
