@@ -63,12 +63,14 @@ def masked(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 
 def computation(module):
-    """What ``module`` computes, sharded: MiniMax's lightning attention, a Mamba or Mamba2 mixer, Kimi Delta
-    Attention, an LFM2 short convolution or a Gated DeltaNet."""
+    """What ``module`` computes, sharded: MiniMax's lightning attention, a Mamba mixer (Zamba's: a scan per head), a
+    Mamba2 mixer, Kimi Delta Attention, an LFM2 short convolution or a Gated DeltaNet."""
     if hasattr(module, "slope_rate"):
         return _lightning
     if hasattr(module, "x_proj") and hasattr(module, "dt_proj"):
         return _mamba
+    if hasattr(module, "x_proj_weight") and hasattr(module, "dt_proj_weight"):
+        return _mamba_heads
     if hasattr(module, "D") and hasattr(module, "A_log"):
         return _mamba2
     if hasattr(module, "forget_gate"):
@@ -204,6 +206,39 @@ def _mamba(m, kernels, hidden_states, plan, gather, documents, keep, memory):
         documents=documents, memory=memory, step_kernel=getattr(kernels, "mamba_selective_state_update", None),
     )  # fmt: skip
     return m.out_proj((y * F.silu(gate.transpose(1, 2))).to(dtype))
+
+
+def _mamba_heads(m, kernels, hidden_states, plan, gather, documents, keep, memory):
+    """Transformers' Zamba Mamba mixer without a cache: one convolution over the CP group, then a Mamba scan per head,
+    each with its own ``x_proj`` / ``dt_proj`` weights (its ``n_mamba_heads`` split of the channels), over the group."""
+    dtype = hidden_states.dtype
+    batch, n, _ = hidden_states.shape
+    x, gate = m.in_proj(hidden_states).transpose(1, 2).view(batch, -1, 2, n).chunk(2, dim=2)
+    weight = m.conv1d.weight.squeeze(1)
+
+    def conv(t):
+        return kernels.causal_conv1d_fn(t, weight, m.conv1d.bias, activation=m.activation)
+
+    x = masked(
+        causal_conv1d(x.squeeze(2), conv, m.conv_kernel_size, plan, gather, documents, memory).transpose(1, 2), keep
+    )
+    heads = []
+    for h, (x_h, gate_h) in enumerate(
+        zip(x.split(m.mamba_head_dim, dim=-1), gate.squeeze(2).split(m.mamba_head_dim, dim=1))
+    ):
+        step, B, C = torch.split(
+            x_h @ m.x_proj_weight[h].transpose(0, 1), [m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1
+        )
+        dt = step @ m.dt_proj_weight[h].transpose(0, 1)
+        dt = F.softplus(dt.float() + (0.0 if m.dt_proj_bias is None else m.dt_proj_bias[h].float()))
+        head_memory = None if memory is None else memory.setdefault("heads", {}).setdefault(h, {})
+        y = mamba_scan(
+            x_h, dt, -m.A_log[h].float().exp(), B, C, kernel=kernels.mamba_selective_scan, D=m.D[h], plan=plan,
+            gather=gather, documents=documents, memory=head_memory,
+            step_kernel=getattr(kernels, "mamba_selective_state_update", None),
+        )  # fmt: skip
+        heads.append(y * F.silu(gate_h.transpose(1, 2).float()))
+    return m.out_proj(torch.cat(heads, dim=-1).to(dtype))
 
 
 def _lightning(m, kernels, hidden_states, plan, gather, documents, keep, memory):

@@ -161,6 +161,7 @@ FAMILIES = {
     "starcoder2": "transformers.models.starcoder2.modeling_starcoder2.Starcoder2Attention",
     "vaultgemma": "transformers.models.vaultgemma.modeling_vaultgemma.VaultGemmaAttention",
     "youtu": "transformers.models.youtu.modeling_youtu.YoutuAttention",
+    "zamba": "transformers.models.zamba.modeling_zamba.ZambaAttention",
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2Attention",
 }
 """``config.model_type`` -> the attention class the generic patch switches (None: a model without attention)."""
@@ -315,6 +316,7 @@ LINEAR = {
         "transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextPLELayer",
     ),
     "recurrent_gemma": "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock",
+    "zamba": "transformers.models.zamba.modeling_zamba.ZambaMambaMixer",
     "zamba2": "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer",
     # ZAYA: its attention's query/key convolutions and delayed values (CCA), computed before the attention function
     "zaya": "transformers.models.zaya.modeling_zaya.ZayaCCAProjection",

@@ -1,6 +1,6 @@
 """Sequence mixers other than attention under context parallelism: Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
 Qwen3.5-MoE, OLMo Hybrid), Kimi Delta Attention (Kimi Linear), lightning attention (MiniMax), Mamba layers (Jamba,
-Mamba, Falcon-Mamba), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H,
+Zamba: one scan per head, Mamba, Falcon-Mamba), Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H,
 Falcon-H1, Zamba2, and the pure Mamba2 model, which has no attention layer), short convolutions (LFM2, LFM2-MoE),
 RecurrentGemma's recurrent blocks (a short convolution and the RG-LRU: ``ShardedRecurrentBlock``) and ZAYA's
 convolutional attention projection (``ShardedCCA``).

@@ -277,6 +277,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                    "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 8,
                    "conv_kernel": 4, "chunk_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}),
+    # Mamba (Mamba1) layers of two heads, each with its own x_proj / dt_proj, and an attention block shared by its
+    # hybrid layers, on the hidden states beside the embeddings (no positions)
+    "zamba": ("ZambaConfig", "ZambaForCausalLM", {"num_hidden_layers": 4, "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"],
+              "n_mamba_heads": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8}),
     # Mamba2 layers and a shared attention block (on the hidden states beside the embeddings, LoRA-like adapters
     # per call site) every few layers
     "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", {"num_hidden_layers": 4, "num_key_value_heads": 4, "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"],

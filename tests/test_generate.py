@@ -101,6 +101,7 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     "granitemoehybrid-contiguous": ("granitemoehybrid", 2, 12, 2, "contiguous"),
     "nemotron_h": ("nemotron_h", 1, 13, 0, "zigzag"),
     "falcon_h1": ("falcon_h1", 2, 15, 1, "zigzag"),  # attention and Mamba2 in every layer
+    "zamba": ("zamba", 2, 14, 3, "zigzag"),  # Mamba layers of two heads, a state and a scan each
     "zamba2": ("zamba2", 2, 13, 2, "zigzag"),  # an attention block shared by several layers
     "jamba": ("jamba", 2, 14, 3, "zigzag"),  # Mamba (a decay per channel and state entry), attention without RoPE
     "mamba": ("mamba", 2, 14, 3, "zigzag"),  # no attention: the model lends its mixers the batch's keywords
@@ -155,8 +156,9 @@ def _forgetting(model):
         )
         if len(calls) == 2 and cache is not None:  # the first decode step
             for key, record in cache.mixer_records.items():
-                if "state" in record:
-                    record["state"].zero_()
+                for part in (record, *record.get("heads", {}).values()):  # (Zamba: a state per Mamba head)
+                    if "state" in part:
+                        part["state"].zero_()
                 if isinstance(key, tuple):  # Qwen4-Exp's per-layer embedding, ZAYA's CCA: their convolutions' inputs
                     for part in (record, *(v for v in record.values() if isinstance(v, dict))):
                         if "conv" in part:
@@ -515,6 +517,7 @@ FORGETTING = {
         "qwen4_exp_text",
         "recurrent_gemma",
         "zaya",
+        "zamba",
     )
 }
 
@@ -548,6 +551,7 @@ FOUR_RANKS = {  # 8 zig-zag chunks of 4 tokens (at least the convolution's 3 inp
     "qwen4_exp_text-short": ("qwen4_exp_text", 2, 5, 4, "zigzag"),  # padding within its embeddings' look-back
     "recurrent_gemma": ("recurrent_gemma", 2, 29, 3, "zigzag"),
     "zaya-short": ("zaya", 2, 7, 2, "zigzag"),  # (prompts shorter than 8 chunks of its 2 inputs back: padded)
+    "zamba": ("zamba", 2, 28, 1, "zigzag"),  # (a state per Mamba head)
 }
 
 

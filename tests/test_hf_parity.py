@@ -620,6 +620,8 @@ CASES = {
     "granitemoehybrid-contiguous": ("granitemoehybrid", "plain", 40, {"layout": "contiguous"}),
     "granitemoehybrid-nope-packed": ("granitemoehybrid", "packed", 45, {"config": {"position_embedding_type": "nope"}}),
     "nemotron_h-padded": ("nemotron_h", "padded", 40, {}),
+    "zamba-padded-lora-checkpointing": ("zamba", "padded", 45, {"lora": True, "checkpointing": True}),
+    "zamba-packed-contiguous": ("zamba", "packed", 40, {"layout": "contiguous"}),
     "zamba2-padded": ("zamba2", "padded", 45, {}),
     "zamba2-packed-contiguous": ("zamba2", "packed", 40, {"layout": "contiguous"}),
     "falcon_h1-plain": ("falcon_h1", "plain", 45, {}),
