@@ -255,17 +255,18 @@ def sdpa_step(q, k, v, do, ks, causal, scale, backend):
     sdp = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
     g = q.shape[1] // k.shape[1]
     kk, vv = k[:, :, ks].detach(), v[:, :, ks].detach()
-    try:  # native GQA where the backend supports it, else K/V expanded outside the timed region
-        with sdpa_kernel(sdp):
-            F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, scale=scale, enable_gqa=True)
-        gqa = True
-    except RuntimeError:
-        kk, vv, gqa = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1), False
+    gqa = True  # native GQA where the backend supports it (or nothing to repeat), else K/V expanded outside the timed region
+    if g > 1:
+        try:
+            with sdpa_kernel(sdp):
+                F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, scale=scale, enable_gqa=True)
+        except RuntimeError:
+            kk, vv, gqa = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1), False
     qr, kr, vr = (x.detach().requires_grad_() for x in (q, kk, vv))
 
     def run():
         with sdpa_kernel(sdp):
-            kw = {"enable_gqa": True} if gqa else {}
+            kw = {"enable_gqa": True} if gqa and g > 1 else {}
             return F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, scale=scale, **kw)
 
     try:

@@ -30,7 +30,7 @@ __all__ = [
 
 
 class Diagonal:
-    """``diagonal_scan`` as ``run`` drives it: inputs ``(x, a)``; the carry of a piece is ``[F | P]`` (``[2 *
+    """``diagonal_scan`` as ``drive`` drives it: inputs ``(x, a)``; the carry of a piece is ``[F | P]`` (``[2 *
     channels]``: the zero-state final state beside the product of the gates)."""
 
     def run(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +100,7 @@ def _doubling(a: torch.Tensor, x: torch.Tensor, reverse: bool = False) -> torch.
 
 
 class DeltaRule:
-    """The gated delta rule as ``run`` drives it: inputs ``(q, k, v widened, g, beta)``; the carry of a piece is
+    """The gated delta rule as ``drive`` drives it: inputs ``(q, k, v widened, g, beta)``; the carry of a piece is
     ``[F | P]`` (``[heads, d_k, d_v + d_k]``: the zero-state final state beside the product of the transitions,
     what the identity's columns of the starting state ``[0 | I]`` end as)."""
 
@@ -135,7 +135,7 @@ class DeltaRule:
 
 
 class Mamba2:
-    """Mamba2's scan as ``run`` drives it: inputs ``(x, dt, B, C)``; the carry of a piece is ``[F | a]``
+    """Mamba2's scan as ``drive`` drives it: inputs ``(x, dt, B, C)``; the carry of a piece is ``[F | a]``
     (``[heads, head_dim * d_state + 1]``: the zero-state final state, flattened, beside the product of the
     decays)."""
 
@@ -178,7 +178,7 @@ class Mamba2:
 
 
 class Mamba:
-    """Mamba's (Mamba1's) scan as ``run`` drives it: inputs ``(x, dt, B, C)``; the carry of a piece is ``[F | S |
+    """Mamba's (Mamba1's) scan as ``drive`` drives it: inputs ``(x, dt, B, C)``; the carry of a piece is ``[F | S |
     k]`` (``[channels * d_state + channels + 1]``: the zero-state final state, flattened; the step sizes summed per
     channel, whose ``exp(A S)`` is the piece's transition; 1, or 0 once ``cut``: no transition).
 

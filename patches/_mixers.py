@@ -210,7 +210,9 @@ def _mamba(m, kernels, hidden_states, plan, gather, documents, keep, memory):
 
 def _mamba_heads(m, kernels, hidden_states, plan, gather, documents, keep, memory):
     """Transformers' Zamba Mamba mixer without a cache: one convolution over the CP group, then a Mamba scan per head,
-    each with its own ``x_proj`` / ``dt_proj`` weights (its ``n_mamba_heads`` split of the channels), over the group."""
+    each with its own ``x_proj`` / ``dt_proj`` weights (its ``n_mamba_heads`` split of the channels), over the group.
+    The step sizes and the scan in fp32, as mamba-ssm's kernel computes them; each head's state in its own record
+    (``memory["heads"][h]``), the convolution's inputs in the layer's."""
     dtype = hidden_states.dtype
     batch, n, _ = hidden_states.shape
     x, gate = m.in_proj(hidden_states).transpose(1, 2).view(batch, -1, 2, n).chunk(2, dim=2)
@@ -237,7 +239,7 @@ def _mamba_heads(m, kernels, hidden_states, plan, gather, documents, keep, memor
             gather=gather, documents=documents, memory=head_memory,
             step_kernel=getattr(kernels, "mamba_selective_state_update", None),
         )  # fmt: skip
-        heads.append(y * F.silu(gate_h.transpose(1, 2).float()))
+        heads.append(y * F.silu(gate_h.transpose(1, 2)))
     return m.out_proj(torch.cat(heads, dim=-1).to(dtype))
 
 

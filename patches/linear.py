@@ -364,7 +364,8 @@ class _Halo:
 
 def _memory(cache, layer_idx) -> dict | None:
     """``hf_ring.ring_generate``'s record of this layer (its convolution's last inputs and its state after the
-    sequence; empty before the prefill), kept by its sharded cache; None outside ``ring_generate``."""
+    sequence, or a record per head under ``"heads"``: Zamba; empty before the prefill), kept by its sharded cache;
+    None outside ``ring_generate``."""
     records = getattr(cache, "mixer_records", None)
     return None if records is None else records.setdefault(layer_idx, {})
 

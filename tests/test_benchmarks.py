@@ -319,3 +319,16 @@ def test_append_rows_keeps_a_file_written_with_other_columns(tmp_path):
         {"date": "2026-02-02", "impl": "sdpa", "op": "flash", "ms": "2", "gone": ""},
         {"date": "2026-03-03", "impl": "torch", "op": "torch", "ms": "3", "gone": ""},
     ]
+
+
+def test_append_rows_refuses_a_row_longer_than_its_header_and_keeps_the_file(tmp_path):
+    from _cpu import append_rows
+
+    path = tmp_path / "r.csv"
+    text = "date,impl,ms\n2026-01-01,triton,1.5\n2026-01-02,sdpa,flash,2.0\n2026-01-03,torch,3.0\n"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="more values than its header"):
+        append_rows(
+            path, ["date", "impl", "op", "ms"], [{"date": "2026-02-02", "impl": "sdpa", "op": "flash", "ms": 2}]
+        )
+    assert path.read_text() == text

@@ -76,7 +76,7 @@ def _trainer(cls, out: Path, name: str, per_device: int, seen: list, lora: bool 
                processing_class=tiny_tokenizer(), **peft, **ring)  # fmt: skip
 
 
-def run_trainer(trainer, seen: list) -> dict:
+def _run(trainer, seen: list) -> dict:
     from tests.train_utils import run_trainer as run
 
     res = run(trainer)
@@ -104,19 +104,19 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
 
         if plain:
             seen = []
-            res["dp"] = run_trainer(_trainer(GRPOTrainer, out, "plain", 2, seen, **dp), seen)
+            res["dp"] = _run(_trainer(GRPOTrainer, out, "plain", 2, seen, **dp), seen)
             from trl import RLOOTrainer
 
             seen = []  # (RLOO's leave-one-out baselines over prompt groups that span both processes)
-            res["rloo_dp"] = run_trainer(_trainer(RLOOTrainer, out, "plain_rloo", 2, seen, beta=0.1), seen)
+            res["rloo_dp"] = _run(_trainer(RLOOTrainer, out, "plain_rloo", 2, seen, beta=0.1), seen)
         else:
             for case, lora in (("cp", False), ("lora", True)):
                 seen = []
-                res[case] = run_trainer(_trainer(GRPOTrainer, out, f"ref_{case}", 4, seen, lora=lora, **grpo), seen)
+                res[case] = _run(_trainer(GRPOTrainer, out, f"ref_{case}", 4, seen, lora=lora, **grpo), seen)
             from trl import RLOOTrainer
 
             seen = []
-            res["rloo"] = run_trainer(_trainer(RLOOTrainer, out, "ref_rloo", 4, seen, beta=0.1), seen)
+            res["rloo"] = _run(_trainer(RLOOTrainer, out, "ref_rloo", 4, seen, beta=0.1), seen)
             refused = {}
             cases = (("vllm", {"use_vllm": True}), ("cache", {"cache_implementation": "static"}),
                      ("no cache", {"generation_kwargs": {"use_cache": False}}), ("tools", {"tools": [len]}))  # fmt: skip
@@ -134,26 +134,24 @@ def worker(out: Path, world: int, plain: bool = False) -> None:
             for case, lora in (("cp", False), ("lora", True)):
                 seen = []
                 trainer = _trainer(RingGRPOTrainer, out, case, 4, seen, lora=lora, ring_plugin=plugin, **grpo)
-                res[case] = run_trainer(trainer, seen)
+                res[case] = _run(trainer, seen)
             seen = []  # rewards that differ between the ranks: the first rank's count for the group
-            res["noisy"] = run_trainer(_trainer(RingGRPOTrainer, out, "noisy", 4, seen, ring_plugin=plugin, noise=True, **grpo),
+            res["noisy"] = _run(_trainer(RingGRPOTrainer, out, "noisy", 4, seen, ring_plugin=plugin, noise=True, **grpo),
                                 seen)  # fmt: skip
             res["deepspeed"] = _on_deepspeed(out, grpo)
             res["fsdp2"] = _on_fsdp2(out, grpo)
             from hf_ring.trainer import RingRLOOTrainer
 
             seen = []
-            res["rloo"] = run_trainer(
-                _trainer(RingRLOOTrainer, out, "rloo", 4, seen, ring_plugin=plugin, beta=0.1), seen
-            )
+            res["rloo"] = _run(_trainer(RingRLOOTrainer, out, "rloo", 4, seen, ring_plugin=plugin, beta=0.1), seen)
         else:
             seen = []
-            res["dp"] = run_trainer(_trainer(RingGRPOTrainer, out, "ring_dp", 2, seen, ring_plugin=plugin, **dp), seen)
+            res["dp"] = _run(_trainer(RingGRPOTrainer, out, "ring_dp", 2, seen, ring_plugin=plugin, **dp), seen)
             from hf_ring.trainer import RingRLOOTrainer
 
             seen = []
             rloo = _trainer(RingRLOOTrainer, out, "ring_rloo", 2, seen, ring_plugin=plugin, beta=0.1)
-            res["rloo_dp"] = run_trainer(rloo, seen)
+            res["rloo_dp"] = _run(rloo, seen)
     (out / f"{'plain' if plain else 'w'}{world}rank{rank}.json").write_text(json.dumps(res))
 
 
@@ -175,7 +173,7 @@ def _on_deepspeed(out: Path, config: dict) -> dict | None:
     seen = []
     trainer = _trainer(cls, out, "deepspeed", 4, seen, ring_plugin=RingAttentionPlugin(cp_size=2),
                        deepspeed=zero3, **config)  # fmt: skip
-    res = run_trainer(trainer, seen)
+    res = _run(trainer, seen)
     res["state"] = {k: v.tolist() for k, v in zero3_full_state(trainer.model_wrapped.module).items()}  # (partitioned)
     res["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
     res["partitioned"] = all(p.numel() == 0 for p in trainer.model_wrapped.module.parameters())
@@ -192,7 +190,7 @@ def _on_fsdp2(out: Path, config: dict) -> dict:
     cls = type("Fsdp2GRPO", (OnFsdp2, RingGRPOTrainer), {})
     seen = []
     trainer = _trainer(cls, out, "fsdp2", 4, seen, ring_plugin=RingAttentionPlugin(cp_size=2), **FSDP2_ARGS, **config)
-    res = run_trainer(trainer, seen)
+    res = _run(trainer, seen)
     res["sharded"] = type(trainer.model_wrapped).__name__.startswith("FSDP")
     return res
 

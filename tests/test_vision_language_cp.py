@@ -169,9 +169,9 @@ def worker(out: Path) -> None:
         # vision tower's stay at 0 within 1e-6, compared on that absolute scale rather than relative to their norm
         bias = [k for k in ref_state if k.endswith("k_proj.bias")]
         # The vision tower's biases start at 0 and their gradients sum many terms of both signs: fp32 rounding alone
-        # moves them, the single-process fp32 run's by up to 3e-5 from the same run in fp64 (torch 2.11; measured).
-        # So each parameter of the CP run is held to fp64 arithmetic, within twice the fp32 run's own distance
-        # from it (plus 1e-6): ``gemma3_images_weights_err`` <= 1.
+        # moves them, the single-process fp32 run's by up to 3e-5 from the same run with an fp64 forward and backward
+        # (its updates applied to the fp32 weights; torch 2.11, measured). So each parameter of the CP run is held to
+        # that run, within twice the fp32 run's own distance from it (plus 1e-6): ``gemma3_images_weights_err`` <= 1.
         _, exact = replica_reference(gemma_images, 1, STEPS, dtype=torch.float64, make=gemma, collate_fn=collate_images)
         res["gemma3_images_weights_err"] = max(
             rel_err(gemma_state[k], exact[k]) / (2 * rel_err(ref_state[k], exact[k]) + 1e-6)
