@@ -6,12 +6,13 @@ import platform
 from pathlib import Path
 
 
-def append_rows(path: Path, fields: list, rows: list) -> Path:
+def append_rows(path: Path, fields: list, rows: list, missing: dict | None = None) -> Path:
     """Append ``rows`` (dicts) to the CSV file ``path`` with columns ``fields``; the header once, for a new file.
 
     A file written with other columns (an older version of the script) is first rewritten, whole and then moved in
-    place, with ``fields`` and its own columns that ``fields`` lacks, its rows blank in the columns they did not have.
-    A file with a row longer than its header is refused (ValueError) and left as it is."""
+    place, with ``fields`` and its own columns that ``fields`` lacks, its rows holding ``missing``'s value (else blank)
+    in the columns they did not have. A file with a row longer than its header is refused (ValueError) and left as
+    it is."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists()
@@ -28,7 +29,8 @@ def append_rows(path: Path, fields: list, rows: list) -> Path:
             with tmp.open("w", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=fields)
                 w.writeheader()
-                w.writerows(kept)
+                added = {c: v for c, v in (missing or {}).items() if c not in old}
+                w.writerows({**added, **row} for row in kept)
             os.replace(tmp, path)
     with path.open("a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)

@@ -197,8 +197,8 @@ OURS = ("triton", "sdpa", "cudnn", "torch")  # hf_ring's backends; the others ar
 
 
 def backend_step(name, q, k, v, do, mask, scale):
-    """(fwd, bwd, fwd+bwd) callables of one ring step with hf_ring's backend ``name``, and its (out, dq, dk, dv);
-    None where the backend cannot run these inputs.
+    """(fwd, bwd, fwd+bwd) callables of one ring step with hf_ring's backend ``name``, its (out, dq, dk, dv), and what
+    ran it (``op_ran``); None where the backend cannot run these inputs.
 
     The forward merges into the same accumulators on every call: the same work as a fresh step.
     The backward includes ``delta = rowsum(dO * O)``, as SDPA's backward does.
@@ -231,25 +231,23 @@ def backend_step(name, q, k, v, do, mask, scale):
         fwd()
         bwd()
 
-    return (fwd, bwd, both), result
+    return (fwd, bwd, both), result, op_ran(name, q, v, mask)
 
 
-def op_ran(impl: str, q, v, mask, gqa: bool = True) -> str:
-    """What ran the step timed as ``impl``: for hf_ring's ``sdpa`` / ``cudnn`` backends the fused op (or the
-    fallback backend) that took it, for PyTorch's forced SDPA backends their kernel, ``+repeat_kv`` where the
-    key/value heads had to be repeated."""
-    if impl in ("sdpa", "cudnn"):
+def op_ran(name: str, q, v, mask) -> str:
+    """What runs a step of hf_ring's backend ``name``: for ``sdpa`` / ``cudnn`` the fused op (or the fallback
+    backend) that takes it, else the backend itself."""
+    if name in ("sdpa", "cudnn"):
         from hf_ring.kernels.sdpa_backend import step_op
 
-        return step_op(q, v, mask, backend=impl)
-    if impl.startswith("sdpa-"):
-        return impl.removeprefix("sdpa-") + ("" if gqa else "+repeat_kv")
-    return impl
+        return step_op(q, v, mask, backend=name)
+    return name
 
 
 def sdpa_step(q, k, v, do, ks, causal, scale, backend):
-    """(fwd, bwd, fwd+bwd) callables of SDPA with one backend, its (out, dq, dk, dv), and whether it took the
-    key/value heads as they are (native GQA); or None if the backend cannot run this shape or device."""
+    """(fwd, bwd, fwd+bwd) callables of SDPA with one backend, its (out, dq, dk, dv), and what ran it (the kernel,
+    ``+repeat_kv`` where it needed the key/value heads repeated); or None if the backend cannot run this shape or
+    device."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sdp = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
@@ -292,7 +290,7 @@ def sdpa_step(q, k, v, do, ks, causal, scale, backend):
     def both():
         torch.autograd.grad(run(), (qr, kr, vr), do)
 
-    return (fwd, bwd, both), result, gqa
+    return (fwd, bwd, both), result, backend.removeprefix("sdpa-") + ("" if gqa else "+repeat_kv")
 
 
 def main(argv=None) -> int:
@@ -329,8 +327,7 @@ def main(argv=None) -> int:
                         sdpa_step(q, k, v, do, ks, causal, scale, impl))  # fmt: skip
                     if made is None:
                         continue
-                    fns, result = made[:2]
-                    op = op_ran(impl, q, v, mask, gqa=made[-1] if impl not in OURS else True)
+                    fns, result, op = made
                     errors[impl] = err = rel_err(result, reference)
                     del result
                     for name, fn in zip(PASSES, fns):

@@ -20,7 +20,6 @@ date, library versions and CPU model.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import platform
@@ -182,24 +181,9 @@ def main(argv=None):
             flush=True,
         )
     path = Path(args.csv)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _add_columns(path, list(rows[0]))
-    append_rows(path, list(rows[0]), rows)
+    # older rows ran the pure ring (ulysses 1), without the SDPA yardstick (blank)
+    append_rows(path, list(rows[0]), rows, missing={"ulysses": 1})
     print(f"appended {len(rows)} rows to {path}")
-
-
-def _add_columns(path: Path, fields: list) -> None:
-    """Rewrite older rows under the current header: they ran the pure ring (``ulysses`` 1), without the SDPA
-    yardstick (empty)."""
-    if not path.exists():
-        return
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    if rows and list(rows[0]) != fields:
-        with path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields, restval="")
-            w.writeheader()
-            w.writerows({"ulysses": 1, **row} for row in rows)
 
 
 if __name__ == "__main__":

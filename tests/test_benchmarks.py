@@ -321,6 +321,22 @@ def test_append_rows_keeps_a_file_written_with_other_columns(tmp_path):
     ]
 
 
+def test_append_rows_gives_older_rows_the_value_of_a_new_column_where_one_is_known(tmp_path):
+    """bench_ring_cpu.py's rows from before its ``ulysses`` column ran the pure ring: they get 1 there, the other new
+    column stays blank, and a row's own value is kept."""
+    from _cpu import append_rows
+
+    path = tmp_path / "r.csv"
+    path.write_text("date,ms\n2026-01-01,1.5\n")
+    new = {"date": "2026-02-02", "ulysses": 2, "sdpa_ms": 0.5, "ms": 2}
+    append_rows(path, list(new), [new], missing={"ulysses": 1, "date": "never"})
+    with path.open() as f:
+        assert list(csv.DictReader(f)) == [
+            {"date": "2026-01-01", "ulysses": "1", "sdpa_ms": "", "ms": "1.5"},
+            {"date": "2026-02-02", "ulysses": "2", "sdpa_ms": "0.5", "ms": "2"},
+        ]
+
+
 def test_append_rows_refuses_a_row_longer_than_its_header_and_keeps_the_file(tmp_path):
     from _cpu import append_rows
 

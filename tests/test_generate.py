@@ -145,6 +145,14 @@ def _long_memory(model):
     return model
 
 
+def _records(record: dict):
+    """A layer's record in ``ring_generate``'s sharded cache and the records nested in it."""
+    yield record
+    for value in record.values():
+        if isinstance(value, dict):
+            yield from _records(value)
+
+
 def _forgetting(model):
     """A pre-hook that zeroes every recurrent layer's state after the prefill (the negative control)."""
     calls = []
@@ -156,13 +164,12 @@ def _forgetting(model):
         )
         if len(calls) == 2 and cache is not None:  # the first decode step
             for key, record in cache.mixer_records.items():
-                for part in (record, *record.get("heads", {}).values()):  # (Zamba: a state per Mamba head)
+                for part in _records(record):  # (nested: Zamba's per Mamba head, ZAYA's per convolution)
                     if "state" in part:
                         part["state"].zero_()
-                if isinstance(key, tuple):  # Qwen4-Exp's per-layer embedding, ZAYA's CCA: their convolutions' inputs
-                    for part in (record, *(v for v in record.values() if isinstance(v, dict))):
-                        if "conv" in part:
-                            part["conv"].zero_()
+                    # Qwen4-Exp's per-layer embedding, ZAYA's CCA: their convolutions' inputs
+                    if isinstance(key, tuple) and "conv" in part:
+                        part["conv"].zero_()
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -595,7 +595,7 @@ def test_mamba_in_low_precision_under_autocast():
 def test_mamba_readout_of_a_starting_state_in_blocks(monkeypatch):
     """What a starting state adds to a Mamba piece's outputs, computed over blocks of tokens forward and backward:
     against the einsum, and its gradients by finite differences (fp64), in one block and in blocks of 2 tokens."""
-    from hf_ring import _scans as la
+    from hf_ring import _scans
 
     g = torch.Generator().manual_seed(3)
     n, t, c, s = 2, 7, 3, 4
@@ -604,11 +604,11 @@ def test_mamba_readout_of_a_starting_state_in_blocks(monkeypatch):
     A = (-0.5 - torch.rand(c, s, generator=g, dtype=torch.float64)).requires_grad_()
     X = torch.randn(n, c, s, generator=g, dtype=torch.float64).requires_grad_()
     want = torch.einsum("ntcs,nts,ncs->ntc", (T[..., None] * A).exp(), C, X)
-    for block, count in ((la.READOUT_BLOCK, 1), (2 * n * c * s, 4)):
-        monkeypatch.setattr(la, "READOUT_BLOCK", block)
-        assert len(la._blocks(T, s)) == count
-        torch.testing.assert_close(la.DecayedReadout.apply(C, T, A, X), want, rtol=1e-12, atol=1e-12)
-        assert torch.autograd.gradcheck(la.DecayedReadout.apply, (C, T, A, X))
+    for block, count in ((_scans.READOUT_BLOCK, 1), (2 * n * c * s, 4)):
+        monkeypatch.setattr(_scans, "READOUT_BLOCK", block)
+        assert len(_scans._blocks(T, s)) == count
+        torch.testing.assert_close(_scans.DecayedReadout.apply(C, T, A, X), want, rtol=1e-12, atol=1e-12)
+        assert torch.autograd.gradcheck(_scans.DecayedReadout.apply, (C, T, A, X))
 
 
 def _selective_gradient_errors(run, device: str) -> dict:
