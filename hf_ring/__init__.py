@@ -1,6 +1,7 @@
 """hf_ring: exact ring attention (context parallelism) for Hugging Face Transformers.
 
-Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_attention``, ``PlanCache``,
+Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_attention`` (and its ``Selection``),
+``PlanCache``,
 ``RingComm``, ``LoopbackComm``, ``decode_attention`` (queries alike on every rank, keys/values spread over them).
 Transformers integration (imported on first use): ``apply_ring_attention``, ``revert_ring_attention``,
 ``shard_batch``, ``reduce_loss``, ``apply_chunked_loss``, ``revert_chunked_loss``,
@@ -13,6 +14,7 @@ import importlib
 
 from .comm import LoopbackComm, RingComm
 from .decode import decode_attention
+from .kernels.mask import Selection
 from .layout import LAYOUTS, positions, shard, unshard
 from .ring import PlanCache, ring_attention
 
@@ -36,6 +38,7 @@ __all__ = [
     "LoopbackComm",
     "PlanCache",
     "RingComm",
+    "Selection",
     "decode_attention",
     "positions",
     "shard",

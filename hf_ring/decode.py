@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .comm import RingComm, group_rank_and_size
 from .kernels import BlockMask, choose_backend
+from .kernels.mask import Selection
 from .preflight import check_everywhere
 
 __all__ = ["decode_attention"]
@@ -42,7 +43,7 @@ def decode_attention(
     sinks: torch.Tensor | None = None,
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
-    selected: torch.Tensor | None = None,
+    selected=None,
     backend: str = "auto",
     check: bool = True,
 ) -> torch.Tensor:
@@ -59,7 +60,8 @@ def decode_attention(
         q_doc, k_doc: [1 or batch, new] and [1 or batch, local_keys] integer document ids (-1: padding, which
             sees nothing and is seen by nothing), or None (one document).
         selected: [batch, new, K] integer global key positions each query may see at most (DeepSeek sparse
-            attention's top-k, ``hf_ring.sparse.select_decode``), below the queries' largest position + 1; the local
+            attention's top-k, ``hf_ring.sparse.select_decode``), below the queries' largest position + 1, or
+            ``ring_attention``'s other forms of a selection (per key/value head, ``Selection`` of blocks); the local
             kernel is then the torch backend's.
         backend: the local kernel (``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``).
         check: run the pre-flight check (one small all-gather: every rank raises the same error when one rank's
@@ -93,7 +95,9 @@ def decode_attention(
             k_doc=None if k_doc is None else k_doc.detach().cpu().to(torch.int32),
         )
         if selected is not None:
-            mask = mask.with_selection(selected.to(q.device), int(max(mask.q_pos.max(), mask.k_pos.max())) + 1)
+            sel = Selection.of(selected)
+            sel = Selection(sel.index.to(q.device), sel.block)
+            mask = mask.with_selection(sel, int(max(mask.q_pos.max(), mask.k_pos.max())) + 1)
         if not mask.is_empty():
             module, problem = choose_backend("torch" if selected is not None else backend, q, k, v, softcap)
             if problem is not None:

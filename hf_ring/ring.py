@@ -38,6 +38,7 @@ from . import guard
 from . import plan as _planning
 from .comm import RingComm, UlyssesGroups
 from .kernels import torch_backend as _torch_backend
+from .kernels.mask import Selection
 from .plan import Plan, PlanCache, host_document_ids  # (PlanCache and host_document_ids: imported from here too)
 from .preflight import raise_on_every_rank
 
@@ -98,7 +99,9 @@ def ring_attention(
         selected: [batch, local_seq, K] integer global key positions (in the unsharded sequence) each query may
             see at most, on q's device: DeepSeek sparse attention's top-k (``hf_ring.sparse``). A key outside a
             query's list is hidden whatever the other masks allow; repeats, keys the other masks hide and negative
-            entries (no key) are fine. Or a function of no arguments returning it, called after the pre-flight
+            entries (no key) are fine. Or [batch, kv_heads, local_seq, K]: a list per key/value head, for the query
+            heads of its group; or a ``hf_ring.Selection`` of either whose entries name blocks of ``block``
+            consecutive positions (MiniMax M3's indexer). Or a function of no arguments returning it, called after the pre-flight
             check (a selection that needs collectives, as ``hf_ring.sparse.select``'s all-gather, then runs only
             when every rank passed it). Per call (each layer has its own); saved for the backward as it is (int32
             is enough); the steps then run on the torch backend, which reads it per tile. Pure ring only (no
@@ -124,7 +127,7 @@ def ring_attention(
     """
     hybrid = ulysses is not None and ulysses.ulysses_size > 1
     if selected is not None:  # (the same on every rank: the model's shapes and configuration)
-        _check_selected(selected, q, hybrid)
+        _check_selected(selected, q, hybrid, k)
     if ulysses is not None:
         if group is not None and group is not ulysses.cp_group:
             raise ValueError("pass either group or ulysses (it carries its own CP group), not two different groups")
@@ -161,16 +164,19 @@ def ring_attention(
     if callable(selected):  # after the pre-flight check: its collectives run only when every rank passed it
         try:
             selected = selected()
-            _check_selected(selected, q, hybrid)
+            _check_selected(selected, q, hybrid, k)
         except BaseException as e:
             _failed(watch, comm, e)
             raise
     if not hybrid:
-        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, selected)
+        if selected is None:
+            return _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
+        selected = Selection.of(selected)
+        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, selected.index, selected.block)
     return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch)
 
 
-def _check_selected(selected, q, hybrid: bool) -> None:
+def _check_selected(selected, q, hybrid: bool, k=None) -> None:
     """ValueError unless ``selected`` is a selection ``ring_attention`` takes for these queries (a function: later)."""
     if hybrid:
         raise ValueError(
@@ -179,24 +185,31 @@ def _check_selected(selected, q, hybrid: bool) -> None:
         )
     if callable(selected):
         return
-    want = (q.shape[0], q.shape[2]) if isinstance(q, torch.Tensor) else None
-    if not (
-        isinstance(selected, torch.Tensor)
-        and not selected.is_floating_point()
-        and not selected.is_complex()
-        and selected.dtype != torch.bool
-        and selected.dim() == 3
-        and tuple(selected.shape[:2]) == want
-        and selected.device == q.device
-    ):
-        got = tuple(selected.shape) if isinstance(selected, torch.Tensor) else type(selected).__name__
+    block = selected.block if isinstance(selected, Selection) else 1
+    index = selected.index if isinstance(selected, Selection) else selected
+    batch, length = (q.shape[0], q.shape[2]) if isinstance(q, torch.Tensor) else ("?", "?")
+    kv_heads = k.shape[1] if isinstance(k, torch.Tensor) else "kv_heads"
+    ok = (
+        isinstance(index, torch.Tensor)
+        and not index.is_floating_point()
+        and not index.is_complex()
+        and index.dtype != torch.bool
+        and index.dim() in (3, 4)
+        and (index.shape[0], index.shape[-2]) == (batch, length)
+        and (index.dim() == 3 or index.shape[1] == kv_heads)
+        and index.device == q.device
+    )
+    if not ok or isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        got = tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__
         raise ValueError(
-            f"ring_attention: selected must be an integer tensor [batch, local_seq, K] = [{want[0] if want else '?'}, "
-            f"{want[1] if want else '?'}, K] on the queries' device, got {got}"
+            f"ring_attention: selected must be an integer tensor [batch, local_seq, K] = [{batch}, {length}, K] or "
+            f"[batch, kv_heads, local_seq, K] = [{batch}, {kv_heads}, {length}, K] on the queries' device, or a "
+            f"hf_ring.Selection of one with a positive int block, got {got}"
+            + (f" (block {block!r})" if block != 1 else "")
         )
 
 
-def _selecting(plan: Plan, selected: torch.Tensor, seq_len: int) -> Plan:
+def _selecting(plan: Plan, selected: Selection, seq_len: int) -> Plan:
     """This call's plan with its selection: every step's mask hides the keys outside it, and the steps run on a
     backend that reads it (the torch backend, unless the plan's does)."""
     backend = plan.backend if getattr(plan.backend, "SELECT", False) else _torch_backend
@@ -346,10 +359,12 @@ class _RingAttention(torch.autograd.Function):
     # unchanged (the kernels' probabilities exp(s - lse') are the softmax with the sink), and the
     # sink's gradient is -sum over rows of exp(sink - lse') * rowsum(dout * out').
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, comm, watch, selected=None):
+    def forward(ctx, q, k, v, sinks, plan, comm, watch, selected=None, block=1):
         with torch.autocast(q.device.type, enabled=False):
             try:
-                run = plan if selected is None else _selecting(plan, selected, q.shape[2] * plan.world_size)
+                run = plan
+                if selected is not None:
+                    run = _selecting(plan, Selection(selected, block), q.shape[2] * plan.world_size)
                 out, lse, kv = _ring_forward(q, k, v, run, comm)
             except BaseException as e:
                 _failed(watch, comm, e)
@@ -362,7 +377,7 @@ class _RingAttention(torch.autograd.Function):
         # gives a mutated output of a custom op a zero gradient (found with the triton backend, fp32).
         out = out.to(q.dtype, copy=torch.compiler.is_compiling())
         ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks, selected)
-        ctx.plan, ctx.comm, ctx.watch = plan, comm, watch
+        ctx.plan, ctx.comm, ctx.watch, ctx.block = plan, comm, watch, block
         return out
 
     @staticmethod
@@ -372,9 +387,9 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             delta = (dout.float() * out.float()).sum(-1)
             try:
-                plan = (
-                    ctx.plan if selected is None else _selecting(ctx.plan, selected, q.shape[2] * ctx.plan.world_size)
-                )
+                plan = ctx.plan
+                if selected is not None:
+                    plan = _selecting(plan, Selection(selected, ctx.block), q.shape[2] * plan.world_size)
                 dq, dk, dv = _ring_backward(dout, q, kv, out, lse, delta, plan, ctx.comm)
             except BaseException as e:
                 _failed(ctx.watch, ctx.comm, e)
@@ -385,4 +400,4 @@ class _RingAttention(torch.autograd.Function):
             if sinks is not None and ctx.needs_input_grad[3]:
                 p_sink = torch.exp(sinks.float()[None, :, None] - lse)
                 dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dsinks, None, None, None, None
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dsinks, None, None, None, None, None

@@ -46,7 +46,7 @@ def reference_attention(
     """Softmax attention in ``dtype`` with K/V repeated to the query heads; empty rows give 0.
 
     ``softcap``: scores become ``softcap * tanh(s / softcap)`` before masking (Gemma2). ``sinks``: [heads]
-    logits appended to every row's softmax and dropped after it (gpt-oss's learned sinks). ``keep``: [batch, 1, S, S]
+    logits appended to every row's softmax and dropped after it (gpt-oss's learned sinks). ``keep``: [batch, 1 or heads, S, S]
     bool, ANDed with the mask (a selection of keys per query: DeepSeek sparse attention).
     """
     g = q.shape[1] // k.shape[1]

@@ -1505,9 +1505,17 @@ def test_cosmos3_edge_sees_one_document_where_transformers_5_17_reads_its_image_
 def test_a_selection_of_keys_is_checked_before_any_communication():
     q = torch.randn(1, 2, 8, 8)
     kv = torch.randn(1, 1, 8, 8)
-    for bad in (torch.zeros(1, 7, 3, dtype=torch.long), torch.zeros(1, 8, 3), torch.zeros(8, 3, dtype=torch.long)):
+    good = torch.zeros(1, 8, 3, dtype=torch.long)
+    bad = (
+        torch.zeros(1, 7, 3, dtype=torch.long), torch.zeros(1, 8, 3), torch.zeros(8, 3, dtype=torch.long),
+        torch.zeros(1, 2, 8, 3, dtype=torch.long),  # a list per query head: one per key/value head is taken
+        hf_ring.Selection(good, 0), hf_ring.Selection(good, True), hf_ring.Selection(good.float(), 4),
+    )  # fmt: skip
+    for selected in bad:
         with pytest.raises(ValueError, match="selected must be an integer tensor"):
-            hf_ring.ring_attention(q, kv, kv, selected=bad)
+            hf_ring.ring_attention(q, kv, kv, selected=selected)
+    for selected in (good, good[:, None], hf_ring.Selection(good[:, None], 4)):  # (one rank: no communication)
+        assert hf_ring.ring_attention(q, kv, kv, selected=selected).shape == q.shape
 
 
 def test_ddp_is_told_up_front_that_sparse_attention_indexers_get_no_gradient():

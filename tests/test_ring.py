@@ -112,7 +112,9 @@ def test_matches_plain_attention_fp32(world):
 
 def _selection_worker(rank, world):
     """(out, dq, dk, dv) errors of a call with a selection of keys per query (DeepSeek sparse attention's top-k), per
-    layout, backend and feature: random global positions (repeats, keys the causal mask hides, rows left empty)."""
+    layout, backend and feature: random global positions (repeats, keys the causal mask hides, rows left empty); also
+    a list per key/value head, and lists of blocks of 4 or 5 positions (MiniMax M3's indexer), per head or not
+    (blocks past the sequence's end, a last block cut short)."""
     torch_backend.BLOCK_Q = torch_backend.BLOCK_K = 8
     s = FULL_LEN[world]
     pad = torch.where(torch.arange(s)[None].repeat(2, 1) < torch.tensor([[s - 9], [s - 20]]), 0, -1)
@@ -122,6 +124,9 @@ def _selection_worker(rank, world):
         "padded": {"docs": pad},
         "packed-gqa1": {"cu": cu, "hkv": 1},
         "bidirectional": {"causal": False},
+        "per-head": {"heads": True},
+        "blocks-per-head-padded": {"heads": True, "block": 4, "docs": pad},
+        "blocks-gqa1": {"block": 5, "hkv": 1},
     }
     errs = {}
     for layout in hf_ring.LAYOUTS:
@@ -131,8 +136,12 @@ def _selection_worker(rank, world):
                 b, hq, hkv, d, dv = 2, 4, opts.get("hkv", 2), 24, 16
                 q, k = torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
                 v, dout = torch.randn(b, hkv, s, dv, generator=g), torch.randn(b, hq, s, dv, generator=g)
-                sel = torch.randint(0, s, (b, s, 5), generator=g)
-                keep = torch.zeros(b, s, s, dtype=torch.bool).scatter_(2, sel, True)[:, None]
+                block, heads = opts.get("block", 1), opts.get("heads", False)
+                sel = torch.randint(-1, -(-s // block) + 2, (b, *((hkv,) if heads else ()), s, 5), generator=g)
+                named = sel.clamp_min(0)[..., None] * block + torch.arange(block)  # the positions of each entry
+                named = torch.where((sel[..., None] >= 0) & (named < s), named, s).flatten(-2)
+                keep = torch.zeros(*named.shape[:-1], s + 1, dtype=torch.bool).scatter_(-1, named, True)[..., :s]
+                keep = keep.repeat_interleave(hq // hkv, dim=1) if heads else keep[:, None]
 
                 def part(x, dim=2, lay=layout):
                     return hf_ring.shard(x, dim=dim, rank=rank, world_size=world, layout=lay)
@@ -141,7 +150,7 @@ def _selection_worker(rank, world):
                 causal, docs, cus = opts.get("causal", True), opts.get("docs"), opts.get("cu")
                 out = hf_ring.ring_attention(
                     ql, kl, vl, layout=layout, causal=causal, document_ids=docs, cu_seqlens=cus,
-                    selected=part(sel, dim=1), backend=backend,
+                    selected=hf_ring.Selection(part(sel, dim=-2), block), backend=backend,
                 )  # fmt: skip
                 out.backward(part(dout))
                 ref_docs = docs if cus is None else doc_ids_from_cu(cus, s)

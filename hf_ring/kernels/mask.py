@@ -13,7 +13,9 @@ Visibility of query ``i`` and key ``j`` (all positions are global, in the unshar
   *or* both are in the same block: ``(causal or q_doc == k_doc > 0) and window`` (Transformers' blockwise mask:
   the OR, then the window's AND). One document per row (besides padding); ``ring_attention`` builds the codes.
 - a selection (``with_selection``: DeepSeek sparse attention's top-k): ``selected[b, i]`` lists the global key
-  positions query ``i`` may see at most; a key outside its list is hidden, whatever the rest allows.
+  positions query ``i`` may see at most; a key outside its list is hidden, whatever the rest allows. A
+  ``Selection`` may instead list blocks of ``block`` consecutive positions (MiniMax M3's indexer), and may give
+  each key/value head (with its group of query heads) a list of its own: ``selected[b, h, i]``.
 
 Positions and document ids live on the host (CPU) so that tiles can be classified without a device
 sync (a selection lives on the kernels' device: it is read per tile, never classified); ``device_tensors``
@@ -34,7 +36,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "runs", "upload"]
+__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "Selection", "runs", "upload"]
 
 EMPTY, FULL, PARTIAL = 0, 1, 2
 
@@ -70,6 +72,26 @@ def upload(t: torch.Tensor, device: torch.device, keep: list) -> torch.Tensor:
     return t.to(device=device, non_blocking=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The keys each query may see at most, beyond what the other masks allow.
+
+    index: integer tensor, [batch, local_q, K] (one list per query, for every head) or [batch, kv_heads, local_q, K]
+        (one list per key/value head, for the query heads of its group); each entry names block ``e`` of the
+        unsharded sequence, the ``block`` global positions ``e * block`` to ``e * block + block - 1``; negative
+        entries name nothing; repeats are fine.
+    block: positions per block (1: the entries are key positions).
+    """
+
+    index: torch.Tensor
+    block: int = 1
+
+    @staticmethod
+    def of(selected) -> Selection:
+        """``selected`` as a ``Selection`` (a tensor: one of positions)."""
+        return selected if isinstance(selected, Selection) else Selection(selected)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockMask:
     """Mask between a rank's queries and one key/value block.
@@ -81,9 +103,11 @@ class BlockMask:
     q_doc: [1 or batch, local_q] int32 document ids (-1 = padding), or None (one document).
     k_doc: [1 or batch, local_k] int32 document ids, or None.
     blocks: ``q_doc`` / ``k_doc`` are block codes (see the module docstring), not document ids.
-    selected: [batch, local_q, K] integer global key positions each query may see at most (negative: none; on the
-        kernels' device), or None; ``with_selection`` sets it with ``columns``, the index in this block of every
-        global position (-1: not in the block).
+    selected: [batch, local_q, K] or [batch, kv_heads, local_q, K] integer entries naming the global key positions
+        (``selected_block`` 1) or blocks of ``selected_block`` positions each query may see at most (negative: none;
+        on the kernels' device), or None; ``with_selection`` sets them with ``columns``: for positions, the index in
+        this block of every global position (-1: not in the block); for blocks, the block of every key of this one,
+        and ``selected_count`` the number of blocks of the unsharded sequence.
     """
 
     q_pos: torch.Tensor
@@ -94,6 +118,8 @@ class BlockMask:
     k_doc: torch.Tensor | None = None
     blocks: bool = False
     selected: torch.Tensor | None = None
+    selected_block: int = 1
+    selected_count: int = 0
     columns: torch.Tensor | None = None
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -103,7 +129,7 @@ class BlockMask:
 
     def visible(self, qs: slice = slice(None), ks: slice = slice(None)) -> torch.Tensor:
         """Dense bool mask of the tile ``[qs, ks]``: ``[batch or 1, tile_q, tile_k]`` (on the positions' device; with
-        a selection, on its device)."""
+        a selection, on its device; with one per key/value head, ``[batch, kv_heads, tile_q, tile_k]``)."""
         qp = self.q_pos[qs][:, None]
         kp = self.k_pos[ks][None, :]
         vis = torch.ones(qp.shape[0], kp.shape[1], dtype=torch.bool, device=qp.device)
@@ -121,31 +147,48 @@ class BlockMask:
             dist = qp - kp if self.causal else (qp - kp).abs()
             vis = vis & (dist < self.window)[None]
         if self.selected is not None:
-            vis = vis.to(self.selected.device) & self._chosen(qs, ks, kp.shape[1])
+            chosen = self._chosen(qs, ks, kp.shape[1])
+            vis = vis.to(self.selected.device)
+            vis = (vis if chosen.dim() == 3 else vis[:, None]) & chosen
         return vis
 
-    def with_selection(self, selected: torch.Tensor, seq_len: int) -> BlockMask:
-        """This mask with keys outside ``selected`` hidden: ``selected`` [batch, local_q, K] integer, the global
-        positions (< ``seq_len``, the unsharded length; negative: no key) each query may see at most, on the
-        kernels' device. Read per tile (``visible``); tiles are never called FULL, and there are no ``pieces``."""
-        key = ("columns", str(selected.device), seq_len)
-        if key not in self._cache:
-            cols = torch.full((seq_len,), -1, dtype=torch.int64)
-            cols[self.k_pos] = torch.arange(self.k_pos.numel())
-            self._cache[key] = cols.to(selected.device)
+    def with_selection(self, selected, seq_len: int) -> BlockMask:
+        """This mask with keys outside ``selected`` hidden: a ``Selection``, or its index tensor (entries naming global
+        positions < ``seq_len``, the unsharded length), on the kernels' device. Read per tile (``visible``); tiles are
+        never called FULL, and there are no ``pieces``."""
+        sel = Selection.of(selected)
+        device = sel.index.device
+        if sel.block == 1:
+            key = ("columns", str(device), seq_len)
+            if key not in self._cache:
+                cols = torch.full((seq_len,), -1, dtype=torch.int64)
+                cols[self.k_pos] = torch.arange(self.k_pos.numel())
+                self._cache[key] = cols.to(device)
+        else:
+            key = ("block of each key", str(device), sel.block)
+            if key not in self._cache:
+                self._cache[key] = (self.k_pos // sel.block).to(device)
         # (the same positions: their device copies, already uploaded, go with it, so no layer uploads them again)
         shared = {k: v for k, v in self._cache.items() if k == "pinned" or (isinstance(k, tuple) and k[0] == "device")}
-        return dataclasses.replace(self, selected=selected, columns=self._cache[key], _cache=shared)
+        return dataclasses.replace(
+            self, selected=sel.index, selected_block=sel.block, selected_count=-(-seq_len // sel.block),
+            columns=self._cache[key], _cache=shared,
+        )  # fmt: skip
 
     def _chosen(self, qs: slice, ks: slice, tile_k: int) -> torch.Tensor:
-        """[batch, tile_q, tile_k] bool: the keys of the tile that each query's selection lists."""
+        """[batch, (kv_heads,) tile_q, tile_k] bool: the keys of the tile that each query's selection lists."""
+        sel = self.selected[..., qs, :].long()
         start = ks.start or 0
-        sel = self.selected[:, qs].long()
+        if self.selected_block > 1:  # blocks: whether each query lists the block of each key of the tile
+            n = self.selected_count
+            sel = torch.where((sel >= 0) & (sel < n), sel, n)  # else: a spare column, cut off
+            listed = torch.zeros(*sel.shape[:-1], n + 1, dtype=torch.bool, device=sel.device)
+            return listed.scatter_(-1, sel, True)[..., self.columns[ks]]
         held = (sel >= 0) & (sel < self.columns.numel())  # (beyond the sequence: no key, as negative entries)
-        col = self.columns[torch.where(held, sel, 0)] - start  # [batch, tile_q, K]: the column in the tile
+        col = self.columns[torch.where(held, sel, 0)] - start  # [batch, (heads,) tile_q, K]: the column in the tile
         col = torch.where(held & (col >= 0) & (col < tile_k), col, tile_k)  # else: a spare column, cut off
-        hit = torch.zeros(*col.shape[:2], tile_k + 1, dtype=torch.bool, device=col.device)
-        return hit.scatter_(2, col, True)[..., :tile_k]
+        hit = torch.zeros(*col.shape[:-1], tile_k + 1, dtype=torch.bool, device=col.device)
+        return hit.scatter_(-1, col, True)[..., :tile_k]
 
     def classify(self, qs: slice = slice(None), ks: slice = slice(None)) -> int:
         """EMPTY, FULL or PARTIAL for the tile ``[qs, ks]``, from min/max bounds only."""

@@ -91,9 +91,11 @@ def _on(mask: BlockMask, device: torch.device) -> BlockMask:
 def _tile_mask(mask: BlockMask, qs: slice, ks: slice, group: int) -> torch.Tensor:
     """Dense mask of a tile, broadcastable to the folded scores [B, Hkv, G * tile_q, tile_k] (``mask`` as ``_on``
     gives it: on the scores' device)."""
-    vis = mask.visible(qs, ks)  # [Bd, tq, tk]
-    bd, tq, tk = vis.shape
-    return vis[:, None, None].expand(bd, 1, group, tq, tk).reshape(bd, 1, group * tq, tk)
+    vis = mask.visible(qs, ks)  # [Bd, tq, tk], or [B, Hkv, tq, tk] with a selection per key/value head
+    if vis.dim() == 3:
+        vis = vis[:, None]
+    bd, h, tq, tk = vis.shape
+    return vis[:, :, None].expand(bd, h, group, tq, tk).reshape(bd, h, group * tq, tk)
 
 
 def _scores(qf, kt, scale: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
