@@ -101,7 +101,7 @@ def ring_attention(
             query's list is hidden whatever the other masks allow; repeats, keys the other masks hide and negative
             entries (no key) are fine. Or [batch, kv_heads, local_seq, K]: a list per key/value head, for the query
             heads of its group; or a ``hf_ring.Selection`` of either whose entries name blocks of ``block``
-            consecutive positions (MiniMax M3's indexer). Or a function of no arguments returning it, called after the pre-flight
+            consecutive positions from ``start`` (MiniMax M3's indexer). Or a function of no arguments returning it, called after the pre-flight
             check (a selection that needs collectives, as ``hf_ring.sparse.select``'s all-gather, then runs only
             when every rank passed it). Per call (each layer has its own); saved for the backward as it is (int32
             is enough); the steps then run on the torch backend, which reads it per tile. Pure ring only (no
@@ -172,7 +172,7 @@ def ring_attention(
         if selected is None:
             return _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
         selected = Selection.of(selected)
-        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, selected.index, selected.block)
+        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, selected.index, selected)
     return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch)
 
 
@@ -185,8 +185,8 @@ def _check_selected(selected, q, hybrid: bool, k=None) -> None:
         )
     if callable(selected):
         return
-    block = selected.block if isinstance(selected, Selection) else 1
-    index = selected.index if isinstance(selected, Selection) else selected
+    sel = selected if isinstance(selected, Selection) else Selection(selected)
+    index, block, start = sel.index, sel.block, sel.start
     batch, length = (q.shape[0], q.shape[2]) if isinstance(q, torch.Tensor) else ("?", "?")
     kv_heads = k.shape[1] if isinstance(k, torch.Tensor) else "kv_heads"
     ok = (
@@ -199,13 +199,14 @@ def _check_selected(selected, q, hybrid: bool, k=None) -> None:
         and (index.dim() == 3 or index.shape[1] == kv_heads)
         and index.device == q.device
     )
-    if not ok or isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    whole = [isinstance(x, int) and not isinstance(x, bool) for x in (block, start)]
+    if not ok or not all(whole) or block < 1 or start < 0:
         got = tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__
         raise ValueError(
             f"ring_attention: selected must be an integer tensor [batch, local_seq, K] = [{batch}, {length}, K] or "
             f"[batch, kv_heads, local_seq, K] = [{batch}, {kv_heads}, {length}, K] on the queries' device, or a "
-            f"hf_ring.Selection of one with a positive int block, got {got}"
-            + (f" (block {block!r})" if block != 1 else "")
+            f"hf_ring.Selection of one with a positive int block and an int start >= 0, got {got} (block "
+            f"{block!r}, start {start!r})"
         )
 
 
@@ -359,12 +360,12 @@ class _RingAttention(torch.autograd.Function):
     # unchanged (the kernels' probabilities exp(s - lse') are the softmax with the sink), and the
     # sink's gradient is -sum over rows of exp(sink - lse') * rowsum(dout * out').
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, comm, watch, selected=None, block=1):
+    def forward(ctx, q, k, v, sinks, plan, comm, watch, selected=None, selection=None):
         with torch.autocast(q.device.type, enabled=False):
             try:
                 run = plan
                 if selected is not None:
-                    run = _selecting(plan, Selection(selected, block), q.shape[2] * plan.world_size)
+                    run = _selecting(plan, selection, q.shape[2] * plan.world_size)
                 out, lse, kv = _ring_forward(q, k, v, run, comm)
             except BaseException as e:
                 _failed(watch, comm, e)
@@ -377,7 +378,9 @@ class _RingAttention(torch.autograd.Function):
         # gives a mutated output of a custom op a zero gradient (found with the triton backend, fp32).
         out = out.to(q.dtype, copy=torch.compiler.is_compiling())
         ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks, selected)
-        ctx.plan, ctx.comm, ctx.watch, ctx.block = plan, comm, watch, block
+        # (the selection's index is saved as a tensor; its block and start go with the context)
+        ctx.selection = None if selection is None else dataclasses.replace(selection, index=None)
+        ctx.plan, ctx.comm, ctx.watch = plan, comm, watch
         return out
 
     @staticmethod
@@ -389,7 +392,8 @@ class _RingAttention(torch.autograd.Function):
             try:
                 plan = ctx.plan
                 if selected is not None:
-                    plan = _selecting(plan, Selection(selected, ctx.block), q.shape[2] * plan.world_size)
+                    selection = dataclasses.replace(ctx.selection, index=selected)
+                    plan = _selecting(plan, selection, q.shape[2] * plan.world_size)
                 dq, dk, dv = _ring_backward(dout, q, kv, out, lse, delta, plan, ctx.comm)
             except BaseException as e:
                 _failed(ctx.watch, ctx.comm, e)

@@ -1510,6 +1510,7 @@ def test_a_selection_of_keys_is_checked_before_any_communication():
         torch.zeros(1, 7, 3, dtype=torch.long), torch.zeros(1, 8, 3), torch.zeros(8, 3, dtype=torch.long),
         torch.zeros(1, 2, 8, 3, dtype=torch.long),  # a list per query head: one per key/value head is taken
         hf_ring.Selection(good, 0), hf_ring.Selection(good, True), hf_ring.Selection(good.float(), 4),
+        hf_ring.Selection(good, 4, -1),
     )  # fmt: skip
     for selected in bad:
         with pytest.raises(ValueError, match="selected must be an integer tensor"):

@@ -127,6 +127,7 @@ def _selection_worker(rank, world):
         "per-head": {"heads": True},
         "blocks-per-head-padded": {"heads": True, "block": 4, "docs": pad},
         "blocks-gqa1": {"block": 5, "hkv": 1},
+        "blocks-from-7": {"block": 4, "start": 7},  # (keys before 7 in no block)
     }
     errs = {}
     for layout in hf_ring.LAYOUTS:
@@ -136,9 +137,9 @@ def _selection_worker(rank, world):
                 b, hq, hkv, d, dv = 2, 4, opts.get("hkv", 2), 24, 16
                 q, k = torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
                 v, dout = torch.randn(b, hkv, s, dv, generator=g), torch.randn(b, hq, s, dv, generator=g)
-                block, heads = opts.get("block", 1), opts.get("heads", False)
+                block, heads, start = opts.get("block", 1), opts.get("heads", False), opts.get("start", 0)
                 sel = torch.randint(-1, -(-s // block) + 2, (b, *((hkv,) if heads else ()), s, 5), generator=g)
-                named = sel.clamp_min(0)[..., None] * block + torch.arange(block)  # the positions of each entry
+                named = start + sel.clamp_min(0)[..., None] * block + torch.arange(block)  # the positions of each entry
                 named = torch.where((sel[..., None] >= 0) & (named < s), named, s).flatten(-2)
                 keep = torch.zeros(*named.shape[:-1], s + 1, dtype=torch.bool).scatter_(-1, named, True)[..., :s]
                 keep = keep.repeat_interleave(hq // hkv, dim=1) if heads else keep[:, None]
@@ -150,7 +151,7 @@ def _selection_worker(rank, world):
                 causal, docs, cus = opts.get("causal", True), opts.get("docs"), opts.get("cu")
                 out = hf_ring.ring_attention(
                     ql, kl, vl, layout=layout, causal=causal, document_ids=docs, cu_seqlens=cus,
-                    selected=hf_ring.Selection(part(sel, dim=-2), block), backend=backend,
+                    selected=hf_ring.Selection(part(sel, dim=-2), block, start), backend=backend,
                 )  # fmt: skip
                 out.backward(part(dout))
                 ref_docs = docs if cus is None else doc_ids_from_cu(cus, s)

@@ -78,13 +78,16 @@ class Selection:
 
     index: integer tensor, [batch, local_q, K] (one list per query, for every head) or [batch, kv_heads, local_q, K]
         (one list per key/value head, for the query heads of its group); each entry names block ``e`` of the
-        unsharded sequence, the ``block`` global positions ``e * block`` to ``e * block + block - 1``; negative
-        entries name nothing; repeats are fine.
+        unsharded sequence, the ``block`` global positions ``start + e * block`` to ``start + e * block + block - 1``;
+        negative entries name nothing; repeats are fine.
     block: positions per block (1: the entries are key positions).
+    start: the global position of block 0's first key (``ring_generate``'s prompt after the padding it adds in
+        front); keys before it are in no block.
     """
 
     index: torch.Tensor
     block: int = 1
+    start: int = 0
 
     @staticmethod
     def of(selected) -> Selection:
@@ -106,8 +109,9 @@ class BlockMask:
     selected: [batch, local_q, K] or [batch, kv_heads, local_q, K] integer entries naming the global key positions
         (``selected_block`` 1) or blocks of ``selected_block`` positions each query may see at most (negative: none;
         on the kernels' device), or None; ``with_selection`` sets them with ``columns``: for positions, the index in
-        this block of every global position (-1: not in the block); for blocks, the block of every key of this one,
-        and ``selected_count`` the number of blocks of the unsharded sequence.
+        this block of every global position (-1: not in the block); for blocks, the block of every key of this one
+        (``selected_count`` for a key before ``selected_start``), and ``selected_count`` the number of blocks of the
+        unsharded sequence.
     """
 
     q_pos: torch.Tensor
@@ -120,6 +124,7 @@ class BlockMask:
     selected: torch.Tensor | None = None
     selected_block: int = 1
     selected_count: int = 0
+    selected_start: int = 0
     columns: torch.Tensor | None = None
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -158,6 +163,7 @@ class BlockMask:
         never called FULL, and there are no ``pieces``."""
         sel = Selection.of(selected)
         device = sel.index.device
+        count = -(-max(0, seq_len - sel.start) // sel.block)
         if sel.block == 1:
             key = ("columns", str(device), seq_len)
             if key not in self._cache:
@@ -165,13 +171,14 @@ class BlockMask:
                 cols[self.k_pos] = torch.arange(self.k_pos.numel())
                 self._cache[key] = cols.to(device)
         else:
-            key = ("block of each key", str(device), sel.block)
+            key = ("block of each key", str(device), sel.block, sel.start)
             if key not in self._cache:
-                self._cache[key] = (self.k_pos // sel.block).to(device)
+                after = self.k_pos - sel.start
+                self._cache[key] = torch.where(after >= 0, after // sel.block, count).to(device)
         # (the same positions: their device copies, already uploaded, go with it, so no layer uploads them again)
         shared = {k: v for k, v in self._cache.items() if k == "pinned" or (isinstance(k, tuple) and k[0] == "device")}
         return dataclasses.replace(
-            self, selected=sel.index, selected_block=sel.block, selected_count=-(-seq_len // sel.block),
+            self, selected=sel.index, selected_block=sel.block, selected_count=count, selected_start=sel.start,
             columns=self._cache[key], _cache=shared,
         )  # fmt: skip
 
@@ -181,9 +188,11 @@ class BlockMask:
         start = ks.start or 0
         if self.selected_block > 1:  # blocks: whether each query lists the block of each key of the tile
             n = self.selected_count
-            sel = torch.where((sel >= 0) & (sel < n), sel, n)  # else: a spare column, cut off
-            listed = torch.zeros(*sel.shape[:-1], n + 1, dtype=torch.bool, device=sel.device)
-            return listed.scatter_(-1, sel, True)[..., self.columns[ks]]
+            sel = torch.where((sel >= 0) & (sel < n), sel, n)  # else: a spare column, cleared
+            listed = torch.zeros(*sel.shape[:-1], n + 1, dtype=torch.bool, device=sel.device).scatter_(-1, sel, True)
+            listed[..., n] = False  # (which the keys before the first block read)
+            return listed[..., self.columns[ks]]
+        sel = torch.where(sel >= 0, sel + self.selected_start, -1)
         held = (sel >= 0) & (sel < self.columns.numel())  # (beyond the sequence: no key, as negative entries)
         col = self.columns[torch.where(held, sel, 0)] - start  # [batch, (heads,) tile_q, K]: the column in the tile
         col = torch.where(held & (col >= 0) & (col < tile_k), col, tile_k)  # else: a spare column, cut off
