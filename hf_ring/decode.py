@@ -13,6 +13,8 @@ Forward only: decoding runs without gradients.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -96,7 +98,7 @@ def decode_attention(
         )
         if selected is not None:
             sel = Selection.of(selected)
-            sel = Selection(sel.index.to(q.device), sel.block)
+            sel = dataclasses.replace(sel, index=sel.index.to(q.device))
             mask = mask.with_selection(sel, int(max(mask.q_pos.max(), mask.k_pos.max())) + 1)
         if not mask.is_empty():
             module, problem = choose_backend("torch" if selected is not None else backend, q, k, v, softcap)

@@ -64,7 +64,7 @@ from .ring_config import (  # (they were defined here: their import from this mo
     _Dropped,  # noqa: F401 - (pickles of a RingConfig whose group was dropped name it here)
     lost_group,
 )
-from .sparse import IndexerCall, SparseMask, select, select_decode
+from .sparse import IndexerCall, SparseMask, picks_key_blocks, select, select_decode
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -237,6 +237,9 @@ def ring_attention_forward(
         if attention_mask.call is not None:  # (its indexer's selection combined into the mask: Qwen4-Exp)
             kwargs = {**kwargs, "indices": attention_mask.call}
         attention_mask = attention_mask.mask
+    if kwargs.get("block_indices") is not None:  # MiniMax M3's indexer's blocks of keys, under their own name
+        kwargs = {**kwargs, "indices": kwargs["block_indices"]}
+    kwargs.pop("block_indices", None)
     unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"), cfg)
     if unknown:
         raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
@@ -317,6 +320,8 @@ def ring_attention_forward(
     by_positions = by_positions and attention_mask is None
     if cfg.mixers and by_positions and several_documents(document_ids, cu_seqlens):
         raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)
+    if isinstance(kwargs.get("indices"), IndexerCall) and picks_key_blocks(kwargs["indices"].module):
+        _check_key_blocks(document_ids, cu_seqlens, cache)  # (the same on every rank: before any collective)
     chunk = batch_checks.chunk_size(module)
     if chunk is not None:  # (once per forward with a plan cache: the chunked layers share one plan)
         make = lambda: batch_checks.chunked(document_ids, cu_seqlens, full, chunk)  # noqa: E731
@@ -354,6 +359,25 @@ def ring_attention_forward(
         timeout=cfg.timeout,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_key_blocks(document_ids, cu_seqlens, cache) -> None:
+    """ValueError where MiniMax M3's block selection would not be the model's: its indexer counts its blocks from the
+    row's first token and lets a query see the keys up to its position id, so a packed row's later documents would
+    select among the earlier ones' blocks (Transformers leaves that undefined), and ``ring_generate``'s reference for
+    a padded prompt, the row alone, has its blocks where the padding is not."""
+    if several_documents(document_ids, cu_seqlens):
+        raise ValueError(
+            "MiniMax M3's sparse attention layers count their blocks of keys from the row's first token and compare "
+            "the keys' indices in the row with the queries' position ids: packed documents would select among each "
+            "other's blocks; pass one document per row (padding is fine)"
+        )
+    if cache is not None and bool((cache.state.docs[:, cache.state.offset :] < 0).any()):
+        raise ValueError(
+            "ring_generate: MiniMax M3's sparse attention layers count their blocks of keys from the row's first "
+            "token, so a padded prompt row selects other blocks than the row alone (as in Transformers): pass "
+            "prompts without padding (one row, or rows of one length)"
+        )
 
 
 def _attend_locally(implementation: str, module, query, key, value, attention_mask, scaling, dropout, kwargs):

@@ -34,6 +34,13 @@ keeps the keys and angles of every token on every rank, from which a decode step
 projections and norms run once per call (not per chunk of queries), and each query's top-k runs over its own
 candidates, as the model's does, so that exact ties (the ReLU's zeros) break alike. Causal only, as the model is.
 
+MiniMax M3's indexer picks blocks of keys per key/value head (``_select_key_blocks``): its keys of the whole
+sequence come from one all-gather, then the model's own indexer code runs on chunks of this rank's queries, its cache
+answering with them; the picked block indices go to ``ring_attention`` as a ``Selection`` (blocks of
+``index_block_size`` keys, a list per key/value head). In ``ring_generate`` the keys and the blocks start after the
+padding it puts in front of the prompt (``Selection.start``); a decode step picks from every token's keys, kept on
+every rank.
+
 Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per chunk of queries, the chunk sized to
 keep them within ``chunk_bytes`` (256 MiB by default; the pass also holds their ReLU, the chunk's other indexer
 tensors, and an fp32 copy of the whole sequence's indexer keys); the unmodified model holds them for all its
@@ -58,10 +65,10 @@ import torch
 
 from . import layout as _layout
 from .comm import RingComm, StateGather, group_rank_and_size
-from .kernels.mask import BlockMask, upload
+from .kernels.mask import BlockMask, Selection, upload
 from .ring import host_document_ids
 
-__all__ = ["CHUNK_BYTES", "IndexerCall", "SparseMask", "select", "select_decode"]
+__all__ = ["CHUNK_BYTES", "IndexerCall", "SparseMask", "picks_key_blocks", "select", "select_decode"]
 
 CHUNK_BYTES = 256 * 2**20
 """Default bound on the indexer's fp32 scores of one chunk of queries (``select``)."""
@@ -93,23 +100,38 @@ class _StopIndexerError(Exception):
     """Raised by ``_LocalKeys`` to stop (not a failure) the indexer once it has computed its keys."""
 
 
-class _LocalKeys:
+class _StandIn:
+    """A stand-in for the indexer's key cache, read as DSA indexers read theirs (``update_indexer(keys, layer)``) or as
+    MiniMax M3's does (``layers[layer].update_index(keys)``)."""
+
+    @property
+    def layers(self):
+        return self
+
+    def __getitem__(self, layer_idx: int):
+        return self
+
+    def update_index(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.update_indexer(keys, None)
+
+
+class _LocalKeys(_StandIn):
     """Stands for the indexer's key cache: records the keys of the call's tokens and stops the indexer there."""
 
     keys: torch.Tensor | None = None
 
-    def update_indexer(self, keys: torch.Tensor, layer_idx: int):
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int | None):
         self.keys = keys
         raise _StopIndexerError
 
 
-class _WholeKeys:
+class _WholeKeys(_StandIn):
     """Stands for the indexer's key cache: answers with the keys of the whole sequence."""
 
     def __init__(self, keys: torch.Tensor):
         self.keys = keys
 
-    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int | None) -> torch.Tensor:
         return self.keys
 
 
@@ -126,21 +148,23 @@ class IndexerCall:
     position_ids: torch.Tensor | None
     cache_name: str = "cache"
     cache: object = None
-    selected: torch.Tensor | None = None  # [batch, local_seq, K] int32 global positions, once resolved
+    selected: torch.Tensor | Selection | None = None  # once resolved: int32 global positions, or a Selection (M3)
 
     def run(self, rows: slice, cache, mask) -> torch.Tensor:
-        """The model's indexer on the queries ``rows`` of this call, with ``cache`` and ``mask``."""
+        """The model's indexer on the queries ``rows`` of this call, with ``cache`` and ``mask`` (MiniMax M3's takes
+        no mask: its queries see the keys up to their positions)."""
         cos, sin = self.position_embeddings
         cut = (slice(None), rows)
         pos = self.position_ids
         given = {
             "hidden_states": self.hidden_states[cut],
             "position_embeddings": (cos[cut], sin[cut]),
-            "attention_mask": mask,
-            # (Mistral Large 4's indexer scales its queries by their positions; the others take them unused)
+            # (Mistral Large 4's indexer scales its queries by their positions; M3's compares them with the keys')
             "position_ids": pos[cut] if isinstance(pos, torch.Tensor) and pos.dim() == 2 else pos,
             self.cache_name: cache,
         }
+        if not picks_key_blocks(self.module):
+            given["attention_mask"] = mask
         if self.q_resid is not None:  # (DeepSeek-V3.2's queries come from the attention's query latent)
             given["q_resid"] = self.q_resid[cut]
         return type(self.module).forward(self.module, **given)
@@ -177,6 +201,8 @@ def select(
     if call.selected is not None:
         return call.selected
     rank, world_size = group_rank_and_size(group)
+    if picks_key_blocks(call.module):
+        return _resolved(call, _select_key_blocks(call, group, world_size, layout, chunk_bytes, timeout))
     if _pools_blocks(call.module):
         where = dict(cu_seqlens=cu_seqlens, document_ids=document_ids, timeout=timeout, plans=plans)
         return _resolved(call, _select_blocks(call, group, rank, world_size, layout, chunk_bytes, **where))
@@ -194,14 +220,7 @@ def select(
     full = keys.shape[1]
     q_pos, k_pos, docs = _seen(plans, cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)[:3]
     rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * batch * call.module.n_heads * full))
-    chunks = -(-local_len // rows)
-    zero3 = next((p.ds_process_group for p in call.module.parameters() if hasattr(p, "ds_process_group")), False)
-    if zero3 is not False:
-        # DeepSpeed ZeRO-3 gathers a layer's parameters over its group at each of the layer's calls: every rank of
-        # that group calls the indexer's layers as often (a rank with fewer chunks runs empty ones)
-        count = torch.tensor([chunks], device=keys.device)
-        what = "the all-reduce of the sparse-attention indexer's chunk count (DeepSpeed ZeRO-3)"
-        chunks = int(RingComm(zero3, timeout=timeout).all_reduce_max(count, what))
+    chunks = _chunk_count(call.module, -(-local_len // rows), keys.device, timeout)
     whole = _WholeKeys(keys)
     picked = []
     for i in range(chunks):
@@ -217,6 +236,55 @@ def select(
     return _resolved(call, torch.cat(picked, dim=1))
 
 
+def _chunk_count(module, chunks: int, device, timeout) -> int:
+    """How many chunks of queries this rank runs the indexer on: ``chunks``, or under DeepSpeed ZeRO-3 the most of any
+    rank of its group (one all-reduce): ZeRO-3 gathers a layer's parameters over its group at each of the layer's
+    calls, so every rank of that group calls the indexer's layers as often (a rank with fewer runs empty ones)."""
+    zero3 = next((p.ds_process_group for p in module.parameters() if hasattr(p, "ds_process_group")), False)
+    if zero3 is False:
+        return chunks
+    what = "the all-reduce of the sparse-attention indexer's chunk count (DeepSpeed ZeRO-3)"
+    return int(RingComm(zero3, timeout=timeout).all_reduce_max(torch.tensor([chunks], device=device), what))
+
+
+def picks_key_blocks(module) -> bool:
+    """The indexer keeps, per key/value head, the blocks of keys whose best key scores highest (MiniMax M3)."""
+    return all(hasattr(module, name) for name in ("block_size", "topk_blocks", "local_blocks"))
+
+
+def _select_key_blocks(call, group, world_size: int, layout: str, chunk_bytes, timeout) -> Selection:
+    """MiniMax M3's selection over the whole sequence for this rank's queries: blocks of ``block_size`` keys per
+    key/value head, ``[batch, kv_heads, local_seq, topk_blocks]`` (-1 for none), by the model's own indexer code.
+
+    Its indexer scores each query against every key up to the query's position (its ``position_ids``, compared with
+    the keys' indices in the row), max-pools the scores per block of keys counted from the row's first, keeps the
+    ``index_local_blocks`` blocks ending at the query's and the best others. Here its keys of the whole sequence come
+    from one all-gather (one key head: ``[batch, 1, seq, index_head_dim]``), then the model's code runs on chunks of
+    this rank's queries, its cache answering with them. In ``ring_generate`` the prompt's padding in front is not
+    the model's row: the keys start after it, and so do the blocks (``Selection.start``).
+    """
+    m = call.module
+    with torch.no_grad():
+        own = keys = _local_keys(call)  # [batch, 1, local, dim]
+        if world_size > 1:
+            what = "the all-gather of the sparse-attention indexer keys"
+            keys = _layout.unshard(list(StateGather(group, timeout, what=what).gather(own)), dim=2, layout=layout)
+        start = 0
+        if getattr(call.cache, "WHOLE_INDEXER_KEYS", False):  # ring_generate's: every token's keys on every rank
+            start = call.cache.state.offset
+            call.cache.update_indexer(keys[:, 0], m.layer_idx)
+        elif call.cache is not None:  # the model's own cache, at one rank: its keys, as the model gives it them
+            call.cache.layers[m.layer_idx].update_index(own)
+        keys = keys[:, :, start:]
+        batch, local_len, full = keys.shape[0], call.hidden_states.shape[1], keys.shape[2]
+        rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * batch * m.num_heads * max(1, full)))
+        chunks = _chunk_count(m, -(-local_len // rows), keys.device, timeout)
+        whole = _WholeKeys(keys)
+        parts = [slice(min(local_len, i * rows), min(local_len, (i + 1) * rows)) for i in range(chunks)]
+        picked = torch.cat([call.run(part, whole, None) for part in parts], dim=2)
+        return Selection(picked.to(torch.int32), m.block_size, start)
+
+
 def select_decode(call: IndexerCall, cache, *, q_pos: torch.Tensor, prompt_docs: torch.Tensor, causal: bool = True):
     """The top-k keys of a decode step's queries over the whole sequence: ``[batch, new, K]`` int32 global positions,
     computed once per ``call``. The decode step's tokens are the same on every rank, and ``cache`` (``ring_generate``'s
@@ -230,6 +298,11 @@ def select_decode(call: IndexerCall, cache, *, q_pos: torch.Tensor, prompt_docs:
     """
     if call.selected is not None:
         return call.selected
+    if picks_key_blocks(call.module):  # (MiniMax M3: its keys and blocks start after ring_generate's padding)
+        with torch.no_grad():
+            keys = cache.update_indexer(_local_keys(call)[:, 0], call.module.layer_idx)[:, None, cache.state.offset :]
+            picked = call.run(slice(None), _WholeKeys(keys), None)
+        return _resolved(call, Selection(picked.to(torch.int32), call.module.block_size, cache.state.offset))
     if _pools_blocks(call.module):
         return _resolved(call, _decode_blocks(call, cache, q_pos, prompt_docs))
     keys = cache.update_indexer(_local_keys(call), call.module.layer_idx)  # [batch, every token so far, dim]
@@ -442,9 +515,9 @@ def _local_keys(call: IndexerCall) -> torch.Tensor:
     return local.keys
 
 
-def _resolved(call: IndexerCall, picked: torch.Tensor) -> torch.Tensor:
+def _resolved(call: IndexerCall, picked):
     """Record the call's selection (a layer reusing it takes it as it is) and let its arguments go."""
-    call.selected = picked.to(torch.int32)
+    call.selected = picked if isinstance(picked, Selection) else picked.to(torch.int32)
     call.hidden_states = call.q_resid = call.position_embeddings = call.position_ids = call.cache = None
     return call.selected
 

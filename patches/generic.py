@@ -42,7 +42,7 @@ __all__ = [
     "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
     "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
-    "check_llama4", "check_minimax", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
+    "check_llama4", "check_minimax", "check_minimax_m3", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
     "check_without_windows",
 ]  # fmt: skip
 
@@ -280,6 +280,20 @@ def check_sparse_linear(config) -> None:
     check_layer_types(config, what, allowed=("linear_attention", "indexed_attention"), window=False)
 
 
+def check_minimax_m3(config) -> None:
+    """``check`` for MiniMax M3: full-attention layers beside sparse ones (``minimax_m3_sparse``: an indexer picks
+    blocks of keys per key/value head, which the attention function takes over the whole sequence: ``hf_ring.sparse``);
+    no windows; one indexer head per key/value head, as Transformers' eager path assumes."""
+    what = getattr(config, "model_type", "model")
+    check_layer_types(config, what, allowed=("full_attention", "minimax_m3_sparse"), window=False)
+    heads, kv_heads = getattr(config, "index_n_heads", None), getattr(config, "num_key_value_heads", None)
+    if "minimax_m3_sparse" in list(getattr(config, "layer_types", None) or []) and heads != kv_heads:
+        raise ValueError(
+            f"{what}: config.index_n_heads={heads} indexer heads for {kv_heads} key/value heads: each key/value head "
+            "takes the blocks of its own indexer head, so hf_ring needs as many"
+        )
+
+
 def check_llama4(config) -> None:
     """``check`` for Llama 4: chunked-attention layers (its RoPE layers: ``hf_ring.hf_attention`` cuts their
     documents into chunks of ``config.attention_chunk_size``) beside full-attention layers; no windows."""
@@ -325,10 +339,11 @@ LINEAR = {
 Mamba2, short-convolution or RG-LRU (RecurrentGemma) class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
 SPARSE = ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "mistral_large4_text",
-          "qwen4_exp_text")  # fmt: skip
+          "minimax_m3_vl_text", "qwen4_exp_text")  # fmt: skip
 """Families with DeepSeek sparse attention: an indexer beside each attention layer (``hf_ring.patches._sparse``;
-Qwen4-Exp's picks blocks of keys: ``hf_ring.sparse``); HunYuan V4 VL's and Mistral Large 4's text models exist only
-inside their vision-language models (``multimodal.INNER``)."""
+Qwen4-Exp's picks blocks of keys, MiniMax M3's blocks of keys per key/value head: ``hf_ring.sparse``); HunYuan V4
+VL's, Mistral Large 4's and MiniMax M3's text models exist only inside their vision-language models
+(``multimodal.INNER``)."""
 
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
@@ -339,6 +354,7 @@ CHECKS = {
     "recurrent_gemma": check_linear_sliding, "zaya": check_zaya,
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
+    "minimax_m3_vl_text": check_minimax_m3,
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 

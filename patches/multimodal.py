@@ -151,7 +151,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "llama4": ("llama4_text",),  # Llama 4 Scout, Maverick (their text model: a causal LM inside the wrapper)
     "kimi_k25": ("deepseek_v3",),  # Kimi K2.5, K2.6
     "exaone4_5": ("exaone4",),  # EXAONE 4.5
-    "minimax_m3_vl": ("minimax_m3_vl_text",),  # MiniMax M3 (dense attention layers: its sparse ones are refused)
+    "minimax_m3_vl": ("minimax_m3_vl_text",),  # MiniMax M3 (dense and sparse attention layers)
     "lfm3_vl": ("lfm3",),  # LFM3-VL (Transformers 5.24)
     "apertus1p5": ("apertus1p5_text",),  # Apertus 1.5 (Transformers 5.24)
     "paligemma": ("gemma", "gemma2"),  # PaliGemma (Gemma), PaliGemma 2 (Gemma 2)

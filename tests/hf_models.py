@@ -211,10 +211,14 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
                                                                       "mrope_section": [4, 2, 2]},
                                                 "full_attention": None}}),
-    # MiniMax M3's text model with dense attention layers (its sparse-indexer layers are refused)
+    # MiniMax M3's text model: a sparse attention layer (its indexer keeps, per key/value head, 2 blocks of 4 keys
+    # and the block ending at the query: about a third of the keys at 40 tokens), then a dense one
     "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", {"head_dim": 16, "rotary_dim": 8,
                            "num_local_experts": 4, "num_experts_per_tok": 2, "dense_intermediate_size": 96,
-                           "shared_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"]}),
+                           "shared_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],
+                           "layer_types": ["minimax_m3_sparse", "full_attention"], "index_block_size": 4,
+                           "index_topk_blocks": 2, "index_local_blocks": 1, "index_head_dim": 16,
+                           "index_n_heads": 2}),
     # Phi-3.5-MoE: its router samples experts in training mode (tested in eval mode: top-2 routing)
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # older code models: multi-query attention with learned positions (StarCoder 1 / SantaCoder), rotary on part of
@@ -491,7 +495,7 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                   {"model_type": "exaone4", **MORE_FAMILIES["exaone4"][2]},
                   {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "num_key_value_heads": 2,
                    "out_hidden_size": 64, "patch_size": 14, "fullatt_block_indexes": [0]}),
-    # MiniMax M3: its text model with dense attention layers (their sparse-indexer layers are refused), experts;
+    # MiniMax M3: its text model with a sparse and a dense attention layer, experts;
     # Qwen2.5-VL-like images of 4 x 4 patches, merged 2 x 2: 4 tokens each
     "minimax_m3_vl": ("MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration",
                       MORE_FAMILIES["minimax_m3_vl_text"][2],

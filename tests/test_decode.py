@@ -47,7 +47,7 @@ CASES = {  # name: (keyword arguments, number of newest tokens queried)
     "documents": ({"docs": True}, 2),  # packed prompt, padding, a query of a padded row sees nothing
     "value_head_dim": ({"dv": 24}, 2),  # values with their own head_dim (multi-head latent attention)
     "selected": ({"selected": True, "dv": 24}, 2),  # each query's top-k keys (DeepSeek sparse attention), any rank's
-    "selected_blocks": ({"selected": 3}, 2),  # blocks of 3 keys per key/value head (MiniMax M3's indexer)
+    "selected_blocks": ({"selected": 3, "docs": True}, 2),  # blocks of 3 keys per key/value head (MiniMax M3's)
 }
 
 
@@ -77,14 +77,15 @@ def _case(name, rank, world):
         keep = torch.zeros(2, s, s, dtype=torch.bool)
         keep[:, q_pos] = torch.zeros(2, t, s, dtype=torch.bool).scatter_(2, picked, True)
         kw["selected"], ref_kw["keep"] = picked, keep[:, None]
-    elif block:  # 3 blocks per query and key/value head (the last one cut short, none past it), the same everywhere
-        hkv, hq = k.shape[1], q.shape[1]
+    elif block:  # 3 blocks of keys from the fifth per query and key/value head (the last one cut short, none past it)
+        hkv, hq, start = k.shape[1], q.shape[1], 4
         picked = torch.randint(-1, -(-s // block) + 1, (2, hkv, t, 3), generator=torch.Generator().manual_seed(1))
-        named = (picked.clamp_min(0)[..., None] * block + torch.arange(block)).flatten(-2)
+        named = (start + picked.clamp_min(0)[..., None] * block + torch.arange(block)).flatten(-2)
         named = torch.where(picked.repeat_interleave(block, -1) >= 0, named, s).clamp_max(s)
         keep = torch.zeros(2, hkv, s, s, dtype=torch.bool)
         keep[:, :, q_pos] = torch.zeros(2, hkv, t, s + 1, dtype=torch.bool).scatter_(-1, named, True)[..., :s]
-        kw["selected"], ref_kw["keep"] = hf_ring.Selection(picked, block), keep.repeat_interleave(hq // hkv, 1)
+        kw["selected"] = hf_ring.Selection(picked, block, start)
+        ref_kw["keep"] = keep.repeat_interleave(hq // hkv, 1)
     extra = {}
     if docs is not None:
         extra = {"q_doc": docs[:, q_pos], "k_doc": docs[:, k_pos]}

@@ -96,17 +96,34 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
 def test_generic_patch_refuses_what_it_does_not_implement():
     with pytest.raises(ValueError, match=r"cohere2: layer types \['chunked_attention'\] are not supported"):
         hf_ring.apply_ring_attention(make_model("cohere2", layer_types=["chunked_attention", "full_attention"]))
-    # MiniMax M3's sparse-indexer attention layers (their top-k blocks span the whole sequence)
+    # MiniMax M3's sparse layers: an indexer head per key/value head (each takes its own head's blocks)
     if in_transformers("minimax_m3_vl_text"):
-        sparse = {"layer_types": ["minimax_m3_sparse", "full_attention"], "index_block_size": 4,
-                  "index_topk_blocks": 2, "index_head_dim": 16}  # fmt: skip
         for family in ("minimax_m3_vl_text", "minimax_m3_vl"):  # (the wrapper: its text config's check)
-            with pytest.raises(ValueError, match=r"layer types \['minimax_m3_sparse'\] are not supported"):
-                hf_ring.apply_ring_attention(make_model(family, **sparse))
+            with pytest.raises(ValueError, match="index_n_heads=1 indexer heads for 2 key/value heads"):
+                hf_ring.apply_ring_attention(make_model(family, index_n_heads=1))
     # Gemma 4 as an encoder (measured: its two-sided sliding mask is not the ring's, loss apart by 9e-3)
     for family in ("gemma4_text", "gemma4"):
         with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
             hf_ring.apply_ring_attention(make_model(family, use_bidirectional_attention="all"))
+
+
+@pytest.mark.skipif(not in_transformers("minimax_m3_vl_text"), reason="MiniMax M3 is not in this Transformers")
+def test_minimax_m3_refuses_packed_rows_and_padded_prompts():
+    """Its indexer counts blocks of keys from the row's first token and lets a query see the keys up to its position
+    id: a packed row's later documents would pick among the earlier ones' blocks, and a padded prompt's blocks are
+    not those of the row alone (``ring_generate``'s reference). Both refused by name; the dense layers alone take
+    packed rows."""
+    model = hf_ring.apply_ring_attention(make_model("minimax_m3_vl_text").eval())
+    packed, _ = make_batch("packed", 40)
+    with torch.no_grad(), pytest.raises(ValueError, match="packed documents would select among each other's blocks"):
+        model(**hf_ring.shard_batch(packed))
+    padded, _ = make_batch("padded", 40)
+    prompt = {k: padded[k] for k in ("input_ids", "attention_mask")}
+    with pytest.raises(ValueError, match="a padded prompt row selects other blocks than the row alone"):
+        hf_ring.ring_generate(model, prompt, max_new_tokens=2)
+    dense = make_model("minimax_m3_vl_text", layer_types=["full_attention"] * 2)
+    with torch.no_grad():
+        assert torch.isfinite(hf_ring.apply_ring_attention(dense)(**hf_ring.shard_batch(packed)).loss)
 
 
 @pytest.mark.parametrize("family", [f for f in MODEL_TYPES if in_transformers(f)])

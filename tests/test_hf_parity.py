@@ -252,7 +252,22 @@ CASES = {
     # sliding layers with (text-only) multimodal RoPE, full layers without RoPE, logit scale
     "cohere_compass_text-padded": ("cohere_compass_text", "padded", 40, {}),
     "cohere_compass_text-packed-lora": ("cohere_compass_text", "packed", 45, {"lora": True}),
-    "minimax_m3_vl_text-packed": ("minimax_m3_vl_text", "packed", 45, {}),
+    # MiniMax M3: its sparse layer's blocks of keys per key/value head over the whole sequence (one key head gathered);
+    # packed: dense layers only (its indexer counts blocks from the row's first token: packing refused)
+    "minimax_m3_vl_text-plain": ("minimax_m3_vl_text", "plain", 45, {}),
+    "minimax_m3_vl_text-padded-lora-checkpointing": (
+        "minimax_m3_vl_text",
+        "padded",
+        40,
+        {"lora": True, "checkpointing": True},
+    ),  # fmt: skip
+    "minimax_m3_vl_text-striped-chunked": ("minimax_m3_vl_text", "plain", 40, {"layout": "striped", "chunk_bytes": 1}),
+    "minimax_m3_vl_text-packed": (
+        "minimax_m3_vl_text",
+        "packed",
+        45,
+        {"config": {"layer_types": ["full_attention"] * 2}},
+    ),
     # model types that load another family's classes (Transformers 5.24)
     "exaone-padded": ("exaone", "padded", 40, {}),
     "internlm3-packed": ("internlm3", "packed", 45, {}),
