@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .comm import RingComm, group_rank_and_size
 from .kernels import BlockMask, choose_backend
-from .kernels.mask import Selection
+from .kernels.mask import Selection, selection_error
 from .preflight import check_everywhere
 
 __all__ = ["decode_attention"]
@@ -75,6 +75,8 @@ def decode_attention(
     """
     rank, world = group_rank_and_size(group)
     error = _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks)
+    if error is None and selected is not None:
+        error = selection_error(selected, q, k)
     if check:
         summary = [1] + [0] * (len(_FIELDS) - 1)
         if error is None:

@@ -129,7 +129,7 @@ def _unknown_kwargs_error(kwargs: dict) -> str | None:
     )
 
 
-def _sparse_error(indices, cfg: RingConfig) -> str | None:
+def _sparse_error(indices) -> str | None:
     """Why the top-k ``indices`` of DeepSeek sparse attention cannot run here, or None (before any collective: the
     same on every rank)."""
     if indices is None:
@@ -139,11 +139,6 @@ def _sparse_error(indices, cfg: RingConfig) -> str | None:
             "this model's sparse-attention indexer picked its top-k keys among one rank's tokens only (indices= "
             f"{type(indices).__name__}): switch the model with hf_ring.apply_ring_attention(model), which takes the "
             "top-k over the whole sequence (not only attn_implementation='hf_ring')"
-        )
-    if cfg.ulysses is not None and cfg.ulysses.ulysses_size > 1:
-        return (
-            "DeepSeek sparse attention runs on the pure ring: its top-k keys are per query of the ring; use "
-            "ulysses_size=1"
         )
     return None
 
@@ -240,7 +235,7 @@ def ring_attention_forward(
     if kwargs.get("block_indices") is not None:  # MiniMax M3's indexer's blocks of keys, under their own name
         kwargs = {**kwargs, "indices": kwargs["block_indices"]}
     kwargs.pop("block_indices", None)
-    unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"), cfg)
+    unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"))
     if unknown:
         raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
     if lost_group(cfg):
@@ -321,7 +316,9 @@ def ring_attention_forward(
     if cfg.mixers and by_positions and several_documents(document_ids, cu_seqlens):
         raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)
     if isinstance(kwargs.get("indices"), IndexerCall) and picks_key_blocks(kwargs["indices"].module):
-        _check_key_blocks(document_ids, cu_seqlens, cache)  # (the same on every rank: before any collective)
+        make = lambda: several_documents(document_ids, cu_seqlens)  # noqa: E731
+        packed = make() if cfg.plans is None else cfg.plans.derived((several_documents, document_ids, cu_seqlens), make)
+        _check_key_blocks(packed, cache)  # (the same on every rank: before any collective)
     chunk = batch_checks.chunk_size(module)
     if chunk is not None:  # (once per forward with a plan cache: the chunked layers share one plan)
         make = lambda: batch_checks.chunked(document_ids, cu_seqlens, full, chunk)  # noqa: E731
@@ -361,12 +358,12 @@ def ring_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _check_key_blocks(document_ids, cu_seqlens, cache) -> None:
+def _check_key_blocks(packed: bool, cache) -> None:
     """ValueError where MiniMax M3's block selection would not be the model's: its indexer counts its blocks from the
     row's first token and lets a query see the keys up to its position id, so a packed row's later documents would
     select among the earlier ones' blocks (Transformers leaves that undefined), and ``ring_generate``'s reference for
     a padded prompt, the row alone, has its blocks where the padding is not."""
-    if several_documents(document_ids, cu_seqlens):
+    if packed:
         raise ValueError(
             "MiniMax M3's sparse attention layers count their blocks of keys from the row's first token and compare "
             "the keys' indices in the row with the queries' position ids: packed documents would select among each "

@@ -38,7 +38,7 @@ from . import guard
 from . import plan as _planning
 from .comm import RingComm, UlyssesGroups
 from .kernels import torch_backend as _torch_backend
-from .kernels.mask import Selection
+from .kernels.mask import Selection, selection_error
 from .plan import Plan, PlanCache, host_document_ids  # (PlanCache and host_document_ids: imported from here too)
 from .preflight import raise_on_every_rank
 
@@ -101,11 +101,10 @@ def ring_attention(
             query's list is hidden whatever the other masks allow; repeats, keys the other masks hide and negative
             entries (no key) are fine. Or [batch, kv_heads, local_seq, K]: a list per key/value head, for the query
             heads of its group; or a ``hf_ring.Selection`` of either whose entries name blocks of ``block``
-            consecutive positions from ``start`` (MiniMax M3's indexer). Or a function of no arguments returning it, called after the pre-flight
+            consecutive positions from ``start`` (MiniMax M3's indexer). With ``ulysses``, it travels as the keys do. Or a function of no arguments returning it, called after the pre-flight
             check (a selection that needs collectives, as ``hf_ring.sparse.select``'s all-gather, then runs only
             when every rank passed it). Per call (each layer has its own); saved for the backward as it is (int32
-            is enough); the steps then run on the torch backend, which reads it per tile. Pure ring only (no
-            ``ulysses``).
+            is enough); the steps then run on the torch backend, which reads it per tile.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
@@ -127,7 +126,7 @@ def ring_attention(
     """
     hybrid = ulysses is not None and ulysses.ulysses_size > 1
     if selected is not None:  # (the same on every rank: the model's shapes and configuration)
-        _check_selected(selected, q, hybrid, k)
+        _check_selected(selected, q, k)
     if ulysses is not None:
         if group is not None and group is not ulysses.cp_group:
             raise ValueError("pass either group or ulysses (it carries its own CP group), not two different groups")
@@ -164,50 +163,25 @@ def ring_attention(
     if callable(selected):  # after the pre-flight check: its collectives run only when every rank passed it
         try:
             selected = selected()
-            _check_selected(selected, q, hybrid, k)
+            _check_selected(selected, q, k)
         except BaseException as e:
             _failed(watch, comm, e)
             raise
+    selected = None if selected is None else Selection.of(selected)
     if not hybrid:
         if selected is None:
             return _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
-        selected = Selection.of(selected)
         return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, selected.index, selected)
-    return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch)
+    return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected)
 
 
-def _check_selected(selected, q, hybrid: bool, k=None) -> None:
+def _check_selected(selected, q, k=None) -> None:
     """ValueError unless ``selected`` is a selection ``ring_attention`` takes for these queries (a function: later)."""
-    if hybrid:
-        raise ValueError(
-            "ring_attention: a selection (selected=, DeepSeek sparse attention) runs on the pure ring; pass "
-            "ulysses=None (ulysses_size=1)"
-        )
     if callable(selected):
         return
-    sel = selected if isinstance(selected, Selection) else Selection(selected)
-    index, block, start = sel.index, sel.block, sel.start
-    batch, length = (q.shape[0], q.shape[2]) if isinstance(q, torch.Tensor) else ("?", "?")
-    kv_heads = k.shape[1] if isinstance(k, torch.Tensor) else "kv_heads"
-    ok = (
-        isinstance(index, torch.Tensor)
-        and not index.is_floating_point()
-        and not index.is_complex()
-        and index.dtype != torch.bool
-        and index.dim() in (3, 4)
-        and (index.shape[0], index.shape[-2]) == (batch, length)
-        and (index.dim() == 3 or index.shape[1] == kv_heads)
-        and index.device == q.device
-    )
-    whole = [isinstance(x, int) and not isinstance(x, bool) for x in (block, start)]
-    if not ok or not all(whole) or block < 1 or start < 0:
-        got = tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__
-        raise ValueError(
-            f"ring_attention: selected must be an integer tensor [batch, local_seq, K] = [{batch}, {length}, K] or "
-            f"[batch, kv_heads, local_seq, K] = [{batch}, {kv_heads}, {length}, K] on the queries' device, or a "
-            f"hf_ring.Selection of one with a positive int block and an int start >= 0, got {got} (block "
-            f"{block!r}, start {start!r})"
-        )
+    problem = selection_error(selected, q, k, device=True)
+    if problem is not None:
+        raise ValueError(f"ring_attention: {problem}")
 
 
 def _selecting(plan: Plan, selected: Selection, seq_len: int) -> Plan:
@@ -218,8 +192,10 @@ def _selecting(plan: Plan, selected: Selection, seq_len: int) -> Plan:
     return dataclasses.replace(plan, backend=backend, masks=masks)
 
 
-def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch):
-    """Ulysses x Ring: heads for sequence inside the Ulysses group, the ring across groups, heads back."""
+def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected: Selection | None = None):
+    """Ulysses x Ring: heads for sequence inside the Ulysses group, the ring across groups, heads back. A selection
+    travels as the keys do: one per query to every rank of the group, one per key/value head to the rank of that head
+    (an all-to-all of integers, no gradient)."""
     u, x = ulysses.ulysses_size, ulysses.exchange
     repeat = math.lcm(k.shape[1], u) // k.shape[1]
     if repeat > 1:  # fewer KV heads than the group splits: each KV head serves the same query heads as before
@@ -227,9 +203,23 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch):
     if sinks is not None:
         sinks = sinks.view(u, -1)[x.rank]  # the sinks of this rank's query heads
     q, k, v = x.heads_to_sequence(q), x.heads_to_sequence(k), x.heads_to_sequence(v)
+    index = None
+    if selected is not None:
+        index = selected.index
+        if index.dim() == 3:  # one list per query, for every head: each rank of the group gets them all
+            index = index.unsqueeze(1).expand(-1, u, -1, -1)
+        elif repeat > 1:
+            index = index.repeat_interleave(repeat, dim=1)
+        with torch.no_grad():
+            index = x.heads_to_sequence(index.contiguous())
+        index = index[:, 0] if selected.index.dim() == 3 else index
     if plan.order is not None:  # the gathered tokens in position order (the plan's masks are built for it)
         q, k, v = (t.index_select(2, plan.order[0]) for t in (q, k, v))
-    out = _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
+        index = None if index is None else index.index_select(-2, plan.order[0])
+    if index is None:
+        out = _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
+    else:
+        out = _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected)
     if plan.order is not None:
         out = out.index_select(2, plan.order[1])
     return x.sequence_to_heads(out)
@@ -365,6 +355,7 @@ class _RingAttention(torch.autograd.Function):
             try:
                 run = plan
                 if selected is not None:
+                    selection = dataclasses.replace(selection, index=selected)  # (the hybrid's, exchanged)
                     run = _selecting(plan, selection, q.shape[2] * plan.world_size)
                 out, lse, kv = _ring_forward(q, k, v, run, comm)
             except BaseException as e:

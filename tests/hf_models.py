@@ -211,8 +211,8 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
                                                                       "mrope_section": [4, 2, 2]},
                                                 "full_attention": None}}),
-    # MiniMax M3's text model: a sparse attention layer (its indexer keeps, per key/value head, 2 blocks of 4 keys
-    # and the block ending at the query: about a third of the keys at 40 tokens), then a dense one
+    # MiniMax M3's text model: a sparse attention layer (its indexer keeps, per key/value head, 2 blocks of 4 keys:
+    # the one ending at the query and the best other; 8 of up to 40 keys), then a dense one
     "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", {"head_dim": 16, "rotary_dim": 8,
                            "num_local_experts": 4, "num_experts_per_tok": 2, "dense_intermediate_size": 96,
                            "shared_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],

@@ -57,7 +57,7 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     # Dots3 Note: a sparse-attention layer and a sliding-window layer of its own sizes
     "dots3_note_text-sparse-sliding": ("dots3_note_text", 2, 14, 3, {"scores": True, "pad_like_ring": True}),
     # MiniMax M3: blocks of 4 keys per key/value head, counted from the prompt's first token (not from the padding
-    # ring_generate adds in front: the reference is the prompt alone); 13 + 8 tokens: 6 blocks, 3 kept per query
+    # ring_generate adds in front: the reference is the prompt alone); 13 + 8 tokens: 6 blocks, 2 kept per query
     "minimax_m3_vl_text-sparse-blocks": ("minimax_m3_vl_text", 2, 13, 0, {"scores": True}),
     # Llama 4: chunks of 8 tokens counted from each row's first token (decoding crosses into the next chunk), a
     # layer without RoPE whose queries scale with their index in the row

@@ -1532,6 +1532,8 @@ def test_a_selection_of_keys_is_checked_before_any_communication():
     for selected in bad:
         with pytest.raises(ValueError, match="selected must be an integer tensor"):
             hf_ring.ring_attention(q, kv, kv, selected=selected)
+        with pytest.raises(ValueError, match="selected must be an integer tensor"):  # (checked with the other inputs)
+            hf_ring.decode_attention(q, kv, kv, q_pos=torch.arange(8), k_pos=torch.arange(8), selected=selected)
     for selected in (good, good[:, None], hf_ring.Selection(good[:, None], 4)):  # (one rank: no communication)
         assert hf_ring.ring_attention(q, kv, kv, selected=selected).shape == q.shape
 

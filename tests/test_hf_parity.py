@@ -170,6 +170,8 @@ CASES = {
     "axk2-plain-lora": ("axk2", "plain", 45, {"lora": True}),
     "hy_v4-packed-checkpointing": ("hy_v4", "packed", 40, {"checkpointing": True}),
     "hy_v4-padded-striped": ("hy_v4", "padded", 45, {"layout": "striped"}),
+    "deepseek_v32-padded-ulysses": ("deepseek_v32", "padded", 40, {"ulysses": 2}),  # (the top-k travels with the keys)
+    "glm_moe_dsa-packed-lora-ulysses": ("glm_moe_dsa", "packed", 45, {"ulysses": "auto", "lora": True}),
     # Qwen4-Exp: blocks of 4 keys picked per query (from up to 11), its per-layer embedding's n-grams and dilated
     # convolution across the chunk edges; one query per chunk of scores; a convolution looking 9 tokens back. Packed:
     # attention layers only (Transformers' CPU Gated DeltaNet runs across documents, hf_ring keeps them apart)
@@ -262,6 +264,7 @@ CASES = {
         {"lora": True, "checkpointing": True},
     ),  # fmt: skip
     "minimax_m3_vl_text-striped-chunked": ("minimax_m3_vl_text", "plain", 40, {"layout": "striped", "chunk_bytes": 1}),
+    "minimax_m3_vl_text-padded-ulysses": ("minimax_m3_vl_text", "padded", 45, {"ulysses": 2}),
     "minimax_m3_vl_text-packed": (
         "minimax_m3_vl_text",
         "packed",
@@ -788,9 +791,11 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     out["sparse_by_hand_restart"] = _error_of(lambda: sparse(input_ids=ids, position_ids=restart))
     with torch.no_grad():
         out["sparse_after"] = bool(torch.isfinite(sparse(**plain).logits).all())
-    # with the Ulysses x Ring hybrid: refused on every rank before any collective (even where positions are wrong)
+    # with the Ulysses x Ring hybrid: the same (its selection travels with the keys after the check)
     hybrid_sparse = hf_ring.apply_ring_attention(make_model("deepseek_v32"), ulysses_size=2)
-    out["sparse_ulysses"] = _error_of(lambda: hybrid_sparse(input_ids=ids, position_ids=restart))
+    out["sparse_ulysses_by_hand_restart"] = _error_of(lambda: hybrid_sparse(input_ids=ids, position_ids=restart))
+    with torch.no_grad():
+        out["sparse_ulysses_after"] = bool(torch.isfinite(hybrid_sparse(**plain).logits).all())
     # switched by attn_implementation alone: its layer without RoPE would scale queries by the shard's index
     unpatched = make_model("llama4_text")
     unpatched.set_attn_implementation("hf_ring")
@@ -1043,7 +1048,8 @@ def test_hf_integration_distributed(world_size):
             assert want in e["llama4_by_hand_restart"], e["llama4_by_hand_restart"]
             assert want in e["sparse_by_hand_restart"], e["sparse_by_hand_restart"]
             assert e["sparse_after"]
-            assert "pure ring" in e["sparse_ulysses"], e["sparse_ulysses"]
+            assert want in e["sparse_ulysses_by_hand_restart"], e["sparse_ulysses_by_hand_restart"]
+            assert e["sparse_ulysses_after"]
             assert "without position_ids" in e["llama4_by_hand_local"], e["llama4_by_hand_local"]
             assert "apply_ring_attention(model)" in e["llama4_not_applied"], e["llama4_not_applied"]
             assert e["deepcopy_shares_config"] and e["deepcopy_loss"] == 0.0

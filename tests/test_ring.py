@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,8 +117,11 @@ def _selection_worker(rank, world):
     layout, backend and feature: random global positions (repeats, keys the causal mask hides, rows left empty); also
     a list per key/value head, and lists of blocks of 4 or 5 positions (MiniMax M3's indexer), per head or not
     (blocks past the sequence's end, a last block cut short)."""
+    from hf_ring.comm import ulysses_groups
+
     torch_backend.BLOCK_Q = torch_backend.BLOCK_K = 8
     s = FULL_LEN[world]
+    hybrids = {1: None, 2: ulysses_groups(None, 2)} if world > 1 else {1: None}  # (every rank creates them)
     pad = torch.where(torch.arange(s)[None].repeat(2, 1) < torch.tensor([[s - 9], [s - 20]]), 0, -1)
     cu = torch.tensor([0, 7, 20, 33, s], dtype=torch.int32)
     feats = {
@@ -128,39 +133,39 @@ def _selection_worker(rank, world):
         "blocks-per-head-padded": {"heads": True, "block": 4, "docs": pad},
         "blocks-gqa1": {"block": 5, "hkv": 1},
         "blocks-from-7": {"block": 4, "start": 7},  # (keys before 7 in no block)
+        "blocks-per-head-3kv": {"heads": True, "block": 4, "hq": 6, "hkv": 3},  # (Ulysses: each head repeated)
     }
     errs = {}
-    for layout in hf_ring.LAYOUTS:
-        for backend in BACKENDS:
-            for feat, opts in feats.items():
-                g = torch.Generator().manual_seed(3)
-                b, hq, hkv, d, dv = 2, 4, opts.get("hkv", 2), 24, 16
-                q, k = torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
-                v, dout = torch.randn(b, hkv, s, dv, generator=g), torch.randn(b, hq, s, dv, generator=g)
-                block, heads, start = opts.get("block", 1), opts.get("heads", False), opts.get("start", 0)
-                sel = torch.randint(-1, -(-s // block) + 2, (b, *((hkv,) if heads else ()), s, 5), generator=g)
-                named = start + sel.clamp_min(0)[..., None] * block + torch.arange(block)  # the positions of each entry
-                named = torch.where((sel[..., None] >= 0) & (named < s), named, s).flatten(-2)
-                keep = torch.zeros(*named.shape[:-1], s + 1, dtype=torch.bool).scatter_(-1, named, True)[..., :s]
-                keep = keep.repeat_interleave(hq // hkv, dim=1) if heads else keep[:, None]
+    for layout, backend, (u, hybrid) in itertools.product(hf_ring.LAYOUTS, BACKENDS, hybrids.items()):
+        for feat, opts in feats.items():
+            g = torch.Generator().manual_seed(3)
+            b, hq, hkv, d, dv = 2, opts.get("hq", 4), opts.get("hkv", 2), 24, 16
+            q, k = torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+            v, dout = torch.randn(b, hkv, s, dv, generator=g), torch.randn(b, hq, s, dv, generator=g)
+            block, heads, start = opts.get("block", 1), opts.get("heads", False), opts.get("start", 0)
+            sel = torch.randint(-1, -(-s // block) + 2, (b, *((hkv,) if heads else ()), s, 5), generator=g)
+            named = start + sel.clamp_min(0)[..., None] * block + torch.arange(block)  # the positions of each entry
+            named = torch.where((sel[..., None] >= 0) & (named < s), named, s).flatten(-2)
+            keep = torch.zeros(*named.shape[:-1], s + 1, dtype=torch.bool).scatter_(-1, named, True)[..., :s]
+            keep = keep.repeat_interleave(hq // hkv, dim=1) if heads else keep[:, None]
 
-                def part(x, dim=2, lay=layout):
-                    return hf_ring.shard(x, dim=dim, rank=rank, world_size=world, layout=lay)
+            def part(x, dim=2, lay=layout):
+                return hf_ring.shard(x, dim=dim, rank=rank, world_size=world, layout=lay)
 
-                ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
-                causal, docs, cus = opts.get("causal", True), opts.get("docs"), opts.get("cu")
-                out = hf_ring.ring_attention(
-                    ql, kl, vl, layout=layout, causal=causal, document_ids=docs, cu_seqlens=cus,
-                    selected=hf_ring.Selection(part(sel, dim=-2), block, start), backend=backend,
-                )  # fmt: skip
-                out.backward(part(dout))
-                ref_docs = docs if cus is None else doc_ids_from_cu(cus, s)
-                ref_in = [x.double().requires_grad_() for x in (q, k, v)]
-                ref = reference_attention(*ref_in, causal=causal, docs=ref_docs, keep=keep)
-                ref.backward(dout.double())
-                mine = (out, ql.grad, kl.grad, vl.grad)
-                refs = (part(ref), *(part(x.grad) for x in ref_in))
-                errs[(layout, backend, feat)] = [rel_err(a, r) for a, r in zip(mine, refs)]
+            ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+            causal, docs, cus = opts.get("causal", True), opts.get("docs"), opts.get("cu")
+            out = hf_ring.ring_attention(
+                ql, kl, vl, layout=layout, causal=causal, document_ids=docs, cu_seqlens=cus,
+                selected=hf_ring.Selection(part(sel, dim=-2), block, start), backend=backend, ulysses=hybrid,
+            )  # fmt: skip
+            out.backward(part(dout))
+            ref_docs = docs if cus is None else doc_ids_from_cu(cus, s)
+            ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+            ref = reference_attention(*ref_in, causal=causal, docs=ref_docs, keep=keep)
+            ref.backward(dout.double())
+            mine = (out, ql.grad, kl.grad, vl.grad)
+            refs = (part(ref), *(part(x.grad) for x in ref_in))
+            errs[(layout, backend, f"U={u}", feat)] = [rel_err(a, r) for a, r in zip(mine, refs)]
     return errs
 
 

@@ -36,7 +36,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "Selection", "runs", "upload"]
+__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "Selection", "runs", "selection_error", "upload"]
 
 EMPTY, FULL, PARTIAL = 0, 1, 2
 
@@ -93,6 +93,36 @@ class Selection:
     def of(selected) -> Selection:
         """``selected`` as a ``Selection`` (a tensor: one of positions)."""
         return selected if isinstance(selected, Selection) else Selection(selected)
+
+
+def selection_error(selected, q, k, *, device: bool = False) -> str | None:
+    """Why ``selected`` is not a selection (a ``Selection`` or its index tensor) for the queries ``q`` [batch, heads,
+    tokens, dim] and keys ``k`` [batch, kv_heads, ...], or None; with ``device``, on the queries' device too."""
+    sel = Selection.of(selected)
+    index, block, start = sel.index, sel.block, sel.start
+    batch, length = (q.shape[0], q.shape[2]) if isinstance(q, torch.Tensor) else ("?", "?")
+    kv_heads = k.shape[1] if isinstance(k, torch.Tensor) else "kv_heads"
+    ok = (
+        isinstance(index, torch.Tensor)
+        and not index.is_floating_point()
+        and not index.is_complex()
+        and index.dtype != torch.bool
+        and index.dim() in (3, 4)
+        and (index.shape[0], index.shape[-2]) == (batch, length)
+        and (index.dim() == 3 or index.shape[1] == kv_heads)
+        and (not device or index.device == q.device)
+    )
+    whole = [isinstance(x, int) and not isinstance(x, bool) for x in (block, start)]
+    if ok and all(whole) and block >= 1 and start >= 0:
+        return None
+    got = tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__
+    where = " on the queries' device" if device else ""
+    return (
+        f"selected must be an integer tensor [batch, tokens, K] = [{batch}, {length}, K] or [batch, kv_heads, "
+        f"tokens, K] = [{batch}, {kv_heads}, {length}, K]{where}, or a "
+        f"hf_ring.Selection of one with a positive int block and an int start >= 0, got {got} (block {block!r}, "
+        f"start {start!r})"
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -171,7 +201,7 @@ class BlockMask:
                 cols[self.k_pos] = torch.arange(self.k_pos.numel())
                 self._cache[key] = cols.to(device)
         else:
-            key = ("block of each key", str(device), sel.block, sel.start)
+            key = ("block of each key", str(device), sel.block, sel.start, seq_len)
             if key not in self._cache:
                 after = self.k_pos - sel.start
                 self._cache[key] = torch.where(after >= 0, after // sel.block, count).to(device)
@@ -184,14 +214,17 @@ class BlockMask:
 
     def _chosen(self, qs: slice, ks: slice, tile_k: int) -> torch.Tensor:
         """[batch, (kv_heads,) tile_q, tile_k] bool: the keys of the tile that each query's selection lists."""
-        sel = self.selected[..., qs, :].long()
-        start = ks.start or 0
         if self.selected_block > 1:  # blocks: whether each query lists the block of each key of the tile
-            n = self.selected_count
-            sel = torch.where((sel >= 0) & (sel < n), sel, n)  # else: a spare column, cleared
-            listed = torch.zeros(*sel.shape[:-1], n + 1, dtype=torch.bool, device=sel.device).scatter_(-1, sel, True)
-            listed[..., n] = False  # (which the keys before the first block read)
-            return listed[..., self.columns[ks]]
+            held = self._cache.get("listed")  # (the query tile's, kept while the kernels run over its key tiles)
+            if held is None or held[0] != (qs.start, qs.stop):
+                n, sel = self.selected_count, self.selected[..., qs, :].long()
+                sel = torch.where((sel >= 0) & (sel < n), sel, n)  # else: a spare column, cleared
+                listed = torch.zeros(*sel.shape[:-1], n + 1, dtype=torch.bool, device=sel.device)
+                listed = listed.scatter_(-1, sel, True)
+                listed[..., n] = False  # (which the keys before the first block read)
+                held = self._cache["listed"] = ((qs.start, qs.stop), listed)
+            return held[1][..., self.columns[ks]]
+        sel, start = self.selected[..., qs, :].long(), ks.start or 0
         sel = torch.where(sel >= 0, sel + self.selected_start, -1)
         held = (sel >= 0) & (sel < self.columns.numel())  # (beyond the sequence: no key, as negative entries)
         col = self.columns[torch.where(held, sel, 0)] - start  # [batch, (heads,) tile_q, K]: the column in the tile
