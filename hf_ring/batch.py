@@ -253,7 +253,8 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
     valid[:, s:] = False
     if mask is not None:
         valid[:, :s] = mask.detach().cpu().bool()
-    if pos is None:
+    numbered = pos is None
+    if numbered:
         pos = torch.arange(s, device=dev).expand(b, -1)
         docs = torch.zeros(b, s + pad, dtype=torch.long)
     else:
@@ -303,7 +304,7 @@ def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_mu
     # present even when None: tells the attention function that packing and padding are resolved
     local[DOCUMENT_IDS_KWARG] = torch.where(valid, docs, -1).to(torch.int32) if packed or padded else None
     local[SHARD_INFO_KWARG] = ShardInfo(
-        layout=layout, world_size=world, rank=rank, seq_len=s + pad, whole_inputs=whole, pad=pad
+        layout=layout, world_size=world, rank=rank, seq_len=s + pad, whole_inputs=whole, pad=pad, numbered=numbered
     )
     return local
 

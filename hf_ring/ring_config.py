@@ -109,6 +109,7 @@ class ShardInfo:
     seq_len: int
     whole_inputs: bool = False
     pad: int = 0  # the ignored tokens shard_batch appended to reach the layout's multiple (position 0)
+    numbered: bool = False  # the batch gave no position_ids: shard_batch numbered its tokens 0, 1, ... (padding too)
 
 
 class _Dropped(enum.Enum):

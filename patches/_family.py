@@ -47,7 +47,7 @@ from ..hf_attention import (
 )
 from ..layout import shard
 from ..ring import PlanCache
-from . import _lend, _rope, _router, _shared_kv, _sparse, _split_vision, _temperature, linear
+from . import _lend, _mask_positions, _rope, _router, _shared_kv, _sparse, _split_vision, _temperature, linear
 from ._hooks import remove_hooks
 from ._neftune import NoiseScale
 
@@ -425,6 +425,10 @@ class FamilyPatch:
     # plain mean (Qwen2-Audio, Granite Speech): ``hf_ring.apply_chunked_loss`` skips those targets too when the call
     # gives ``labels`` (``shard_batch``'s ``shift_labels`` have them ignored already)
     loss_skips_padding: bool = False
+    # the family's decoder class, whose model numbers its tokens from the attention mask (OPT: padding in front
+    # shifts them), given that numbering from the batch's document ids (``patches._mask_positions``); None:
+    # its model numbers them 0, 1, ... as shard_batch does
+    mask_positions: str | None = None
 
     def cache_type(self) -> type | None:
         return None if self.cache_class is None else _class(self.cache_class)
@@ -514,6 +518,10 @@ class FamilyPatch:
         _lend.remove(model)
         if self.lend_attention_kwargs:
             _lend.install(model, modules)
+        _mask_positions.remove(model)
+        if self.mask_positions:
+            decoder = _class(self.mask_positions)
+            _mask_positions.install([m for m in model.modules() if isinstance(m, decoder)])
         linear.remove(model)
         linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)  # (after _lend.remove: its hooks too)
         cross = bool(self.local_modules(model))
@@ -548,6 +556,7 @@ class FamilyPatch:
         _shared_kv.remove(model)
         _sparse.remove(model)
         _lend.remove(model)
+        _mask_positions.remove(model)
         linear.remove(model)
         _split_vision.remove(model)
         _router.remove(model)

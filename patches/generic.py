@@ -39,10 +39,10 @@ from ._family import FamilyPatch, LogitTransform, check_layer_types, check_windo
 
 __all__ = [
     "ALIASES", "CACHE_CLASSES", "CHECKS", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS",
-    "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "NO_GENERATE",
+    "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "MASK_POSITIONS", "NO_GENERATE",
     "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
-    "check_llama4", "check_minimax", "check_minimax_m3", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
+    "check_llama4", "check_minimax", "check_minimax_m3", "check_opt", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
     "check_without_windows",
 ]  # fmt: skip
 
@@ -138,6 +138,7 @@ FAMILIES = {
     "nemotron": "transformers.models.nemotron.modeling_nemotron.NemotronAttention",
     "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHAttention",
     "olmo": "transformers.models.olmo.modeling_olmo.OlmoAttention",
+    "opt": "transformers.models.opt.modeling_opt.OPTAttention",
     "olmo2": "transformers.models.olmo2.modeling_olmo2.Olmo2Attention",
     "olmo3": "transformers.models.olmo3.modeling_olmo3.Olmo3Attention",
     "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridAttention",
@@ -280,6 +281,28 @@ def check_sparse_linear(config) -> None:
     check_layer_types(config, what, allowed=("linear_attention", "indexed_attention"), window=False)
 
 
+def check_opt(config) -> None:
+    """``check`` for OPT: Transformers 5.24 or later (earlier OPT decoders build an all-ones attention mask when given
+    none, which cannot pass beside ``shard_batch``'s document ids), and no LayerDrop (``config.layerdrop > 0`` skips
+    each layer at random in training, a draw each rank makes on its own: a layer one rank skips, the others run, and
+    their ring steps would wait on it)."""
+    import transformers
+
+    check(config)
+    if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24):
+        raise ValueError(
+            f"opt: Transformers {transformers.__version__}'s OPT decoder builds an all-ones attention mask when given "
+            "none, which hf_ring cannot tell from padding beside shard_batch's document ids; hf_ring supports OPT from "
+            "Transformers 5.24"
+        )
+    if (getattr(config, "layerdrop", None) or 0) > 0:
+        raise ValueError(
+            f"{config.model_type}: config.layerdrop={config.layerdrop} skips layers at random in training, a draw of "
+            "each rank's own under context parallelism (the other ranks' ring steps would wait for the skipped "
+            "layer); set config.layerdrop=0.0"
+        )
+
+
 def check_minimax_m3(config) -> None:
     """``check`` for MiniMax M3: full-attention layers beside sparse ones (``minimax_m3_sparse``: an indexer picks
     blocks of keys per key/value head, which the attention function takes over the whole sequence: ``hf_ring.sparse``);
@@ -354,7 +377,7 @@ CHECKS = {
     "recurrent_gemma": check_linear_sliding, "zaya": check_zaya,
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
-    "minimax_m3_vl_text": check_minimax_m3,
+    "minimax_m3_vl_text": check_minimax_m3, "opt": check_opt,
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
@@ -406,6 +429,10 @@ LOGIT_TRANSFORMS = {
 }
 """What these families' causal-LM heads do to the lm_head output before the loss (the others: nothing)."""
 
+MASK_POSITIONS = {"opt": "transformers.models.opt.modeling_opt.OPTDecoder"}
+"""Families whose model numbers its tokens from the attention mask, and the module that does
+(``hf_ring.patches._mask_positions``)."""
+
 ALIASES = {"sarvam_mla": "deepseek_v3", "sarvam_moe": "glm4_moe"}
 """Model types whose checkpoints load another family's model classes (a config of their own, the modules of the
 family named): that family's patch. (Llama's: ``hf_ring.patches.llama``.)"""
@@ -424,6 +451,7 @@ PATCHES = {
         lend_mixer_kwargs=LENDS_MIXER_KWARGS.get(model_type),
         sparse=model_type in SPARSE,
         local_attention_class=CROSS_ATTENTION.get(model_type),
+        mask_positions=MASK_POSITIONS.get(model_type),
     )
     for model_type, path in FAMILIES.items()
 }

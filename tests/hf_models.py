@@ -235,6 +235,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     # mixtures of attention heads (JetMoE), differential attention (DiffLlama), shared experts, and sinks with
     # windows (Granite MoE variants)
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    # positions numbered from the attention mask (padding in front shifts them): OPT as OPT-350m (post-norm layers,
+    # embeddings projected from a narrower width)
+    "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 96, "dropout": 0.0, "word_embed_proj_dim": 48,
+                                            "do_layer_norm_before": False}),
     "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16}),
     "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", {"head_dim": 16}),
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
@@ -720,10 +724,11 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "molmo2": "5.24", "mistral_large4": "5.24",
          "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
-         "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24"}  # fmt: skip
+         "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
+         "opt": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
-a release where they do not), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
+a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
 (the tiny model's stand-in tower needs 5.24)."""
 
 
@@ -1678,24 +1683,28 @@ RTOL_DECAY = 1e-3
 6.5e-5 (one rank), against the 4e-5 of Transformers' own kernel at another chunk size."""
 
 
+def grad_error(name: str, grad, ref, top: float) -> float:
+    """``grad``'s relative error against ``ref``. A key bias before a softmax without RoPE (OPT's, a vision tower's, a
+    Q-Former's attention.key.bias) has a gradient of zero but for rounding (the softmax does not see it; 7e-13 in
+    Idefics3's), and HunYuan V4's hyper-connection scales one near it (2e-8 of the largest in its tiny model,
+    measured), and so has a bias before a training-mode BatchNorm, which subtracts it again (Parakeet's
+    depthwise_conv.bias: 8e-8 of the largest in Nemotron 3 Nano Omni's tiny audio tower): those are compared on the
+    scale of ``top``, the largest gradient."""
+    if (
+        name.endswith(("k_proj.bias", "attention.key.bias", "hc.scale", "depthwise_conv.bias"))
+        and float(ref.double().norm()) < 1e-6 * top
+    ):
+        return float((grad.double() - ref.double()).norm()) / max(top, 1e-30)
+    return rel(grad, ref)
+
+
 def errors(loss, grads, ref_loss, ref_grads) -> dict:
     names = [n for n in ref_grads if not n.endswith(DECAY_PARAMS)]
     decay = [n for n in ref_grads if n.endswith(DECAY_PARAMS)]
-    # a key bias before a softmax without RoPE (a vision tower's, a Q-Former's attention.key.bias) has a gradient of
-    # zero but for rounding (the softmax does not see it; 7e-13 in Idefics3's), and HunYuan V4's hyper-connection
-    # scales one near it (2e-8 of the largest in its tiny model, measured), and so has a bias before a training-mode
-    # BatchNorm, which subtracts it again (Parakeet's depthwise_conv.bias: 8e-8 of the largest in Nemotron 3 Nano
-    # Omni's tiny audio tower): they are compared on the scale of the largest gradient
     top = max(float(g.double().norm()) for g in ref_grads.values())
 
     def err(n):
-        ref = ref_grads[n]
-        if (
-            n.endswith(("k_proj.bias", "attention.key.bias", "hc.scale", "depthwise_conv.bias"))
-            and float(ref.double().norm()) < 1e-6 * top
-        ):
-            return float((grads[n].double() - ref.double()).norm()) / max(top, 1e-30)
-        return rel(grads[n], ref)
+        return grad_error(n, grads[n], ref_grads[n], top)
 
     worst = max(names, key=err)
     return {

@@ -101,6 +101,13 @@ def test_generic_patch_refuses_what_it_does_not_implement():
         for family in ("minimax_m3_vl_text", "minimax_m3_vl"):  # (the wrapper: its text config's check)
             with pytest.raises(ValueError, match="index_n_heads=1 indexer heads for 2 key/value heads"):
                 hf_ring.apply_ring_attention(make_model(family, index_n_heads=1))
+    # OPT: LayerDrop (each rank would draw the layers it skips); before 5.24, its decoder's all-ones mask
+    if in_transformers("opt"):
+        with pytest.raises(ValueError, match="config.layerdrop=0.1 skips layers at random"):
+            hf_ring.apply_ring_attention(make_model("opt", layerdrop=0.1))
+    else:
+        with pytest.raises(ValueError, match="hf_ring supports OPT from Transformers 5.24"):
+            hf_ring.apply_ring_attention(make_model("opt"))
     # Gemma 4 as an encoder (measured: its two-sided sliding mask is not the ring's, loss apart by 9e-3)
     for family in ("gemma4_text", "gemma4"):
         with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
@@ -882,7 +889,11 @@ def test_shard_batch_shifts_labels_counts_targets_and_marks_documents():
     plain = hf_ring.shard_batch({"input_ids": ids})
     assert set(plain) == {"input_ids", "position_ids", "use_cache", "ring_document_ids", "ring_shard_info"}
     assert plain["ring_document_ids"] is None
-    assert plain["ring_shard_info"] == hf_attention.ShardInfo(layout="zigzag", world_size=1, rank=0, seq_len=8)
+    # (numbered: shard_batch gave the positions, which OPT's patch may renumber from the mask; not when the batch did)
+    assert plain["ring_shard_info"] == hf_attention.ShardInfo(
+        layout="zigzag", world_size=1, rank=0, seq_len=8, numbered=True
+    )
+    assert not local["ring_shard_info"].numbered
     assert torch.equal(plain["position_ids"], torch.arange(8)[None])
 
     # cu_seq_lens alone (no position_ids) gives the same documents and per-document positions

@@ -153,6 +153,10 @@ CASES = {
     "solar_open-plain": ("solar_open", "plain", 40, {}),
     "vaultgemma-packed": ("vaultgemma", "packed", 45, {}),
     "gpt2-padded": ("gpt2", "padded", 45, {}),
+    # OPT numbers its tokens from the attention mask: the left-padded row's from its first token (a mask positions hook)
+    "opt-padded": ("opt", "padded", 45, {}),
+    "opt-padded-lora-checkpointing": ("opt", "padded", 40, {"lora": True, "checkpointing": True}),
+    "opt-packed-striped": ("opt", "packed", 40, {"layout": "striped"}),
     "jetmoe-padded": ("jetmoe", "padded", 40, {}),
     "diffllama-packed": ("diffllama", "packed", 45, {}),
     "granitemoeshared-padded": ("granitemoeshared", "padded", 45, {}),
