@@ -49,7 +49,7 @@ Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, 
 Gemma 3, Gemma 3n, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-OCR, HunyuanOCR, Granite 4
 Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, ERNIE-4.5-VL, Step 3.7, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers,
-Cosmos3; audio: Gemma 3n, Qwen2-Audio, Voxtral, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model
+Cosmos3; audio: Gemma 3n, Qwen2-Audio, Voxtral, MOSS-Transcribe-Diarize, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model
 attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
 (``BLOCKS``, ``_family.BlockIds``) numbers each image's tokens from ``token_type_ids`` (Gemma 3) or
@@ -174,6 +174,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "mllama": ("mllama_text_model",),  # Llama 3.2 Vision (images by cross-attention)
     "qwen2_audio": ("qwen2",),  # Qwen2-Audio (audio in, text out; its head's own loss: OWN_LOSS)
     "voxtral": ("llama",),  # Voxtral Mini / Small (audio in, text out)
+    "moss_transcribe_diarize": ("qwen3",),  # MOSS-Transcribe-Diarize (audio in, transcript out; Transformers 5.24)
     "granite_speech": ("granite",),  # Granite Speech 3.x (its head's own loss: OWN_LOSS; no logits_scaling)
     "granite_speech_plus": ("granite",),  # Granite Speech 4.1 Plus (as Granite Speech)
     "nemotron_h_omni": ("nemotron_h",),  # Nemotron 3 Nano Omni (a Nemotron-H causal LM inside; 5.24)
@@ -256,6 +257,7 @@ IMAGES = (
     "mllama",
     "qwen2_audio",
     "voxtral",
+    "moss_transcribe_diarize",
     "granite_speech",
     "granite_speech_plus",
     "nemotron_h_omni",

@@ -675,6 +675,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "qwen2_audio": ("Qwen2AudioConfig", "Qwen2AudioForConditionalGeneration", {"model_type": "qwen2"}, None),
     # (its text config's defaults are a checkpoint's: head_dim 128 unless given)
     "voxtral": ("VoxtralConfig", "VoxtralForConditionalGeneration", {"model_type": "llama", "head_dim": 16}, None),
+    # MOSS-Transcribe-Diarize (5.24): a Whisper-like tower, 2 frames merged per token, a Qwen3 text model
+    "moss_transcribe_diarize": ("MossTranscribeDiarizeConfig", "MossTranscribeDiarizeForConditionalGeneration",
+                                {"model_type": "qwen3", "head_dim": 16}, None),
     # Granite Speech (its head applies no logits_scaling), Granite Speech Plus (intermediate encoder layers too)
     "granite_speech": ("GraniteSpeechConfig", "GraniteSpeechForConditionalGeneration", _GRANITE_TEXT, None),
     "granite_speech_plus": ("GraniteSpeechPlusConfig", "GraniteSpeechPlusForConditionalGeneration", _GRANITE_TEXT,
@@ -725,7 +728,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
-         "opt": "5.24"}  # fmt: skip
+         "opt": "5.24", "moss_transcribe_diarize": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -948,6 +951,8 @@ def make_config(family: str, **overrides):
             top = {"audio_config": QWEN2_AUDIO, "audio_token_index": AUDIO_TOKEN}
         if family == "voxtral":  # a Whisper-like tower: 32 frames of 16 mel bins -> 16 frames of 32, 2 per token: 8
             top = {"audio_config": VOXTRAL_AUDIO, "audio_token_id": AUDIO_TOKEN}
+        if family == "moss_transcribe_diarize":  # as Voxtral's: 8 tokens per clip (AUDIO_CLIPS)
+            top = {"audio_config": MOSS_AUDIO, "audio_token_id": AUDIO_TOKEN, "audio_merge_size": 2}
         if family.startswith("granite_speech"):  # a conformer (dropout off: random per rank), a window Q-Former:
             # 16 frames of 16 bins in windows of 4, 2 queries each -> 8 tokens
             plus = family == "granite_speech_plus"
@@ -1082,6 +1087,8 @@ QWEN2_AUDIO = {"model_type": "qwen2_audio_encoder", "num_mel_bins": 16, "encoder
                "max_source_positions": 16}  # fmt: skip
 VOXTRAL_AUDIO = {"model_type": "voxtral_encoder", "num_mel_bins": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "intermediate_size": 64, "hidden_size": 32, "max_source_positions": 16}  # fmt: skip
+MOSS_AUDIO = {"num_mel_bins": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 48,
+              "hidden_size": 32, "max_source_positions": 16}  # fmt: skip
 GRANITE_SPEECH_ENCODER = {"input_dim": 16, "num_layers": 2, "hidden_dim": 32, "feedforward_mult": 2, "num_heads": 2,
                           "output_dim": 8, "context_size": 8, "max_pos_emb": 8, "dropout": 0.0,
                           "conv_kernel_size": 3}  # fmt: skip
@@ -1385,6 +1392,16 @@ def _voxtral_clips(g: torch.Generator) -> dict:
     return {"input_features": torch.randn(3, 16, 32, generator=g)}
 
 
+def _moss_clips(g: torch.Generator) -> dict:
+    """Three clips of 16 mel bins x 32 frames, the second of 24 real frames (``input_features_mask`` per frame): 8, 6
+    and 8 tokens (the valid frames after the stride-2 convolution, 2 per token); the raw audio's ``padding_mask``
+    (which the model takes unused)."""
+    frames = torch.ones(3, 32, dtype=torch.long)
+    frames[1, 24:] = 0
+    return {"input_features": torch.randn(3, 16, 32, generator=g), "input_features_mask": frames,
+            "padding_mask": torch.ones(3, 64, dtype=torch.long)}  # fmt: skip
+
+
 def _granite_speech_clips(g: torch.Generator) -> dict:
     """Three clips of 16 frames x 16 features: 8 tokens each (4 windows of 4 frames, 2 queries per window), the
     second's last 2 dropped (``input_features_mask`` per token, as its processor marks a shorter clip): 8, 6, 8."""
@@ -1433,12 +1450,14 @@ def _gemma3n_clips(g: torch.Generator) -> dict:
     return {"input_features": torch.randn(3, 32, 16, generator=g), "input_features_mask": frames}
 
 
-AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips, "granite_speech": _granite_speech_clips,
+AUDIO_CLIPS = {"qwen2_audio": _qwen2_audio_clips, "voxtral": _voxtral_clips, "moss_transcribe_diarize": _moss_clips,
+               "granite_speech": _granite_speech_clips,
                "granite_speech_plus": _granite_speech_clips, "nemotron_h_omni": _nemotron_h_omni_clips,
                "gemma4_unified-audio": _gemma4_unified_clips, "muse_spark": _muse_spark_clips,
                "dots3_note": _dots3_note_clips, "gemma3n": _gemma3n_clips}  # fmt: skip
 """Audio-language families: their clips in an "audio" batch (the others: Gemma 4's)."""
-AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8), "granite_speech": (8, 6, 8),
+AUDIO_TOKENS = {"qwen2_audio": (8, 6, 8), "voxtral": (8, 8, 8), "moss_transcribe_diarize": (8, 6, 8),
+                "granite_speech": (8, 6, 8),
                 "granite_speech_plus": (8, 6, 8), "nemotron_h_omni": (8, 7, 8), "gemma4_unified-audio": (8, 6, 8),
                 "muse_spark": (8, 6, 8), "dots3_note": (8, 6, 8)}  # fmt: skip
 """The audio tokens of each clip of ``AUDIO_CLIPS``, at ``_IMAGE_SPOTS``."""

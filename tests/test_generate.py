@@ -291,6 +291,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "cosmos3_edge-images": ("cosmos3_edge", "images-padded", {}),  # interleaved multimodal RoPE in decoding
     "voxtral-audio": ("voxtral", "audio", {}),
+    "moss_transcribe_diarize-audio": ("moss_transcribe_diarize", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),
     "nemotron_h_omni-audio": ("nemotron_h_omni", "audio", {}),
     "qwen2_audio-audio": ("qwen2_audio", "audio", {}),  # clips of mel frames, one padded (feature_attention_mask)

@@ -284,6 +284,7 @@ def _sub_configs(config) -> list:
         "video_llama_3",
         "qwen2_audio",
         "voxtral",
+        "moss_transcribe_diarize",
         "granite_speech",
         "granite_speech_plus",
         "nemotron_h_omni",
@@ -441,6 +442,7 @@ def _text_only_batches_and_refused_images(family):
         ("paddleocr_vl", "images-padded"),  # Qwen2-VL's multimodal RoPE, a NaViT tower
         ("qwen2_audio", "audio"),  # a padded clip (feature_attention_mask); its head's own loss replaced
         ("voxtral", "audio"),  # a Llama text model
+        ("moss_transcribe_diarize", "audio"),  # a Qwen3 text model; a shorter clip (its frame mask)
         ("granite_speech", "audio"),  # a conformer, window Q-Former; tokens of a shorter clip dropped (a mask)
         ("granite_speech_plus", "audio"),  # its projector reads an intermediate encoder layer too
         ("nemotron_h_omni", "audio"),  # Mamba2 layers; the text model inside its causal LM cuts

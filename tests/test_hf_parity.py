@@ -508,6 +508,13 @@ CASES = {
     # Voxtral: a Whisper-like tower (every clip of full length), 2 frames' features per token, a Llama text model
     "voxtral-audio": ("voxtral", "audio", 40, {}),
     "voxtral-audio-lora": ("voxtral", "audio", 45, {"lora": True}),
+    "moss_transcribe_diarize-audio": ("moss_transcribe_diarize", "audio", 40, {}),  # a shorter clip (its frame mask)
+    "moss_transcribe_diarize-audio-lora-checkpointing": (
+        "moss_transcribe_diarize",
+        "audio",
+        45,
+        {"lora": True, "checkpointing": True},
+    ),  # fmt: skip
     # Granite Speech (Plus): a conformer and a window Q-Former (a shorter clip's last tokens dropped by
     # input_features_mask), a Granite text model (multipliers; its head without logits_scaling); its own loss replaced
     "granite_speech-audio": ("granite_speech", "audio", 45, {}),
