@@ -115,6 +115,11 @@ _HARMLESS_KWARGS = (
 )  # fmt: skip
 
 
+NUMBERS_FROM_MASK = ("opt",)
+"""Model types whose model numbers its positions from the attention mask: ``apply_ring_attention`` renumbers them
+(``hf_ring.patches.generic.MASK_POSITIONS``); switched by ``attn_implementation`` alone, they are refused."""
+
+
 def _unknown_kwargs_error(kwargs: dict) -> str | None:
     """Why keywords this function does not implement were passed with a value, or None."""
     known = (*_READ_KWARGS, *PACKING_KWARGS, *_HARMLESS_KWARGS)
@@ -228,6 +233,12 @@ def ring_attention_forward(
     if local is not None:
         return _attend_locally(local, module, query, key, value, attention_mask, scaling, dropout, kwargs)
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
+    if cfg is _DEFAULT and getattr(getattr(module, "config", None), "model_type", None) in NUMBERS_FROM_MASK:
+        raise ValueError(  # (the same model on every rank: before any collective)
+            f"{type(module).__name__}: this model numbers its positions from the attention mask, which shard_batch "
+            "does not give it: switch the model with hf_ring.apply_ring_attention(model), which renumbers them "
+            "(not only attn_implementation='hf_ring')"
+        )
     if isinstance(attention_mask, SparseMask):  # a DSA attention module's (hf_ring.patches._sparse)
         if attention_mask.call is not None:  # (its indexer's selection combined into the mask: Qwen4-Exp)
             kwargs = {**kwargs, "indices": attention_mask.call}

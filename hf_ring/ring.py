@@ -40,7 +40,7 @@ from .comm import RingComm, UlyssesGroups
 from .kernels import torch_backend as _torch_backend
 from .kernels.mask import Selection, selection_error
 from .plan import Plan, PlanCache, host_document_ids  # (PlanCache and host_document_ids: imported from here too)
-from .preflight import raise_on_every_rank
+from .preflight import check_everywhere, raise_on_every_rank
 
 __all__ = ["PlanCache", "host_document_ids", "ring_attention", "raise_on_every_rank"]
 
@@ -197,6 +197,12 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected: Selection | No
     travels as the keys do: one per query to every rank of the group, one per key/value head to the rank of that head
     (an all-to-all of integers, no gradient)."""
     u, x = ulysses.ulysses_size, ulysses.exchange
+    if selected is not None:  # the all-to-all below needs the same shape on every rank: checked first, everywhere
+        index = selected.index
+        summary = [0, index.dim(), index.shape[-1], index.element_size(), selected.block, selected.start]
+        fields = ("error", "selection dimensions", "selection entries per query", "selection entry bytes",
+                  "selection block", "selection start")  # fmt: skip
+        check_everywhere(None, summary, RingComm(ulysses.cp_group), q.device, fields=fields, op="ring_attention")
     repeat = math.lcm(k.shape[1], u) // k.shape[1]
     if repeat > 1:  # fewer KV heads than the group splits: each KV head serves the same query heads as before
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)

@@ -101,10 +101,18 @@ def test_generic_patch_refuses_what_it_does_not_implement():
         for family in ("minimax_m3_vl_text", "minimax_m3_vl"):  # (the wrapper: its text config's check)
             with pytest.raises(ValueError, match="index_n_heads=1 indexer heads for 2 key/value heads"):
                 hf_ring.apply_ring_attention(make_model(family, index_n_heads=1))
-    # OPT: LayerDrop (each rank would draw the layers it skips); before 5.24, its decoder's all-ones mask
+    # OPT: LayerDrop (each rank would draw the layers it skips); before 5.24, its decoder's all-ones mask; switched by
+    # attn_implementation alone (measured: a left-padded batch's loss 3.2e-4 apart without the renumbering)
     if in_transformers("opt"):
         with pytest.raises(ValueError, match="config.layerdrop=0.1 skips layers at random"):
             hf_ring.apply_ring_attention(make_model("opt", layerdrop=0.1))
+        from hf_ring.patches import generic
+
+        assert generic.MASK_POSITIONS.keys() == set(hf_attention.NUMBERS_FROM_MASK)
+        by_name = make_model("opt")
+        by_name.set_attn_implementation("hf_ring")
+        with pytest.raises(ValueError, match="numbers its positions from the attention mask"):
+            by_name(**hf_ring.shard_batch(make_batch("padded", 40)[0]))
     else:
         with pytest.raises(ValueError, match="hf_ring supports OPT from Transformers 5.24"):
             hf_ring.apply_ring_attention(make_model("opt"))

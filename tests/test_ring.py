@@ -166,12 +166,24 @@ def _selection_worker(rank, world):
             mine = (out, ql.grad, kl.grad, vl.grad)
             refs = (part(ref), *(part(x.grad) for x in ref_in))
             errs[(layout, backend, f"U={u}", feat)] = [rel_err(a, r) for a, r in zip(mine, refs)]
+    if world > 1:  # with Ulysses, ranks whose selections differ in shape (the all-to-all would hang): all refuse
+        q = torch.randn(1, 4, s // world, 8)
+        kv = torch.randn(1, 2, s // world, 8)
+        sel = torch.zeros(1, s // world, 3 + rank, dtype=torch.long)
+        try:
+            hf_ring.ring_attention(q, kv, kv, selected=sel, ulysses=hybrids[2])
+            errs["mismatch"] = None
+        except ValueError as e:
+            errs["mismatch"] = str(e)
     return errs
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_a_selection_of_keys_per_query_matches_masked_plain_attention(world):
     for rank, errs in enumerate(run_distributed(_selection_worker, world, timeout=300)):
+        if world > 1:
+            mismatch = errs.pop("mismatch")
+            assert mismatch is not None and "ranks disagree on selection entries per query" in mismatch, mismatch
         for case, e in errs.items():
             assert max(e) <= FP32_TOL, f"rank {rank} {case}: rel errors (out, dq, dk, dv) {e}"
 
