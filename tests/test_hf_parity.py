@@ -176,6 +176,8 @@ CASES = {
     "hy_v4-padded-striped": ("hy_v4", "padded", 45, {"layout": "striped"}),
     "deepseek_v32-padded-ulysses": ("deepseek_v32", "padded", 40, {"ulysses": 2}),  # (the top-k travels with the keys)
     "glm_moe_dsa-packed-lora-ulysses": ("glm_moe_dsa", "packed", 45, {"ulysses": "auto", "lora": True}),
+    "hy_v4-padded-ulysses": ("hy_v4", "padded", 40, {"ulysses": 2}),  # shared layers: one selection, exchanged once
+    "dots3_note_text-plain-ulysses": ("dots3_note_text", "plain", 40, {"ulysses": 2}),  # sparse beside sliding layers
     # Qwen4-Exp: blocks of 4 keys picked per query (from up to 11), its per-layer embedding's n-grams and dilated
     # convolution across the chunk edges; one query per chunk of scores; a convolution looking 9 tokens back. Packed:
     # attention layers only (Transformers' CPU Gated DeltaNet runs across documents, hf_ring keeps them apart)
