@@ -101,10 +101,11 @@ def ring_attention(
             query's list is hidden whatever the other masks allow; repeats, keys the other masks hide and negative
             entries (no key) are fine. Or [batch, kv_heads, local_seq, K]: a list per key/value head, for the query
             heads of its group; or a ``hf_ring.Selection`` of either whose entries name blocks of ``block``
-            consecutive positions from ``start`` (MiniMax M3's indexer). With ``ulysses``, it travels as the keys do. Or a function of no arguments returning it, called after the pre-flight
-            check (a selection that needs collectives, as ``hf_ring.sparse.select``'s all-gather, then runs only
-            when every rank passed it). Per call (each layer has its own); saved for the backward as it is (int32
-            is enough); the steps then run on the torch backend, which reads it per tile.
+            consecutive positions from ``start`` (MiniMax M3's indexer). With ``ulysses``, it travels as the keys
+            do. Or a function of no arguments returning it, called after the pre-flight check (a selection that
+            needs collectives, as ``hf_ring.sparse.select``'s all-gather, then runs only when every rank passed
+            it). Per call (each layer has its own); saved for the backward as it is (int32 is enough); the steps
+            then run on the torch backend, which reads it per tile.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
@@ -197,8 +198,8 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected: Selection | No
     travels as the keys do: one per query to every rank of the group, one per key/value head to the rank of that head
     (an all-to-all of integers, no gradient)."""
     u, x = ulysses.ulysses_size, ulysses.exchange
-    if selected is not None:  # the all-to-all below needs the same shape on every rank: checked first, everywhere
-        index = selected.index
+    index = None if selected is None else selected.index
+    if index is not None:  # the all-to-all below needs the same shape on every rank: checked first, everywhere
         summary = [0, index.dim(), index.shape[-1], index.element_size(), selected.block, selected.start]
         fields = ("error", "selection dimensions", "selection entries per query", "selection entry bytes",
                   "selection block", "selection start")  # fmt: skip
@@ -209,9 +210,7 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected: Selection | No
     if sinks is not None:
         sinks = sinks.view(u, -1)[x.rank]  # the sinks of this rank's query heads
     q, k, v = x.heads_to_sequence(q), x.heads_to_sequence(k), x.heads_to_sequence(v)
-    index = None
-    if selected is not None:
-        index = selected.index
+    if index is not None:
         if index.dim() == 3:  # one list per query, for every head: each rank of the group gets them all
             index = index.unsqueeze(1).expand(-1, u, -1, -1)
         elif repeat > 1:

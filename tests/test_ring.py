@@ -133,6 +133,7 @@ def _selection_worker(rank, world):
         "blocks-per-head-padded": {"heads": True, "block": 4, "docs": pad},
         "blocks-gqa1": {"block": 5, "hkv": 1},
         "blocks-from-7": {"block": 4, "start": 7},  # (keys before 7 in no block)
+        "positions-from-5": {"start": 5},  # (entry e names position 5 + e)
         "blocks-per-head-3kv": {"heads": True, "block": 4, "hq": 6, "hkv": 3},  # (Ulysses: each head repeated)
     }
     errs = {}

@@ -139,9 +139,9 @@ class BlockMask:
     selected: [batch, local_q, K] or [batch, kv_heads, local_q, K] integer entries naming the global key positions
         (``selected_block`` 1) or blocks of ``selected_block`` positions each query may see at most (negative: none;
         on the kernels' device), or None; ``with_selection`` sets them with ``columns``: for positions, the index in
-        this block of every global position (-1: not in the block); for blocks, the block of every key of this one
-        (``selected_count`` for a key before ``selected_start``), and ``selected_count`` the number of blocks of the
-        unsharded sequence.
+        this block of the position each entry names (-1: not in the block); for blocks, the block of every key of this
+        one (``selected_count`` for a key before the selection's start), and ``selected_count`` the number of blocks
+        of the unsharded sequence.
     """
 
     q_pos: torch.Tensor
@@ -154,7 +154,6 @@ class BlockMask:
     selected: torch.Tensor | None = None
     selected_block: int = 1
     selected_count: int = 0
-    selected_start: int = 0
     columns: torch.Tensor | None = None
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -194,11 +193,13 @@ class BlockMask:
         sel = Selection.of(selected)
         device = sel.index.device
         count = -(-max(0, seq_len - sel.start) // sel.block)
-        if sel.block == 1:
-            key = ("columns", str(device), seq_len)
+        if sel.block == 1:  # (entry e names position start + e: its column, once per mask)
+            key = ("columns", str(device), seq_len, sel.start)
             if key not in self._cache:
-                cols = torch.full((seq_len,), -1, dtype=torch.int64)
-                cols[self.k_pos] = torch.arange(self.k_pos.numel())
+                after = self.k_pos - sel.start
+                kept = after >= 0
+                cols = torch.full((max(0, seq_len - sel.start),), -1, dtype=torch.int64)
+                cols[after[kept]] = torch.arange(self.k_pos.numel())[kept]
                 self._cache[key] = cols.to(device)
         else:
             key = ("block of each key", str(device), sel.block, sel.start, seq_len)
@@ -208,8 +209,8 @@ class BlockMask:
         # (the same positions: their device copies, already uploaded, go with it, so no layer uploads them again)
         shared = {k: v for k, v in self._cache.items() if k == "pinned" or (isinstance(k, tuple) and k[0] == "device")}
         return dataclasses.replace(
-            self, selected=sel.index, selected_block=sel.block, selected_count=count, selected_start=sel.start,
-            columns=self._cache[key], _cache=shared,
+            self, selected=sel.index, selected_block=sel.block, selected_count=count, columns=self._cache[key],
+            _cache=shared,
         )  # fmt: skip
 
     def _chosen(self, qs: slice, ks: slice, tile_k: int) -> torch.Tensor:
@@ -225,7 +226,6 @@ class BlockMask:
                 held = self._cache["listed"] = ((qs.start, qs.stop), listed)
             return held[1][..., self.columns[ks]]
         sel, start = self.selected[..., qs, :].long(), ks.start or 0
-        sel = torch.where(sel >= 0, sel + self.selected_start, -1)
         held = (sel >= 0) & (sel < self.columns.numel())  # (beyond the sequence: no key, as negative entries)
         col = self.columns[torch.where(held, sel, 0)] - start  # [batch, (heads,) tile_q, K]: the column in the tile
         col = torch.where(held & (col >= 0) & (col < tile_k), col, tile_k)  # else: a spare column, cut off
