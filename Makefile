@@ -30,7 +30,8 @@ $(COMPAT)/.installed: $(STAMP)
 test: $(STAMP) $(COMPAT)/.installed  ## the CI suite (CPU; Triton in its interpreter), then the Transformers tests on 5.17
 	$(PY) -m pytest -q -m "not slow and not gpu"
 	PYTHONPATH=$(COMPAT) $(PY) -m pytest -q -m "not slow and not gpu" tests/test_hf_apply.py tests/test_hf_parity.py tests/test_generate.py \
-		tests/test_chunked_loss.py tests/test_offload.py tests/test_vision_language_cp.py tests/test_linear_attention.py
+		tests/test_chunked_loss.py tests/test_offload.py tests/test_vision_language_cp.py tests/test_linear_attention.py \
+		tests/test_compressed.py
 
 $(IMAGE)/.installed: pyproject.toml
 	python3 -m venv $(IMAGE)

@@ -41,7 +41,9 @@ import functools
 import torch
 
 from . import batch_checks
+from . import compressed as _compressed
 from .comm import group_rank_and_size
+from .guard import InStepError
 from .layout import positions, several_documents
 from .ring import raise_on_every_rank, ring_attention
 from .ring_config import (  # (they were defined here: their import from this module stays)
@@ -232,6 +234,7 @@ def ring_attention_forward(
     local = getattr(module, LOCAL_ATTR, None)
     if local is not None:
         return _attend_locally(local, module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    compressor_call = module.__dict__.pop(_compressed.ATTR, None)  # DeepSeek-V4 (hf_ring.patches._compressed)
     cfg: RingConfig = getattr(module, CONFIG_ATTR, _DEFAULT)
     if cfg is _DEFAULT and getattr(getattr(module, "config", None), "model_type", None) in NUMBERS_FROM_MASK:
         raise ValueError(  # (the same model on every rank: before any collective)
@@ -270,6 +273,12 @@ def ring_attention_forward(
     cache = kwargs.get(DECODE_KWARG)
     if cache is not None and cache.state.phase == "decode":
         return _decode(module, query, key, value, cfg, cache, scaling, sliding_window, kwargs), None
+    if compressor_call is None and isinstance(getattr(module, "compressor", None), torch.nn.Module):
+        raise InStepError(  # (the same model on every rank, at the same layer: the group stays usable)
+            f"{type(module).__name__}: this layer's compressor ran on one rank's tokens only: switch the model with "
+            "hf_ring.apply_ring_attention(model), which compresses the whole sequence (not only "
+            "attn_implementation='hf_ring')"
+        )
     if key.shape[2] != query.shape[2]:
         raise ValueError(
             f"hf_ring attention needs as many keys as queries (got {key.shape[2]} keys for {query.shape[2]} "
@@ -330,6 +339,19 @@ def ring_attention_forward(
         make = lambda: several_documents(document_ids, cu_seqlens)  # noqa: E731
         packed = make() if cfg.plans is None else cfg.plans.derived((several_documents, document_ids, cu_seqlens), make)
         _check_key_blocks(packed, cache)  # (the same on every rank: before any collective)
+    shared = None
+    if compressor_call is not None:  # DeepSeek-V4: the entries of the whole sequence, computed after the pre-flight
+        make = lambda: several_documents(document_ids, cu_seqlens)  # noqa: E731
+        packed = make() if cfg.plans is None else cfg.plans.derived((several_documents, document_ids, cu_seqlens), make)
+        problem = _compressed.error(
+            compressor_call, layout=cfg.layout, world_size=world_size, local_len=local_len, packed=packed,
+            ulysses=cfg.ulysses, rates=(getattr(getattr(module, "config", None), "compress_rates", None) or {}).values(),
+        )  # fmt: skip
+        if problem:  # (the same on every rank, at the same layer: the configuration and the batch's shape)
+            raise InStepError(problem)
+        shared = functools.partial(
+            _compressed.resolve, compressor_call, group=cfg.group, layout=cfg.layout, timeout=cfg.timeout
+        )
     chunk = batch_checks.chunk_size(module)
     if chunk is not None:  # (once per forward with a plan cache: the chunked layers share one plan)
         make = lambda: batch_checks.chunked(document_ids, cu_seqlens, full, chunk)  # noqa: E731
@@ -361,6 +383,7 @@ def ring_attention_forward(
         document_ids=document_ids,
         block_ids=_block_ids(kwargs.get(BLOCK_IDS_KWARG), sliding_window),
         selected=selected,
+        shared=shared,
         backend=cfg.backend,
         plans=cfg.plans,
         ulysses=cfg.ulysses,

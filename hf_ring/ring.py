@@ -38,11 +38,30 @@ from . import guard
 from . import plan as _planning
 from .comm import RingComm, UlyssesGroups
 from .kernels import torch_backend as _torch_backend
-from .kernels.mask import Selection, selection_error
+from .kernels.mask import BlockMask, Selection, selection_error
 from .plan import Plan, PlanCache, host_document_ids  # (PlanCache and host_document_ids: imported from here too)
 from .preflight import check_everywhere, raise_on_every_rank
 
-__all__ = ["PlanCache", "host_document_ids", "ring_attention", "raise_on_every_rank"]
+__all__ = ["PlanCache", "SharedKeys", "host_document_ids", "ring_attention", "raise_on_every_rank"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedKeys:
+    """Keys/values every rank holds whole, beside the sequence's (DeepSeek-V4's compressed entries): each rank's
+    queries attend to them locally, merged with the ring's blocks by the LSE rule into one softmax.
+
+    keys: [batch, kv_heads, n, head_dim]; values: [batch, kv_heads, n, v_head_dim] (the same kv_heads and head_dims
+        as the sequence's; they may be one tensor). Their gradients are this rank's queries' share: sum them over the
+        ranks (``hf_ring.comm.StateGather`` does, when they came from its all-gather).
+    positions: [n] int64 on the host: the global position of each; with ``causal``, a query sees an entry iff its
+        position is not after the query's. Neither the window nor the documents apply to them.
+    selected: a ``Selection`` over them (its ``block``/``start`` naming their positions), or None: all visible.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    selected: Selection | None = None
 
 
 def ring_attention(
@@ -61,6 +80,7 @@ def ring_attention(
     document_ids: torch.Tensor | None = None,
     block_ids: torch.Tensor | None = None,
     selected=None,
+    shared: SharedKeys | None = None,
     backend: str = "auto",
     comm: RingComm | None = None,
     plans: PlanCache | None = None,
@@ -106,6 +126,9 @@ def ring_attention(
             needs collectives, as ``hf_ring.sparse.select``'s all-gather, then runs only when every rank passed
             it). Per call (each layer has its own); saved for the backward as it is (int32 is enough); the steps
             then run on the torch backend, which reads it per tile.
+        shared: a ``SharedKeys`` (keys every rank holds whole, attended locally and merged with the ring's, on the
+            torch backend), or a function of no arguments returning it, called after the pre-flight check (as
+            ``selected``); None: none. Not with ``ulysses``.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
@@ -126,6 +149,10 @@ def ring_attention(
         [batch, q_heads, local_seq, v_head_dim] in q's dtype. Rows that see no key are 0.
     """
     hybrid = ulysses is not None and ulysses.ulysses_size > 1
+    if shared is not None and hybrid:  # (the same on every rank: the call's arguments)
+        raise ValueError(
+            "ring_attention: shared keys (DeepSeek-V4's compressed entries) are not supported with ulysses"
+        )
     if selected is not None:  # (the same on every rank: the model's shapes and configuration)
         _check_selected(selected, q, k)
     if ulysses is not None:
@@ -168,12 +195,44 @@ def ring_attention(
         except BaseException as e:
             _failed(watch, comm, e)
             raise
+    if callable(shared):  # (likewise: it may gather)
+        try:
+            shared = shared()
+            _check_shared(shared, q, k, v)
+        except BaseException as e:
+            _failed(watch, comm, e)
+            raise
     selected = None if selected is None else Selection.of(selected)
     if not hybrid:
-        if selected is None:
-            return _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
-        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, selected.index, selected)
+        index = None if selected is None else selected.index
+        if shared is None:
+            return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected)
+        extra = (shared.keys, shared.values, shared.selected.index if shared.selected is not None else None)
+        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected, *extra, shared)
     return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected)
+
+
+def _check_shared(shared, q, k, v) -> None:
+    """ValueError unless ``shared`` is a ``SharedKeys`` these queries can attend to (the same on every rank: the
+    model's shapes)."""
+    ok = isinstance(shared, SharedKeys) and all(isinstance(t, torch.Tensor) for t in (shared.keys, shared.values))
+    if ok:
+        ek, ev, pos = shared.keys, shared.values, shared.positions
+        ok = (
+            ek.dim() == 4 and ev.dim() == 4 and ek.shape[:3] == ev.shape[:3] and ek.shape[0] == q.shape[0]
+            and ek.shape[1] == k.shape[1] and ek.shape[-1] == k.shape[-1] and ev.shape[-1] == v.shape[-1]
+            and isinstance(pos, torch.Tensor) and pos.device.type == "cpu" and pos.shape == (ek.shape[2],)
+            and ek.device == q.device and ev.device == q.device
+        )  # fmt: skip
+    if not ok:
+        raise ValueError(
+            "ring_attention: shared must be a hf_ring.ring.SharedKeys with keys [batch, kv_heads, n, head_dim] and "
+            "values [batch, kv_heads, n, v_head_dim] like k and v's, on q's device, and positions [n] on the host"
+        )
+    if shared.selected is not None:
+        problem = selection_error(shared.selected, q, k, device=True)
+        if problem is not None:
+            raise ValueError(f"ring_attention: shared keys' {problem}")
 
 
 def _check_selected(selected, q, k=None) -> None:
@@ -334,6 +393,16 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: Plan, comm):
     return dq, *_halves(recv, d)  # after N hops the accumulator of this rank's own block is home
 
 
+def _shared_mask(plan: Plan, shared: SharedKeys, index: torch.Tensor | None) -> BlockMask:
+    """The mask between this rank's queries and the shared keys: causal by their positions, their selection."""
+    first = plan.masks[0]
+    mask = BlockMask(first.q_pos, shared.positions, causal=first.causal)
+    if index is None:
+        return mask
+    end = int(shared.positions.max()) + 1 if shared.positions.numel() else 0
+    return mask.with_selection(dataclasses.replace(shared.selected, index=index), end)
+
+
 def _failed(watch, comm, error: BaseException) -> None:
     """This rank's ring call failed: stop its groups (``hf_ring.guard``), naming this rank and the call.
     An exchange that failed because the group was stopped elsewhere spreads that record instead."""
@@ -355,7 +424,8 @@ class _RingAttention(torch.autograd.Function):
     # unchanged (the kernels' probabilities exp(s - lse') are the softmax with the sink), and the
     # sink's gradient is -sum over rows of exp(sink - lse') * rowsum(dout * out').
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, comm, watch, selected=None, selection=None):
+    def forward(ctx, q, k, v, sinks, plan, comm, watch, selected=None, selection=None, ek=None, ev=None, e_index=None,
+                shared=None):  # fmt: skip
         with torch.autocast(q.device.type, enabled=False):
             try:
                 run = plan
@@ -366,6 +436,10 @@ class _RingAttention(torch.autograd.Function):
             except BaseException as e:
                 _failed(watch, comm, e)
                 raise
+            if shared is not None:  # the keys every rank holds whole: one more block, local
+                mask = _shared_mask(plan, shared, e_index)
+                _torch_backend.forward(q, ek, ev, mask, plan.scale, out, lse, **plan.kernel_kwargs)
+                out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
             if sinks is not None:
                 merged = torch.logaddexp(lse, sinks.detach().float()[None, :, None])
                 out.mul_(torch.exp(lse - merged).unsqueeze(-1))
@@ -373,15 +447,25 @@ class _RingAttention(torch.autograd.Function):
         # Compiled, the output is a copy, never the buffer the kernels mutated: torch 2.11's AOTAutograd
         # gives a mutated output of a custom op a zero gradient (found with the triton backend, fp32).
         out = out.to(q.dtype, copy=torch.compiler.is_compiling())
-        ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks, selected)
-        # (the selection's index is saved as a tensor; its block and start go with the context)
+        ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks, selected, ek, ev, e_index)
+        # (the selections' indices are saved as tensors; their block and start go with the context)
         ctx.selection = None if selection is None else dataclasses.replace(selection, index=None)
+        ctx.shared = (
+            None
+            if shared is None
+            else dataclasses.replace(
+                shared,
+                keys=None,
+                values=None,
+                selected=(None if shared.selected is None else dataclasses.replace(shared.selected, index=None)),
+            )
+        )
         ctx.plan, ctx.comm, ctx.watch = plan, comm, watch
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, *kv, out, lse, sinks, selected = ctx.saved_tensors
+        q, *kv, out, lse, sinks, selected, ek, ev, e_index = ctx.saved_tensors
         kv = kv[0] if len(kv) == 1 else tuple(kv)
         with torch.autocast(q.device.type, enabled=False):
             delta = (dout.float() * out.float()).sum(-1)
@@ -400,4 +484,14 @@ class _RingAttention(torch.autograd.Function):
             if sinks is not None and ctx.needs_input_grad[3]:
                 p_sink = torch.exp(sinks.float()[None, :, None] - lse)
                 dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dsinks, None, None, None, None, None
+            dek = dev = None
+            if ctx.shared is not None:  # the local block of the shared keys: its gradients stay here
+                dek = torch.zeros(ek.shape, dtype=torch.float32, device=q.device)
+                dev = torch.zeros(ev.shape, dtype=torch.float32, device=q.device)
+                mask = _shared_mask(ctx.plan, ctx.shared, e_index)
+                _torch_backend.backward(
+                    dout, q, ek, ev, lse, delta, mask, ctx.plan.scale, dq, dek, dev, out=out, **ctx.plan.kernel_kwargs
+                )  # fmt: skip
+                dek, dev = dek.to(ek.dtype), dev.to(ev.dtype)
+        grads = (dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dsinks, None, None, None, None, None)
+        return *grads, dek, dev, None, None

@@ -47,7 +47,18 @@ from ..hf_attention import (
 )
 from ..layout import shard
 from ..ring import PlanCache
-from . import _lend, _mask_positions, _rope, _router, _shared_kv, _sparse, _split_vision, _temperature, linear
+from . import (
+    _compressed,
+    _lend,
+    _mask_positions,
+    _rope,
+    _router,
+    _shared_kv,
+    _sparse,
+    _split_vision,
+    _temperature,
+    linear,
+)
 from ._hooks import remove_hooks
 from ._neftune import NoiseScale
 
@@ -417,6 +428,9 @@ class FamilyPatch:
     # DeepSeek sparse attention: the family's attention modules have an indexer, whose top-k the attention function
     # takes over the whole sequence (``patches._sparse``, ``hf_ring.sparse``)
     sparse: bool = False
+    # DeepSeek-V4's compressed attention: the family's attention modules have a compressor, whose entries of the whole
+    # sequence the attention function computes and gathers (``patches._compressed``, ``hf_ring.compressed``)
+    compressed: bool = False
     # the family's cross-attention class (Mllama's, attending to image features that every rank holds whole): its
     # modules attend locally, by the implementation the model had (``hf_attention.LOCAL_ATTR``); a vision-language
     # family with one takes its images beside sharded text (``TextOnly.cross``); None: no cross-attention
@@ -515,6 +529,9 @@ class FamilyPatch:
         _sparse.remove(model)
         if self.sparse:
             _sparse.install(modules)
+        _compressed.remove(model)
+        if self.compressed:
+            _compressed.install(modules)
         _lend.remove(model)
         if self.lend_attention_kwargs:
             _lend.install(model, modules)
@@ -555,6 +572,7 @@ class FamilyPatch:
         _temperature.remove(model)
         _shared_kv.remove(model)
         _sparse.remove(model)
+        _compressed.remove(model)
         _lend.remove(model)
         _mask_positions.remove(model)
         linear.remove(model)

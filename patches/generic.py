@@ -38,10 +38,10 @@ from __future__ import annotations
 from ._family import FamilyPatch, LogitTransform, check_layer_types, check_window
 
 __all__ = [
-    "ALIASES", "CACHE_CLASSES", "CHECKS", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS",
+    "ALIASES", "CACHE_CLASSES", "CHECKS", "COMPRESSED", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS",
     "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "MASK_POSITIONS", "NO_GENERATE",
     "PATCHES", "SPARSE", "check",
-    "check_causal_mask_only", "check_decoder_only", "check_gemma4", "check_linear", "check_linear_sliding",
+    "check_causal_mask_only", "check_decoder_only", "check_deepseek_v4", "check_gemma4", "check_linear", "check_linear_sliding",
     "check_llama4", "check_minimax", "check_minimax_m3", "check_opt", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
     "check_without_windows",
 ]  # fmt: skip
@@ -58,6 +58,7 @@ FAMILIES = {
     "bamba": "transformers.models.bamba.modeling_bamba.BambaAttention",
     "bitnet": "transformers.models.bitnet.modeling_bitnet.BitNetAttention",
     "codegen": "transformers.models.codegen.modeling_codegen.CodeGenAttention",
+    "deepseek_v4": "transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4Attention",
     "cohere": "transformers.models.cohere.modeling_cohere.CohereAttention",
     "cohere2": "transformers.models.cohere2.modeling_cohere2.Cohere2Attention",
     "cohere2_moe": "transformers.models.cohere2_moe.modeling_cohere2_moe.Cohere2MoeAttention",
@@ -317,6 +318,15 @@ def check_minimax_m3(config) -> None:
         )
 
 
+def check_deepseek_v4(config) -> None:
+    """``check`` for DeepSeek-V4: sliding-window layers, and compressed ones (``compressed_sparse_attention``,
+    ``heavily_compressed_attention``: the same window, beside entries compressing the whole sequence, which the attention
+    function computes and gathers: ``hf_ring.compressed``), all with the window."""
+    what = getattr(config, "model_type", "model")
+    allowed = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+    check_layer_types(config, what, allowed=allowed)
+
+
 def check_llama4(config) -> None:
     """``check`` for Llama 4: chunked-attention layers (its RoPE layers: ``hf_ring.hf_attention`` cuts their
     documents into chunks of ``config.attention_chunk_size``) beside full-attention layers; no windows."""
@@ -368,6 +378,9 @@ Qwen4-Exp's picks blocks of keys, MiniMax M3's blocks of keys per key/value head
 VL's, Mistral Large 4's and MiniMax M3's text models exist only inside their vision-language models
 (``multimodal.INNER``)."""
 
+COMPRESSED = ("deepseek_v4",)
+"""Families with DeepSeek-V4's compressed attention layers (``hf_ring.patches._compressed``, ``hf_ring.compressed``)."""
+
 CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
     "gemma4_unified_text": check_gemma4,
@@ -377,7 +390,7 @@ CHECKS = {
     "recurrent_gemma": check_linear_sliding, "zaya": check_zaya,
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
-    "minimax_m3_vl_text": check_minimax_m3, "opt": check_opt,
+    "minimax_m3_vl_text": check_minimax_m3, "opt": check_opt, "deepseek_v4": check_deepseek_v4,
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 
@@ -398,6 +411,8 @@ holds whole): their modules attend locally, by the model's own implementation
 
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
+    "deepseek_v4": "its compressed layers keep their compressors' windows in the model's own cache, which the sharded "
+    "cache does not follow",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 
@@ -450,6 +465,7 @@ PATCHES = {
         cache_class=CACHE_CLASSES.get(model_type),
         lend_mixer_kwargs=LENDS_MIXER_KWARGS.get(model_type),
         sparse=model_type in SPARSE,
+        compressed=model_type in COMPRESSED,
         local_attention_class=CROSS_ATTENTION.get(model_type),
         mask_positions=MASK_POSITIONS.get(model_type),
     )

@@ -50,7 +50,7 @@ DYNAMIC_FULL_LAYERS = {  # Gemma 3: RoPE per layer type, dynamic on the full-att
                         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
 }  # fmt: skip
 
-EAGER_REFERENCE = ("gemma2", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma", "paligemma",
+EAGER_REFERENCE = ("gemma2", "gpt_oss", "deepseek_v4", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma", "paligemma",
                    "paligemma-gemma2")  # fmt: skip
 """Families with attention logit softcapping or sinks: their reference is Transformers' eager attention. PaliGemma
 too: its text attention says ``is_causal=False``, so SDPA attends both ways where Transformers skips the causal mask
@@ -219,6 +219,18 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                            "layer_types": ["minimax_m3_sparse", "full_attention"], "index_block_size": 4,
                            "index_topk_blocks": 2, "index_local_blocks": 1, "index_head_dim": 16,
                            "index_n_heads": 2}),
+    # DeepSeek-V4: one key/value head (keys and values one tensor), sinks, a window of 5 in every layer; a sliding layer,
+    # then compressed ones: CSA (entries of 3 tokens, windows overlapping the one before; its indexer keeps 3 of up to
+    # 15 per query) and HCA (entries of 6 tokens); hyper-connections of 2 streams, hash-routed then routed experts
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", {"num_key_value_heads": 1, "head_dim": 16,
+                    "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "moe_intermediate_size": 32,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "hc_mult": 2, "hc_sinkhorn_iters": 3,
+                    "sliding_window": 5, "index_n_heads": 4, "index_head_dim": 8, "index_topk": 3,
+                    "partial_rotary_factor": 0.5, "num_hidden_layers": 4,
+                    "compress_rates": {"compressed_sparse_attention": 3, "heavily_compressed_attention": 6},
+                    "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                                    "heavily_compressed_attention", "compressed_sparse_attention"],
+                    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"]}),
     # Phi-3.5-MoE: its router samples experts in training mode (tested in eval mode: top-2 routing)
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # older code models: multi-query attention with learned positions (StarCoder 1 / SantaCoder), rotary on part of
@@ -1073,6 +1085,23 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
                 m.conv1d.weight.copy_(
                     0.5 * torch.randn(m.conv1d.weight.shape, generator=torch.Generator().manual_seed(8))
                 )
+    for m in model.modules():  # DeepSeek-V4's hash routing table starts at zero (every token to expert 0, twice: its
+        # gate's gradient 0 but for rounding): draw distinct experts per token, as a checkpoint's table has them
+        if isinstance(getattr(m, "tid2eid", None), torch.Tensor):
+            g = torch.Generator().manual_seed(10)
+            table = torch.stack(
+                [torch.randperm(m.num_experts, generator=g)[: m.top_k] for _ in range(m.tid2eid.shape[0])]
+            )
+            m.tid2eid.copy_(table)
+    for m in model.modules():  # DeepSeek-V4's compressors start with no bias per window slot, and its hyper-connections
+        # with projections of std 0.02 (every stream mixed alike, their scales' gradients down to rounding): draw both
+        name = type(m).__name__
+        if name.startswith("DeepseekV4") and name.endswith(("Compressor", "Indexer", "HyperConnection", "HyperHead")):
+            g = torch.Generator().manual_seed(11)
+            with torch.no_grad():
+                for p_name, p in m.named_parameters(recurse=False):
+                    if p_name in ("position_bias", "fn", "hc_fn"):
+                        p.copy_(0.5 * torch.randn(p.shape, generator=g))
     for m in model.modules():  # a non-default attention scale, which the ring must honour
         if isinstance(getattr(m, "scaling", None), float):
             m.scaling *= SCALE_FACTORS.get(family, SCALE_FACTOR)  # the family's own scale (multipliers, ...), changed

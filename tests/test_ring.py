@@ -189,6 +189,94 @@ def test_a_selection_of_keys_per_query_matches_masked_plain_attention(world):
             assert max(e) <= FP32_TOL, f"rank {rank} {case}: rel errors (out, dq, dk, dv) {e}"
 
 
+def _shared_reference(q, k, v, ek, ev, e_pos, *, window=None, docs=None, sinks=None, keep=None):
+    """Float64 softmax over the sequence's keys (causal, window, documents) and the shared keys (causal by their
+    positions, ``keep`` [batch, S, n] their selection), with sinks; rows that see nothing give 0."""
+    from .reference import dense_mask
+
+    g = q.shape[1] // k.shape[1]
+    keys = torch.cat([k, ek], 2).double().repeat_interleave(g, 1)
+    values = torch.cat([v, ev], 2).double().repeat_interleave(g, 1)
+    s = q.shape[2]
+    seen = e_pos[None, :] <= torch.arange(s)[:, None]
+    seen = (seen[None] if keep is None else seen[None] & keep)[:, None]
+    vis = torch.cat([dense_mask(s, True, window, docs).expand(seen.shape[0], -1, -1, -1), seen], -1)
+    scores = (q.double() @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~vis, float("-inf"))
+    if sinks is not None:
+        col = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, col], -1), -1)[..., :-1] @ values
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ values
+
+
+def _shared_worker(rank, world):
+    """Errors of calls with shared keys (DeepSeek-V4's compressed entries: every rank holds them whole) against float64
+    attention over both: per layout and feature (a window with sinks and one key/value head, keys and values one
+    tensor, a selection of blocks, padding, which the shared keys ignore). Their gradients are summed over the ranks."""
+    torch_backend.BLOCK_Q = torch_backend.BLOCK_K = 8
+    s, m = FULL_LEN[world], 4
+    n = s // m
+    e_pos = torch.arange(1, n + 1) * m - 1  # entry e: the window ending at m (e + 1) - 1
+    pad = torch.where(torch.arange(s)[None].repeat(2, 1) < torch.tensor([[s - 9], [s - 20]]), 0, -1)
+    feats = {
+        "window-sinks-mqa": {"window": 5, "sinks": True, "hkv": 1},
+        "one-tensor-mqa": {"window": 3, "same": True, "hkv": 1},
+        "selected-blocks": {"select": True},
+        "padded-selected": {"docs": pad, "select": True, "sinks": True},
+    }
+    errs = {}
+    for layout, backend, (feat, opts) in itertools.product(hf_ring.LAYOUTS, BACKENDS, feats.items()):
+        g = torch.Generator().manual_seed(5)
+        b, hq, hkv, d = 2, 4, opts.get("hkv", 2), 16
+        q, k, v, dout = (torch.randn(b, h, s, d, generator=g) for h in (hq, hkv, hkv, hq))
+        ek, ev = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+        ev = ek if opts.get("same") else ev
+        sinks = torch.randn(hq, generator=g) if opts.get("sinks") else None
+        sel = keep = None
+        if opts.get("select"):
+            sel = torch.randint(-1, n + 1, (b, s, 3), generator=g)  # (entries past the last: none)
+            keep = torch.zeros(b, s, n + 2, dtype=torch.bool).scatter_(-1, torch.where(sel >= 0, sel, n + 1), True)
+            keep = keep[..., :n]
+
+        def part(x, dim=2, lay=layout):
+            return hf_ring.shard(x, dim=dim, rank=rank, world_size=world, layout=lay)
+
+        ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+        ekl = ek.clone().requires_grad_()
+        evl = ekl if opts.get("same") else ev.clone().requires_grad_()
+        sl = None if sinks is None else sinks.clone().requires_grad_()
+        selection = None if sel is None else hf_ring.Selection(part(sel, dim=1), m, m - 1)
+        shared = hf_ring.ring.SharedKeys(ekl, evl, e_pos, selection)
+        out = hf_ring.ring_attention(
+            ql, kl, vl, layout=layout, sliding_window=opts.get("window"), sinks=sl, document_ids=opts.get("docs"),
+            shared=lambda s=shared: s, backend=backend,
+        )  # fmt: skip
+        out.backward(part(dout))
+        theirs = [ekl.grad] + ([] if opts.get("same") else [evl.grad]) + ([] if sl is None else [sl.grad])
+        if world > 1:  # (each rank's share)
+            for t in theirs:
+                dist.all_reduce(t)
+        ref_in = [x.double().requires_grad_() for x in (q, k, v, ek)]
+        ref_ev = ref_in[3] if opts.get("same") else ev.double().requires_grad_()
+        ref_sinks = None if sinks is None else sinks.double().requires_grad_()
+        ref = _shared_reference(*ref_in, ref_ev, e_pos, window=opts.get("window"), docs=opts.get("docs"),
+                                sinks=ref_sinks, keep=keep)  # fmt: skip
+        ref.backward(dout.double())
+        mine = (out, ql.grad, kl.grad, vl.grad, *theirs)
+        refs = [part(ref), *(part(x.grad) for x in ref_in[:3]), ref_in[3].grad]
+        refs += ([] if opts.get("same") else [ref_ev.grad]) + ([] if ref_sinks is None else [ref_sinks.grad])
+        errs[(layout, backend, feat)] = [rel_err(a, r) for a, r in zip(mine, refs)]
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_shared_keys_merge_with_the_ring_as_one_softmax(world):
+    for rank, errs in enumerate(run_distributed(_shared_worker, world, timeout=300)):
+        assert len(errs) == len(hf_ring.LAYOUTS) * len(BACKENDS) * 4
+        for case, e in errs.items():
+            assert max(e) <= FP32_TOL, f"rank {rank} {case}: rel errors (out, dq, dk, dv, shared..., sinks) {e}"
+
+
 def _hybrid_worker(rank, world, u):
     from hf_ring.comm import ulysses_groups
 
