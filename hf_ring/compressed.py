@@ -34,8 +34,8 @@ end, which collators put there, no query of a real token sees one). Not with the
 ``ring_generate`` (the compressors' cache is the model's own).
 
 Memory: the entries of the whole sequence (``seq / compress_rate`` of them per compressed layer) on every rank, and a
-CSA indexer's scores ``[batch, local_seq, index_heads, seq / compress_rate]`` fp32, as the unmodified model's for its
-own queries.
+CSA indexer's scores ``[batch, chunk, index_heads, seq / compress_rate]`` fp32 for chunks of this rank's queries sized
+to ``hf_ring.sparse.CHUNK_BYTES`` (the unmodified model holds them for all its queries at once).
 """
 
 from __future__ import annotations
@@ -46,12 +46,23 @@ import math
 import torch
 
 from . import layout as _layout
+from . import sparse as _sparse
 from .comm import StateGather, group_rank_and_size
 from .kernels.mask import Selection
 from .ring import SharedKeys
 from .sparse import _defined_beside
 
-__all__ = ["ATTR", "CompressorCall", "error", "resolve"]
+__all__ = [
+    "ATTR",
+    "LAYER_TYPES",
+    "NOT_COUNTED",
+    "PACKED",
+    "CompressorCall",
+    "compresses",
+    "counts_from_zero",
+    "error",
+    "resolve",
+]
 
 ATTR = "_hf_ring_compressor_call"
 """Where a patched compressor records its call on its attention module, for the attention function."""
@@ -67,26 +78,53 @@ class CompressorCall:
     position_ids: torch.Tensor
 
 
+LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
+"""DeepSeek-V4's compressed layer types."""
+
+
+def compresses(module) -> bool:
+    """``module`` is an attention module of a DeepSeek-V4 model with compressed layers (any of its layers)."""
+    types = getattr(getattr(module, "config", None), "layer_types", None) or ()
+    return hasattr(module, "compressor") and any(t in LAYER_TYPES for t in types)
+
+
 def _rates(call: CompressorCall) -> list[int]:
     """The compress rates of the call's compressor and of its indexer, if any."""
     indexer = getattr(call.module, "indexer", None)
     return [call.module.compress_rate] + ([indexer.compress_rate] if indexer is not None else [])
 
 
-def error(
-    call: CompressorCall, *, layout: str, world_size: int, local_len: int, packed: bool, ulysses, rates=()
-) -> str | None:
+def counts_from_zero(position_ids, document_ids, *, full: int, rank: int, world_size: int, layout: str) -> bool:
+    """Whether this rank's ``position_ids`` are its tokens' indices in the row (what the model's compressors and the
+    ring's mask of their entries both read), padding aside (``document_ids`` < 0); a host copy of them."""
+    mine = _layout.positions(full, rank=rank, world_size=world_size, layout=layout)
+    same = position_ids.detach().cpu() == mine
+    if document_ids is not None:
+        same = same | (_layout.shard(document_ids, dim=1, rank=rank, world_size=world_size, layout=layout) < 0)
+    return bool(same.all())
+
+
+PACKED = (
+    "DeepSeek-V4's compressed attention layers compress windows of the row and rank them across documents, as the "
+    "model does: packed documents would share entries; pass one document per row (padding is fine)"
+)
+"""The error of a packed batch."""
+
+NOT_COUNTED = (
+    "DeepSeek-V4's compressed attention layers need position ids that count each row's tokens from 0 (the model lets a "
+    "query see the windows ended by its position id, which otherwise may not have ended by the query): pass none, or "
+    "0, 1, ..."
+)
+"""The error of a batch whose position ids are not its tokens' indices (``counts_from_zero``)."""
+
+
+def error(call: CompressorCall, *, layout: str, world_size: int, local_len: int, ulysses, rates=()) -> str | None:
     """Why this compressed layer cannot run under the ring with these settings, or None (the same on every rank: the
     model's configuration and the batch's shape, before any collective). ``rates``: every compress rate of the model
     (``config.compress_rates``' values), for the padding the message asks for."""
     what = f"DeepSeek-V4's compressed attention layers ({type(call.module).__name__})"
     if ulysses is not None and ulysses.ulysses_size > 1:
         return f"{what} are not supported with the Ulysses x Ring hybrid: apply_ring_attention(model, ulysses=1)"
-    if packed:
-        return (
-            f"{what} compress windows of the row and rank them across documents, as the model does: packed documents "
-            "would share entries; pass one document per row (padding is fine)"
-        )
     if world_size == 1:
         return None
     if layout == "striped":
@@ -158,7 +196,7 @@ def _compress(module, hidden: torch.Tensor, chunks: list, gather: StateGather, l
     if overlap and gather.world_size > 1 and all(index == 0 for _, _, index in windows) and torch.is_grad_enabled():
         # (the rank holding only the first chunk reads no tail; its backward must still join the all-reduce of their
         # gradients, which the others' backward runs: zero, through the graph)
-        local = local + every.sum() * 0
+        local = local + every.flatten()[:0].sum()  # (an empty sum: exactly 0 whatever the tails hold)
     window = torch.cat(first)
     positions = (window * rate).to(local.device).unsqueeze(0).expand(batch, -1)
     cos, sin = module.rotary_emb(local, position_ids=positions, layer_type=module.rope_layer_type)
@@ -177,21 +215,28 @@ def _windows_of(layout: str, rank: int, gather: StateGather, count: int) -> torc
 
 
 def _top_k(indexer, keys: torch.Tensor, hidden: torch.Tensor, q_residual: torch.Tensor, position_ids) -> torch.Tensor:
-    """The indexer's picks ``[batch, local_seq, k]`` among the entries ``keys`` (-1: none), as the model computes them."""
+    """The indexer's picks ``[batch, local_seq, k]`` among the entries ``keys`` (-1: none), as the model computes them,
+    for chunks of queries whose fp32 scores ``[batch, chunk, index_heads, entries]`` stay within
+    ``hf_ring.sparse.CHUNK_BYTES`` (each query's row whole: its top-k, ties included, is the model's)."""
     batch, length, _ = hidden.shape
-    rotate = _defined_beside(indexer, "apply_rotary_pos_emb")
-    cos, sin = indexer.rotary_emb(hidden, position_ids=position_ids, layer_type=indexer.rope_layer_type)
-    q = indexer.q_b_proj(q_residual).view(batch, length, -1, indexer.head_dim).transpose(1, 2)
-    q = rotate(q, cos, sin).transpose(1, 2)
-    scores = indexer.scorer(q, keys, hidden)  # [batch, local_seq, entries]
     count = keys.shape[1]
     if count == 0:
         return torch.full((batch, length, 0), -1, dtype=torch.long, device=hidden.device)
-    threshold = ((position_ids + 1) // indexer.compress_rate).unsqueeze(-1)
-    entries = torch.arange(count, device=scores.device)
-    scores = scores.masked_fill(entries >= threshold, float("-inf"))
-    picks = scores.topk(min(indexer.index_topk, count), dim=-1).indices
-    return torch.where(picks >= threshold, -1, picks)
+    rotate = _defined_beside(indexer, "apply_rotary_pos_emb")
+    cos, sin = indexer.rotary_emb(hidden, position_ids=position_ids, layer_type=indexer.rope_layer_type)
+    q = indexer.q_b_proj(q_residual).view(batch, length, -1, indexer.head_dim).transpose(1, 2)
+    q = rotate(q, cos, sin).transpose(1, 2)  # [batch, local_seq, index_heads, index_head_dim]
+    threshold = ((position_ids + 1) // indexer.compress_rate).unsqueeze(-1).expand(batch, -1, -1)
+    entries = torch.arange(count, device=hidden.device)
+    rows = max(1, _sparse.CHUNK_BYTES // (4 * batch * q.shape[2] * count))
+    picks = []
+    for start in range(0, length, rows):
+        part = slice(start, start + rows)
+        scores = indexer.scorer(q[:, part], keys, hidden[:, part])  # [batch, chunk, entries]
+        scores = scores.masked_fill(entries >= threshold[:, part], float("-inf"))
+        picked = scores.topk(min(indexer.index_topk, count), dim=-1).indices
+        picks.append(torch.where(picked >= threshold[:, part], -1, picked))
+    return torch.cat(picks, 1)
 
 
 def resolve(call: CompressorCall, *, group, layout: str, timeout: float | None) -> SharedKeys:

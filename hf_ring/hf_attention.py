@@ -339,13 +339,17 @@ def ring_attention_forward(
         make = lambda: several_documents(document_ids, cu_seqlens)  # noqa: E731
         packed = make() if cfg.plans is None else cfg.plans.derived((several_documents, document_ids, cu_seqlens), make)
         _check_key_blocks(packed, cache)  # (the same on every rank: before any collective)
-    shared = None
-    if compressor_call is not None:  # DeepSeek-V4: the entries of the whole sequence, computed after the pre-flight
+    if _compressed.compresses(module):  # DeepSeek-V4: in every layer, so the first one finds it, before any ring call
         make = lambda: several_documents(document_ids, cu_seqlens)  # noqa: E731
         packed = make() if cfg.plans is None else cfg.plans.derived((several_documents, document_ids, cu_seqlens), make)
+        if packed:  # (the same on every rank: the whole batch's documents)
+            raise InStepError(_compressed.PACKED)
+        _check_counted(kwargs, document_ids, cfg, full=full, rank=rank, world_size=world_size, device=query.device)
+    shared = None
+    if compressor_call is not None:  # DeepSeek-V4: the entries of the whole sequence, computed after the pre-flight
         problem = _compressed.error(
-            compressor_call, layout=cfg.layout, world_size=world_size, local_len=local_len, packed=packed,
-            ulysses=cfg.ulysses, rates=(getattr(getattr(module, "config", None), "compress_rates", None) or {}).values(),
+            compressor_call, layout=cfg.layout, world_size=world_size, local_len=local_len, ulysses=cfg.ulysses,
+            rates=(getattr(getattr(module, "config", None), "compress_rates", None) or {}).values(),
         )  # fmt: skip
         if problem:  # (the same on every rank, at the same layer: the configuration and the batch's shape)
             raise InStepError(problem)
@@ -390,6 +394,21 @@ def ring_attention_forward(
         timeout=cfg.timeout,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_counted(kwargs, document_ids, cfg: RingConfig, *, full: int, rank: int, world_size: int, device) -> None:
+    """DeepSeek-V4's compressed layers read the position ids as the tokens' indices in the row (a query sees the
+    windows ended by its position id): raise on every rank unless they are (padding aside). No host read when
+    ``shard_batch`` numbered the tokens itself; else one host copy per forward."""
+    info, ids = kwargs.get(SHARD_INFO_KWARG), kwargs.get("position_ids")
+    if (isinstance(info, ShardInfo) and info.numbered) or not isinstance(ids, torch.Tensor):
+        return
+    make = lambda: _compressed.counts_from_zero(  # noqa: E731
+        ids, document_ids, full=full, rank=rank, world_size=world_size, layout=cfg.layout
+    )
+    sources = (_compressed.counts_from_zero, ids, document_ids)
+    if not (make() if cfg.plans is None else cfg.plans.derived(sources, make)):  # (this rank's own: so through the
+        raise_on_every_rank(_compressed.NOT_COUNTED, group=cfg.group, device=device)  # ring's pre-flight exchange)
 
 
 def _check_key_blocks(packed: bool, cache) -> None:

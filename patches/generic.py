@@ -35,6 +35,7 @@ Models of these families are switched by ``hf_ring.apply_ring_attention(model)``
 
 from __future__ import annotations
 
+from ..compressed import LAYER_TYPES as COMPRESSED_LAYER_TYPES
 from ._family import FamilyPatch, LogitTransform, check_layer_types, check_window
 
 __all__ = [
@@ -323,7 +324,7 @@ def check_deepseek_v4(config) -> None:
     ``heavily_compressed_attention``: the same window, beside entries compressing the whole sequence, which the attention
     function computes and gathers: ``hf_ring.compressed``), all with the window."""
     what = getattr(config, "model_type", "model")
-    allowed = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+    allowed = ("sliding_attention", *COMPRESSED_LAYER_TYPES)
     check_layer_types(config, what, allowed=allowed)
 
 

@@ -45,6 +45,16 @@ def _errors_worker(rank: int, world_size: int) -> dict:
         "packed": _error(lambda: step(packed)),
         "ulysses": _error(lambda: step(batch, ulysses_size=2)),
     }
+    shifted = dict(batch, position_ids=torch.arange(48)[None].expand(2, -1) + 3)  # (windows not ended by a query)
+    out["shifted"] = _error(lambda: step(shifted))
+    # only rank 1's positions are wrong (shifted after sharding): every rank raises, at the first layer (a sliding
+    # one, which joins the ring's pre-flight exchange), not at the first compressed one, after a ring call
+    counted = dict(batch, position_ids=torch.arange(48)[None].expand(2, -1))
+    hf_ring.apply_ring_attention(model)
+    local = hf_ring.shard_batch(counted)
+    local["position_ids"] = local["position_ids"] + rank
+    out["one_rank"] = _error(lambda: model(**local))
+    hf_ring.revert_ring_attention(model)
     model.set_attn_implementation("hf_ring")  # switched by name only: the compressors run on one rank's tokens
     out["by_name"] = _error(lambda: model(**hf_ring.shard_batch(batch)))
     model.set_attn_implementation("eager")
@@ -57,12 +67,17 @@ def _errors_worker(rank: int, world_size: int) -> dict:
 
 
 def test_refusals_raise_on_every_rank_and_the_group_goes_on():
-    for r in run_distributed(_errors_worker, 2, timeout=300):
+    results = run_distributed(_errors_worker, 2, timeout=300)
+    for r in results:
         assert "striped layout" in r["striped"] and "layout='zigzag'" in r["striped"], r["striped"]
         # (CSA's windows of 3 and HCA's of 6 over zig-zag's 4 chunks: 4 x lcm(3, 6))
         assert "chunks of 10 tokens" in r["chunks"] and "pad_to_multiple_of=24" in r["chunks"], r["chunks"]
         assert "packed documents" in r["packed"], r["packed"]
         assert "Ulysses" in r["ulysses"], r["ulysses"]
+        assert "count each row's tokens from 0" in r["shifted"], r["shifted"]
+    for rank, r in enumerate(results):
+        want = "count each row's tokens from 0" if rank == 1 else "rejected their input"
+        assert want in r["one_rank"], r["one_rank"]
         assert "apply_ring_attention(model)" in r["by_name"] and "compressor" in r["by_name"], r["by_name"]
         assert "ring_generate does not support deepseek_v4" in r["generate"], r["generate"]
         assert r["after"]

@@ -704,7 +704,13 @@ CASES = {
         48,
         {"lora": ["q_b_proj", "kv_proj", "o_b_proj"], "checkpointing": True, "rtol": RTOL_DEEPSEEK_V4},
     ),
-    "deepseek_v4-padded-contiguous": ("deepseek_v4", "padded", 48, {"layout": "contiguous", "rtol": RTOL_DEEPSEEK_V4}),
+    "deepseek_v4-bf16": ("deepseek_v4", "plain", 48, {"dtype": torch.bfloat16}),
+    "deepseek_v4-padded-contiguous-chunked": (  # (one query per chunk of the indexer's scores)
+        "deepseek_v4",
+        "padded",
+        48,
+        {"layout": "contiguous", "chunk_bytes": 1, "rtol": RTOL_DEEPSEEK_V4},
+    ),
 }
 
 
