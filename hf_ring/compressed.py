@@ -203,15 +203,8 @@ def _compress(module, hidden: torch.Tensor, chunks: list, gather: StateGather, l
     local = _defined_beside(module, "apply_rotary_pos_emb")(local.unsqueeze(1), cos, sin).squeeze(1)
     if gather.world_size == 1:
         return local
-    every = gather.gather(local)  # [world, batch, local windows, d]
-    owned = torch.cat([_windows_of(layout, r, gather, window.numel()) for r in range(gather.world_size)])
-    stacked = every.transpose(0, 1).reshape(batch, -1, d)
-    return stacked.index_select(1, torch.argsort(owned).to(stacked.device))
-
-
-def _windows_of(layout: str, rank: int, gather: StateGather, count: int) -> torch.Tensor:
-    """The window indices rank ``rank`` holds, in its order (every rank holds ``count``)."""
-    return _layout.positions(count * gather.world_size, rank=rank, world_size=gather.world_size, layout=layout)
+    every = gather.gather(local)  # [world, batch, local windows, d]: the windows of each rank, in the layout's order
+    return _layout.unshard(list(every.unbind(0)), dim=1, layout=layout)
 
 
 def _top_k(indexer, keys: torch.Tensor, hidden: torch.Tensor, q_residual: torch.Tensor, position_ids) -> torch.Tensor:

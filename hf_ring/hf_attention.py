@@ -336,13 +336,11 @@ def ring_attention_forward(
     if cfg.mixers and by_positions and several_documents(document_ids, cu_seqlens):
         raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)
     if isinstance(kwargs.get("indices"), IndexerCall) and picks_key_blocks(kwargs["indices"].module):
-        make = lambda: several_documents(document_ids, cu_seqlens)  # noqa: E731
-        packed = make() if cfg.plans is None else cfg.plans.derived((several_documents, document_ids, cu_seqlens), make)
-        _check_key_blocks(packed, cache)  # (the same on every rank: before any collective)
+        _check_key_blocks(
+            _packed(document_ids, cu_seqlens, cfg), cache
+        )  # (the same on every rank: before any collective)
     if _compressed.compresses(module):  # DeepSeek-V4: in every layer, so the first one finds it, before any ring call
-        make = lambda: several_documents(document_ids, cu_seqlens)  # noqa: E731
-        packed = make() if cfg.plans is None else cfg.plans.derived((several_documents, document_ids, cu_seqlens), make)
-        if packed:  # (the same on every rank: the whole batch's documents)
+        if _packed(document_ids, cu_seqlens, cfg):  # (the same on every rank: the whole batch's documents)
             raise InStepError(_compressed.PACKED)
         _check_counted(kwargs, document_ids, cfg, full=full, rank=rank, world_size=world_size, device=query.device)
     shared = None
@@ -394,6 +392,13 @@ def ring_attention_forward(
         timeout=cfg.timeout,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed(document_ids, cu_seqlens, cfg: RingConfig) -> bool:
+    """Whether the batch packs several documents in a row (``several_documents``), once per forward with a plan
+    cache."""
+    make = lambda: several_documents(document_ids, cu_seqlens)  # noqa: E731
+    return make() if cfg.plans is None else cfg.plans.derived((several_documents, document_ids, cu_seqlens), make)
 
 
 def _check_counted(kwargs, document_ids, cfg: RingConfig, *, full: int, rank: int, world_size: int, device) -> None:

@@ -393,14 +393,13 @@ def _ring_backward(dout, q, kv, out, lse, delta, plan: Plan, comm):
     return dq, *_halves(recv, d)  # after N hops the accumulator of this rank's own block is home
 
 
-def _shared_mask(plan: Plan, shared: SharedKeys, index: torch.Tensor | None) -> BlockMask:
-    """The mask between this rank's queries and the shared keys: causal by their positions, their selection."""
-    first = plan.masks[0]
-    mask = BlockMask(first.q_pos, shared.positions, causal=first.causal)
+def _shared_selecting(mask: BlockMask, selected: Selection | None, index: torch.Tensor | None) -> BlockMask:
+    """The mask of the shared keys (causal by their positions) with their selection: ``selected``'s block and start,
+    ``index`` its entries (saved for the backward as a tensor); as it is without one."""
     if index is None:
         return mask
-    end = int(shared.positions.max()) + 1 if shared.positions.numel() else 0
-    return mask.with_selection(dataclasses.replace(shared.selected, index=index), end)
+    end = int(mask.k_pos.max()) + 1 if mask.k_pos.numel() else 0
+    return mask.with_selection(dataclasses.replace(selected, index=index), end)
 
 
 def _failed(watch, comm, error: BaseException) -> None:
@@ -436,8 +435,10 @@ class _RingAttention(torch.autograd.Function):
             except BaseException as e:
                 _failed(watch, comm, e)
                 raise
+            shared_mask = None
             if shared is not None:  # the keys every rank holds whole: one more block, local
-                mask = _shared_mask(plan, shared, e_index)
+                shared_mask = BlockMask(plan.masks[0].q_pos, shared.positions, causal=plan.masks[0].causal)
+                mask = _shared_selecting(shared_mask, shared.selected, e_index)
                 _torch_backend.forward(q, ek, ev, mask, plan.scale, out, lse, **plan.kernel_kwargs)
                 out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
             if sinks is not None:
@@ -450,16 +451,8 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks, selected, ek, ev, e_index)
         # (the selections' indices are saved as tensors; their block and start go with the context)
         ctx.selection = None if selection is None else dataclasses.replace(selection, index=None)
-        ctx.shared = (
-            None
-            if shared is None
-            else dataclasses.replace(
-                shared,
-                keys=None,
-                values=None,
-                selected=(None if shared.selected is None else dataclasses.replace(shared.selected, index=None)),
-            )
-        )
+        ctx.shared_mask = shared_mask  # (with its device copies: the backward reuses them)
+        ctx.shared_selected = None if e_index is None else dataclasses.replace(shared.selected, index=None)
         ctx.plan, ctx.comm, ctx.watch = plan, comm, watch
         return out
 
@@ -485,10 +478,10 @@ class _RingAttention(torch.autograd.Function):
                 p_sink = torch.exp(sinks.float()[None, :, None] - lse)
                 dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
             dek = dev = None
-            if ctx.shared is not None:  # the local block of the shared keys: its gradients stay here
+            if ctx.shared_mask is not None:  # the local block of the shared keys: its gradients stay here
                 dek = torch.zeros(ek.shape, dtype=torch.float32, device=q.device)
                 dev = torch.zeros(ev.shape, dtype=torch.float32, device=q.device)
-                mask = _shared_mask(ctx.plan, ctx.shared, e_index)
+                mask = _shared_selecting(ctx.shared_mask, ctx.shared_selected, e_index)
                 _torch_backend.backward(
                     dout, q, ek, ev, lse, delta, mask, ctx.plan.scale, dq, dek, dev, out=out, **ctx.plan.kernel_kwargs
                 )  # fmt: skip
