@@ -4,7 +4,7 @@ Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_att
 ``PlanCache``,
 ``RingComm``, ``LoopbackComm``, ``decode_attention`` (queries alike on every rank, keys/values spread over them).
 Transformers integration (imported on first use): ``apply_ring_attention``, ``revert_ring_attention``,
-``shard_batch``, ``reduce_loss``, ``apply_chunked_loss``, ``revert_chunked_loss``,
+``shard_batch``, ``reduce_loss``, ``chunk_multiple``, ``apply_chunked_loss``, ``revert_chunked_loss``,
 ``apply_activation_offload``, ``revert_activation_offload``, ``ring_generate``.
 """
 
@@ -26,6 +26,7 @@ _LAZY = {
     "register_attention": "hf_ring.apply",
     "shard_batch": "hf_ring.batch",
     "reduce_loss": "hf_ring.batch",
+    "chunk_multiple": "hf_ring.compressed",
     "apply_chunked_loss": "hf_ring.loss",
     "revert_chunked_loss": "hf_ring.loss",
     "apply_activation_offload": "hf_ring.offload",

@@ -51,6 +51,7 @@ with labels they compute the loss without the ``[tokens, vocab]`` logits and ret
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -153,20 +154,39 @@ class _ShardCollate:
     the default from Python 3.14, pickle it, and the wrapped collator with it).
     """
 
-    def __init__(self, collate_fn, cp_rank: int, cp_size: int, layout: str, pad_to_multiple: bool):
+    def __init__(self, collate_fn, cp_rank: int, cp_size: int, layout: str, pad_to_multiple: bool, chunks=None):
         self.collate_fn = collate_fn
         self.cp_rank = cp_rank
         self.cp_size = cp_size
         self.layout = layout
         self.pad_to_multiple = pad_to_multiple
+        self.chunks = chunks if chunks is not None else _ChunkMultiple(1)
 
     def __call__(self, features):
         from .batch import shard_for
 
         batch = self.collate_fn(features)
         return shard_for(
-            dict(batch), self.cp_rank, self.cp_size, layout=self.layout, pad_to_multiple=self.pad_to_multiple
-        )
+            dict(batch), self.cp_rank, self.cp_size, layout=self.layout, pad_to_multiple=self.pad_to_multiple,
+            chunk_multiple=self.chunks.value,
+        )  # fmt: skip
+
+
+class _ChunkMultiple:
+    """The ``chunk_multiple`` a setup's batches are padded to (``hf_ring.shard_batch``): the plugin's, else the lcm of
+    those of the models it prepared (``hf_ring.chunk_multiple``, 1 but for DeepSeek-V4). Read when a batch is
+    sharded, so a loader prepared before its model pads by the model's too (a worker's copy is taken when the loader
+    starts its workers)."""
+
+    def __init__(self, value: int | None):
+        self.fixed = value is not None
+        self.value = value if value is not None else 1
+
+    def add(self, model) -> None:
+        from .compressed import chunk_multiple
+
+        if not self.fixed:
+            self.value = math.lcm(self.value, chunk_multiple(model))
 
 
 def _set_collate(loader, collate_fn) -> None:
@@ -192,6 +212,11 @@ class RingSetup:
     cp_group: Any = dataclasses.field(default=None, repr=False)
     dp_group: Any = dataclasses.field(default=None, repr=False)
     loss_counts: _LossCounts = dataclasses.field(default_factory=lambda: _LossCounts(), repr=False, compare=False)
+    chunks: _ChunkMultiple = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.chunks is None:
+            object.__setattr__(self, "chunks", _ChunkMultiple(self.plugin.chunk_multiple))
 
     @property
     def dp_size(self) -> int:
@@ -241,8 +266,11 @@ class RingAttentionPlugin:
         timeout: seconds a rank waits inside the ring for a peer (CPU / gloo) before it raises, naming the ring
             step and the peer (``hf_ring.apply_ring_attention``). None: ``HF_RING_TIMEOUT``, else the process
             group's own timeout.
-        pad_to_multiple: pad each batch's sequence to the layout's multiple (2 x cp_size for zigzag)
-            with ignored tokens; if False, other lengths raise.
+        pad_to_multiple: pad each batch's sequence to the layout's multiple (2 x cp_size for zigzag) times
+            ``chunk_multiple`` with ignored tokens; if False, other lengths raise.
+        chunk_multiple: with cp_size > 1, each chunk of the layout holds a multiple of this many tokens
+            (``hf_ring.shard_batch``). None: what the prepared models need (``hf_ring.chunk_multiple``: the lcm
+            of DeepSeek-V4's compress rates, 1 for other families).
         chunked_loss: compute the loss chunk by chunk of tokens, never holding the [tokens, vocab] logits
             (``hf_ring.apply_chunked_loss``; outputs with labels then have ``logits=None``). None:
             ``HF_RING_CHUNKED_LOSS`` (``0`` turns it off), else on. A model whose forward another library
@@ -267,6 +295,7 @@ class RingAttentionPlugin:
     ulysses_size: int | str | None = None
     timeout: float | None = None
     pad_to_multiple: bool = True
+    chunk_multiple: int | None = None
     chunked_loss: bool | None = None
     loss_chunk_size: int | None = None
     loss_backend: str | None = None
@@ -309,6 +338,9 @@ class RingAttentionPlugin:
         for name in ("chunked_loss", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
+        m = self.chunk_multiple
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"chunk_multiple must be a positive int or None, got {m!r}")
         check_chunk_size(self.loss_chunk_size, "loss_chunk_size")
         check_loss_backend(self.loss_backend, "loss_backend")
 
@@ -457,6 +489,7 @@ def apply_to_model(ring: RingSetup, model):
     from .offload import apply_activation_offload
 
     _check_supported_model(model)
+    ring.chunks.add(model)
     apply_ring_attention(
         model, group=ring.cp_group, layout=ring.plugin.layout, backend=ring.plugin.backend,
         ulysses_size=ring.plugin.ulysses_size, timeout=ring.plugin.timeout,
@@ -474,7 +507,9 @@ def apply_to_model(ring: RingSetup, model):
 
 def shard_collate(ring: RingSetup, collate_fn):
     """``collate_fn`` wrapped so that it returns this rank's shard (``hf_ring.shard_batch``)."""
-    return _ShardCollate(collate_fn, ring.cp_rank, ring.cp_size, ring.plugin.layout, ring.plugin.pad_to_multiple)
+    return _ShardCollate(
+        collate_fn, ring.cp_rank, ring.cp_size, ring.plugin.layout, ring.plugin.pad_to_multiple, ring.chunks
+    )
 
 
 def prepare_data_loader(ring: RingSetup, accelerator, dataloader: DataLoader, device_placement: bool | None = None):

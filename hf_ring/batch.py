@@ -195,7 +195,9 @@ def pad_tokens(x: torch.Tensor, pad: int, *, left: bool = False) -> torch.Tensor
     return torch.cat([zeros, x] if left else [x, zeros], dim=1)
 
 
-def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: bool = True) -> dict:
+def shard_batch(
+    batch, *, group=None, layout: str = "zigzag", pad_to_multiple: bool = True, chunk_multiple: int = 1
+) -> dict:
     """This rank's shard of a full-sequence batch, as keyword arguments for ``model(**local)``.
 
     Args:
@@ -210,6 +212,11 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         pad_to_multiple: pad seq_len to the layout's multiple (2 x group size for zigzag) with ignored
             tokens (position 0, so the largest position id stays the batch's own); if False, such a length
             raises ValueError.
+        chunk_multiple: with more than one rank, pad to ``chunk_multiple`` times the layout's multiple, so that
+            each chunk of the layout (a rank's two halves in zig-zag, its share in contiguous) holds a multiple of
+            ``chunk_multiple`` tokens. DeepSeek-V4's compressed layers need the lcm of their compress rates
+            (``hf_ring.chunk_multiple(model)`` says what a model needs, 1 for most; the Accelerate plugin and the
+            ring Trainers pad by it themselves).
 
     Returns:
         ``input_ids`` and ``position_ids`` [batch, local_seq] (global positions, or per-document
@@ -230,21 +237,27 @@ def shard_batch(batch, *, group=None, layout: str = "zigzag", pad_to_multiple: b
         boundary and pairs the others with the wrong token.
     """
     rank, world = _group(group)
-    return shard_for(batch, rank, world, layout=layout, pad_to_multiple=pad_to_multiple)
+    return shard_for(batch, rank, world, layout=layout, pad_to_multiple=pad_to_multiple, chunk_multiple=chunk_multiple)
 
 
-def shard_for(batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_multiple: bool = True) -> dict:
+def shard_for(
+    batch, rank: int, world: int, *, layout: str = "zigzag", pad_to_multiple: bool = True, chunk_multiple: int = 1
+) -> dict:
     """``shard_batch`` for the ``rank`` of ``world`` CP ranks given as numbers: it communicates nothing, so it runs
     where no process group exists (a DataLoader worker started with ``spawn`` or ``forkserver``)."""
     check_layout(layout)
+    if isinstance(chunk_multiple, bool) or not isinstance(chunk_multiple, int) or chunk_multiple < 1:
+        raise ValueError(f"chunk_multiple must be a positive int, got {chunk_multiple!r}")
     input_ids, labels, mask, pos, media = _validate(batch)
     whole = media and all(batch.get(k) is None for k in CROSS_KEYS)  # (images by cross-attention: the text sharded)
     b, s = input_ids.shape
-    m = required_multiple(layout, world)
+    per_chunk = chunk_multiple if world > 1 else 1  # (one rank: no chunk meets another rank's)
+    m = required_multiple(layout, world) * per_chunk
     pad = -s % m
     if pad and not pad_to_multiple:
+        chunks = f", with chunks of a multiple of {per_chunk} tokens," if per_chunk > 1 else ""
         raise ValueError(
-            f"sequence length {s} is not a multiple of {m} (the {layout} layout over {world} ranks needs a "
+            f"sequence length {s} is not a multiple of {m} (the {layout} layout over {world} ranks{chunks} needs a "
             f"multiple of {m}); pass pad_to_multiple=True to shard_batch, or pad in the collator "
             f"(e.g. pad_to_multiple_of={m})"
         )

@@ -58,6 +58,7 @@ __all__ = [
     "NOT_COUNTED",
     "PACKED",
     "CompressorCall",
+    "chunk_multiple",
     "compresses",
     "counts_from_zero",
     "error",
@@ -92,6 +93,19 @@ def _rates(call: CompressorCall) -> list[int]:
     """The compress rates of the call's compressor and of its indexer, if any."""
     indexer = getattr(call.module, "indexer", None)
     return [call.module.compress_rate] + ([indexer.compress_rate] if indexer is not None else [])
+
+
+def chunk_multiple(model) -> int:
+    """The multiple of tokens each chunk of the layout must hold for ``model`` under context parallelism (with more
+    than one rank; ``shard_batch(chunk_multiple=...)`` pads to it): the lcm of the compress rates of DeepSeek-V4's
+    compressed layers and their indexers, 1 for every other model. ``model``: a Transformers model, or a wrapper
+    of one (PEFT, DDP)."""
+    rates = []
+    for module in model.modules():
+        if compresses(module) and module.compressor is not None:
+            indexer = getattr(module.compressor, "indexer", None)
+            rates += [module.compressor.compress_rate] + ([indexer.compress_rate] if indexer is not None else [])
+    return math.lcm(*rates) if rates else 1
 
 
 def counts_from_zero(position_ids, document_ids, *, full: int, rank: int, world_size: int, layout: str) -> bool:
@@ -137,7 +151,8 @@ def error(call: CompressorCall, *, layout: str, world_size: int, local_len: int,
             return (
                 f"{what} compress windows of {rate} tokens, which must not straddle ranks, but the {layout} layout over "
                 f"{world_size} ranks gives chunks of {chunk} tokens: pad the sequence to a multiple of {multiple} "
-                f"(e.g. the collator's pad_to_multiple_of={multiple})"
+                f"(shard_batch(batch, chunk_multiple=hf_ring.chunk_multiple(model)) does, as RingAttentionPlugin "
+                f"does by itself; or the collator's pad_to_multiple_of={multiple})"
             )
     return None
 

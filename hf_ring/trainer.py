@@ -274,7 +274,7 @@ class ShardedFusedHead:
         batch = {k: kwargs.pop(k) for k in (*names, "labels") if kwargs.get(k) is not None}
         seq_len = batch["input_ids"].shape[1]
         local = shard_for(batch, ring.cp_rank, ring.cp_size, layout=ring.plugin.layout,
-                          pad_to_multiple=ring.plugin.pad_to_multiple)  # fmt: skip
+                          pad_to_multiple=ring.plugin.pad_to_multiple, chunk_multiple=ring.chunks.value)  # fmt: skip
         shift = local.pop("shift_labels", None)
         for key in ("labels", "num_items_in_batch"):
             local.pop(key, None)

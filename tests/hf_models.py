@@ -1685,7 +1685,7 @@ def ring_step(model, batch, layout, ulysses_size=None):
         assert configs and all(c.ulysses is not None and c.ulysses.ulysses_size > 1 for c in configs)
     try:
         model.zero_grad(set_to_none=True)
-        local = hf_ring.shard_batch(batch, layout=layout)
+        local = hf_ring.shard_batch(batch, layout=layout, chunk_multiple=hf_ring.chunk_multiple(model))
         loss = model(**local).loss
         loss.backward()
         total = hf_ring.reduce_loss(loss).float()

@@ -239,6 +239,55 @@ def test_shard_collate_pickles_for_spawned_workers():
     assert local["ring_shard_info"].rank == 1 and local["ring_shard_info"].world_size == 2
 
 
+def test_batches_are_padded_by_the_chunk_multiple_of_the_prepared_model():
+    """DeepSeek-V4's compressed layers need chunks of a multiple of their compress rates (3 and 6 in the test model):
+    the plugin learns it from the model it prepares, and its collate function pads by it, also when it was made
+    before and when pickled; a chunk_multiple given to the plugin stands. ``shard_for`` pads by it with more than
+    one rank only, and says so when it may not pad."""
+    import pickle
+
+    from accelerate import Accelerator
+
+    from hf_ring.accelerate import RingAttentionPlugin, _ShardCollate
+    from hf_ring.batch import shard_for
+    from tests.hf_models import in_transformers, make_model
+
+    if not in_transformers("deepseek_v4"):
+        pytest.skip("DeepSeek-V4 needs a later Transformers")
+    import hf_ring
+
+    features = token_dataset(2, 40)
+    assert hf_ring.chunk_multiple(tiny_llama()) == 1
+    accelerator = Accelerator(cpu=True)
+    try:
+        for given, want in ((None, 6), (4, 4)):
+            plugin = RingAttentionPlugin(cp_size=1, chunk_multiple=given)
+            ring = plugin.setup(accelerator)
+            early = _ShardCollate(collate, 1, 2, "zigzag", True, ring.chunks)  # (made before the model)
+            assert early.chunks.value == (given or 1)
+            plugin.prepare(accelerator, make_model("deepseek_v4"))
+            assert ring.chunks.value == want and hf_ring.chunk_multiple(make_model("deepseek_v4")) == 6
+            local = pickle.loads(pickle.dumps(early))(features)
+            padded = -40 % (4 * want) + 40  # zig-zag over 2 ranks: 4 chunks
+            ids = torch.nn.functional.pad(collate(features)["input_ids"], (0, padded - 40))
+            q = padded // 4
+            assert torch.equal(local["input_ids"], torch.cat([ids[:, q : 2 * q], ids[:, 2 * q : 3 * q]], 1))
+            assert local["ring_shard_info"].seq_len == padded
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    batch = collate(features)
+    assert shard_for(batch, 0, 1, chunk_multiple=6)["input_ids"].shape[1] == 40  # (one rank: nothing meets a rank)
+    with pytest.raises(ValueError, match=r"with chunks of a multiple of 6 tokens, needs a multiple of 24.*=24"):
+        shard_for(batch, 0, 2, pad_to_multiple=False, chunk_multiple=6)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="chunk_multiple must be a positive int"):
+            shard_for(batch, 0, 2, chunk_multiple=bad)
+        with pytest.raises(ValueError, match="chunk_multiple must be a positive int or None"):
+            RingAttentionPlugin(chunk_multiple=bad)
+
+
 _WITHOUT_OPTIONAL = """
 import sys
 for name in ("deepspeed", "trl", "liger_kernel", "datasets", "flash_attn"):

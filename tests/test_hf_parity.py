@@ -705,6 +705,9 @@ CASES = {
         {"lora": ["q_b_proj", "kv_proj", "o_b_proj"], "checkpointing": True, "rtol": RTOL_DEEPSEEK_V4},
     ),
     "deepseek_v4-bf16": ("deepseek_v4", "plain", 48, {"dtype": torch.bfloat16}),
+    # 40 tokens: shard_batch pads them by hf_ring.chunk_multiple(model) (lcm(3, 6) = 6 per chunk) to 48 over 2 and
+    # 4 ranks (zig-zag chunks of 10 and 5 would straddle windows), compared with the unpadded 40
+    "deepseek_v4-chunk-multiple": ("deepseek_v4", "plain", 40, {"rtol": RTOL_DEEPSEEK_V4}),
     "deepseek_v4-padded-contiguous-chunked": (  # (one query per chunk of the indexer's scores)
         "deepseek_v4",
         "padded",
