@@ -5,7 +5,8 @@ Core (no Transformers import): ``shard``, ``unshard``, ``positions``, ``ring_att
 ``RingComm``, ``LoopbackComm``, ``decode_attention`` (queries alike on every rank, keys/values spread over them).
 Transformers integration (imported on first use): ``apply_ring_attention``, ``revert_ring_attention``,
 ``shard_batch``, ``reduce_loss``, ``chunk_multiple``, ``apply_chunked_loss``, ``revert_chunked_loss``,
-``apply_activation_offload``, ``revert_activation_offload``, ``ring_generate``.
+``apply_activation_offload``, ``revert_activation_offload``, ``ring_generate``, ``check_exactness`` (and its
+``ExactnessReport``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ _LAZY = {
     "shard_batch": "hf_ring.batch",
     "reduce_loss": "hf_ring.batch",
     "chunk_multiple": "hf_ring.compressed",
+    "check_exactness": "hf_ring.exactness",
+    "ExactnessReport": "hf_ring.exactness",
     "apply_chunked_loss": "hf_ring.loss",
     "revert_chunked_loss": "hf_ring.loss",
     "apply_activation_offload": "hf_ring.offload",

@@ -198,6 +198,14 @@ CASES = {
     ),
     "qwen4_exp_text-padded-checkpointing": ("qwen4_exp_text", "padded", 40, {"checkpointing": True}),
     "qwen4_exp_text-bf16": ("qwen4_exp_text", "plain", 40, {"dtype": torch.bfloat16}),
+    # (under the Ulysses x Ring hybrid: the indexer's blocks picked per query, beside a Gated DeltaNet layer and the
+    # per-layer n-gram embeddings)
+    "qwen4_exp_text-ulysses": (
+        "qwen4_exp_text",
+        "plain",
+        40,
+        {"ulysses": 2},
+    ),
     "qwen4_exp-images-padded": ("qwen4_exp", "images-padded", 40, {}),  # (the whole ids cut for the n-grams)
     "qwen4_exp-images-lora-checkpointing": ("qwen4_exp", "images", 45, {"lora": True, "checkpointing": True}),
     # (its decay gradients, 3e-7 in norm, move by 1.0e-3 with Transformers' own kernel at chunks of 16 for 64)
@@ -955,7 +963,7 @@ def _neftune_fused() -> dict:
 
     import torch.distributed as dist
 
-    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.accelerate import RingAttentionPlugin, _ChunkMultiple
     from hf_ring.trainer import ShardedFusedHead
 
     batch, model, embeddings = _neftune_model()
@@ -966,7 +974,7 @@ def _neftune_fused() -> dict:
         return types.SimpleNamespace(log_probs=None, label_mask=None)
 
     ring = types.SimpleNamespace(cp_rank=dist.get_rank(), cp_size=dist.get_world_size(), cp_group=None,
-                                 plugin=RingAttentionPlugin(layout="zigzag"))  # fmt: skip
+                                 plugin=RingAttentionPlugin(layout="zigzag"), chunks=_ChunkMultiple(None))  # fmt: skip
     with torch.no_grad():
         ShardedFusedHead(fused, ring, model)(batch["input_ids"], batch["attention_mask"], fused_lm_head=True)
     return {**_noise_ratio(embeddings, *seen[0]), "tokens": seen[0][0].shape[1]}
