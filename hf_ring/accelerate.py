@@ -476,6 +476,29 @@ class RingAttentionPlugin:
         """``reduce_loss(plugin.ring, loss, num_items=...)``: the global loss of the last batch, for logging."""
         return reduce_loss(self.ring, loss, num_items=num_items)
 
+    def check_exactness(self, accelerator, model, batch, *, reference_dtype="wider"):
+        """``hf_ring.check_exactness`` over this rank's CP group with the plugin's settings, and with the chunked loss
+        if the plugin computes the loss that way (what ``prepare`` will train): call it before ``prepare``, with the
+        model unwrapped and this CP group's full batch (every DP group checks its own). Returns the
+        ``ExactnessReport``; the model comes back as it was."""
+        from .exactness import check_exactness
+        from .loss import apply_chunked_loss, is_chunked, revert_chunked_loss
+
+        _check_supported_model(model)
+        ring = self.setup(accelerator)
+        target = unwrap_transformers_model(model)
+        chunked = self.chunked_loss and not is_chunked(target) and "forward" not in vars(target)
+        if chunked:
+            apply_chunked_loss(target, chunk_size=self.loss_chunk_size, backend=self.loss_backend)
+        try:
+            return check_exactness(
+                model, batch, group=ring.cp_group, layout=self.layout, backend=self.backend,
+                ulysses_size=self.ulysses_size, reference_dtype=reference_dtype,
+            )  # fmt: skip
+        finally:
+            if chunked:
+                revert_chunked_loss(target)
+
 
 # ---- the adapters: functions over a RingSetup --------------------------------------------------------
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -225,23 +226,21 @@ def _wider(dtype: torch.dtype) -> torch.dtype:
 
 
 def _same_batch_everywhere(batch, group) -> None:
-    """ValueError on every rank unless every rank of ``group`` passed the same batch (a checksum of its tensors)."""
-    _, world = group_rank_and_size(group)
-    if world == 1:
-        return
-    sums = []
+    """ValueError on every rank unless every rank of ``group`` passed the same batch (a digest of its tensors, one
+    small all-gather)."""
+    from .comm import RingComm
+
+    digest = hashlib.blake2b(digest_size=7)
     for key in sorted(batch):
         value = batch[key]
         if isinstance(value, torch.Tensor):
-            flat = value.detach().double().flatten()
-            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-            sums += [float(flat.numel()), float((flat * weights.remainder(997)).sum())]
-    device = next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    device = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    mine = torch.tensor(sums, dtype=torch.float64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    if not all(e.shape == mine.shape and torch.equal(e, mine) for e in every):
+            digest.update(f"{key} {value.dtype} {tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    comm = RingComm(group)
+    device = next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), None)
+    mine = [int.from_bytes(digest.digest(), "little")]
+    every = comm.all_gather_ints(mine, device=device)
+    if any(e != every[0] for e in every):
         raise ValueError(
             "check_exactness: the ranks of the group passed different batches; give every rank the same full batch "
             "(shard_batch cuts each rank's share from it)"

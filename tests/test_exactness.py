@@ -104,3 +104,31 @@ def test_check_exactness_on_one_process():
     assert report.ok and report.ranks == 1 and report.reference_dtype is None and report.loss_error < 1e-5, str(report)
     with pytest.raises(ValueError, match="reference_dtype must be"):
         hf_ring.check_exactness(make_model("mistral"), make_batch("plain", 45)[0], reference_dtype=torch.int64)
+
+
+def test_the_plugin_checks_with_its_settings_and_its_chunked_loss():
+    """``RingAttentionPlugin.check_exactness`` (one process): the plugin's layout, and the chunked loss on during the
+    check (the loss the plugin will train) and off afterwards."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from hf_ring import loss
+    from hf_ring.accelerate import RingAttentionPlugin
+
+    model = make_model("llama")
+    seen = []
+    chunked = loss.apply_chunked_loss
+
+    def spy(target, **kwargs):
+        seen.append(kwargs)
+        return chunked(target, **kwargs)
+
+    loss.apply_chunked_loss = spy
+    try:
+        plugin = RingAttentionPlugin(cp_size=1, layout="contiguous", loss_chunk_size=16)
+        report = plugin.check_exactness(Accelerator(cpu=True), model, make_batch("packed", 45)[0])
+    finally:
+        loss.apply_chunked_loss = chunked
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert report.ok and report.layout == "contiguous" and report.ranks == 1, str(report)
+    assert seen == [{"chunk_size": 16, "backend": "torch"}] and not loss.is_chunked(model)
