@@ -493,7 +493,8 @@ class RingAttentionPlugin:
         try:
             return check_exactness(
                 model, batch, group=ring.cp_group, layout=self.layout, backend=self.backend,
-                ulysses_size=self.ulysses_size, reference_dtype=reference_dtype,
+                ulysses_size=self.ulysses_size, timeout=self.timeout, chunk_multiple=self.chunk_multiple,
+                reference_dtype=reference_dtype,
             )  # fmt: skip
         finally:
             if chunked:

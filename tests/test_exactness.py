@@ -27,58 +27,92 @@ def _same_state(model, before: dict) -> bool:
 
 def _worker(rank: int, world_size: int) -> dict:
     import hf_ring
-    from hf_ring import hf_attention
+    from hf_ring import exactness, hf_attention
     from hf_ring.ring_config import CONFIG_ATTR
-
-    out = {}
-    for kind in ("plain", "padded", "packed"):
-        model = make_model("llama")
-        model.train()
-        for p in model.parameters():  # (gradients the caller had: the check puts them back)
-            p.grad = torch.full_like(p, 7.0)
-        before = _state(model)
-        report = hf_ring.check_exactness(model, make_batch(kind, 45)[0])
-        patched = any(hasattr(m, CONFIG_ATTR) for m in model.modules())
-        out[kind] = {"report": report, "restored": _same_state(model, before) and model.training and not patched}
-    model = make_model("llama", dtype=torch.bfloat16)
-    out["bf16"] = {"report": hf_ring.check_exactness(model, make_batch("plain", 45)[0])}
-    out["moe"] = {"report": hf_ring.check_exactness(make_model("gpt_oss"), make_batch("packed", 40)[0])}
-
-    # a model already patched: its settings, and patched afterwards with the very same configuration
-    model = make_model("llama")
-    hf_ring.apply_ring_attention(model, layout="contiguous")
-    cfg = next(getattr(m, CONFIG_ATTR) for m in model.modules() if hasattr(m, CONFIG_ATTR))
-    report = hf_ring.check_exactness(model, make_batch("padded", 45)[0])
-    again = [getattr(m, CONFIG_ATTR, None) for m in model.modules() if hasattr(m, CONFIG_ATTR)]
-    out["patched"] = {"report": report, "restored": bool(again) and all(c is cfg for c in again)}
-
-    # a broken ring (its output 0.1% off) must fail
-    true_ring = hf_attention.ring_attention
-    hf_attention.ring_attention = lambda *a, **k: true_ring(*a, **k) * 1.001
-    try:
-        out["broken"] = {"report": hf_ring.check_exactness(make_model("llama"), make_batch("plain", 45)[0])}
-    finally:
-        hf_attention.ring_attention = true_ring
 
     def error(fn) -> str:
         try:
             fn()
-        except ValueError as e:
-            return str(e)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
         return "no error"
+
+    def prepared(dtype=torch.float32):
+        """A model in training mode but for one frozen layer, with gradients the caller had: all put back."""
+        model = make_model("llama", dtype=dtype)
+        model.train()
+        model.model.layers[0].mlp.eval()
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 7.0)
+        return model, (_state(model), {m: m.training for m in model.modules()})
+
+    def restored(model, before) -> bool:
+        patched = any(hasattr(m, CONFIG_ATTR) for m in model.modules())
+        modes = all(m.training == before[1][m] for m in model.modules())
+        return _same_state(model, before[0]) and modes and not patched
+
+    out = {}
+    for kind in ("plain", "padded", "packed"):
+        model, before = prepared()
+        report = hf_ring.check_exactness(model, make_batch(kind, 45)[0])
+        out[kind] = {"report": report, "restored": restored(model, before)}
+    model, before = prepared(torch.bfloat16)
+    out["bf16"] = {"report": hf_ring.check_exactness(model, make_batch("plain", 45)[0])}
+    out["bf16"]["restored"] = restored(model, before)
+    model, before = prepared(torch.float64)
+    out["float64"] = {"report": hf_ring.check_exactness(model, make_batch("plain", 45)[0])}
+    out["float64"]["restored"] = restored(model, before)
+    out["moe"] = {"report": hf_ring.check_exactness(make_model("gpt_oss"), make_batch("packed", 40)[0])}
+
+    # a model already patched: its settings, and patched afterwards with the very same configuration
+    patched = make_model("llama")
+    hf_ring.apply_ring_attention(patched, layout="contiguous")
+    cfg = next(getattr(m, CONFIG_ATTR) for m in patched.modules() if hasattr(m, CONFIG_ATTR))
+    report = hf_ring.check_exactness(patched, make_batch("padded", 45)[0])
+    again = [getattr(m, CONFIG_ATTR, None) for m in patched.modules() if hasattr(m, CONFIG_ATTR)]
+    out["patched"] = {"report": report, "restored": bool(again) and all(c is cfg for c in again)}
+
+    # a broken ring must fail: its output 0.1% off in fp32, 1% in bf16
+    true_ring = hf_attention.ring_attention
+    for name, dtype, scale in (("broken", torch.float32, 1.001), ("broken-bf16", torch.bfloat16, 1.01)):
+        hf_attention.ring_attention = lambda *a, scale=scale, **k: true_ring(*a, **k) * scale
+        try:
+            report = hf_ring.check_exactness(make_model("llama", dtype=dtype), make_batch("plain", 45)[0])
+            out[name] = {"report": report}
+        finally:
+            hf_attention.ring_attention = true_ring
+
+    # one rank fails in the unmodified model's run: every rank raises, the model restored, the group goes on
+    true_reference = exactness._reference
+    if rank == 1:
+        exactness._reference = lambda *a, **k: (_ for _ in ()).throw(ValueError("boom"))
+    model, before = prepared()
+    try:
+        out["one_fails"] = error(lambda: hf_ring.check_exactness(model, make_batch("plain", 45)[0]))
+    finally:
+        exactness._reference = true_reference
+    out["one_fails_restored"] = restored(model, before)
+    # one rank's model refuses the wider dtype: no rank uses a yardstick, and the report says which rank
+    true_cast = exactness._cast
+    if rank == 1:
+        exactness._cast = lambda *a: (_ for _ in ()).throw(RuntimeError("no float64 here"))
+    try:
+        out["one_refuses"] = hf_ring.check_exactness(make_model("llama"), make_batch("plain", 45)[0])
+    finally:
+        exactness._cast = true_cast
 
     batch = make_batch("plain", 45, seed=1 + rank)[0]  # (each rank its own batch)
     out["different"] = error(lambda: hf_ring.check_exactness(make_model("llama"), batch))
     out["no_labels"] = error(lambda: hf_ring.check_exactness(make_model("llama"), {"input_ids": batch["input_ids"]}))
-    out["settings"] = error(lambda: hf_ring.check_exactness(model, make_batch("plain", 45)[0], layout="zigzag"))
+    out["settings"] = error(lambda: hf_ring.check_exactness(patched, make_batch("plain", 45)[0], layout="zigzag"))
     out["after"] = hf_ring.check_exactness(make_model("llama"), make_batch("plain", 45)[0]).ok  # the group goes on
     return out
 
 
 def test_check_exactness_passes_exact_runs_fails_a_broken_one_and_restores_the_model():
     results = run_distributed(_worker, 2, timeout=300)
-    for r in results:
-        for kind in ("plain", "padded", "packed", "bf16", "patched"):
+    for rank, r in enumerate(results):
+        for kind in ("plain", "padded", "packed", "bf16", "float64", "patched"):
             report = r[kind]["report"]
             assert report.ok and report.ranks == 2 and report.model_grad_error is not None, (kind, str(report))
             assert report.reference_dtype == (torch.float32 if kind == "bf16" else torch.float64), kind
@@ -90,6 +124,12 @@ def test_check_exactness_passes_exact_runs_fails_a_broken_one_and_restores_the_m
         assert moe.ok and moe.reference_dtype is None and moe.model_grad_error is None and "float64" in moe.note
         broken = r["broken"]["report"]
         assert not broken.ok and broken.grad_error > 10 * broken.grad_bound and "FAILED" in str(broken), str(broken)
+        broken = r["broken-bf16"]["report"]
+        assert broken.loss_error > broken.loss_bound and broken.grad_error > 10 * broken.grad_bound, str(broken)
+        want = "ValueError: boom" if rank == 1 else "rank(s) [1] of the group failed"
+        assert want in r["one_fails"] and r["one_fails_restored"], r["one_fails"]
+        refused = r["one_refuses"]
+        assert refused.ok and refused.reference_dtype is None and "rank(s) [1]" in refused.note, str(refused)
         assert "different batches" in r["different"], r["different"]
         assert "with labels" in r["no_labels"], r["no_labels"]
         assert "leave layout unset" in r["settings"], r["settings"]
