@@ -89,6 +89,29 @@ class RingAttentionTrainerMixin:
         self.ring_setup = plugin.setup(self.accelerator)  # the frozen RingSetup: groups, sizes, ranks
         apply_to_model(self.ring_setup, self.model)
 
+    def check_exactness(self, batch: dict | None = None, *, reference_dtype="wider"):
+        """``hf_ring.check_exactness`` of this trainer's model (its CP group, settings and loss, as ``train`` runs
+        them) on ``batch``, or on the training collator's batch of the train dataset's first
+        ``per_device_train_batch_size`` examples (the same on every rank). Call it before ``train``; every rank
+        calls it. Returns the ``ExactnessReport``; the model comes back as it was."""
+        from .exactness import check_exactness
+
+        if batch is None:
+            dataset, collator = self.train_dataset, self.data_collator
+            if hasattr(dataset, "column_names"):  # (a datasets.Dataset: the columns the model takes, as train does)
+                dataset = self._remove_unused_columns(dataset, description="training")
+            else:
+                collator = self._get_collator_with_removed_columns(collator, description="training")
+            n = self.args.per_device_train_batch_size
+            rows = [dataset[i] for i in range(min(n, len(dataset)))] if hasattr(dataset, "__len__") else []
+            if not rows:  # (an iterable dataset)
+                rows = [row for row, _ in zip(dataset, range(n))]
+            batch = collator(rows)
+        device = self.args.device
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dict(batch).items()}
+        return check_exactness(self.model, batch, chunk_multiple=self.ring_setup.chunks.value,
+                               reference_dtype=reference_dtype)  # fmt: skip
+
     def _check_loss_contract(self) -> None:
         """ValueError unless the Trainer weights the CP shards' token losses by the global number of targets."""
         if not self.args.average_tokens_across_devices:

@@ -172,3 +172,27 @@ def test_the_plugin_checks_with_its_settings_and_its_chunked_loss():
         AcceleratorState._reset_state(reset_partial_state=True)
     assert report.ok and report.layout == "contiguous" and report.ranks == 1, str(report)
     assert seen == [{"chunk_size": 16, "backend": "torch"}] and not loss.is_chunked(model)
+
+
+def test_the_trainer_checks_its_model_on_its_first_batch(tmp_path):
+    """``RingAttentionTrainer.check_exactness()`` (one process): the collator's batch of the first examples, the
+    model as the trainer patched it (its chunked loss too), and the model still patched and trainable afterwards."""
+    from accelerate.state import AcceleratorState
+
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.loss import is_chunked
+    from hf_ring.ring_config import CONFIG_ATTR
+    from hf_ring.trainer import RingAttentionTrainer
+    from tests.train_utils import collate, tiny_llama, token_dataset, trainer_args
+
+    model = tiny_llama()
+    try:
+        trainer = RingAttentionTrainer(model=model, args=trainer_args(tmp_path, "check"),
+                                       train_dataset=token_dataset(4, 21), data_collator=collate,
+                                       ring_plugin=RingAttentionPlugin(cp_size=1))  # fmt: skip
+        report = trainer.check_exactness()
+        assert report.ok and report.ranks == 1 and report.reference_dtype == torch.float64, str(report)
+        assert is_chunked(model) and any(hasattr(m, CONFIG_ATTR) for m in model.modules())
+        trainer.train()  # (the check left it trainable)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
