@@ -199,7 +199,8 @@ def check_exactness(
                 why = note or "see there"
                 note = f"the unmodified model refused {_name(wide)} on rank(s) {refused} ({why}): no yardstick"
                 yardstick, wide = None, None
-            (ref_loss, ref), model_errors = (yardstick, own) if yardstick is not None else (own, None)
+            (ref_loss, grads), model_errors = (yardstick, own) if yardstick is not None else (own, None)
+            ref = {n: g for n, g in grads.items() if g is not None}
             floor = FLOOR * max((float(g.norm()) for g in ref.values()), default=0.0)
             # 3. hf_ring
             if cfg is not None:
@@ -384,7 +385,8 @@ def _rel(x, ref) -> float:
 
 
 def _cpu_grads(params: list) -> dict:
-    """The parameters' gradients now, float64 on the CPU (None where a parameter has none)."""
+    """The parameters' gradients now, float64 on the CPU (None where a parameter has none: the indexers Transformers
+    runs without gradients, a vision tower a text batch does not reach)."""
     return {n: None if p.grad is None else p.grad.detach().to("cpu", torch.float64) for n, p in params}
 
 

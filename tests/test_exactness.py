@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.hf_models import make_batch, make_model
+from tests.hf_models import in_transformers, make_batch, make_model
 
 
 def _state(model) -> dict:
@@ -63,6 +63,14 @@ def _worker(rank: int, world_size: int) -> dict:
     out["float64"] = {"report": hf_ring.check_exactness(model, make_batch("plain", 45)[0])}
     out["float64"]["restored"] = restored(model, before)
     out["moe"] = {"report": hf_ring.check_exactness(make_model("gpt_oss"), make_batch("packed", 40)[0])}
+    vl_batch = make_batch("images-padded", 40, family="qwen2_vl")[0]
+    out["images"] = {"report": hf_ring.check_exactness(make_model("qwen2_vl", images=True), vl_batch)}
+    out["ulysses"] = {
+        "report": hf_ring.check_exactness(make_model("llama"), make_batch("padded", 45)[0], ulysses_size=2)
+    }
+    if in_transformers("deepseek_v4"):  # (40 tokens padded by its chunk multiple; its indexers get no gradient)
+        v4_batch = make_batch("plain", 40, family="deepseek_v4")[0]
+        out["v4"] = {"report": hf_ring.check_exactness(make_model("deepseek_v4"), v4_batch)}
 
     # a model already patched: its settings, and patched afterwards with the very same configuration
     patched = make_model("llama")
@@ -112,7 +120,7 @@ def _worker(rank: int, world_size: int) -> dict:
 def test_check_exactness_passes_exact_runs_fails_a_broken_one_and_restores_the_model():
     results = run_distributed(_worker, 2, timeout=300)
     for rank, r in enumerate(results):
-        for kind in ("plain", "padded", "packed", "bf16", "float64", "patched"):
+        for kind in ("plain", "padded", "packed", "bf16", "float64", "patched", "images", "ulysses"):
             report = r[kind]["report"]
             assert report.ok and report.ranks == 2 and report.model_grad_error is not None, (kind, str(report))
             assert report.reference_dtype == (torch.float32 if kind == "bf16" else torch.float64), kind
@@ -120,8 +128,10 @@ def test_check_exactness_passes_exact_runs_fails_a_broken_one_and_restores_the_m
             assert r[kind].get("restored", True), kind
         assert r["patched"]["report"].layout == "contiguous"
         assert r["plain"]["report"].grad_bound < 2e-4  # (fp32: twice the model's own error, 1e-7, plus 1e-4)
-        moe = r["moe"]["report"]  # Transformers' grouped expert products refuse float64: no yardstick, said so
-        assert moe.ok and moe.reference_dtype is None and moe.model_grad_error is None and "float64" in moe.note
+        # Transformers' grouped expert products refuse float64: no yardstick, said so
+        for moe in [r["moe"]["report"]] + ([r["v4"]["report"]] if "v4" in r else []):
+            assert moe.ok and moe.reference_dtype is None and moe.model_grad_error is None, str(moe)
+            assert "refused float64 on rank(s) [0, 1]" in moe.note, moe.note
         broken = r["broken"]["report"]
         assert not broken.ok and broken.grad_error > 10 * broken.grad_bound and "FAILED" in str(broken), str(broken)
         broken = r["broken-bf16"]["report"]
