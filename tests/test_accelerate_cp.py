@@ -12,6 +12,7 @@ the tests below assert on them:
 - ``save_state`` / ``load_state`` + ``skip_first_batches`` resume to the identical next loss;
 - ``unwrap_model`` is the original model and ``save_pretrained`` loads without hf_ring;
 - a cp_size that does not divide the world raises on every rank, before any collective;
+- ``plugin.check_exactness`` before ``prepare`` runs over each CP group, every DP group with its own batch;
 - batches with images (Qwen2-VL, trainable vision tower) over DP = 2 x CP = 2: the losses and final weights of
   single-process training (DP replicas averaged).
 """
@@ -125,6 +126,11 @@ def worker(out: Path) -> None:
     plugin = RingAttentionPlugin(cp_size=2)
     dp = world // 2
     data = token_dataset(BATCH * dp * (STEPS * GA + 1), SEQ_LEN)
+
+    # the exactness check before prepare: over each CP group, every DP group its own batch
+    d = rank // 2
+    check = plugin.check_exactness(accelerator, tiny_llama(), collate(data[d * BATCH : (d + 1) * BATCH]))
+    res["check"] = {"ok": check.ok, "ranks": check.ranks, "reference_loss": check.reference_loss}
 
     # -- A: plain SGD steps, a scheduler, save_state after step 2, resume ------------------------
     model = tiny_llama()
@@ -381,6 +387,15 @@ def test_groups_and_data_layout(launch):
         assert res[2 * d]["shuffled_ids"] == res[2 * d + 1]["shuffled_ids"]  # a CP group shares its batches
     seen = sorted(i for d in range(dp) for batch in res[2 * d]["shuffled_ids"] for i in batch)
     assert seen == list(range(len(seen))) and len(seen) == BATCH * dp * (STEPS * GA + 1)
+
+
+def test_the_plugins_exactness_check_runs_over_each_cp_group(launch):
+    world, _, res = launch
+    for rank, r in enumerate(res):
+        assert r["check"]["ok"] and r["check"]["ranks"] == 2, r["check"]
+        assert r["check"] == res[rank - rank % 2]["check"]  # one report per CP group
+    if world == 4:  # each DP group checked its own batch
+        assert res[0]["check"]["reference_loss"] != res[2]["check"]["reference_loss"]
 
 
 def test_save_state_load_state_resume_to_the_identical_next_loss(launch):
