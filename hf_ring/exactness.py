@@ -28,7 +28,8 @@ says so (``note``).
 
 The model is in eval mode during the check (dropout would draw other masks in each run) and comes back as it was:
 every module's mode, its dtypes, gradients and attention (a model patched by ``apply_ring_attention`` is checked with its settings;
-an unpatched one with the arguments given, and unpatched after). Every rank must pass the same batch (checked).
+an unpatched one with the arguments given, and unpatched after). Every rank must pass the same batch and hold the same
+weights (both checked: a digest of the batch, each parameter's sum and sum of squares).
 Memory: each rank runs the whole batch, so check at a length one device holds (the configuration is checked, not the
 length), and holds the weights in the wider dtype during that run, and both runs' gradients on the CPU. The check
 runs in the dtype the model's weights have: call it outside ``torch.autocast`` (under autocast the yardstick would be
@@ -160,6 +161,7 @@ def check_exactness(
         raise ValueError(f"reference_dtype {_name(wide)} is narrower than the model's {_name(dtype)}: no yardstick")
     comm = RingComm(group, timeout=timeout)
     _same_batch_everywhere(batch, comm)
+    _same_weights_everywhere(model, comm)
     if int(_targets(batch, layout)[3]) == 0:  # (the same batch everywhere: the same on every rank)
         raise ValueError("check_exactness: the batch has no target to check (every label ignored or padding)")
 
@@ -280,6 +282,28 @@ def _same_batch_everywhere(batch, comm) -> None:
         raise ValueError(
             "check_exactness: the ranks of the group passed different batches; give every rank the same full batch "
             "(shard_batch cuts each rank's share from it)"
+        )
+
+
+def _same_weights_everywhere(model, comm) -> None:
+    """ValueError on every rank unless every rank of ``comm``'s group holds the same weights: each parameter's sum and
+    sum of squares (float64, on its device), their largest and smallest over the group (two small all-reduces)."""
+    if comm.world_size == 1:
+        return
+    names, sums = [], []
+    for n, p in model.named_parameters():
+        x = p.detach().double()
+        names.append(n)
+        sums.append(torch.stack([x.sum(), x.square().sum()]).cpu())
+    mine = torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
+    high = comm.all_reduce_max(mine, what="the check of the weights")
+    low = -comm.all_reduce_max(-mine, what="the check of the weights")
+    differ = [n for n, h, lo in zip(names, high, low) if not torch.equal(h, lo)]
+    if differ:
+        raise ValueError(
+            f"check_exactness: the ranks of the group hold different weights ({len(differ)} parameter(s), first "
+            f"{differ[0]}): give every rank the same model (LoRA adapters, for one, are initialised from each "
+            "process's random state: call transformers.set_seed(seed) before creating them)"
         )
 
 

@@ -111,6 +111,10 @@ def _worker(rank: int, world_size: int) -> dict:
 
     batch = make_batch("plain", 45, seed=1 + rank)[0]  # (each rank its own batch)
     out["different"] = error(lambda: hf_ring.check_exactness(make_model("llama"), batch))
+    different = make_model("llama")
+    with torch.no_grad():
+        different.model.norm.weight.add_(rank)  # (rank 1's copy differs)
+    out["different_weights"] = error(lambda: hf_ring.check_exactness(different, make_batch("plain", 45)[0]))
     out["no_labels"] = error(lambda: hf_ring.check_exactness(make_model("llama"), {"input_ids": batch["input_ids"]}))
     out["settings"] = error(lambda: hf_ring.check_exactness(patched, make_batch("plain", 45)[0], layout="zigzag"))
     out["after"] = hf_ring.check_exactness(make_model("llama"), make_batch("plain", 45)[0]).ok  # the group goes on
@@ -141,6 +145,7 @@ def test_check_exactness_passes_exact_runs_fails_a_broken_one_and_restores_the_m
         refused = r["one_refuses"]
         assert refused.ok and refused.reference_dtype is None and "rank(s) [1]" in refused.note, str(refused)
         assert "different batches" in r["different"], r["different"]
+        assert "different weights (1 parameter(s), first model.norm.weight)" in r["different_weights"]
         assert "with labels" in r["no_labels"], r["no_labels"]
         assert "leave layout unset" in r["settings"], r["settings"]
         assert r["after"]
@@ -206,3 +211,30 @@ def test_the_trainer_checks_its_model_on_its_first_batch(tmp_path):
         trainer.train()  # (the check left it trainable)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_the_command_line_check_on_two_processes(tmp_path):
+    """``torchrun -m hf_ring.check`` on a saved tiny Llama: LoRA on packed random tokens, over 2 CPU processes (its
+    adapters seeded alike on both: unseeded, each process draws its own); the report printed once, exit status 0. A
+    batch without a target to check (``--seq-len 1``) ends with its error and a non-zero status."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.train_utils import REPO, tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "model")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+    def run(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "hf_ring.check", "--model", str(tmp_path / "model"), *args]  # fmt: skip
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+    ok = run("--seq-len", "64", "--batch-size", "2", "--packed", "--lora")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.count("hf_ring exactness check: OK") == 1 and "2 rank(s)" in ok.stdout, ok.stdout
+    assert "lora_" in ok.stdout  # (only the adapters take gradients: the worst one is an adapter's)
+    bad = run("--seq-len", "1")
+    assert bad.returncode != 0 and "no target to check" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
