@@ -27,11 +27,13 @@ $(COMPAT)/.installed: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(COMPAT) "transformers==5.17.0" "huggingface-hub>=1.5,<2" "httpx<1" "httpcore<2"
 	touch $@
 
+# On 5.17 the parity cases run at 1 and 2 ranks: what differs between the releases is the models' code, which 2 ranks
+# reach; 4 ranks run on 5.24 (and on 5.17 under make test-gpu-image).
 test: $(STAMP) $(COMPAT)/.installed  ## the CI suite (CPU; Triton in its interpreter), then the Transformers tests on 5.17
 	$(PY) -m pytest -q -m "not slow and not gpu"
 	PYTHONPATH=$(COMPAT) $(PY) -m pytest -q -m "not slow and not gpu" tests/test_hf_apply.py tests/test_hf_parity.py tests/test_generate.py \
 		tests/test_chunked_loss.py tests/test_offload.py tests/test_vision_language_cp.py tests/test_linear_attention.py \
-		tests/test_compressed.py
+		tests/test_compressed.py tests/test_exactness.py --deselect "tests/test_hf_parity.py::test_hf_integration_distributed[4]"
 
 $(IMAGE)/.installed: pyproject.toml
 	python3 -m venv $(IMAGE)
