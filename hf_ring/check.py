@@ -6,7 +6,10 @@ Every process loads the model (``AutoModelForCausalLM.from_pretrained``: a Hub i
 (``cuda:LOCAL_RANK`` when CUDA is there, else the CPU), builds the same batch of random tokens (``--seed``; labels
 equal to the tokens; ``--padded``: the last row left-padded by a quarter of its length; ``--packed``: each row
 three documents of restarting positions), optionally wraps the model in LoRA adapters (``--lora``: PEFT on every
-linear layer, so that only the adapters take gradients), and runs the check over all processes (one CP group).
+linear layer, both matrices drawn at random and alike on every process, so that only the adapters take gradients and
+all of them are checked), and runs the check over all processes (one CP group). Random tokens may hit a
+vision-language model's image placeholder ids: check such models through ``hf_ring.check_exactness`` with a batch
+of the processor's.
 Rank 0 prints the report; the exit status is 0 when it passed, 1 when it failed.
 
 The batch is random tokens: what is checked is the configuration (family, dtype, layout, backend, padding, packing,
@@ -74,11 +77,13 @@ def main(argv=None) -> int:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    created = world > 1 and not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl" if cuda else "gloo")
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).to(device)
         if args.lora:
@@ -86,7 +91,9 @@ def main(argv=None) -> int:
             from transformers import set_seed
 
             set_seed(args.seed)  # (the same adapters on every process)
-            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+            # (B drawn at random too, not zeros: else A's gradients would be zeros, checked for nothing)
+            lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+            model = get_peft_model(model, lora)
         vocab = model.get_input_embeddings().weight.shape[0]
         batch = random_batch(vocab, args.batch_size, args.seq_len, padded=args.padded, packed=args.packed,
                              seed=args.seed)  # fmt: skip
@@ -100,7 +107,7 @@ def main(argv=None) -> int:
             print(report, flush=True)
         return 0 if report.ok else 1
     finally:
-        if dist.is_initialized():
+        if created:
             dist.destroy_process_group()
 
 

@@ -29,7 +29,8 @@ says so (``note``).
 The model is in eval mode during the check (dropout would draw other masks in each run) and comes back as it was:
 every module's mode, its dtypes, gradients and attention (a model patched by ``apply_ring_attention`` is checked with its settings;
 an unpatched one with the arguments given, and unpatched after). Every rank must pass the same batch and hold the same
-weights (both checked: a digest of the batch, each parameter's sum and sum of squares).
+weights (both checked: a digest of the batch and of the parameters' names and shapes, exact sums of each parameter's
+bit patterns).
 Memory: each rank runs the whole batch, so check at a length one device holds (the configuration is checked, not the
 length), and holds the weights in the wider dtype during that run, and both runs' gradients on the CPU. The check
 runs in the dtype the model's weights have: call it outside ``torch.autocast`` (under autocast the yardstick would be
@@ -159,6 +160,10 @@ def check_exactness(
         raise ValueError(f"reference_dtype must be 'wider', a floating torch.dtype or None, got {reference_dtype!r}")
     if wide is not None and torch.finfo(wide).eps > torch.finfo(dtype).eps:
         raise ValueError(f"reference_dtype {_name(wide)} is narrower than the model's {_name(dtype)}: no yardstick")
+    sharded = _sharded(model)
+    if sharded:
+        raise ValueError(f"check_exactness runs the whole model on every rank, but {sharded}: check the model before "
+                         "FSDP2 or DeepSpeed shard it (before prepare / train; with ZeRO-3, before zero.Init)")  # fmt: skip
     comm = RingComm(group, timeout=timeout)
     _same_batch_everywhere(batch, comm)
     _same_weights_everywhere(model, comm)
@@ -285,17 +290,50 @@ def _same_batch_everywhere(batch, comm) -> None:
         )
 
 
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_sums(p: torch.Tensor, chunk: int = 1 << 24) -> list[int]:
+    """Two sums of ``p``'s bit patterns as integers (plain, and weighted by position modulo 65521), exact and in any
+    order the same (int64, wrapping), over chunks of ``chunk`` elements (no full-size copy)."""
+    flat = p.detach().reshape(-1)
+    bits = flat.view(_INTS[flat.element_size()]) if flat.is_floating_point() else flat
+    plain = weighted = 0
+    for start in range(0, bits.numel(), chunk):
+        x = bits[start : start + chunk].to(torch.int64)
+        w = torch.arange(start, start + x.numel(), device=x.device).remainder_(65521).add_(1)
+        plain += int(x.sum())
+        weighted += int((x * w).sum())
+    wrap = lambda v: (v + (1 << 63)) % (1 << 64) - (1 << 63)  # noqa: E731 - (int64, as the tensors' sums wrap)
+    return [wrap(plain), wrap(weighted)]
+
+
 def _same_weights_everywhere(model, comm) -> None:
-    """ValueError on every rank unless every rank of ``comm``'s group holds the same weights: each parameter's sum and
-    sum of squares (float64, on its device), their largest and smallest over the group (two small all-reduces)."""
+    """ValueError on every rank unless every rank of ``comm``'s group holds the same parameters (names and shapes: a
+    digest, one all-gather) with the same values (two exact sums of each one's bit patterns, their largest and
+    smallest over the group: two all-reduces). A rank that fails to read its weights (out of memory, say) makes every
+    rank raise. Parameters sharded by FSDP2 or DeepSpeed ZeRO-3 are refused before (the same on every rank)."""
     if comm.world_size == 1:
         return
-    names, sums = [], []
-    for n, p in model.named_parameters():
-        x = p.detach().double()
-        names.append(n)
-        sums.append(torch.stack([x.sum(), x.square().sum()]).cpu())
-    mine = torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
+    names, sums, failure = [], [], None
+    digest = hashlib.blake2b(digest_size=7)
+    try:
+        for n, p in model.named_parameters():
+            names.append(n)
+            digest.update(f"{n} {p.dtype} {tuple(p.shape)};".encode())
+            sums.append(_bit_sums(p))
+    except Exception as e:  # (raised below, once every rank knows: none waits in a collective)
+        failure = e
+    every = comm.all_gather_ints([int(failure is not None), int.from_bytes(digest.digest(), "little")])
+    if failure is not None:
+        raise failure
+    if any(e[0] for e in every):
+        raise RuntimeError(f"check_exactness: rank(s) {[r for r, e in enumerate(every) if e[0]]} of the group "
+                           "failed to read their weights; see their errors")  # fmt: skip
+    if any(e[1] != every[0][1] for e in every):
+        raise ValueError("check_exactness: the ranks of the group hold models of different parameters (names, "
+                         "dtypes or shapes): give every rank the same model")  # fmt: skip
+    mine = torch.tensor(sums, dtype=torch.int64).reshape(-1, 2)
     high = comm.all_reduce_max(mine, what="the check of the weights")
     low = -comm.all_reduce_max(-mine, what="the check of the weights")
     differ = [n for n, h, lo in zip(names, high, low) if not torch.equal(h, lo)]
@@ -305,6 +343,17 @@ def _same_weights_everywhere(model, comm) -> None:
             f"{differ[0]}): give every rank the same model (LoRA adapters, for one, are initialised from each "
             "process's random state: call transformers.set_seed(seed) before creating them)"
         )
+
+
+def _sharded(model) -> str | None:
+    """Why ``model``'s parameters are not whole on this rank (FSDP2's DTensors, DeepSpeed ZeRO-3's partitions), or
+    None."""
+    for n, p in model.named_parameters():
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            return f"{n} is sharded by FSDP2 (a DTensor)"
+        if hasattr(p, "ds_id"):
+            return f"{n} is partitioned by DeepSpeed ZeRO"
+    return None
 
 
 @contextlib.contextmanager

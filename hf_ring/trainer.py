@@ -92,22 +92,36 @@ class RingAttentionTrainerMixin:
     def check_exactness(self, batch: dict | None = None, *, reference_dtype="wider"):
         """``hf_ring.check_exactness`` of this trainer's model (its CP group, settings and loss, as ``train`` runs
         them) on ``batch``, or on the training collator's batch of the train dataset's first
-        ``per_device_train_batch_size`` examples (the same on every rank). Call it before ``train``; every rank
-        calls it. Returns the ``ExactnessReport``; the model comes back as it was."""
+        ``per_device_train_batch_size`` examples (an iterable dataset's first ones: a one-shot stream loses them;
+        every rank must see the same). Call it before ``train``, on every rank, with the model whole on each (before
+        FSDP or DeepSpeed shard it). Returns the ``ExactnessReport``; the model comes back as it was. For trainers
+        whose loss is the language-model loss (``RingAttentionTrainer``, ``RingSFTTrainer``)."""
+        from itertools import islice
+
         from .exactness import check_exactness
 
+        if not self.shards_batches:
+            raise ValueError(
+                f"{type(self).__name__}.check_exactness: this trainer's loss is computed from the sequences' "
+                "log-probabilities, not the language-model loss the check compares; check the model with "
+                "RingAttentionTrainer or hf_ring.check_exactness on a batch with labels"
+            )
         if batch is None:
             dataset, collator = self.train_dataset, self.data_collator
-            if hasattr(dataset, "column_names"):  # (a datasets.Dataset: the columns the model takes, as train does)
+            try:
+                import datasets
+            except ImportError:
+                datasets = None
+            if datasets is not None and isinstance(dataset, datasets.Dataset):  # (as the Trainer's loaders do)
                 dataset = self._remove_unused_columns(dataset, description="training")
             else:
                 collator = self._get_collator_with_removed_columns(collator, description="training")
             n = self.args.per_device_train_batch_size
-            rows = [dataset[i] for i in range(min(n, len(dataset)))] if hasattr(dataset, "__len__") else []
-            if not rows:  # (an iterable dataset)
-                rows = [row for row, _ in zip(dataset, range(n))]
+            iterable = isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__")
+            iterable = iterable or (datasets is not None and isinstance(dataset, datasets.IterableDataset))
+            rows = list(islice(iter(dataset), n)) if iterable else [dataset[i] for i in range(min(n, len(dataset)))]
             batch = collator(rows)
-        device = self.args.device
+        device = next(self.model.parameters()).device  # (FSDP / DeepSpeed leave it on the CPU until train)
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dict(batch).items()}
         return check_exactness(self.model, batch, chunk_multiple=self.ring_setup.chunks.value,
                                reference_dtype=reference_dtype)  # fmt: skip

@@ -128,7 +128,7 @@ def worker(out: Path) -> None:
     data = token_dataset(BATCH * dp * (STEPS * GA + 1), SEQ_LEN)
 
     # the exactness check before prepare: over each CP group, every DP group its own batch
-    d = rank // 2
+    d = plugin.setup(accelerator).dp_rank
     check = plugin.check_exactness(accelerator, tiny_llama(), collate(data[d * BATCH : (d + 1) * BATCH]))
     res["check"] = {"ok": check.ok, "ranks": check.ranks, "reference_loss": check.reference_loss}
 

@@ -115,6 +115,8 @@ def _worker(rank: int, world_size: int) -> dict:
     with torch.no_grad():
         different.model.norm.weight.add_(rank)  # (rank 1's copy differs)
     out["different_weights"] = error(lambda: hf_ring.check_exactness(different, make_batch("plain", 45)[0]))
+    other = make_model("llama", **({"intermediate_size": 40} if rank else {}))  # (rank 1's model is another)
+    out["different_model"] = error(lambda: hf_ring.check_exactness(other, make_batch("plain", 45)[0]))
     out["no_labels"] = error(lambda: hf_ring.check_exactness(make_model("llama"), {"input_ids": batch["input_ids"]}))
     out["settings"] = error(lambda: hf_ring.check_exactness(patched, make_batch("plain", 45)[0], layout="zigzag"))
     out["after"] = hf_ring.check_exactness(make_model("llama"), make_batch("plain", 45)[0]).ok  # the group goes on
@@ -146,6 +148,7 @@ def test_check_exactness_passes_exact_runs_fails_a_broken_one_and_restores_the_m
         assert refused.ok and refused.reference_dtype is None and "rank(s) [1]" in refused.note, str(refused)
         assert "different batches" in r["different"], r["different"]
         assert "different weights (1 parameter(s), first model.norm.weight)" in r["different_weights"]
+        assert "models of different parameters" in r["different_model"], r["different_model"]
         assert "with labels" in r["no_labels"], r["no_labels"]
         assert "leave layout unset" in r["settings"], r["settings"]
         assert r["after"]
@@ -209,6 +212,25 @@ def test_the_trainer_checks_its_model_on_its_first_batch(tmp_path):
         assert report.ok and report.ranks == 1 and report.reference_dtype == torch.float64, str(report)
         assert is_chunked(model) and any(hasattr(m, CONFIG_ATTR) for m in model.modules())
         trainer.train()  # (the check left it trainable)
+
+        class Stream(torch.utils.data.IterableDataset):  # (with a length: still read by iterating)
+            def __iter__(self):
+                return iter(token_dataset(4, 21, seed=2))
+
+            def __len__(self):
+                return 4
+
+        trainer = RingAttentionTrainer(model=tiny_llama(), args=trainer_args(tmp_path, "stream"),
+                                       train_dataset=Stream(), data_collator=collate,
+                                       ring_plugin=RingAttentionPlugin(cp_size=1))  # fmt: skip
+        assert trainer.check_exactness().ok
+        trainer.model.model.norm.weight.ds_id = 0  # (as DeepSpeed ZeRO-3 marks a partitioned parameter)
+        with pytest.raises(ValueError, match="partitioned by DeepSpeed ZeRO"):
+            trainer.check_exactness()
+        del trainer.model.model.norm.weight.ds_id
+        trainer.shards_batches = False  # (the preference and online trainers: their loss is not the LM loss)
+        with pytest.raises(ValueError, match="log-probabilities"):
+            trainer.check_exactness()
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 
