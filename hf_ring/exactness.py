@@ -361,17 +361,18 @@ def _cast(model, dtype: torch.dtype):
     """``model``'s floating parameters and buffers in ``dtype`` inside the block; afterwards the very tensors it had
     (nothing is rounded back)."""
     params, buffers, seen = [], [], set()
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None and p.is_floating_point() and p.dtype != dtype and id(p) not in seen:
-                seen.add(id(p))
-                params.append((p, p.data))
-                p.data = p.data.to(dtype)
-        for name, b in module._buffers.items():
-            if b is not None and b.is_floating_point() and b.dtype != dtype:
-                buffers.append((module, name, b))
-                module._buffers[name] = b.to(dtype)
-    try:
+    try:  # (a cast that fails half way, out of memory say, gives back what it had cast)
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None and p.is_floating_point() and p.dtype != dtype and id(p) not in seen:
+                    seen.add(id(p))
+                    data = p.data
+                    p.data = data.to(dtype)
+                    params.append((p, data))
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    module._buffers[name] = b.to(dtype)
+                    buffers.append((module, name, b))
         yield
     finally:
         for p, data in params:

@@ -260,3 +260,29 @@ def test_the_command_line_check_on_two_processes(tmp_path):
     assert "lora_" in ok.stdout  # (only the adapters take gradients: the worst one is an adapter's)
     bad = run("--seq-len", "1")
     assert bad.returncode != 0 and "no target to check" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+
+
+def test_a_cast_that_fails_half_way_gives_back_what_it_cast():
+    """The yardstick's cast, failing at the third parameter (as out of memory would): every parameter back in its
+    own tensor and dtype."""
+    from hf_ring import exactness
+
+    model = make_model("llama")
+    before = _state(model)
+    count = {"n": 0}
+    true_to = torch.Tensor.to
+
+    def failing_to(self, *args, **kwargs):
+        if args and args[0] is torch.float64:
+            count["n"] += 1
+            if count["n"] == 3:
+                raise torch.OutOfMemoryError("out of memory (a stand-in)")
+        return true_to(self, *args, **kwargs)
+
+    torch.Tensor.to = failing_to
+    try:
+        with pytest.raises(torch.OutOfMemoryError), exactness._cast(model, torch.float64):
+            pass
+    finally:
+        torch.Tensor.to = true_to
+    assert count["n"] == 3 and _same_state(model, before)
