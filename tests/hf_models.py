@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-__all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "errors", "grads", "make_batch", "make_config", "make_model",
+__all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCALE_FACTOR", "VOCAB", "error_of", "errors", "grads", "make_batch", "make_config", "make_model",
            "prepare", "reference_step", "rel", "ring_step", "text_only", "with_token_types"]  # fmt: skip
 
 VOCAB = 96
@@ -1624,6 +1624,15 @@ def grads(model) -> dict:
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def error_of(fn) -> str:
+    """The message of the ValueError ``fn()`` raises, or "no error" (the refusal tests assert on it, on every rank)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def one_document(model, batch: dict) -> dict:

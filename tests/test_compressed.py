@@ -10,17 +10,9 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.hf_models import in_transformers, make_batch, make_model
+from tests.hf_models import error_of, in_transformers, make_batch, make_model
 
 pytestmark = pytest.mark.skipif(not in_transformers("deepseek_v4"), reason="DeepSeek-V4 needs a later Transformers")
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
 
 
 def _errors_worker(rank: int, world_size: int) -> dict:
@@ -40,26 +32,28 @@ def _errors_worker(rank: int, world_size: int) -> dict:
 
     short, _ = make_batch("plain", 40, family="deepseek_v4")  # zig-zag chunks of 10 tokens over 2 ranks
     out = {
-        "striped": _error(lambda: step(batch, "striped")),
-        "chunks": _error(lambda: step(short)),
-        "packed": _error(lambda: step(packed)),
-        "ulysses": _error(lambda: step(batch, ulysses_size=2)),
+        "striped": error_of(lambda: step(batch, "striped")),
+        "chunks": error_of(lambda: step(short)),
+        "packed": error_of(lambda: step(packed)),
+        "ulysses": error_of(lambda: step(batch, ulysses_size=2)),
     }
     shifted = dict(batch, position_ids=torch.arange(48)[None].expand(2, -1) + 3)  # (windows not ended by a query)
-    out["shifted"] = _error(lambda: step(shifted))
+    out["shifted"] = error_of(lambda: step(shifted))
     # only rank 1's positions are wrong (shifted after sharding): every rank raises, at the first layer (a sliding
     # one, which joins the ring's pre-flight exchange), not at the first compressed one, after a ring call
     counted = dict(batch, position_ids=torch.arange(48)[None].expand(2, -1))
     hf_ring.apply_ring_attention(model)
     local = hf_ring.shard_batch(counted)
     local["position_ids"] = local["position_ids"] + rank
-    out["one_rank"] = _error(lambda: model(**local))
+    out["one_rank"] = error_of(lambda: model(**local))
     hf_ring.revert_ring_attention(model)
     model.set_attn_implementation("hf_ring")  # switched by name only: the compressors run on one rank's tokens
-    out["by_name"] = _error(lambda: model(**hf_ring.shard_batch(batch)))
+    out["by_name"] = error_of(lambda: model(**hf_ring.shard_batch(batch)))
     model.set_attn_implementation("eager")
     hf_ring.apply_ring_attention(model)
-    out["generate"] = _error(lambda: hf_ring.ring_generate(model, {"input_ids": batch["input_ids"]}, max_new_tokens=2))
+    out["generate"] = error_of(
+        lambda: hf_ring.ring_generate(model, {"input_ids": batch["input_ids"]}, max_new_tokens=2)
+    )
     hf_ring.revert_ring_attention(model)
     step(batch)  # the group goes on
     out["after"] = True

@@ -21,6 +21,7 @@ from tests.hf_models import (
     DYNAMIC_FULL_LAYERS,
     LONGROPE,
     RTOL_DECAY,
+    error_of,
     in_transformers,
     make_batch,
     make_model,
@@ -756,14 +757,6 @@ def _parity(rank: int, names: list) -> dict:
     return results
 
 
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 def _distributed_errors(rank: int, world_size: int) -> dict:
     """Every error must reach every rank, and leave the group usable (no rank stuck in a collective)."""
     import copy
@@ -782,22 +775,22 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     local = hf_ring.shard_batch(batch)
     n = local["input_ids"].shape[1]
     out = {
-        "not_multiple": _error_of(lambda: hf_ring.shard_batch(batch, pad_to_multiple=False)),
-        "attention_mask": _error_of(lambda: model(**local, attention_mask=torch.ones(2, n, dtype=torch.long))),
+        "not_multiple": error_of(lambda: hf_ring.shard_batch(batch, pad_to_multiple=False)),
+        "attention_mask": error_of(lambda: model(**local, attention_mask=torch.ones(2, n, dtype=torch.long))),
         # shard_batch and apply_ring_attention disagree: layout, or group (here: shards of a half-size group)
-        "layout_mismatch": _error_of(lambda: model(**hf_ring.shard_batch(batch, layout="contiguous"))),
+        "layout_mismatch": error_of(lambda: model(**hf_ring.shard_batch(batch, layout="contiguous"))),
     }
     half = world_size // 2
     halves = [dist.new_group(list(range(i, i + half))) for i in range(0, world_size, half)]  # collective: all ranks
     sub = halves[rank // half]
-    out["group_mismatch"] = _error_of(lambda: model(**hf_ring.shard_batch(batch, group=sub)))
+    out["group_mismatch"] = error_of(lambda: model(**hf_ring.shard_batch(batch, group=sub)))
 
     model.config.attention_dropout = 0.1
     for m in model.modules():
         if hasattr(m, "attention_dropout"):
             m.attention_dropout = 0.1
     model.train()
-    out["dropout"] = _error_of(lambda: model(**local))
+    out["dropout"] = error_of(lambda: model(**local))
     model.eval()  # dropout is off in eval mode: the same model runs
     out["eval_runs"] = bool(torch.isfinite(model(**local).loss))
     # the flash-attention packing kwargs (global boundaries) reach the same masks as shard_batch's ids
@@ -818,9 +811,9 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     restart = hf_ring.shard(
         torch.cat([torch.arange(36), torch.arange(12)])[None], dim=1, rank=rank, world_size=world_size
     )
-    out["by_hand_restart"] = _error_of(lambda: model(input_ids=ids, position_ids=restart))
+    out["by_hand_restart"] = error_of(lambda: model(input_ids=ids, position_ids=restart))
     out["by_hand_restart_mine"] = bool((restart != pos[:1]).any())  # this rank's own positions are wrong
-    out["by_hand_local"] = _error_of(lambda: model(input_ids=ids))  # Transformers' default: local 0..n-1
+    out["by_hand_local"] = error_of(lambda: model(input_ids=ids))  # Transformers' default: local 0..n-1
     hf_ring.revert_ring_attention(model)
     # Llama 4's layers are not given position_ids: the attention reads the model's (or sees there are none)
     llama4 = hf_ring.apply_ring_attention(make_model("llama4_text"))
@@ -828,23 +821,23 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
         out["llama4_by_hand_global"] = (
             (llama4(input_ids=ids, position_ids=pos).logits - llama4(**plain).logits).abs().max().item()
         )
-    out["llama4_by_hand_restart"] = _error_of(lambda: llama4(input_ids=ids, position_ids=restart))
-    out["llama4_by_hand_local"] = _error_of(lambda: llama4(input_ids=ids))
+    out["llama4_by_hand_restart"] = error_of(lambda: llama4(input_ids=ids, position_ids=restart))
+    out["llama4_by_hand_local"] = error_of(lambda: llama4(input_ids=ids))
     # DeepSeek sparse attention gathers its indexer keys after the ring's check: a rank that sees the mistake joins
     # that check, the others learn of it there and never reach the gather; the group goes on
     sparse = hf_ring.apply_ring_attention(make_model("deepseek_v32"))
-    out["sparse_by_hand_restart"] = _error_of(lambda: sparse(input_ids=ids, position_ids=restart))
+    out["sparse_by_hand_restart"] = error_of(lambda: sparse(input_ids=ids, position_ids=restart))
     with torch.no_grad():
         out["sparse_after"] = bool(torch.isfinite(sparse(**plain).logits).all())
     # with the Ulysses x Ring hybrid: the same (its selection travels with the keys after the check)
     hybrid_sparse = hf_ring.apply_ring_attention(make_model("deepseek_v32"), ulysses_size=2)
-    out["sparse_ulysses_by_hand_restart"] = _error_of(lambda: hybrid_sparse(input_ids=ids, position_ids=restart))
+    out["sparse_ulysses_by_hand_restart"] = error_of(lambda: hybrid_sparse(input_ids=ids, position_ids=restart))
     with torch.no_grad():
         out["sparse_ulysses_after"] = bool(torch.isfinite(hybrid_sparse(**plain).logits).all())
     # switched by attn_implementation alone: its layer without RoPE would scale queries by the shard's index
     unpatched = make_model("llama4_text")
     unpatched.set_attn_implementation("hf_ring")
-    out["llama4_not_applied"] = _error_of(lambda: unpatched(**plain))
+    out["llama4_not_applied"] = error_of(lambda: unpatched(**plain))
 
     # a model whose decoder layers drop the batch's keywords (the document ids) and lend nothing (Nemotron without
     # its lending hooks): padding or packing raises, plain batches run (their positions reach the attention)
@@ -852,7 +845,7 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     _lend.remove(dropping)
     for kind in ("padded", "packed"):
         shards = hf_ring.shard_batch(make_batch(kind, 40)[0])
-        out[f"dropped_{kind}"] = _error_of(functools.partial(dropping, **shards))
+        out[f"dropped_{kind}"] = error_of(functools.partial(dropping, **shards))
     even = hf_ring.shard_batch(make_batch("plain", 40)[0])  # 40: a multiple of 2 x world, nothing padded
     out["dropped_plain"] = bool(torch.isfinite(dropping(**even).loss))
 
@@ -865,12 +858,12 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     sub_local = hf_ring.shard_batch(batch, group=sub)
     with torch.no_grad():
         out["deepcopy_loss"] = (twin(**sub_local).loss - cp_model(**sub_local).loss).item()
-    out["group_mismatch_dp"] = _error_of(lambda: twin(**local))  # shard_batch(group=None): the whole world
+    out["group_mismatch_dp"] = error_of(lambda: twin(**local))  # shard_batch(group=None): the whole world
     with warnings.catch_warnings(record=True) as caught:  # pickling drops the group, with a warning
         warnings.simplefilter("always")
         loaded = pickle.loads(pickle.dumps(twin))
     out["pickle_warned"] = any("drops the group" in str(w.message) for w in caught)
-    out["pickled_forward"] = _error_of(lambda: loaded(**sub_local))
+    out["pickled_forward"] = error_of(lambda: loaded(**sub_local))
     hf_ring.apply_ring_attention(loaded, group=sub)
     with torch.no_grad():
         out["pickled_reapplied"] = (loaded(**sub_local).loss - cp_model(**sub_local).loss).item()
@@ -907,7 +900,7 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     vlm = hf_ring.apply_ring_attention(make_model("gemma4"))
     with torch.no_grad():
         vlm(**local)
-        out["vlm_images"] = _error_of(lambda: vlm(**local, input_features=torch.zeros(1, 20, 128)))
+        out["vlm_images"] = error_of(lambda: vlm(**local, input_features=torch.zeros(1, 20, 128)))
         out["vlm_after"] = bool(torch.isfinite(vlm(**local).loss))
     # a family that takes images, its input_ids cut by hand (not through shard_batch): every rank raises
     images, _ = make_batch("images", 40, family="qwen2_vl")
@@ -915,7 +908,7 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
                for k, v in images.items() if k != "labels"}  # fmt: skip
     qwen = hf_ring.apply_ring_attention(make_model("qwen2_vl", images=True))
     with torch.no_grad():
-        out["vlm_images_by_hand"] = _error_of(lambda: qwen(**by_hand))
+        out["vlm_images_by_hand"] = error_of(lambda: qwen(**by_hand))
 
     alive = torch.ones(1)
     dist.all_reduce(alive)

@@ -19,6 +19,7 @@ from hf_ring.linear_attention import causal_conv1d, chunks, diagonal_scan, gated
 from tests.dist_utils import run_distributed
 from tests.hf_models import (
     RTOL_DECAY,
+    error_of,
     errors,
     grads,
     make_batch,
@@ -691,13 +692,6 @@ def test_gpu_fla_kernel_through_the_sharded_rule():
 def _hf_worker(rank: int, world: int) -> dict:
     """The Transformers integration on a tiny Qwen3.5: its refusals on every rank, the group usable after them."""
     out = {}
-
-    def error_of(fn):
-        try:
-            fn()
-        except ValueError as e:
-            return str(e)
-        return "no error"
 
     model = hf_ring.apply_ring_attention(make_model("qwen3_5_text"))
     plain, _ = make_batch("plain", 40)
