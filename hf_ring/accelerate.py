@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .apply import unwrap_transformers_model
+from .batch import check_chunk_multiple
 from .engines import (
     check_ddp_reaches_every_parameter,
     data_parallel_scheduler,
@@ -338,9 +339,7 @@ class RingAttentionPlugin:
         for name in ("chunked_loss", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
-        m = self.chunk_multiple
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(f"chunk_multiple must be a positive int or None, got {m!r}")
+        check_chunk_multiple(self.chunk_multiple, optional=True)
         check_chunk_size(self.loss_chunk_size, "loss_chunk_size")
         check_loss_backend(self.loss_backend, "loss_backend")
 

@@ -49,7 +49,7 @@ from .layout import (
 )
 
 __all__ = ["shard_batch", "shard_for", "reduce_loss", "carries", "multimodal", "per_token_key", "IGNORE_INDEX",
-           "CROSS_KEYS", "MEDIA_KEYS", "PER_IMAGE_KEYS", "TOKEN_TYPE_KEYS", "pad_tokens"]  # fmt: skip
+           "CROSS_KEYS", "MEDIA_KEYS", "PER_IMAGE_KEYS", "TOKEN_TYPE_KEYS", "check_chunk_multiple", "pad_tokens"]  # fmt: skip
 
 IGNORE_INDEX = -100
 
@@ -186,6 +186,14 @@ def _validate(batch) -> tuple:
     return input_ids, labels, mask, pos, media
 
 
+def check_chunk_multiple(value, *, optional: bool = False) -> None:
+    """ValueError unless ``value`` is a positive int (or, ``optional``, None): ``shard_batch``'s ``chunk_multiple``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"chunk_multiple must be a positive int{' or None' if optional else ''}, got {value!r}")
+
+
 def pad_tokens(x: torch.Tensor, pad: int, *, left: bool = False) -> torch.Tensor:
     """``x`` [batch, seq, ...] (token types, a cross-attention mask) with ``pad`` zeros after its tokens along
     dimension 1, or before them (``left``: ``ring_generate``'s prompt padding)."""
@@ -246,8 +254,7 @@ def shard_for(
     """``shard_batch`` for the ``rank`` of ``world`` CP ranks given as numbers: it communicates nothing, so it runs
     where no process group exists (a DataLoader worker started with ``spawn`` or ``forkserver``)."""
     check_layout(layout)
-    if isinstance(chunk_multiple, bool) or not isinstance(chunk_multiple, int) or chunk_multiple < 1:
-        raise ValueError(f"chunk_multiple must be a positive int, got {chunk_multiple!r}")
+    check_chunk_multiple(chunk_multiple)
     input_ids, labels, mask, pos, media = _validate(batch)
     whole = media and all(batch.get(k) is None for k in CROSS_KEYS)  # (images by cross-attention: the text sharded)
     b, s = input_ids.shape

@@ -167,7 +167,8 @@ def check_exactness(
     comm = RingComm(group, timeout=timeout)
     _same_batch_everywhere(batch, comm)
     _same_weights_everywhere(model, comm)
-    if int(_targets(batch, layout)[3]) == 0:  # (the same batch everywhere: the same on every rank)
+    whole = _targets(batch, layout)  # (the reference's targets and documents, for every run of it)
+    if int(whole[3]) == 0:  # (the same batch everywhere: the same on every rank)
         raise ValueError("check_exactness: the batch has no target to check (every label ignored or padding)")
 
     saved = {p: p.grad for p in model.parameters()}
@@ -182,11 +183,11 @@ def check_exactness(
             own = yardstick = failure = None
             note = ""
             try:  # 1. the unmodified model in its dtype; 2. in the wider one (their gradients on the CPU)
-                own = _reference(model, batch, layout, dtype), _cpu_grads(params)
+                own = _reference(model, batch, whole, dtype), _cpu_grads(params)
                 if wide is not None:
                     try:
                         with _cast(model, wide):
-                            yardstick = _reference(model, batch, layout, wide), _cpu_grads(params)
+                            yardstick = _reference(model, batch, whole, wide), _cpu_grads(params)
                     except torch.OutOfMemoryError:
                         raise
                     except (RuntimeError, NotImplementedError, TypeError) as e:  # a kernel without that dtype
@@ -404,10 +405,10 @@ def _targets(batch, layout: str) -> tuple[dict, torch.Tensor, torch.Tensor | Non
     return local, local["shift_labels"][:, :s], None if docs is None else docs[:, :s], local["num_items_in_batch"]
 
 
-def _reference(model, batch, layout: str, dtype: torch.dtype) -> torch.Tensor:
+def _reference(model, batch, whole: tuple, dtype: torch.dtype) -> torch.Tensor:
     """The unmodified model's loss on the whole batch (its cross-entropy in fp32, float64 for a float64 run); its
-    gradients left in the parameters' ``grad``."""
-    local, targets, docs, count = _targets(batch, layout)
+    gradients left in the parameters' ``grad``. ``whole``: the batch's ``_targets``."""
+    local, targets, docs, count = whole
     model.zero_grad(set_to_none=True)
     if docs is not None and bool((docs > 0).any()):  # packed: each document alone, its logits put back in the row
         pos = local["position_ids"][:, : targets.shape[1]]
