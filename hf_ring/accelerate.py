@@ -478,9 +478,10 @@ class RingAttentionPlugin:
     def check_exactness(self, accelerator, model, batch, *, reference_dtype="wider"):
         """``hf_ring.check_exactness`` over this rank's CP group with the plugin's settings, and with the chunked loss
         if the plugin computes the loss that way (what ``prepare`` will train): call it before ``prepare``, with the
-        model unwrapped and this CP group's full batch (every DP group checks its own). Returns the
-        ``ExactnessReport``; the model comes back as it was."""
-        from .exactness import check_exactness
+        model unwrapped and this CP group's full batch (every DP group checks its own). It runs on
+        ``accelerator.device``: a model elsewhere (on the CPU, for FSDP2 to shard) is moved there for the check and
+        back. Returns the ``ExactnessReport``; the model comes back as it was."""
+        from .exactness import check_exactness, on_device
         from .loss import apply_chunked_loss, is_chunked, revert_chunked_loss
 
         _check_supported_model(model)
@@ -490,11 +491,12 @@ class RingAttentionPlugin:
         if chunked:
             apply_chunked_loss(target, chunk_size=self.loss_chunk_size, backend=self.loss_backend)
         try:
-            return check_exactness(
-                model, batch, group=ring.cp_group, layout=self.layout, backend=self.backend,
-                ulysses_size=self.ulysses_size, timeout=self.timeout, chunk_multiple=self.chunk_multiple,
-                reference_dtype=reference_dtype,
-            )  # fmt: skip
+            with on_device(model, batch, accelerator.device) as batch:
+                return check_exactness(
+                    model, batch, group=ring.cp_group, layout=self.layout, backend=self.backend,
+                    ulysses_size=self.ulysses_size, timeout=self.timeout, chunk_multiple=self.chunk_multiple,
+                    reference_dtype=reference_dtype,
+                )  # fmt: skip
         finally:
             if chunked:
                 revert_chunked_loss(target)

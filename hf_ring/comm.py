@@ -169,7 +169,7 @@ class RingComm:
         except RuntimeError as e:
             self.where = "in the pre-flight check"
             raise self._lost(e, peers=f"an all-gather over the {self.world_size} ranks of the group") from e
-        return [t.tolist() for t in every]
+        return torch.stack(every).tolist()  # (one device-to-host copy under NCCL)
 
     def all_reduce_max(self, t: torch.Tensor, what: str = "the largest-position all-reduce of the rotary embedding"):
         """The element-wise maximum of ``t`` over the group (a new tensor on ``t``'s device): one all-reduce, on

@@ -44,13 +44,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
 
 from .batch import IGNORE_INDEX, TOKEN_TYPE_KEYS, shard_for
 from .comm import group_rank_and_size
-from .hf_attention import DOCUMENT_IDS_KWARG
+from .hf_attention import ATTN_IMPLEMENTATION, DOCUMENT_IDS_KWARG
 from .ring_config import CONFIG_ATTR
 
 __all__ = ["ExactnessReport", "check_exactness"]
@@ -140,6 +141,7 @@ def check_exactness(
     from .comm import RingComm
     from .compressed import chunk_multiple as model_multiple
     from .patches import get_patch
+    from .patches._family import FALLBACK_ATTN_IMPLEMENTATION, _switch
 
     target = unwrap_transformers_model(model)
     cfg = next((getattr(m, CONFIG_ATTR) for m in target.modules() if hasattr(m, CONFIG_ATTR)), None)
@@ -152,20 +154,13 @@ def check_exactness(
     group = cfg.group if cfg is not None else group
     layout = cfg.layout if cfg is not None else layout or "zigzag"
     timeout = cfg.timeout if cfg is not None else timeout
-    if not isinstance(batch, dict) or batch.get("labels") is None:
-        raise ValueError("check_exactness needs a batch (a dict, as a collator returns it) with labels")
-    dtype = _dtype(model)
-    wide = _wider(dtype) if isinstance(reference_dtype, str) and reference_dtype == "wider" else reference_dtype
-    if wide is not None and not (isinstance(wide, torch.dtype) and wide.is_floating_point):
-        raise ValueError(f"reference_dtype must be 'wider', a floating torch.dtype or None, got {reference_dtype!r}")
-    if wide is not None and torch.finfo(wide).eps > torch.finfo(dtype).eps:
-        raise ValueError(f"reference_dtype {_name(wide)} is narrower than the model's {_name(dtype)}: no yardstick")
-    sharded = _sharded(model)
-    if sharded:
-        raise ValueError(f"check_exactness runs the whole model on every rank, but {sharded}: check the model before "
-                         "FSDP2 or DeepSpeed shard it (before prepare / train; with ZeRO-3, before zero.Init)")  # fmt: skip
     comm = RingComm(group, timeout=timeout)
-    _same_batch_everywhere(batch, comm)
+    problem = dtype = wide = None
+    try:  # (what one rank alone may see: every rank learns of it in the batch's all-gather below, none waits)
+        dtype, wide = _check_inputs(model, batch, reference_dtype, comm)
+    except ValueError as e:
+        problem = e
+    _same_batch_everywhere(batch if problem is None else {}, comm, problem)
     _same_weights_everywhere(model, comm)
     whole = _targets(batch, layout)  # (the reference's targets and documents, for every run of it)
     if int(whole[3]) == 0:  # (the same batch everywhere: the same on every rank)
@@ -174,9 +169,13 @@ def check_exactness(
     saved = {p: p.grad for p in model.parameters()}
     modes = {m: m.training for m in model.modules()}
     patch = get_patch(getattr(target.config, "model_type", None))
+    # loaded with attn_implementation="hf_ring" but not patched: the unmodified model's runs take the fallback
+    loaded = cfg is None and target.config.get_text_config()._attn_implementation == ATTN_IMPLEMENTATION
     if cfg is not None:
         revert_ring_attention(model)
     try:
+        if loaded:
+            _switch(target, FALLBACK_ATTN_IMPLEMENTATION)
         model.eval()
         with _without_router_loss(target):
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -230,6 +229,8 @@ def check_exactness(
             p.grad = g
         if cfg is not None and not any(hasattr(m, CONFIG_ATTR) for m in target.modules()):
             patch.apply(target, cfg)
+        if loaded:
+            _switch(target, ATTN_IMPLEMENTATION)
 
     errors = [_rel(ring_loss, ref_loss), ring_err]
     if model_errors is not None:
@@ -244,9 +245,10 @@ def check_exactness(
         grad_bound = FACTOR * own_errors[1] + grad_allowance
     else:
         loss_bound, grad_bound = WITHOUT_REFERENCE.get(dtype, WITHOUT_REFERENCE[torch.float32])
+    ok = math.isfinite(loss_error + ring_err) and loss_error <= loss_bound and ring_err <= grad_bound
     return ExactnessReport(
-        ok=loss_error <= loss_bound and ring_err <= grad_bound, dtype=dtype, reference_dtype=wide, ranks=comm.world_size,
-        layout=layout, loss=float(ring_loss), reference_loss=float(ref_loss), loss_error=loss_error,
+        ok=ok, dtype=dtype, reference_dtype=wide, ranks=comm.world_size, layout=layout, loss=float(ring_loss),
+        reference_loss=float(ref_loss), loss_error=loss_error,
         grad_error=ring_err, worst=worst, loss_bound=loss_bound, grad_bound=grad_bound,
         model_loss_error=own_errors[0] if own_errors else None, model_grad_error=own_errors[1] if own_errors else None,
         parameters=len(ref), note=note,
@@ -272,9 +274,33 @@ def _wider(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _same_batch_everywhere(batch, comm) -> None:
+def _check_inputs(model, batch, reference_dtype, comm) -> tuple[torch.dtype, torch.dtype | None]:
+    """``(the model's dtype, the yardstick's dtype or None)``; ValueError for what the check cannot take."""
+    if not isinstance(batch, dict) or batch.get("labels") is None:
+        raise ValueError("check_exactness needs a batch (a dict, as a collator returns it) with labels")
+    dtype = _dtype(model)
+    wide = _wider(dtype) if isinstance(reference_dtype, str) and reference_dtype == "wider" else reference_dtype
+    if wide is not None and not (isinstance(wide, torch.dtype) and wide.is_floating_point):
+        raise ValueError(f"reference_dtype must be 'wider', a floating torch.dtype or None, got {reference_dtype!r}")
+    narrower = wide is not None and torch.finfo(wide).eps > torch.finfo(dtype).eps
+    if narrower or (wide == dtype and dtype != torch.float64):  # (the same dtype: the model's own run again)
+        raise ValueError(f"reference_dtype {_name(wide)} is not wider than the model's {_name(dtype)}: no yardstick "
+                         "(reference_dtype=None compares with the model in its own dtype, by a coarser rule)")  # fmt: skip
+    sharded = _sharded(model)
+    if sharded:
+        raise ValueError(f"check_exactness runs the whole model on every rank, but {sharded}: check the model before "
+                         "FSDP2 or DeepSpeed shard it (before prepare / train; with ZeRO-3, before zero.Init)")  # fmt: skip
+    device = next(model.parameters()).device
+    if comm.world_size > 1 and dist.get_backend(comm.group) == "nccl" and device.type != "cuda":
+        raise ValueError(f"check_exactness: the model is on {device}, but the group's backend is NCCL, which "
+                         "communicates GPU tensors only: move the model (and the batch) to this rank's GPU first")  # fmt: skip
+    return dtype, wide
+
+
+def _same_batch_everywhere(batch, comm, problem: Exception | None = None) -> None:
     """ValueError on every rank unless every rank of ``comm``'s group passed the same batch (a digest of its tensors,
-    one small all-gather)."""
+    one small all-gather); ``problem``, this rank's error with its input, raised here after that all-gather, and
+    the other ranks raise naming this one."""
     digest = hashlib.blake2b(digest_size=7)
     for key in sorted(batch):
         value = batch[key]
@@ -282,9 +308,14 @@ def _same_batch_everywhere(batch, comm) -> None:
             digest.update(f"{key} {value.dtype} {tuple(value.shape)}".encode())
             digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     device = next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), None)
-    mine = [int.from_bytes(digest.digest(), "little")]
+    mine = [int(problem is not None), int.from_bytes(digest.digest(), "little")]
     every = comm.all_gather_ints(mine, device=device)
-    if any(e != every[0] for e in every):
+    if problem is not None:
+        raise problem
+    if any(e[0] for e in every):
+        refused = [r for r, e in enumerate(every) if e[0]]
+        raise ValueError(f"check_exactness: rank(s) {refused} of the group refused their input; see their errors")
+    if any(e[1] != every[0][1] for e in every):
         raise ValueError(
             "check_exactness: the ranks of the group passed different batches; give every rank the same full batch "
             "(shard_batch cuts each rank's share from it)"
@@ -355,6 +386,23 @@ def _sharded(model) -> str | None:
         if hasattr(p, "ds_id"):
             return f"{n} is partitioned by DeepSpeed ZeRO"
     return None
+
+
+@contextlib.contextmanager
+def on_device(model, batch: dict, device: torch.device):
+    """``batch`` on ``device`` inside the block, and ``model`` too unless FSDP2 or DeepSpeed ZeRO-3 shard it; the model
+    back where it was afterwards. For the Trainer and the plugin, whose model stays on the CPU until FSDP or DeepSpeed
+    place it in ``train`` / ``prepare``: the check runs on the device (and kernels) training will use."""
+    device = torch.device(device)
+    was = next(model.parameters()).device
+    moved = was != device and was.type != "meta" and _sharded(model) is None
+    if moved:
+        model.to(device)
+    try:
+        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dict(batch).items()}
+    finally:
+        if moved:
+            model.to(was)
 
 
 @contextlib.contextmanager
@@ -456,7 +504,8 @@ def _ring(model, batch, group, layout: str, multiple: int) -> torch.Tensor:
 
 
 def _rel(x, ref) -> float:
-    return abs(float(x) - float(ref)) / max(abs(float(ref)), 1e-30)
+    err = abs(float(x) - float(ref)) / max(abs(float(ref)), 1e-30)
+    return err if math.isfinite(err) else math.inf  # (NaN: infinitely wrong, and max-reduced as such)
 
 
 def _cpu_grads(params: list) -> dict:
@@ -491,6 +540,7 @@ def _largest_error(grads, ref: dict, floor: float) -> tuple[float, str]:
         g = None if g is None else g.detach().to("cpu", torch.float64)
         diff = r if g is None else g if r is None else g - r
         err = float(diff.norm()) / max(0.0 if r is None else float(r.norm()), floor, 1e-30)
+        err = err if math.isfinite(err) else math.inf  # (a NaN gradient is the worst, never passed over)
         if err > worst or name == "-":
             worst, name = err, n
     return worst, name

@@ -34,11 +34,18 @@ A model called without a cache during ``generate()`` (Phi-3 drops it when its lo
 every key anew) gets a new prefill of the whole sequence into the emptied sharded cache, as Transformers computes it.
 
 Once per forward a pre-flight check (one small all-gather) makes every rank raise the same error when ranks hold
-different prompts or different new tokens (e.g. sampling with different seeds), instead of hanging or diverging.
+different prompts, different generation settings (its plain keywords and generation configs) or different new
+tokens, and after each step's tokens are chosen a stopping criterion that never stops compares them again (the last
+step's too, which no forward follows): ranks that sample with different seeds raise together, instead of hanging or
+diverging.
 
-Refused with an error naming the option: beam search (``num_beams > 1``), assisted / speculative decoding
-(``assistant_model``, ``prompt_lookup_num_tokens``), another cache (``past_key_values``, ``cache`` or ``cache_params``,
-``cache_implementation``), ``use_cache=False``. Sampling works when every rank seeds its generator alike (the same as for training).
+Refused with an error naming the option, whether given as a keyword, in the generation config given or in the
+model's: beam search (``num_beams > 1``), assisted / speculative decoding (``assistant_model``,
+``prompt_lookup_num_tokens``, ``assistant_early_exit``), another cache (``past_key_values``, ``cache`` or
+``cache_params``, ``cache_implementation``; the ``"hybrid"`` of sliding-window checkpoints' configs is dropped by
+``generate()`` itself), ``use_cache=False``, ``prefill_chunk_size``, ``max_time`` (each rank's clock), ``custom_generate``,
+``output_hidden_states`` (each rank's hidden states are its shard's). Sampling works when every rank seeds its
+generator alike (the same as for training).
 """
 
 from __future__ import annotations
@@ -78,8 +85,14 @@ _REFUSED = {
     "cache_params": (lambda v: v is not None, "a cache of your own (cache_params)"),
     "cache_implementation": (lambda v: v is not None, "cache_implementation (static and other caches)"),
     "use_cache": (lambda v: v is False, "use_cache=False (decoding needs the sharded cache)"),
+    "assistant_early_exit": (lambda v: v is not None, "self-speculative decoding (assistant_early_exit)"),
+    "prefill_chunk_size": (lambda v: v is not None, "chunked prefill (prefill_chunk_size; the ring prefills at once)"),
+    "max_time": (lambda v: v is not None, "max_time (each rank's clock would stop it at another step)"),
+    "custom_generate": (lambda v: v is not None, "a generation loop of your own (custom_generate)"),
+    "output_hidden_states": (lambda v: bool(v), "output_hidden_states (each rank holds its shard's hidden states)"),
 }
-_PREFILL_FIELDS = ("error", "batch", "length", "fingerprint")
+_PREFILL_FIELDS = ("error", "batch", "length", "fingerprint", "generation settings")
+_TOKEN_FIELDS = ("error", "batch", "length", "token_fingerprint")
 # what the prefill sets itself (the rest of an image prompt's keywords go to the model with it)
 _PREFILL_OWN = ("position_ids", "cache", "cache_params", "past_key_values", "use_cache", "cache_position",
                 "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states")  # fmt: skip
@@ -104,6 +117,7 @@ class _State:
     kv_source: dict = dataclasses.field(default_factory=dict)  # layer that reuses another's keys/values -> that layer
     updated: object = None  # the cache layer updated last (an attention block shared by several layers: its call's)
     halo: int = 0  # hybrids: the most inputs before a token any convolution reads (each chunk needs at least that)
+    settings: int = 0  # a digest of the generation settings (the same on every rank: checked at the prefill)
     hooks: list = dataclasses.field(default_factory=list)  # handles of hooks set for one forward (removed at the end)
 
 
@@ -260,10 +274,8 @@ def ring_generate(model, inputs, **generate_kwargs):
                 f"as the processor returns them), not as generate() keywords: got {given}"
             )
         TextOnly(patch.name, patch.media)(target, (), generate_kwargs)
-    # the values generate() will use: its keywords over the generation config given (or the model's)
-    config = generate_kwargs.get("generation_config") or getattr(target, "generation_config", None)
     for name, (refused, what) in _REFUSED.items():
-        if refused(generate_kwargs[name] if name in generate_kwargs else getattr(config, name, None)):
+        if refused(_effective(target, generate_kwargs, name)):
             raise ValueError(f"ring_generate does not support {what}; use greedy or sampled decoding")
     inputs = dict(inputs)
     if patch.local_modules(target) and multimodal(inputs) and inputs.get("cross_attention_mask") is None:
@@ -285,6 +297,12 @@ def ring_generate(model, inputs, **generate_kwargs):
     from .patches.linear import conv_kernel_size
 
     state.halo = max((conv_kernel_size(m) - 1 for m in patch.linear_modules(target)), default=0)
+    state.settings = _settings(target, generate_kwargs)
+    if world > 1:  # each step's chosen tokens compared on every rank (the last one too: no forward follows it)
+        from transformers import StoppingCriteriaList
+
+        given = generate_kwargs.get("stopping_criteria") or []
+        generate_kwargs = {**generate_kwargs, "stopping_criteria": StoppingCriteriaList([*given, _same_tokens(state)])}
     local = frozenset(m.layer_idx for m in patch.local_modules(target))  # cross-attention layers
     cache = _sharded_cache_class(patch.cache_type())(state, target.config.get_text_config().num_hidden_layers, local)
     name = _cache_name(target)
@@ -297,6 +315,49 @@ def ring_generate(model, inputs, **generate_kwargs):
     finally:
         for h in hooks + state.hooks:
             h.remove()
+
+
+def _effective(target, generate_kwargs: dict, name: str):
+    """The value of setting ``name`` that ``generate()`` will use: its keyword, else the generation config given,
+    else the model's (``generate()`` fills the given config's unset fields from the model's), ``"hybrid"`` caches
+    as none (``generate()`` drops that legacy default of sliding-window checkpoints itself)."""
+    if name in generate_kwargs:
+        value = generate_kwargs[name]
+    else:
+        value = getattr(generate_kwargs.get("generation_config"), name, None)
+        if value is None:
+            value = getattr(getattr(target, "generation_config", None), name, None)
+    return None if name == "cache_implementation" and value == "hybrid" else value
+
+
+def _settings(target, generate_kwargs: dict) -> int:
+    """A digest of the settings that decide what ``generate()`` samples and when it stops (its plain keywords, the
+    generation configs), compared across ranks at the prefill: ranks that stop at different steps would wait on
+    each other."""
+    import hashlib
+
+    plain = (bool, int, float, str, type(None))
+    keywords = {k: v for k, v in generate_kwargs.items() if isinstance(v, plain) or
+                (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}  # fmt: skip
+    configs = [generate_kwargs.get("generation_config"), getattr(target, "generation_config", None)]
+    text = repr(sorted(keywords.items())) + "".join(c.to_json_string() for c in configs if c is not None)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def _same_tokens(state: _State):
+    """A stopping criterion that never stops: after each step's tokens are chosen, every rank's sequences are
+    compared (one small all-gather); ranks that chose differently (sampling with other seeds) raise on every rank,
+    before any of them stops alone or goes on alone."""
+    from transformers import StoppingCriteria
+
+    class SameTokens(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            summary = [0, input_ids.shape[0], input_ids.shape[1], fingerprint(input_ids)]
+            check_everywhere(None, summary, RingComm(state.group), input_ids.device, fields=_TOKEN_FIELDS,
+                             op="ring_generate (new tokens)")  # fmt: skip
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return SameTokens()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -373,7 +434,7 @@ class _Before:
         if st.phase == "prefill":
             mask = kwargs.get("attention_mask")
             media = [_bits(t) for t in _media_tensors(kwargs)]  # ranks given other images would mix their features
-            summary = [0, ids.shape[0], ids.shape[1], fingerprint(ids, mask, *media)]
+            summary = [0, ids.shape[0], ids.shape[1], fingerprint(ids, mask, *media), st.settings]
             check_everywhere(None, summary, comm, ids.device, fields=_PREFILL_FIELDS, op="ring_generate (prompt)")
             return (), self._prefill(module, kwargs, ids, mask, key)
         start = self.cache.get_seq_length()  # every rank's tokens so far, in generate()'s coordinates

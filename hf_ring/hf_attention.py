@@ -324,36 +324,41 @@ def ring_attention_forward(
             rows = _generated_rows(cache, query.device)
         query = temperature.apply(query, rows)
     query, key, value = _autocast(query, key, value)
-    if cfg.plans is None:
-        document_ids, cu_seqlens = batch_checks.documents(attention_mask, kwargs, full, world_size)
-    else:  # the same batch tensors in every layer: derive the documents (a host copy) once per forward
-        sources = (attention_mask, *(kwargs.get(k) for k in (DOCUMENT_IDS_KWARG, *PACKING_KWARGS, "position_ids")))
-        document_ids, cu_seqlens = cfg.plans.derived(
-            sources, lambda: batch_checks.documents(attention_mask, kwargs, full, world_size)
-        )
-    by_positions = DOCUMENT_IDS_KWARG not in kwargs and all(kwargs.get(k) is None for k in PACKING_KWARGS)
-    by_positions = by_positions and attention_mask is None
-    if cfg.mixers and by_positions and several_documents(document_ids, cu_seqlens):
-        raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)
-    if isinstance(kwargs.get("indices"), IndexerCall) and picks_key_blocks(kwargs["indices"].module):
-        _check_key_blocks(
-            _packed(document_ids, cu_seqlens, cfg), cache
-        )  # (the same on every rank: before any collective)
-    if _compressed.compresses(module):  # DeepSeek-V4: in every layer, so the first one finds it, before any ring call
-        if _packed(document_ids, cu_seqlens, cfg):  # (the same on every rank: the whole batch's documents)
-            raise InStepError(_compressed.PACKED)
-        _check_counted(kwargs, document_ids, cfg, full=full, rank=rank, world_size=world_size, device=query.device)
-    shared = None
-    if compressor_call is not None:  # DeepSeek-V4: the entries of the whole sequence, computed after the pre-flight
-        problem = _compressed.error(
-            compressor_call, layout=cfg.layout, world_size=world_size, local_len=local_len, ulysses=cfg.ulysses,
-            rates=(getattr(getattr(module, "config", None), "compress_rates", None) or {}).values(),
-        )  # fmt: skip
-        if problem:  # (the same on every rank, at the same layer: the configuration and the batch's shape)
-            raise InStepError(problem)
-        shared = functools.partial(
-            _compressed.resolve, compressor_call, group=cfg.group, layout=cfg.layout, timeout=cfg.timeout
-        )
+    try:  # what this rank finds wrong with its batch: through the ring's pre-flight exchange, so every rank raises
+        if cfg.plans is None:
+            document_ids, cu_seqlens = batch_checks.documents(attention_mask, kwargs, full, world_size)
+        else:  # the same batch tensors in every layer: derive the documents (a host copy) once per forward
+            sources = (attention_mask, *(kwargs.get(k) for k in (DOCUMENT_IDS_KWARG, *PACKING_KWARGS, "position_ids")))
+            document_ids, cu_seqlens = cfg.plans.derived(
+                sources, lambda: batch_checks.documents(attention_mask, kwargs, full, world_size)
+            )
+        by_positions = DOCUMENT_IDS_KWARG not in kwargs and all(kwargs.get(k) is None for k in PACKING_KWARGS)
+        by_positions = by_positions and attention_mask is None
+        if cfg.mixers and by_positions and several_documents(document_ids, cu_seqlens):
+            raise_on_every_rank(PACKED_WITH_MIXERS, group=cfg.group, device=query.device)
+        if isinstance(kwargs.get("indices"), IndexerCall) and picks_key_blocks(kwargs["indices"].module):
+            _check_key_blocks(
+                _packed(document_ids, cu_seqlens, cfg), cache
+            )  # (the same on every rank: before any collective)
+        if _compressed.compresses(module):  # DeepSeek-V4: in every layer, so the first one finds it, before the ring
+            if _packed(document_ids, cu_seqlens, cfg):  # (the same on every rank: the whole batch's documents)
+                raise ValueError(_compressed.PACKED)
+            _check_counted(kwargs, document_ids, cfg, full=full, rank=rank, world_size=world_size, device=query.device)
+        shared = None
+        if compressor_call is not None:  # DeepSeek-V4: the entries of the whole sequence, computed after the pre-flight
+            problem = _compressed.error(
+                compressor_call, layout=cfg.layout, world_size=world_size, local_len=local_len, ulysses=cfg.ulysses,
+                rates=(getattr(getattr(module, "config", None), "compress_rates", None) or {}).values(),
+            )  # fmt: skip
+            if problem:  # (the configuration and this rank's length: at the first layer, before any ring call)
+                raise ValueError(problem)
+            shared = functools.partial(
+                _compressed.resolve, compressor_call, group=cfg.group, layout=cfg.layout, timeout=cfg.timeout
+            )
+    except InStepError:
+        raise
+    except ValueError as e:  # (in the first layer, before any ring call of the forward: every rank is at it too)
+        raise_on_every_rank(str(e), group=cfg.group, device=query.device)
     chunk = batch_checks.chunk_size(module)
     if chunk is not None:  # (once per forward with a plan cache: the chunked layers share one plan)
         make = lambda: batch_checks.chunked(document_ids, cu_seqlens, full, chunk)  # noqa: E731

@@ -137,7 +137,9 @@ def _chunked_sum(flat, head, targets, ignore_index, transform, chunk_size):
     """Summed fp32 cross-entropy of ``head(flat)``, one checkpointed chunk of tokens at a time."""
     if chunk_size is None:
         chunk_size = default_chunk_size(_vocab_width(head))
-    recompute = torch.is_grad_enabled() and flat.requires_grad
+    # (recomputed whenever a gradient flows: into the hidden states, or into the head alone, frozen base model and
+    # a trained lm_head, whose chunks would otherwise each keep their fp32 log-softmax for the backward)
+    recompute = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
     # no target here (a shard of prompt or padding): one empty chunk, so the head still takes part and its
     # gradient is a zero tensor as with the full logits (DDP and FSDP2 expect one on every rank)
     starts = range(0, flat.shape[0], chunk_size) if flat.shape[0] else [0]
@@ -175,11 +177,13 @@ def liger_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def _liger_sum(flat, head, targets, scale: float, cap: float | None):
-    """Summed cross-entropy of ``head(flat) * scale`` (softcapped by ``cap``) by Liger's fused linear cross-entropy."""
+def check_liger_head(head, device: torch.device) -> None:
+    """ValueError unless Liger's fused linear cross-entropy can project with ``head`` on ``device``: the same on every
+    rank (the model's head, the device's kind), so the chunked forward asks before the model runs (before any
+    collective of the ring), and every rank raises."""
     from torch.distributed.tensor import DTensor
 
-    reason = liger_unavailable(flat.device)
+    reason = liger_unavailable(device)
     weight = getattr(head, "weight", None)
     if reason is None and (hasattr(weight, "ds_id") or isinstance(weight, DTensor)):
         reason = "the lm_head weight is sharded (DeepSpeed ZeRO-3 or FSDP2 around the lm_head alone)"
@@ -190,11 +194,24 @@ def _liger_sum(flat, head, targets, scale: float, cap: float | None):
         )
     if reason is not None:
         raise ValueError(f"loss backend 'liger' cannot run: {reason}; use the default backend ('torch')")
+
+
+def _liger_sum(flat, head, targets, scale: float, cap: float | None):
+    """Summed cross-entropy of ``head(flat) * scale`` (softcapped by ``cap``) by Liger's fused linear cross-entropy."""
+    check_liger_head(head, flat.device)
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
+    weight = head.weight
     if scale != 1.0:
         flat = flat * scale  # (h * s) W^T = s (h W^T): the logit scale folded into the input
-    return liger_fused_linear_cross_entropy(flat, weight, targets, bias=head.bias, reduction="sum", softcap=cap)
+    # the weight's gradient summed over Liger's chunks in fp32 (its releases that take accum_dtype)
+    wide = {"accum_dtype": torch.float32} if "accum_dtype" in _parameters(liger_fused_linear_cross_entropy) else {}
+    return liger_fused_linear_cross_entropy(flat, weight, targets, bias=head.bias, reduction="sum", softcap=cap, **wide)
+
+
+@functools.cache
+def _parameters(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _patch_of(target):
@@ -329,6 +346,11 @@ def _chunked_forward(
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     inner = _inner_causal_lm(self)
+    chunk_size, backend = getattr(self, _ATTR)
+    if backend == "liger":  # (before the model runs: a refusal then reaches every rank before the ring's collectives)
+        given = input_ids if input_ids is not None else inputs_embeds
+        device = given.device if isinstance(given, torch.Tensor) else next(self.parameters()).device
+        check_liger_head(_head(self) if inner is None else inner.lm_head, device)
     if inner is None:
         outputs = _base(self)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -348,7 +370,6 @@ def _chunked_forward(
     if patch.loss_skips_padding and shift_labels is None and isinstance(attention_mask, torch.Tensor):
         # as the family's own loss: targets that are padding are not scored
         labels = labels.masked_fill(attention_mask[:, -labels.shape[1] :].to(labels.device) == 0, ignore_index)
-    chunk_size, backend = getattr(self, _ATTR)
     loss = chunked_causal_lm_loss(
         hidden,
         head,
@@ -472,6 +493,13 @@ def apply_chunked_loss(model, *, chunk_size: int | None = None, backend: str = "
     check_loss_backend(backend)
     target = _transformers_model(model)
     _check(target)
+    own = vars(target).get("forward")
+    if own is not None and not isinstance(own, _ChunkedForward):
+        raise ValueError(
+            f"{type(target).__name__}'s forward was replaced on the instance ({getattr(own, '__qualname__', own)!r}: "
+            "Accelerate's autocast wrapper after prepare, a Liger-Kernel or TRL head?), which the chunked loss would "
+            "drop: apply_chunked_loss before that (before accelerator.prepare), or leave the loss to it"
+        )
     setattr(target, _ATTR, (chunk_size, backend))
     target.forward = _ChunkedForward(target)
     return model

@@ -194,13 +194,14 @@ def _without_blocks(q_codes: torch.Tensor, k_codes: torch.Tensor) -> tuple:
     return torch.where(q_codes > 0, 0, q_codes), torch.where(k_codes > 0, 0, k_codes)
 
 
-def cache_key(q, k, v, comm, layout, causal, scale, window, softcap, cu_seqlens, docs, blocks, backend):
-    """What a plan depends on, without a device sync; None when the arguments are not even tensors."""
+def cache_key(q, k, v, comm, layout, causal, scale, window, softcap, sinks, cu_seqlens, docs, blocks, backend):
+    """What a plan and its check depend on, without a device sync; None when the arguments are not even tensors.
+    (``sinks``: their shape, dtype and device, which the check validates, not their values.)"""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None
-    if any(t is not None and not isinstance(t, torch.Tensor) for t in (docs, blocks)):
+    if any(t is not None and not isinstance(t, torch.Tensor) for t in (docs, blocks, sinks)):
         return None
-    tensors = tuple((tuple(t.shape), t.dtype, t.device) for t in (q, k, v))
+    tensors = tuple((tuple(t.shape), t.dtype, t.device) for t in (q, k, v, *([] if sinks is None else [sinks])))
     doc_key = None if docs is None else ("cu" if cu_seqlens is not None else "ids", id(docs), docs._version)
     block_key = None if blocks is None else (id(blocks), blocks._version)
     return (

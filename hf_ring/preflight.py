@@ -95,9 +95,10 @@ def local_error(
             )
     if document_ids is not None:
         if not _ids_shaped(document_ids, b, full):
+            got = tuple(document_ids.shape) if isinstance(document_ids, torch.Tensor) else type(document_ids).__name__
             return (
-                f"document_ids must be [1 or batch={b}, full_seq={full}] (ids of the unsharded sequence), "
-                f"got {tuple(document_ids.shape)}"
+                f"document_ids must be an integer tensor [1 or batch={b}, full_seq={full}] (ids of the unsharded "
+                f"sequence), got {got}"
             )
         if document_ids.dtype.is_floating_point:
             return "document_ids must be an integer tensor"

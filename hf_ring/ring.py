@@ -176,7 +176,7 @@ def ring_attention(
     key = plan = None
     if plans is not None:
         key = _planning.cache_key(
-            q, k, v, comm, layout, causal, scale, sliding_window, softcap, cu_seqlens, docs, block_ids, backend
+            q, k, v, comm, layout, causal, scale, sliding_window, softcap, sinks, cu_seqlens, docs, block_ids, backend
         )
         key = key if key is None or not hybrid else (*key, id(ulysses))
         plan = plans.checked(key, held) if key is not None else None
@@ -408,8 +408,8 @@ def _failed(watch, comm, error: BaseException) -> None:
     if watch is None:
         return
     groups, name, _ = watch
-    where = f" {comm.where}" if comm.where else ""
-    guard.failed(groups, error, f"{where} of {name}")
+    where = f" {comm.where} of" if comm.where else " in"
+    guard.failed(groups, error, f"{where} {name}")
 
 
 class _RingAttention(torch.autograd.Function):

@@ -94,11 +94,13 @@ class RingAttentionTrainerMixin:
         them) on ``batch``, or on the training collator's batch of the train dataset's first
         ``per_device_train_batch_size`` examples (an iterable dataset's first ones: a one-shot stream loses them;
         every rank must see the same). Call it before ``train``, on every rank, with the model whole on each (before
-        FSDP or DeepSpeed shard it). Returns the ``ExactnessReport``; the model comes back as it was. For trainers
+        FSDP or DeepSpeed shard it); it runs on the training device (a model that FSDP or DeepSpeed leave on the CPU
+        until ``train`` is moved there for the check and back). Returns the ``ExactnessReport``; the model comes
+        back as it was. For trainers
         whose loss is the language-model loss (``RingAttentionTrainer``, ``RingSFTTrainer``)."""
         from itertools import islice
 
-        from .exactness import check_exactness
+        from .exactness import check_exactness, on_device
 
         if not self.shards_batches:
             raise ValueError(
@@ -121,10 +123,9 @@ class RingAttentionTrainerMixin:
             iterable = iterable or (datasets is not None and isinstance(dataset, datasets.IterableDataset))
             rows = list(islice(iter(dataset), n)) if iterable else [dataset[i] for i in range(min(n, len(dataset)))]
             batch = collator(rows)
-        device = next(self.model.parameters()).device  # (FSDP / DeepSpeed leave it on the CPU until train)
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dict(batch).items()}
-        return check_exactness(self.model, batch, chunk_multiple=self.ring_setup.chunks.value,
-                               reference_dtype=reference_dtype)  # fmt: skip
+        with on_device(self.model, batch, self.args.device) as batch:  # (FSDP / DeepSpeed: on the CPU until train)
+            return check_exactness(self.model, batch, chunk_multiple=self.ring_setup.chunks.value,
+                                   reference_dtype=reference_dtype)  # fmt: skip
 
     def _check_loss_contract(self) -> None:
         """ValueError unless the Trainer weights the CP shards' token losses by the global number of targets."""
@@ -132,6 +133,12 @@ class RingAttentionTrainerMixin:
             raise ValueError(
                 "context parallelism needs TrainingArguments(average_tokens_across_devices=True): the loss of each "
                 "rank is its share of the global token-weighted loss"
+            )
+        if self.args.label_smoothing_factor > 0:
+            raise ValueError(
+                "hf_ring's trainers do not support label_smoothing_factor > 0: the Trainer's label smoother would shift "
+                "the labels shard_batch has already shifted (and ignore num_items_in_batch); set "
+                "TrainingArguments(label_smoothing_factor=0)"
             )
         if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
             raise ValueError(
@@ -259,14 +266,30 @@ def _ring_sft_trainer() -> type:
             if whole and inputs.get("attention_mask") is None:
                 ids = inputs["input_ids"]
                 inputs = {**inputs, "attention_mask": torch.ones(ids.shape, dtype=torch.long, device=ids.device)}
-            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if self.model.training and self.ring_setup.world_size > 1:  # TRL counted the tokens (every process)
+            ring = self.ring_setup
+            if ring.world_size > 1:  # TRL's per-rank sums (entropy, accuracy, tokens): see _cp_summed_gather
+                self.accelerator.gather_for_metrics = self._cp_summed_gather
+            try:
+                out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            finally:
+                vars(self.accelerator).pop("gather_for_metrics", None)
+            if self.model.training and ring.world_size > 1:  # TRL counted the tokens (every process)
                 again = (
                     inputs["attention_mask"].sum() if whole and info.rank != 0 else inputs["input_ids"].new_zeros(())
                 )
-                self._total_train_tokens -= self.accelerator.gather(again.reshape(1)).sum().item()
+                self._total_train_tokens -= self._cp_summed_gather(again.reshape(1)).sum().item()
                 self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
             return out
+
+        def _cp_summed_gather(self, data, **kwargs):
+            """``gather_for_metrics`` of a value each rank holds for its shard (a sum over its tokens): summed over the
+            CP group, then gathered over the DP group with Accelerate's cut of the last batch, so the values equal a
+            plain data-parallel run's (Accelerate's own cut, over every process, would drop whole CP ranks)."""
+            if not isinstance(data, torch.Tensor):  # (Accelerate's own: this one stands in for it on the instance)
+                return type(self.accelerator).gather_for_metrics(self.accelerator, data, **kwargs)
+            summed = data.detach().clone()
+            dist.all_reduce(summed, group=self.ring_setup.cp_group)
+            return self._ring_gather_for_metrics(summed)
 
     RingSFTTrainer.__module__, RingSFTTrainer.__qualname__ = __name__, "RingSFTTrainer"
     return RingSFTTrainer

@@ -223,6 +223,34 @@ def test_tied_embeddings_lora_and_gradient_checkpointing():
     assert max(_rel(grads[n], ref_grads[n]) for n in ref_grads) <= RTOL
 
 
+def test_a_trained_head_over_a_frozen_model_is_recomputed_too():
+    """Only the lm_head trains (the hidden states need no gradient): the chunks are still checkpointed, none keeps its
+    logits' log-softmax for the backward; the head's gradient is the unmodified model's."""
+    vocab = 211
+    model = make_model("llama", vocab_size=vocab)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("lm_head"))
+    batch, _ = make_batch("plain", 40)
+    ref, ref_grads = _loss_and_grads(model, batch)
+    hf_ring.apply_chunked_loss(model, chunk_size=CHUNK)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(vocab in t.shape) or t, lambda t: t):
+        out, grads = _loss_and_grads(model, batch)
+    assert not any(saved) and list(grads) == ["lm_head.weight"]
+    assert _rel(out.loss, ref.loss) <= RTOL and _rel(grads["lm_head.weight"], ref_grads["lm_head.weight"]) <= RTOL
+
+
+def test_a_forward_another_library_replaced_is_refused_not_dropped():
+    """An instance forward set before (Accelerate's autocast wrapper, a Liger or TRL head) would be lost: refused;
+    applying again (a new chunk size) is not."""
+    model = make_model("llama")
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    with pytest.raises(ValueError, match="forward was replaced on the instance"):
+        hf_ring.apply_chunked_loss(model)
+    model = hf_ring.apply_chunked_loss(make_model("llama"), chunk_size=8)
+    assert hf_ring.apply_chunked_loss(model, chunk_size=16) is model and is_chunked(model)
+
+
 def test_no_tensor_of_tokens_by_vocab_is_kept_for_backward():
     vocab = 211  # a width no other tensor of the model has
     model = make_model("llama", vocab_size=vocab)
@@ -328,8 +356,11 @@ def test_liger_backend_refuses_what_it_cannot_compute(monkeypatch):
     batch, _ = make_batch("plain", 40)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "lm_head"])
     peft = hf_ring.apply_chunked_loss(get_peft_model(make_model("llama"), lora), backend="liger")
+    ran = []  # (refused before the model runs: under the ring, before any rank enters a collective)
+    peft.base_model.model.model.register_forward_pre_hook(lambda *a: ran.append(1))
     with pytest.raises(ValueError, match="lm_head is a Linear, not a plain nn.Linear .LoRA on the lm_head"):
         peft(**batch)
+    assert not ran
     if in_transformers("dory"):  # its head is an nn.Linear that scales its output: Liger would drop the scale
         dory = hf_ring.apply_chunked_loss(make_model("dory"), backend="liger")
         with pytest.raises(ValueError, match="lm_head is a DoryLMHead, not a plain nn.Linear"):

@@ -118,6 +118,9 @@ def _worker(rank: int, world_size: int) -> dict:
     other = make_model("llama", **({"intermediate_size": 40} if rank else {}))  # (rank 1's model is another)
     out["different_model"] = error(lambda: hf_ring.check_exactness(other, make_batch("plain", 45)[0]))
     out["no_labels"] = error(lambda: hf_ring.check_exactness(make_model("llama"), {"input_ids": batch["input_ids"]}))
+    one = make_batch("plain", 45)[0]  # rank 1 alone passes no labels: it raises its error, rank 0 names it
+    one = {"input_ids": one["input_ids"]} if rank == 1 else one
+    out["one_without_labels"] = error(lambda: hf_ring.check_exactness(make_model("llama"), one))
     out["settings"] = error(lambda: hf_ring.check_exactness(patched, make_batch("plain", 45)[0], layout="zigzag"))
     out["after"] = hf_ring.check_exactness(make_model("llama"), make_batch("plain", 45)[0]).ok  # the group goes on
     return out
@@ -150,6 +153,8 @@ def test_check_exactness_passes_exact_runs_fails_a_broken_one_and_restores_the_m
         assert "different weights (1 parameter(s), first model.norm.weight)" in r["different_weights"]
         assert "models of different parameters" in r["different_model"], r["different_model"]
         assert "with labels" in r["no_labels"], r["no_labels"]
+        want = "with labels" if rank == 1 else "rank(s) [1] of the group refused their input"
+        assert want in r["one_without_labels"], r["one_without_labels"]
         assert "leave layout unset" in r["settings"], r["settings"]
         assert r["after"]
     assert results[0]["plain"]["report"] == results[1]["plain"]["report"]  # the same report on every rank
@@ -162,6 +167,61 @@ def test_check_exactness_on_one_process():
     assert report.ok and report.ranks == 1 and report.reference_dtype is None and report.loss_error < 1e-5, str(report)
     with pytest.raises(ValueError, match="reference_dtype must be"):
         hf_ring.check_exactness(make_model("mistral"), make_batch("plain", 45)[0], reference_dtype=torch.int64)
+    with pytest.raises(ValueError, match="float32 is not wider than the model's float32"):  # (no yardstick)
+        hf_ring.check_exactness(make_model("mistral"), make_batch("plain", 45)[0], reference_dtype=torch.float32)
+
+
+def test_a_nan_gradient_fails_the_check():
+    """hf_ring's gradient of one parameter NaN (not the first one compared), the loss and the others exact: FAILED,
+    that parameter named, its error infinite."""
+    import math
+
+    import hf_ring
+    from hf_ring import exactness
+
+    true_ring = exactness._ring
+
+    def nan_in_norm(model, *args):
+        hook = model.model.norm.weight.register_hook(lambda g: g * float("nan"))
+        try:
+            return true_ring(model, *args)
+        finally:
+            hook.remove()
+
+    exactness._ring = nan_in_norm
+    try:
+        report = hf_ring.check_exactness(make_model("llama"), make_batch("plain", 45)[0])
+    finally:
+        exactness._ring = true_ring
+    assert not report.ok and report.worst == "model.norm.weight" and math.isinf(report.grad_error), str(report)
+    assert report.loss_error < 1e-5 and "FAILED" in str(report), str(report)
+
+
+def test_a_model_loaded_with_hf_ring_attention_is_checked_against_sdpa_and_given_back_as_loaded():
+    """A model switched to ``attn_implementation="hf_ring"`` but not patched: the unmodified model's runs use
+    Transformers' own attention (SDPA), not hf_ring's; afterwards the model is ``"hf_ring"`` again, unpatched."""
+    import hf_ring
+    from hf_ring import exactness
+    from hf_ring.ring_config import CONFIG_ATTR
+
+    hf_ring.register_attention()
+    model = make_model("llama")
+    model.set_attn_implementation("hf_ring")
+    seen = []
+    true_reference = exactness._reference
+
+    def spy(model, *args):
+        seen.append(model.config._attn_implementation)
+        return true_reference(model, *args)
+
+    exactness._reference = spy
+    try:
+        report = hf_ring.check_exactness(model, make_batch("padded", 45)[0])
+    finally:
+        exactness._reference = true_reference
+    assert report.ok and seen == ["sdpa", "sdpa"], (seen, str(report))
+    assert model.config._attn_implementation == "hf_ring"
+    assert not any(hasattr(m, CONFIG_ATTR) for m in model.modules())
 
 
 def test_the_plugin_checks_with_its_settings_and_its_chunked_loss():

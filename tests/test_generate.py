@@ -419,12 +419,46 @@ def _with_config(model, **settings):
         model.generation_config = own
 
 
+def _with_config_given(model, **settings):
+    """``ring_generate`` given a generation config of its own, the model's set so (``generate()`` fills the given
+    config's unset fields from the model's)."""
+    import hf_ring
+
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**{**own.to_dict(), **settings})
+    try:
+        return hf_ring.ring_generate(model, _prompt(1, 12, 0), generation_config=GenerationConfig(max_new_tokens=2))
+    finally:
+        model.generation_config = own
+
+
+def _sampled_alike_or_not(model, seed: int):
+    """One sampled token for each of 4 prompts after ``torch.manual_seed(seed)``."""
+    import hf_ring
+
+    torch.manual_seed(seed)
+    return hf_ring.ring_generate(model, _prompt(4, 12, 0), max_new_tokens=1, do_sample=True, top_k=0)
+
+
 def _errors(rank, world) -> dict:
     import hf_ring
 
     model = hf_ring.apply_ring_attention(_model("llama", {}))
     vlm = hf_ring.apply_ring_attention(_model("gemma3", {}))
     calls = {
+        # each rank its own seed, one new token: its last step, which no forward follows, is compared too
+        "sampled alone": lambda: _sampled_alike_or_not(model, seed=rank),
+        "other settings": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2 + rank),
+        "beams of the model's config under a given one": lambda: _with_config_given(model, num_beams=2),
+        "chunked prefill": lambda: hf_ring.ring_generate(
+            model, _prompt(1, 12, 0), max_new_tokens=2, prefill_chunk_size=4
+        ),  # fmt: skip
+        "hidden states": lambda: hf_ring.ring_generate(
+            model, _prompt(1, 12, 0), max_new_tokens=2, output_hidden_states=True, return_dict_in_generate=True
+        ),  # fmt: skip
+        # what must work: Gemma checkpoints' "hybrid" cache (generate() drops it), sampling seeded alike
+        "hybrid cache of a checkpoint's config": lambda: _with_config(model, cache_implementation="hybrid"),
+        "sampled alike": lambda: _sampled_alike_or_not(model, seed=5),
         "different prompts": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0, seed=rank), max_new_tokens=2),
         "beam search": lambda: hf_ring.ring_generate(model, _prompt(1, 12, 0), max_new_tokens=2, num_beams=2),
         "static cache": lambda: hf_ring.ring_generate(
@@ -582,6 +616,12 @@ def test_bad_generation_calls_raise_on_every_rank(two_ranks):
     for rank, r in enumerate(two_ranks):
         e = r["errors"]
         assert "ranks disagree on fingerprint" in (e["different prompts"] or ""), (rank, e)
+        assert "ring_generate (new tokens): ranks disagree on token_fingerprint" in (e["sampled alone"] or ""), e
+        assert "ranks disagree on generation settings" in (e["other settings"] or ""), (rank, e)
+        assert "beam search (num_beams > 1)" in (e["beams of the model's config under a given one"] or ""), e
+        assert "chunked prefill (prefill_chunk_size" in (e["chunked prefill"] or ""), (rank, e)
+        assert "output_hidden_states" in (e["hidden states"] or ""), (rank, e)
+        assert e["hybrid cache of a checkpoint's config"] is None and e["sampled alike"] is None, (rank, e)
         assert "beam search (num_beams > 1)" in (e["beam search"] or ""), (rank, e)
         assert "cache_implementation" in (e["static cache"] or ""), (rank, e)
         assert "assisted decoding (assistant_model)" in (e["assisted"] or ""), (rank, e)

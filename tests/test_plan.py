@@ -267,6 +267,11 @@ def test_plan_cache_reuses_plans_and_checks_again_after_new_batch(monkeypatch):
     hf_ring.ring_attention(q, k, v, plans=plans, document_ids=docs.clone())  # new documents: a new plan
     assert built == [True, False, True]
     assert copy.deepcopy(plans) is plans and len(plans) == 2
+    # sinks of the wrong shape after a call without: checked again (the key holds their shape), refused
+    with pytest.raises(ValueError, match=r"sinks must be a floating-point tensor \[q_heads=2\]"):
+        hf_ring.ring_attention(q, k, v, plans=plans, document_ids=docs, sinks=torch.zeros(1))
+    hf_ring.ring_attention(q, k, v, plans=plans, document_ids=docs, sinks=torch.zeros(2))
+    assert built == [True, False, True, True]  # (the refused call built nothing)
 
 
 def test_documents_are_derived_once_per_forward(monkeypatch):

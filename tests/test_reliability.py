@@ -202,7 +202,8 @@ def test_a_one_sided_caught_failure_makes_every_rank_raise_naming_rank_and_call(
 
 def _healthy_flows(rank: int, world_size: int) -> list:
     """Flows that must never stop the group: the model checkpointed as a whole (its forward runs again inside
-    the backward), two backwards through one graph, two forwards then their backwards. Returns the losses."""
+    the backward), two backwards through one graph, two forwards then their backwards, a batch one rank alone gets
+    wrong. Returns the losses and the error of that batch."""
     import hf_ring
 
     from .hf_models import make_model
@@ -223,9 +224,20 @@ def _healthy_flows(rank: int, world_size: int) -> list:
         a.backward()
         b.backward()
         losses.append(float(hf_ring.reduce_loss(b)))
-    return losses
+    # a batch only rank 1 gets wrong (a padding mask beside the shard, found in the first layer, before the ring):
+    # both raise, rank 0 naming rank 1, and the group goes on
+    wrong = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])} if rank == 1 else batch
+    try:
+        model(**wrong)
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    losses.append(float(hf_ring.reduce_loss(model(**batch).loss)))
+    return losses, error
 
 
 def test_healthy_flows_never_stop_the_group():
-    results = run_distributed(_healthy_flows, 2, timeout=120)
-    assert results[0] == results[1] and all(x == x for x in results[0])  # no error, the same losses, no NaN
+    (losses, error0), (losses1, error1) = run_distributed(_healthy_flows, 2, timeout=120)
+    assert losses == losses1 and all(x == x for x in losses)  # no error, the same losses, no NaN
+    assert "rank(s) [1] rejected their input" in error0, error0
+    assert "(rank 1): attention_mask cannot be passed" in error1, error1

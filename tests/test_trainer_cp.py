@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist_utils import run_distributed
 from tests.train_utils import (
     BATCH,
     GA,
@@ -330,3 +331,47 @@ def test_trl_sft_trainer(launch):
 
 if __name__ == "__main__":
     run_worker(worker, Path(sys.argv[1]), int(sys.argv[2]))
+
+
+def test_label_smoothing_is_refused(tmp_path):
+    """The Trainer's label smoother shifts the labels again (``shard_batch`` shifted them already): refused at
+    construction rather than trained on the token after next."""
+    from accelerate.state import AcceleratorState
+
+    from hf_ring.accelerate import RingAttentionPlugin
+    from hf_ring.trainer import RingAttentionTrainer
+
+    try:
+        with pytest.raises(ValueError, match="label_smoothing_factor"):
+            RingAttentionTrainer(model=tiny_llama(), args=trainer_args(tmp_path, "smooth", label_smoothing_factor=0.1),
+                                 train_dataset=token_dataset(4, 21), data_collator=collate,
+                                 ring_plugin=RingAttentionPlugin(cp_size=1))  # fmt: skip
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _metrics_gather(rank: int, world: int) -> list:
+    """RingSFTTrainer's gather of TRL's per-rank metric sums on a last batch that Accelerate cuts to 1 sample
+    (CP = 2, DP = 1): stand-ins for the trainer's ring setup and Accelerate's gradient state."""
+    import types
+
+    import torch.distributed as dist
+
+    from hf_ring.trainer import _ring_sft_trainer
+
+    cls = _ring_sft_trainer()
+    groups = [dist.new_group([r]) for r in range(world)]  # (every rank creates every group)
+    dp_group = groups[rank]
+    state = types.SimpleNamespace(end_of_dataloader=True, remainder=1)
+    ring = types.SimpleNamespace(world_size=world, cp_group=dist.group.WORLD, dp_group=dp_group, dp_size=1)
+    fake = types.SimpleNamespace(ring_setup=ring, accelerator=types.SimpleNamespace(gradient_state=state))
+    fake._ring_gather_for_metrics = types.MethodType(cls._ring_gather_for_metrics, fake)
+    shard_sum = torch.tensor(float(10 + rank))  # this rank's tokens' sum
+    return cls._cp_summed_gather(fake, shard_sum).tolist()
+
+
+def test_sft_metrics_sum_every_cp_rank_on_a_cut_last_batch():
+    """TRL sums its per-rank entropies and counts with gather_for_metrics, whose cut of the last batch keeps as many
+    values as samples: over the CP group's processes it would keep rank 0's shard alone. Summed over the CP group
+    first, gathered over DP (one group here): the whole sequence's sum on every rank."""
+    assert run_distributed(_metrics_gather, 2) == [[21.0], [21.0]]
