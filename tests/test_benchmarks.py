@@ -90,7 +90,7 @@ def test_bench_kernel_flags_a_wrong_kernel(tmp_path, monkeypatch, capsys):
     assert "INACCURATE ring step: triton d=16 L=32 causal" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+@pytest.mark.parametrize("layout", ["zigzag", pytest.param("striped", marks=pytest.mark.slow)])
 def test_bench_ring_sim_dry_run(tmp_path, capsys, layout):
     argv = [*TINY, "--ranks", "3", "--tokens", "16", "--head-dim", "16", "--layout", layout,
             "--results-dir", str(tmp_path)]  # fmt: skip
@@ -161,6 +161,7 @@ def test_bench_failures_reports_what_every_rank_raised(tmp_path):
     assert len(_rows(tmp_path, "failures_cpu")) == 4
 
 
+@pytest.mark.slow  # (two model loads in three processes; ring_generate's tokens are tested in test_generate.py)
 def test_bench_generate_cpu_runs_both_sides_and_compares_their_tokens(tmp_path):
     """bench_generate_cpu.py at a tiny prompt: one row per side, the CP = 2 row with its ratios and equal tokens."""
     import importlib.util
@@ -204,6 +205,7 @@ def test_bench_vision_split_cpu_divides_the_patches_and_keeps_the_result(tmp_pat
     assert len(_rows(tmp_path, "v")) == 2
 
 
+@pytest.mark.slow  # (its phases' scripts are dry-run one by one below; run it with make test-all before a GPU session)
 def test_gpu_session_dry_run_runs_every_phase_into_one_flat_folder(tmp_path, capsys):
     """The one-command GPU check on CPU: every phase passes, its rows land in --out, and what comes
     back stays within the device tool's limit (8 files, no folders)."""

@@ -1036,11 +1036,40 @@ def _expected_shard_inputs(kind: str) -> dict:
     return {"shift_labels": shift, "position_ids": pos, "ring_document_ids": docs}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_hf_integration_distributed(world_size):
+# At 1 and 4 ranks by default: the core families and one case of each kind of attention, and at 4 the cases whose
+# sharding 4 ranks change beyond 2 (every layout and Ulysses option: 2 x 2 groups; zig-zag halves that split
+# documents, windows and chunks more ways; recurrent states passed on through more ranks; the sparse, compressed and
+# selected keys of the whole sequence); every case runs at 2 ranks, which reach each family's own code. `1-all` and
+# `4-all` (make test-all) run every case.
+FOUR_RANKS = {
+    "llama-plain", "llama-packed", "llama-padded", "llama-lora", "llama-bf16", "mistral-packed", "mistral-checkpointing",
+    "qwen2-padded", "qwen2-lora-checkpointing", "qwen3-packed", "mixtral-router-loss-padded",
+    "qwen3_vl_moe-images-router-loss", "gemma3_text-packed", "cohere2-plain", "granite_swa-padded", "gpt_oss-plain",
+    "gpt_oss-packed-lora", "gpt_oss-padded", "gemma2-packed-lora", "phi3-longrope-padded", "llama-dynamic-padded",
+    "llama4_text-padded", "llama4_text-packed", "deepseek_v2-padded", "deepseek_v32-plain-chunked",
+    "deepseek_v32-padded-lora-checkpointing", "minimax_m3_vl_text-plain", "qwen4_exp_text-packed-lora",
+    "deepseek_v4-plain", "deepseek_v4-chunk-multiple", "qwen2_vl-images-padded", "gemma3-images-padded",
+    "paligemma-images-padded", "mllama-images-padded", "mamba2-packed-lora", "mamba-padded-lora-checkpointing",
+    "recurrent_gemma-plain", "qwen3_next-padded", "kimi_linear-padded", "minimax-window", "lfm2-padded",
+    "zaya-plain", "jamba-packed-checkpointing", "falcon_h1-plain", "granitemoehybrid-padded", "zamba2-padded",
+}  # fmt: skip
+
+
+def _core(name: str) -> bool:
+    return name in FOUR_RANKS or bool({"layout", "ulysses"} & CASES[name][3].keys())
+
+
+@pytest.mark.parametrize(
+    "world_size,which",
+    [(1, "core"), (2, "all"), (4, "core"), *(pytest.param(w, "all", marks=pytest.mark.slow) for w in (1, 4))],
+    ids=["1", "2", "4", "1-all", "4-all"],
+)
+def test_hf_integration_distributed(world_size, which):
     import hf_ring
 
     names = [n for n in CASES if world_size > 1 or not {"layout", "ulysses"} & CASES[n][3].keys()]
+    assert FOUR_RANKS <= CASES.keys(), FOUR_RANKS - CASES.keys()
+    names = [n for n in names if which == "all" or _core(n)]
     names = [n for n in names if transformers_at_least(CASES[n][3].get("since")) and in_transformers(CASES[n][0])]
     results = run_distributed(worker, world_size, names, timeout=300)
 
