@@ -190,11 +190,11 @@ def check_exactness(
                     except torch.OutOfMemoryError:
                         raise
                     except (RuntimeError, NotImplementedError, TypeError) as e:  # a kernel without that dtype
-                        note = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                        note = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             except Exception as e:  # (raised below, once every rank knows: none waits in a collective)
                 failure = e
-            # every rank learns whether any failed (then each raises) and whether each had its yardstick
-            flags = comm.all_gather_ints([int(failure is not None), int(yardstick is not None)])
+            # every rank learns whether any failed (then each raises), whether each had its yardstick, and why not
+            flags = comm.all_gather_ints([int(failure is not None), int(yardstick is not None), *_text_ints(note)])
             if failure is not None:
                 raise failure
             if any(f[0] for f in flags):
@@ -203,7 +203,7 @@ def check_exactness(
                                    "runs; see their errors")  # fmt: skip
             if wide is not None and not all(f[1] for f in flags):
                 refused = [r for r, f in enumerate(flags) if not f[1]]
-                why = note or "see there"
+                why = _ints_text(flags[refused[0]][2:])  # (the first refusing rank's reason, the same note everywhere)
                 note = f"the unmodified model refused {_name(wide)} on rank(s) {refused} ({why}): no yardstick"
                 yardstick, wide = None, None
             (ref_loss, grads), model_errors = (yardstick, own) if yardstick is not None else (own, None)
@@ -253,6 +253,20 @@ def check_exactness(
         model_loss_error=own_errors[0] if own_errors else None, model_grad_error=own_errors[1] if own_errors else None,
         parameters=len(ref), note=note,
     )  # fmt: skip
+
+
+_NOTE_BYTES = 192
+
+
+def _text_ints(text: str) -> list[int]:
+    """``text``'s first ``_NOTE_BYTES`` UTF-8 bytes as ints, padded with zeros (to travel in an all-gather of ints)."""
+    raw = text.encode()[:_NOTE_BYTES]
+    return [*raw, *[0] * (_NOTE_BYTES - len(raw))]
+
+
+def _ints_text(values) -> str:
+    """The text ``_text_ints`` made (a character cut in two at the end dropped)."""
+    return bytes(v for v in values if v).decode(errors="ignore")
 
 
 def _name(dtype) -> str:

@@ -96,7 +96,6 @@ _TOKEN_FIELDS = ("error", "batch", "length", "token_fingerprint")
 # what the prefill sets itself (the rest of an image prompt's keywords go to the model with it)
 _PREFILL_OWN = ("position_ids", "cache", "cache_params", "past_key_values", "use_cache", "cache_position",
                 "logits_to_keep", "return_dict", "output_attentions", "output_hidden_states")  # fmt: skip
-_STEP_FIELDS = ("error", "batch", "new_tokens", "position", "token_fingerprint")
 
 
 @dataclasses.dataclass
@@ -347,7 +346,8 @@ def _settings(target, generate_kwargs: dict) -> int:
 def _same_tokens(state: _State):
     """A stopping criterion that never stops: after each step's tokens are chosen, every rank's sequences are
     compared (one small all-gather); ranks that chose differently (sampling with other seeds) raise on every rank,
-    before any of them stops alone or goes on alone."""
+    before any of them stops alone or goes on alone. It is the decode steps' only check: each step's forward takes
+    the tokens compared here."""
     from transformers import StoppingCriteria
 
     class SameTokens(StoppingCriteria):
@@ -430,16 +430,17 @@ class _Before:
             raise ValueError("ring_generate: the model was called with another cache than its sharded one")
         if not isinstance(ids, torch.Tensor):
             raise ValueError("ring_generate: the model must be called with input_ids")
-        comm = RingComm(st.group)
         if st.phase == "prefill":
             mask = kwargs.get("attention_mask")
             media = [_bits(t) for t in _media_tensors(kwargs)]  # ranks given other images would mix their features
             summary = [0, ids.shape[0], ids.shape[1], fingerprint(ids, mask, *media), st.settings]
-            check_everywhere(None, summary, comm, ids.device, fields=_PREFILL_FIELDS, op="ring_generate (prompt)")
+            check_everywhere(
+                None, summary, RingComm(st.group), ids.device, fields=_PREFILL_FIELDS, op="ring_generate (prompt)"
+            )
             return (), self._prefill(module, kwargs, ids, mask, key)
+        # a decode step: its tokens were compared on every rank when they were chosen (_same_tokens, the collective
+        # of the step before), so nothing is gathered here
         start = self.cache.get_seq_length()  # every rank's tokens so far, in generate()'s coordinates
-        summary = [0, ids.shape[0], ids.shape[1], start, fingerprint(ids)]
-        check_everywhere(None, summary, comm, ids.device, fields=_STEP_FIELDS, op="ring_generate (decode step)")
         st.q_pos = torch.arange(start, start + ids.shape[1]) + st.offset
         return args, {**kwargs, DECODE_KWARG: self.cache}
 

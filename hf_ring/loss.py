@@ -3,10 +3,11 @@
 At long context the logits dominate a step's memory: fp32 logits are ``4 x vocab`` bytes per token
 (512 KB for a 128K vocabulary), and their gradient as much again. With labels, a model switched by
 ``apply_chunked_loss`` computes the lm_head projection, the family's logit transform (final logit
-softcapping, logit scales) and the cross-entropy chunk by chunk of tokens, each chunk under
-activation checkpointing: its logits are freed after the forward and recomputed, one chunk at a
-time, in the backward. Only tokens with a target are projected at all (prompt and padding tokens of
-a supervised batch cost nothing).
+softcapping, logit scales) and the cross-entropy chunk by chunk of tokens: a chunk's logits are freed
+after the forward and recomputed, one chunk at a time, in the backward. A plain ``nn.Linear`` head
+runs as one autograd function over the chunks (``_LinearChunks``: the weight's gradient summed in
+fp32); any other head is called as a module, each chunk under activation checkpointing. Only tokens
+with a target are projected at all (prompt and padding tokens of a supervised batch cost nothing).
 
 The loss is the one the unmodified model computes (Transformers' ``ForCausalLMLoss``): fp32
 cross-entropy over ``shift_labels`` (or ``labels`` shifted by one), summed and divided by
@@ -72,10 +73,7 @@ def default_chunk_size(vocab_size: int) -> int:
 
 def _chunk_loss(hidden, head, transform, targets, ignore_index):
     """Summed fp32 cross-entropy of one chunk (its logits exist only inside this call)."""
-    logits = head(hidden)
-    if transform is not None:
-        logits = transform(logits)
-    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+    return _summed_ce(head(hidden), transform, targets, ignore_index)
 
 
 def chunked_causal_lm_loss(
@@ -134,12 +132,14 @@ def chunked_causal_lm_loss(
 
 
 def _chunked_sum(flat, head, targets, ignore_index, transform, chunk_size):
-    """Summed fp32 cross-entropy of ``head(flat)``, one checkpointed chunk of tokens at a time."""
+    """Summed fp32 cross-entropy of ``head(flat)``, one chunk of tokens at a time, each recomputed in the backward."""
     if chunk_size is None:
         chunk_size = default_chunk_size(_vocab_width(head))
     # (recomputed whenever a gradient flows: into the hidden states, or into the head alone, frozen base model and
     # a trained lm_head, whose chunks would otherwise each keep their fp32 log-softmax for the backward)
     recompute = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
+    if recompute and _plain_linear(head, flat):
+        return _LinearChunks.apply(flat, head.weight, head.bias, targets, transform, ignore_index, chunk_size)
     # no target here (a shard of prompt or padding): one empty chunk, so the head still takes part and its
     # gradient is a zero tensor as with the full logits (DDP and FSDP2 expect one on every rank)
     starts = range(0, flat.shape[0], chunk_size) if flat.shape[0] else [0]
@@ -148,6 +148,85 @@ def _chunked_sum(flat, head, targets, ignore_index, transform, chunk_size):
         args = (flat[a : a + chunk_size], head, transform, targets[a : a + chunk_size], ignore_index)
         total = total + (checkpoint(_chunk_loss, *args, use_reentrant=False) if recompute else _chunk_loss(*args))
     return total
+
+
+def _plain_linear(head, flat) -> bool:
+    """``head`` is an ``nn.Linear`` whose weight can be read outside its call: no hooks (FSDP2 around the head alone,
+    DeepSpeed ZeRO-3), no forward replaced on the instance (Accelerate's device hooks), a plain tensor (not a DTensor,
+    not a ZeRO-3 partition), no autocast (its backward would run without it). Other heads (LoRA on the head,
+    ModernBERT decoder's two modules) are called as modules, chunk by chunk under checkpointing."""
+    from torch.nn.modules import module as nn_module
+
+    hooks = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks)
+    global_hooks = (nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks,
+                    nn_module._global_backward_hooks, nn_module._global_backward_pre_hooks)  # fmt: skip
+    return (
+        type(head) is torch.nn.Linear and "forward" not in vars(head)
+        and not any(hooks) and not any(global_hooks)
+        and all(p is None or (type(p) in (torch.Tensor, torch.nn.Parameter) and not hasattr(p, "ds_id"))
+                for p in (head.weight, head.bias))
+        and not torch.is_autocast_enabled(flat.device.type)
+    )  # fmt: skip
+
+
+class _LinearChunks(torch.autograd.Function):
+    """Summed fp32 cross-entropy of ``flat @ weight.T + bias`` (then ``transform``), chunk by chunk of tokens.
+
+    The forward keeps no logits; the backward recomputes each chunk's, takes the gradient of its loss, and writes
+    the hidden states' gradient in place (no full-size gradient per chunk to sum) while the weight's and the bias's
+    are summed over the chunks in fp32 and rounded to their dtype once, as the unmodified model's single matrix
+    product does (autograd would sum one rounded gradient per chunk in the weight's dtype: bf16 weights lose a
+    rounding per chunk)."""
+
+    @staticmethod
+    def forward(ctx, flat, weight, bias, targets, transform, ignore_index, chunk_size):
+        total = torch.zeros((), dtype=torch.float32, device=flat.device)
+        for a in range(0, flat.shape[0], chunk_size):
+            logits = torch.nn.functional.linear(flat[a : a + chunk_size], weight, bias)
+            total += _summed_ce(logits, transform, targets[a : a + chunk_size], ignore_index)
+        ctx.save_for_backward(flat, weight, bias, targets)
+        ctx.rule = (transform, ignore_index, chunk_size)
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        flat, weight, bias, targets = ctx.saved_tensors
+        transform, ignore_index, chunk_size = ctx.rule
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        wide = {"dtype": torch.float32, "device": flat.device}
+        dx = torch.empty_like(flat) if need_x else None
+        dw = torch.zeros(weight.shape, **wide) if need_w else None
+        db = torch.zeros(bias.shape, **wide) if need_b else None
+        for a in range(0, flat.shape[0], chunk_size):
+            x = flat[a : a + chunk_size]
+            logits = torch.nn.functional.linear(x, weight, bias).requires_grad_()
+            # (a graph of this chunk only, its tensors kept as they are: hooks of the caller's, activation offload
+            # say, are for the forward's tensors)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                loss = _summed_ce(logits, transform, targets[a : a + chunk_size], ignore_index)
+            (dlogits,) = torch.autograd.grad(loss, logits, grad)
+            if need_x:
+                dx[a : a + chunk_size] = dlogits @ weight
+            if need_w:
+                dw += dlogits.t() @ x
+            if need_b:
+                db += dlogits.sum(0, dtype=torch.float32)
+        return (
+            dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
+            None, None, None, None,
+        )  # fmt: skip
+
+
+def _same(t):
+    return t
+
+
+def _summed_ce(logits, transform, targets, ignore_index):
+    """Summed fp32 cross-entropy of ``transform(logits)``."""
+    if transform is not None:
+        logits = transform(logits)
+    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
 
 
 def _vocab_width(head) -> int:

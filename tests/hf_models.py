@@ -1721,6 +1721,8 @@ DECAY_PARAMS = (
     "self_attn.lambda_q2",
     "self_attn.lambda_k2",
     "self_attn.qk_norm.temp",
+    "self_attn.forget_gate.A_log",
+    "hc.scale",
 )
 """The Gated DeltaNet's decay parameters and the projections that feed the decay: their gradients are sums over
 every token of terms that nearly cancel (norm 1e-4 for A_log in the tiny models), so any reordering of the
@@ -1732,7 +1734,12 @@ weight of its second attention map): sums over every query of differences of two
 for the largest, moved by 2e-9 absolute (2.7e-5 relative; 6.6e-5 at one rank, where the reference's SDPA sums in
 another order). ZAYA's key scale (``qk_norm.temp``, one per key/value head): a sum over every query and key of
 score gradients, which Transformers' own SDPA and eager attention give 1.7e-5 apart (fp32, a padded batch; the
-ring measured up to 3.5e-5). Their error is reported apart (``decay``)."""
+ring measured up to 3.5e-5). Bailing hybrid's forget gate (``forget_gate.A_log``, the decay of its linear attention
+layers): norm 5e-4 beside 1.1 for the largest, moved by 1.5e-5 relative by the chunked loss alone on an AMD EPYC
+host (the same with the head run as a module or as one function), under 1e-5 on others. DeepSeek-V4's and HunYuan
+V4's hyper-connection scales (``attn_hc.scale``, ``ffn_hc.scale``): sums over every token that nearly cancel (one
+of three is 4e-10, beside 3e-4 for the others), moved by 1.04e-5 by the chunked loss alone on that host. Their
+error is reported apart (``decay``)."""
 
 
 RTOL_DECAY = 1e-3

@@ -149,6 +149,7 @@ def test_check_exactness_passes_exact_runs_fails_a_broken_one_and_restores_the_m
         assert want in r["one_fails"] and r["one_fails_restored"], r["one_fails"]
         refused = r["one_refuses"]
         assert refused.ok and refused.reference_dtype is None and "rank(s) [1]" in refused.note, str(refused)
+        assert "(RuntimeError: no float64 here)" in refused.note, refused.note  # rank 1's reason on every rank
         assert "different batches" in r["different"], r["different"]
         assert "different weights (1 parameter(s), first model.norm.weight)" in r["different_weights"]
         assert "models of different parameters" in r["different_model"], r["different_model"]
@@ -157,7 +158,9 @@ def test_check_exactness_passes_exact_runs_fails_a_broken_one_and_restores_the_m
         assert want in r["one_without_labels"], r["one_without_labels"]
         assert "leave layout unset" in r["settings"], r["settings"]
         assert r["after"]
-    assert results[0]["plain"]["report"] == results[1]["plain"]["report"]  # the same report on every rank
+    for kind in ("plain", "moe", "one_refuses"):  # the same report on every rank (its note too)
+        mine, peer = (r[kind]["report"] if isinstance(r[kind], dict) else r[kind] for r in results)
+        assert mine == peer, (kind, mine.note, peer.note)
 
 
 def test_check_exactness_on_one_process():

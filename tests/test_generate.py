@@ -387,24 +387,40 @@ def _worker(rank, world):
     return results
 
 
-def _cache_shares(rank, world) -> list:
-    """Tokens each layer's cache holds on this rank after prefill + decoding (the cache object is kept)."""
+def _cache_shares(rank, world) -> dict:
+    """Tokens each layer's cache holds on this rank after prefill + decoding (the cache object is kept), and the
+    all-gathers of each decode step (from one forward's start to the next's, the last step's to the end)."""
+    import torch.distributed as dist
+
     import hf_ring
 
     model = hf_ring.apply_ring_attention(_model("llama", {}))
-    seen = {}
+    seen, starts, gathers = {}, [], [0]
+    real = dist.all_gather
+
+    def counted(*args, **kwargs):
+        gathers[0] += 1
+        return real(*args, **kwargs)
 
     def spy(module, args, kwargs):  # the sharded cache ring_generate passes the model (after its own pre-hook)
         seen.setdefault("cache", kwargs.get("cache", kwargs.get("past_key_values")))
+        starts.append(gathers[0])
 
     hook = model.register_forward_pre_hook(spy, with_kwargs=True)
+    dist.all_gather = counted
     try:
         with torch.no_grad():
             hf_ring.ring_generate(model, _prompt(1, 32, 0), max_new_tokens=NEW, do_sample=False)
     finally:
+        dist.all_gather = real
         hook.remove()
     assert type(seen["cache"]).__name__ == "ShardedCache", type(seen["cache"])
-    return [layer.keys.shape[2] for layer in seen["cache"].layers]
+    steps = [b - a for a, b in zip(starts[1:], [*starts[2:], gathers[0]])]  # (after the prefill's forward)
+    return {
+        "cache": [layer.keys.shape[2] for layer in seen["cache"].layers],
+        "decode_gathers": steps,
+        "layers": model.config.num_hidden_layers,
+    }
 
 
 def _with_config(model, **settings):
@@ -607,9 +623,17 @@ def test_hybrids_generate_at_four_ranks():
 
 def test_each_rank_holds_its_share_of_the_cache(two_ranks):
     """32 prompt tokens (16 per rank) and the 7 generated tokens that entered the cache (round-robin: 4 + 3)."""
-    shares = [r["cache"] for r in two_ranks]
+    shares = [r["cache"]["cache"] for r in two_ranks]
     assert all(len(set(s)) == 1 for s in shares), shares  # every layer alike
     assert [s[0] for s in shares] == [16 + 4, 16 + 3], shares
+
+
+def test_a_decode_step_gathers_once_per_layer_and_once_to_compare_its_tokens(two_ranks):
+    """Each decode step: one all-gather of (out, LSE) per attention layer, and the one that compares the chosen tokens
+    on every rank (its stopping criterion); no other check of the step's tokens."""
+    for r in two_ranks:
+        steps, layers = r["cache"]["decode_gathers"], r["cache"]["layers"]
+        assert steps == [layers + 1] * (NEW - 1), (steps, layers)
 
 
 def test_bad_generation_calls_raise_on_every_rank(two_ranks):

@@ -53,6 +53,10 @@ RTOL_AUDIO = 5e-5
 # the images case (measured); the ring at 1, 2 and 4 ranks 1.5e-5, 3.4e-5, 1.3e-5; blocks masked causally instead
 # on the sliding layers only (Gemma 4's masks) move them by 0.77
 RTOL_LORA_GEMMA4_UNIFIED = 5e-5
+# fp32, Muse Spark with images, LoRA and checkpointing: its layer-1 k_proj LoRA A gradient is the worst everywhere,
+# Transformers' own eager and SDPA attention 4.2e-6 apart, the ring 6.8e-6, 1.4e-5 and 5.9e-6 at 1, 2 and 4 ranks
+# (measured on an AMD EPYC host, 2026-12-07; under 1e-5 at 2 ranks on others)
+RTOL_LORA_MUSE_SPARK = 3e-5
 # DeepSeek-V4's tiny model amplifies rounding (fp32 norms and hyper-connections with Sinkhorn iterations between
 # layers): with sliding layers only, through the ring path every family takes, its gradients at one rank are 2e-5 from
 # the reference (measured); compressed layers add no more
@@ -350,7 +354,12 @@ CASES = {
     "cohere_compass-images-checkpointing": ("cohere_compass", "images", 40, {"checkpointing": True}),
     # Muse Spark: gated attention, sliding layers and a full one without RoPE, experts, a logit multiplier and softcap
     "muse_spark-images-padded": ("muse_spark", "images-padded", 45, {}),
-    "muse_spark-images-lora-checkpointing": ("muse_spark", "images", 40, {"lora": True, "checkpointing": True}),
+    "muse_spark-images-lora-checkpointing": (
+        "muse_spark",
+        "images",
+        40,
+        {"lora": True, "checkpointing": True, "rtol": RTOL_LORA_MUSE_SPARK},
+    ),
     "muse_spark-packed": ("muse_spark", "packed", 40, {}),
     "muse_spark-audio-padded": ("muse_spark", "audio", 40, {}),  # waveforms through its convolutions, one shorter
     "muse_spark-video": ("muse_spark", "video", 40, {}),  # an image and a 2-frame video
