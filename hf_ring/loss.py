@@ -208,7 +208,9 @@ class _LinearChunks(torch.autograd.Function):
             (dlogits,) = torch.autograd.grad(loss, logits, grad)
             if need_x:
                 dx[a : a + chunk_size] = dlogits @ weight
-            if need_w:
+            if need_w and weight.dtype == torch.float32:
+                dw.addmm_(dlogits.t(), x)
+            elif need_w:  # (the chunk's product in the weight's dtype, then summed in fp32)
                 dw += dlogits.t() @ x
             if need_b:
                 db += dlogits.sum(0, dtype=torch.float32)

@@ -192,6 +192,20 @@ def test_bench_linear_cpu_checks_the_sharded_rule_and_times_it(tmp_path):
     assert len(_rows(tmp_path, "mamba2")) == 1
 
 
+def test_bench_loss_cpu_times_both_ways_of_the_head_and_their_error(tmp_path):
+    """bench_loss_cpu.py at a tiny size with 512 chunks: a row per dtype and way; fp32 both exact, and in bf16 the
+    head run as one function (its weight's gradient summed in fp32) well within the module way's error."""
+    import bench_loss_cpu
+
+    rows = bench_loss_cpu.main(["--tokens", "512", "--hidden", "16", "--vocab", "96", "--chunk-size", "1",
+                                "--repeat", "1", "--results-dir", str(tmp_path)])  # fmt: skip
+    err = {(r["dtype"], r["way"]): float(r["weight_grad_rel_err"]) for r in rows}
+    assert sorted(err) == [("bf16", "function"), ("bf16", "module"), ("fp32", "function"), ("fp32", "module")]
+    assert err["fp32", "function"] <= 1e-5 and err["fp32", "module"] <= 1e-5, err
+    assert err["bf16", "function"] <= 1e-2 and err["bf16", "function"] < err["bf16", "module"] / 2, err
+    assert all(r["min_ms"] > 0 for r in rows) and len(_rows(tmp_path, "loss_cpu")) == 4
+
+
 def test_bench_vision_split_cpu_divides_the_patches_and_keeps_the_result(tmp_path):
     """bench_vision_split_cpu.py at a tiny size: both modes' rows; each rank encodes half the patches with the split,
     all of them without, and both give the same loss and vision-tower gradient."""

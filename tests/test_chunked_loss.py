@@ -252,17 +252,24 @@ def _with_head_bias(model):
     return model
 
 
-def test_bf16_head_gradients_are_summed_over_the_chunks_in_fp32():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")]),
+    ],
+)
+def test_bf16_head_gradients_are_summed_over_the_chunks_in_fp32(device):
     """bf16 weights trained in bf16, 512 chunks: the head's weight and bias gradients within the bf16 rule (twice the
     unmodified bf16 model's error against float64, plus 5e-3), as every other gradient. Autograd's own sum of the
     chunks' gradients, one bf16 rounding per chunk, measured 2.5e-2 for the weight at 256 chunks against the model's
     4.7e-3, 0.29 at 4096."""
     vocab, chunk = 256, 4
-    ids = torch.randint(0, vocab, (2, 1024), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, vocab, (2, 1024), generator=torch.Generator().manual_seed(5)).to(device)
     batch = {"input_ids": ids, "labels": ids}
-    wide = _with_head_bias(make_model("llama", vocab_size=vocab)).double()
+    wide = _with_head_bias(make_model("llama", vocab_size=vocab)).double().to(device)
     ref, ref_grads = _loss_and_grads(wide, batch)
-    model = _with_head_bias(make_model("llama", vocab_size=vocab)).bfloat16()
+    model = _with_head_bias(make_model("llama", vocab_size=vocab)).bfloat16().to(device)
     model.load_state_dict(wide.state_dict())
     own, own_grads = _loss_and_grads(model, batch)
     hf_ring.apply_chunked_loss(model, chunk_size=chunk)
