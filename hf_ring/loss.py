@@ -174,9 +174,10 @@ class _LinearChunks(torch.autograd.Function):
 
     The forward keeps no logits; the backward recomputes each chunk's, takes the gradient of its loss, and writes
     the hidden states' gradient in place (no full-size gradient per chunk to sum) while the weight's and the bias's
-    are summed over the chunks in fp32 and rounded to their dtype once, as the unmodified model's single matrix
-    product does (autograd would sum one rounded gradient per chunk in the weight's dtype: bf16 weights lose a
-    rounding per chunk)."""
+    are summed over the chunks in fp32 (float64 for float64 weights) and rounded to their dtype at the end. A bf16
+    weight's chunk products are each rounded to bf16 before the sum (one rounding per chunk's product, none of the
+    running sum: autograd's own sum in bf16 rounds the running sum at every chunk, an error that grows with the
+    chunk count). Not twice differentiable (``create_graph=True`` raises)."""
 
     @staticmethod
     def forward(ctx, flat, weight, bias, targets, transform, ignore_index, chunk_size):
@@ -189,12 +190,17 @@ class _LinearChunks(torch.autograd.Function):
         return total
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # (a backward with create_graph=True)
+            raise RuntimeError(
+                "hf_ring's chunked loss is not twice differentiable (backward with create_graph=True); "
+                "revert_chunked_loss(model) for a gradient of its gradient"
+            )
         flat, weight, bias, targets = ctx.saved_tensors
         transform, ignore_index, chunk_size = ctx.rule
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        wide = {"dtype": torch.float32, "device": flat.device}
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        wide = {"dtype": acc, "device": flat.device}
         dx = torch.empty_like(flat) if need_x else None
         dw = torch.zeros(weight.shape, **wide) if need_w else None
         db = torch.zeros(bias.shape, **wide) if need_b else None
@@ -208,12 +214,12 @@ class _LinearChunks(torch.autograd.Function):
             (dlogits,) = torch.autograd.grad(loss, logits, grad)
             if need_x:
                 dx[a : a + chunk_size] = dlogits @ weight
-            if need_w and weight.dtype == torch.float32:
+            if need_w and weight.dtype == acc:
                 dw.addmm_(dlogits.t(), x)
             elif need_w:  # (the chunk's product in the weight's dtype, then summed in fp32)
                 dw += dlogits.t() @ x
             if need_b:
-                db += dlogits.sum(0, dtype=torch.float32)
+                db += dlogits.sum(0, dtype=acc)
         return (
             dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
             None, None, None, None,

@@ -280,6 +280,19 @@ def test_bf16_head_gradients_are_summed_over_the_chunks_in_fp32(device):
         assert _rel(grads[name], ref_grads[name]) <= 2 * _rel(own_grads[name], ref_grads[name]) + 5e-3, name
 
 
+def test_a_float64_head_is_summed_in_float64_and_a_second_derivative_is_refused():
+    """float64 weights (check_exactness's yardstick runs): gradients as the unmodified model's to float64 rounding
+    (an fp32 sum would leave 3e-8); a backward with create_graph=True raises rather than giving no graph."""
+    model = make_model("llama").double()
+    batch, _ = make_batch("plain", 40)
+    ref, ref_grads = _loss_and_grads(model, batch)
+    hf_ring.apply_chunked_loss(model, chunk_size=CHUNK)
+    out, grads = _loss_and_grads(model, batch)
+    assert _rel(out.loss, ref.loss) <= 1e-12 and max(_rel(grads[n], ref_grads[n]) for n in ref_grads) <= 1e-12
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad(model(**batch).loss, model.lm_head.weight, create_graph=True)
+
+
 def test_a_head_with_hooks_runs_as_a_module_per_chunk():
     """A head whose weight may exist only inside its call (hooks: FSDP2 around the head alone, DeepSpeed ZeRO-3) runs
     as a module, chunk by chunk, its hooks called each time; with a bias too, the unmodified loss and gradients."""
