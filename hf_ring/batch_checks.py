@@ -28,6 +28,7 @@ from .ring_config import (
 __all__ = [
     "chunk_size", "chunked", "documents", "dropped_documents_error", "hand_sharded_error", "ids_from_cu_seqlens",
     "packed_documents", "positions_error", "shard_info_error", "sharding_error", "with_model_positions",
+    "without_all_true",
 ]  # fmt: skip
 
 
@@ -42,6 +43,15 @@ def ids_from_cu_seqlens(cu, full: int) -> torch.Tensor:
     if not valid_cu_seqlens(cu, full):
         raise ValueError(f"cu_seq_lens_q must rise from 0 to the sequence length {full}, got {cu.tolist()[:8]}")
     return documents_from_cu_seqlens(cu, full)[None].to(torch.int32)
+
+
+def without_all_true(mask, plans=None):
+    """``mask``, or None where it is a boolean 2-D mask with no padding (GLM-5.3-Flash's text model makes one of its
+    local length when given none): one host read, once per forward with a plan cache."""
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool):
+        return mask
+    make = lambda: bool(mask.all())  # noqa: E731
+    return None if (make() if plans is None else plans.derived((without_all_true, mask), make)) else mask
 
 
 def documents(attention_mask, kwargs: dict, full: int, world_size: int) -> tuple[Any, Any]:

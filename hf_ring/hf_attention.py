@@ -66,7 +66,7 @@ from .ring_config import (  # (they were defined here: their import from this mo
     _Dropped,  # noqa: F401 - (pickles of a RingConfig whose group was dropped name it here)
     lost_group,
 )
-from .sparse import IndexerCall, SparseMask, picks_key_blocks, select, select_decode
+from .sparse import IndexerCall, SparseMask, picks_key_blocks, pools_tokens, select, select_decode
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -243,9 +243,13 @@ def ring_attention_forward(
             "(not only attn_implementation='hf_ring')"
         )
     if isinstance(attention_mask, SparseMask):  # a DSA attention module's (hf_ring.patches._sparse)
-        if attention_mask.call is not None:  # (its indexer's selection combined into the mask: Qwen4-Exp)
-            kwargs = {**kwargs, "indices": attention_mask.call}
+        call = attention_mask.call
+        if call is not None:  # (its indexer's selection combined into the mask: Qwen4-Exp, GLM-5.3-Flash)
+            kwargs = {**kwargs, "indices": call}
         attention_mask = attention_mask.mask
+        if call is not None and pools_tokens(call.module):  # GLM-5.3-Flash: the 2-D padding mask its indexer got
+            given = call.mask.mask if isinstance(call.mask, SparseMask) else call.mask
+            attention_mask = batch_checks.without_all_true(given, cfg.plans)
     if kwargs.get("block_indices") is not None:  # MiniMax M3's indexer's blocks of keys, under their own name
         kwargs = {**kwargs, "indices": kwargs["block_indices"]}
     kwargs.pop("block_indices", None)
@@ -340,6 +344,8 @@ def ring_attention_forward(
             _check_key_blocks(
                 _packed(document_ids, cu_seqlens, cfg), cache
             )  # (the same on every rank: before any collective)
+        if isinstance(kwargs.get("indices"), IndexerCall) and pools_tokens(kwargs["indices"].module):
+            _check_pools(_packed(document_ids, cu_seqlens, cfg), cfg.layout, world_size)  # (the same on every rank)
         if _compressed.compresses(module):  # DeepSeek-V4: in every layer, so the first one finds it, before the ring
             if _packed(document_ids, cu_seqlens, cfg):  # (the same on every rank: the whole batch's documents)
                 raise ValueError(_compressed.PACKED)
@@ -437,6 +443,24 @@ def _check_key_blocks(packed: bool, cache) -> None:
             "ring_generate: MiniMax M3's sparse attention layers count their blocks of keys from the row's first "
             "token, so a padded prompt row selects other blocks than the row alone (as in Transformers): pass "
             "prompts without padding (one row, or rows of one length)"
+        )
+
+
+def _check_pools(packed: bool, layout: str, world_size: int) -> None:
+    """ValueError where GLM-5.3-Flash's pooled selection cannot be the model's: its indexer cuts the row into pools
+    from its first token that is not padding and lets a query see every earlier pool, so a packed row's documents
+    would select among each other's pools; it takes its queries as consecutive positions (``hf_ring.sparse``), which
+    a striped shard is not."""
+    if packed:
+        raise ValueError(
+            "GLM-5.3-Flash's sparse attention layers cut the row into pools of keys from its first token and let a "
+            "query see every earlier pool: packed documents would select among each other's pools; pass one document "
+            "per row (padding is fine)"
+        )
+    if layout == "striped" and world_size > 1:
+        raise ValueError(
+            "GLM-5.3-Flash's sparse attention layers pick pools of keys for runs of consecutive positions, which a "
+            "striped shard does not hold; use layout='zigzag' (the default) or 'contiguous'"
         )
 
 

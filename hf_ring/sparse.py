@@ -41,6 +41,13 @@ answering with them; the picked block indices go to ``ring_attention`` as a ``Se
 padding it puts in front of the prompt (``Selection.start``); a decode step picks from every token's keys, kept on
 every rank.
 
+GLM-5.3-Flash's indexer picks pools of tokens (``_select_pools``): pools of ``index_kpool`` tokens from the row's
+first real token, each scored by a gated average of its tokens' keys, the best ``index_topk / index_kpool`` and the
+query's own incomplete pool. The packed keys, gate scores and validity of the whole sequence come from one
+all-gather; the model's own indexer code then runs on chunks of consecutive positions of this rank's queries, its
+cache answering with them and with the position after the chunk as its length. One document per row, not striped
+(``hf_attention`` refuses both).
+
 Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per chunk of queries, the chunk sized to
 keep them within ``chunk_bytes`` (256 MiB by default; the pass also holds their ReLU, the chunk's other indexer
 tensors, and an fp32 copy of the whole sequence's indexer keys); the unmodified model holds them for all its
@@ -58,6 +65,8 @@ a batch padded or cut otherwise may pick another key (docs/transformers.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import sys
 
@@ -68,7 +77,7 @@ from .comm import RingComm, StateGather, group_rank_and_size
 from .kernels.mask import BlockMask, Selection, upload
 from .ring import host_document_ids
 
-__all__ = ["CHUNK_BYTES", "IndexerCall", "SparseMask", "picks_key_blocks", "select", "select_decode"]
+__all__ = ["CHUNK_BYTES", "IndexerCall", "SparseMask", "picks_key_blocks", "pools_tokens", "select", "select_decode"]
 
 CHUNK_BYTES = 256 * 2**20
 """Default bound on the indexer's fp32 scores of one chunk of queries (``select``)."""
@@ -149,25 +158,38 @@ class IndexerCall:
     cache_name: str = "cache"
     cache: object = None
     selected: torch.Tensor | Selection | None = None  # once resolved: int32 global positions, or a Selection (M3)
+    mask: object = None  # the mask the module gave its indexer (GLM-5.3-Flash's: the 2-D padding mask, wrapped)
 
     def run(self, rows: slice, cache, mask) -> torch.Tensor:
         """The model's indexer on the queries ``rows`` of this call, with ``cache`` and ``mask`` (MiniMax M3's takes
         no mask: its queries see the keys up to their positions)."""
-        cos, sin = self.position_embeddings
         cut = (slice(None), rows)
         pos = self.position_ids
-        given = {
-            "hidden_states": self.hidden_states[cut],
-            "position_embeddings": (cos[cut], sin[cut]),
+        given = {"hidden_states": self.hidden_states[cut], self.cache_name: cache}
+        if self.position_embeddings is not None:  # (GLM-5.3-Flash's indexer has no RoPE)
+            cos, sin = self.position_embeddings
+            given["position_embeddings"] = (cos[cut], sin[cut])
+        if _takes(self.module, "position_ids"):
             # (Mistral Large 4's indexer scales its queries by their positions; M3's compares them with the keys')
-            "position_ids": pos[cut] if isinstance(pos, torch.Tensor) and pos.dim() == 2 else pos,
-            self.cache_name: cache,
-        }
+            given["position_ids"] = pos[cut] if isinstance(pos, torch.Tensor) and pos.dim() == 2 else pos
         if not picks_key_blocks(self.module):
             given["attention_mask"] = mask
         if self.q_resid is not None:  # (DeepSeek-V3.2's queries come from the attention's query latent)
             given["q_resid"] = self.q_resid[cut]
         return type(self.module).forward(self.module, **given)
+
+
+@functools.cache
+def _parameters(cls) -> tuple:
+    """The names ``cls.forward`` takes, and whether it takes any keyword (``**kwargs``)."""
+    params = inspect.signature(cls.forward).parameters.values()
+    return tuple(p.name for p in params), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _takes(module, name: str) -> bool:
+    """``module``'s forward takes the keyword ``name``."""
+    names, any_keyword = _parameters(type(module))
+    return any_keyword or name in names
 
 
 def select(
@@ -203,9 +225,11 @@ def select(
     rank, world_size = group_rank_and_size(group)
     if picks_key_blocks(call.module):
         return _resolved(call, _select_key_blocks(call, group, world_size, layout, chunk_bytes, timeout))
+    where = dict(cu_seqlens=cu_seqlens, document_ids=document_ids, timeout=timeout, plans=plans)
     if _pools_blocks(call.module):
-        where = dict(cu_seqlens=cu_seqlens, document_ids=document_ids, timeout=timeout, plans=plans)
         return _resolved(call, _select_blocks(call, group, rank, world_size, layout, chunk_bytes, **where))
+    if pools_tokens(call.module):
+        return _resolved(call, _select_pools(call, group, rank, world_size, layout, chunk_bytes, **where))
     keys = local_keys = _local_keys(call)
     if world_size > 1:
         with torch.no_grad():
@@ -316,6 +340,73 @@ def select_decode(call: IndexerCall, cache, *, q_pos: torch.Tensor, prompt_docs:
         k_doc=docs,
     ).visible()
     return _resolved(call, call.run(slice(None), _WholeKeys(keys), mask.to(keys.device)))
+
+
+def pools_tokens(module) -> bool:
+    """The indexer scores pools of ``index_kpool`` tokens counted from the row's first token that is not padding, and
+    adds the query's incomplete pool (GLM-5.3-Flash)."""
+    return hasattr(module, "index_kpool") and hasattr(module, "get_pooled_states")
+
+
+class _PooledKeys(_WholeKeys):
+    """Stands for GLM-5.3-Flash's indexer cache: answers with the whole sequence's packed keys, gate scores and
+    validity, its length as the position after the call's last query (its queries: the ``q_length`` before it)."""
+
+    def __init__(self, keys: torch.Tensor, end: int):
+        super().__init__(keys)
+        self.end = end
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.end
+
+
+def _select_pools(call, group, rank, world_size, layout, chunk_bytes, *, cu_seqlens, document_ids, timeout, plans):
+    """GLM-5.3-Flash's selection over the whole sequence for this rank's queries: ``[batch, local_seq, index_topk +
+    index_kpool - 1]`` int32 global positions, -1 for none, by the model's own indexer code.
+
+    Its indexer packs each token's key, pool gate scores and validity (padding: 0), cuts the row into pools of
+    ``index_kpool`` tokens from its first valid token, scores each query against the pools whose last token it may
+    see, keeps the best ``index_topk / index_kpool`` and its own incomplete pool, and gives padding queries none.
+    Here the packed tokens of this rank come from the model's code (stopped at its cache), the whole sequence's from
+    one all-gather; then the model's code runs on chunks of consecutive positions of this rank's queries, its cache
+    answering with the whole sequence and with the position after the chunk as its length (its queries: the chunk).
+    Padding is the batch's (``document_ids`` -1: ``shard_batch``'s, or at one rank those of the mask the model gave its
+    indexer, which ``hf_attention`` passes on). One document per row (``hf_attention`` refuses packed rows: the model's pools run across documents).
+    """
+    m = call.module
+    hidden = call.hidden_states
+    batch, local_len = hidden.shape[:2]
+    full = local_len * world_size
+    if any(hasattr(p, "ds_id") for p in m.parameters(recurse=False)):  # (the same model on every rank)
+        raise ValueError(
+            f"{type(m).__name__}: under DeepSpeed ZeRO-3 its own pool parameters stay partitioned where hf_ring runs "
+            "its code on the whole sequence's keys; use ZeRO-1 or 2, or FSDP2"
+        )
+    with torch.no_grad():
+        q_pos, _, docs = _seen(plans, cu_seqlens, document_ids, full, rank, world_size, layout, hidden.device)[:3]
+        if docs is not None:  # (the batch's padding: shard_batch's, or the model's mask at one rank)
+            valid = (docs >= 0).expand(batch, full)[:, q_pos]
+        else:
+            valid = torch.ones(batch, local_len, dtype=torch.bool, device=hidden.device)
+        local = _LocalKeys()
+        try:
+            call.run(slice(None), local, valid)
+        except _StopIndexerError:
+            pass
+        packed = local.keys
+        if call.cache is not None:  # (the model's own cache, at one rank: its tokens' packed keys, as the model gives)
+            call.cache.update_indexer(packed, m.layer_idx)
+        if world_size > 1:
+            what = "the all-gather of the sparse-attention indexer keys"
+            packed = _layout.unshard(list(StateGather(group, timeout, what=what).gather(packed)), dim=1, layout=layout)
+        rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * batch * m.n_heads * max(1, -(-full // m.index_kpool))))
+        host = _layout.positions(full, rank=rank, world_size=world_size, layout=layout)  # (on the host: no sync)
+        starts = [0, *(torch.nonzero(host[1:] != host[:-1] + 1).flatten() + 1).tolist()]
+        parts = []
+        for lo, hi in zip(starts, [*starts[1:], local_len]):  # runs of consecutive positions, cut into chunks
+            parts += [slice(a, min(hi, a + rows)) for a in range(lo, hi, rows)]
+        picked = [call.run(part, _PooledKeys(packed, int(host[part.stop - 1]) + 1), valid[:, part]) for part in parts]
+        return torch.cat(picked, dim=1)
 
 
 def _pools_blocks(module) -> bool:

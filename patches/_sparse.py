@@ -1,6 +1,6 @@
 """DeepSeek sparse attention's indexers, deferred to hf_ring's attention function while the model is patched.
 
-A DSA attention module (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4 and V4 VL, Mistral Large 4, Dots3 Note) calls its indexer on its own tokens, with
+A DSA attention module (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, HunYuan V4 and V4 VL, Mistral Large 4, Dots3 Note, GLM-5.3-Flash) calls its indexer on its own tokens, with
 its 4-D mask cut to ``[:, 0, :, :]``, and passes the top-k positions to the attention function as ``indices``
 (``ring_attention`` takes no dense mask: Transformers leaves the selection to attention implementations other
 than eager and SDPA). Under the ring the top-k must range over the keys of every rank, which only the attention
@@ -10,7 +10,10 @@ function can gather (it knows the group, the layout and the batch's documents). 
   (``hf_ring.sparse.IndexerCall``), which ``hf_ring.sparse.select`` resolves inside the attention function;
 - each DSA attention module wraps its mask by a forward pre-hook (``WrapMask``) in a ``SparseMask``, which it can
   index as its 4-D mask (Qwen4-Exp combines it with its indexer's output, ``mask & selection``: the wrapper then
-  carries the call); the attention function unwraps it.
+  carries the call); the attention function unwraps it;
+- a module that turns its top-k into a dense mask itself (GLM-5.3-Flash's ``build_attention_mask_from_topk``, its
+  mask the 2-D padding mask) is given, as an instance attribute, ``CarryCall`` in its place: the ``SparseMask`` it
+  returns carries the call and no mask (the selection leaves out padding keys and padding queries).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import torch
 from ..sparse import IndexerCall, SparseMask
 from ._hooks import remove_hooks
 
-__all__ = ["DeferIndexer", "WrapMask", "install", "remove"]
+__all__ = ["CarryCall", "DeferIndexer", "WrapMask", "install", "remove"]
+
+MASK_BUILDER = "build_attention_mask_from_topk"
+"""The method of a DSA attention module that makes a dense mask of its indexer's top-k (GLM-5.3-Flash)."""
 
 
 class DeferIndexer:
@@ -41,11 +47,22 @@ class DeferIndexer:
             module=self.module,
             hidden_states=given["hidden_states"],
             q_resid=given.get("q_resid"),  # (Mistral Large 4's indexer takes none)
-            position_embeddings=given["position_embeddings"],
+            position_embeddings=given.get("position_embeddings"),  # (GLM-5.3-Flash's layers have no RoPE)
             position_ids=given.get("position_ids"),
             cache_name=self.cache_name,
             cache=cache,
+            mask=given.get("attention_mask"),
         )
+
+
+class CarryCall:
+    """``build_attention_mask_from_topk`` while patched: a ``SparseMask`` carrying the deferred call (which keeps the
+    padding mask the module gave its indexer), in place of a dense mask."""
+
+    def __call__(self, topk_indices, *args, **kwargs) -> SparseMask:
+        if not isinstance(topk_indices, IndexerCall):
+            raise TypeError(f"{MASK_BUILDER}: expected the deferred indexer call, got {type(topk_indices).__name__}")
+        return SparseMask(None, call=topk_indices)
 
 
 class WrapMask:
@@ -73,6 +90,8 @@ def install(modules: list) -> None:
         indexer = getattr(m, "indexer", None)
         if isinstance(indexer, torch.nn.Module) and not isinstance(indexer.__dict__.get("forward"), DeferIndexer):
             indexer.forward = DeferIndexer(indexer)
+        if callable(getattr(type(m), MASK_BUILDER, None)) and not isinstance(m.__dict__.get(MASK_BUILDER), CarryCall):
+            setattr(m, MASK_BUILDER, CarryCall())
         if not any(isinstance(h, WrapMask) for h in m._forward_pre_hooks.values()):
             m.register_forward_pre_hook(WrapMask(m), with_kwargs=True)
 
@@ -82,4 +101,6 @@ def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m.__dict__.get("forward"), DeferIndexer):
             del m.__dict__["forward"]
+        if isinstance(m.__dict__.get(MASK_BUILDER), CarryCall):
+            del m.__dict__[MASK_BUILDER]
         remove_hooks(m, WrapMask)

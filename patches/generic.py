@@ -277,8 +277,9 @@ def check_sparse_sliding(config) -> None:
 
 
 def check_sparse_linear(config) -> None:
-    """``check_linear`` for Qwen4-Exp: Gated DeltaNet layers (``linear_attention``) beside attention layers whose
-    indexer picks blocks of keys (``indexed_attention``: ``hf_ring.sparse``); no windows."""
+    """``check_linear`` for Qwen4-Exp and GLM-5.3-Flash: Gated DeltaNet or Kimi Delta Attention layers
+    (``linear_attention``) beside attention layers whose indexer picks blocks or pools of keys (``indexed_attention``:
+    ``hf_ring.sparse``); no windows."""
     what = getattr(config, "model_type", "model")
     check_layer_types(config, what, allowed=("linear_attention", "indexed_attention"), window=False)
 
@@ -344,6 +345,7 @@ LINEAR = {
     "bamba": "transformers.models.bamba.modeling_bamba.BambaMixer",
     "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer",
     "falcon_mamba": "transformers.models.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer",
+    "glm5_next_text": "transformers.models.glm5_next.modeling_glm5_next.Glm5NextTextLinearAttention",
     "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
     "jamba": "transformers.models.jamba.modeling_jamba.JambaMambaMixer",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
@@ -372,7 +374,7 @@ LINEAR = {
 """Hybrid families: their linear-attention (Gated DeltaNet, Kimi Delta Attention, MiniMax's lightning attention), Mamba,
 Mamba2, short-convolution or RG-LRU (RecurrentGemma) class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
-SPARSE = ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "mistral_large4_text",
+SPARSE = ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "glm5_next_text", "hy_v4", "hy_v4_vl_text", "mistral_large4_text",
           "minimax_m3_vl_text", "qwen4_exp_text")  # fmt: skip
 """Families with DeepSeek sparse attention: an indexer beside each attention layer (``hf_ring.patches._sparse``;
 Qwen4-Exp's picks blocks of keys, MiniMax M3's blocks of keys per key/value head: ``hf_ring.sparse``); HunYuan V4
@@ -391,6 +393,7 @@ CHECKS = {
     "recurrent_gemma": check_linear_sliding, "zaya": check_zaya,
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
+    "glm5_next_text": check_sparse_linear,
     "minimax_m3_vl_text": check_minimax_m3, "opt": check_opt, "deepseek_v4": check_deepseek_v4,
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
@@ -414,6 +417,8 @@ NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
     "deepseek_v4": "its compressed layers keep their compressors' windows in the model's own cache, which the sharded "
     "cache does not follow",
+    "glm5_next_text": "its sparse attention layers keep their indexer's pooled keys in the model's own cache, which the "
+    "sharded cache does not follow",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 

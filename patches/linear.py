@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import guard, preflight
-from ..batch_checks import documents, dropped_documents_error, sharding_error
+from ..batch_checks import documents, dropped_documents_error, sharding_error, without_all_true
 from ..chunks import Uses, previous
 from ..comm import RingComm, StateGather, group_rank_and_size
 from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_group
@@ -76,6 +76,7 @@ class ShardedMixer:
         batch, local_len, _ = hidden_states.shape
         if isinstance(attention_mask, Lent):  # the batch's keywords its decoder layer was given (``Lent``)
             attention_mask, kwargs = attention_mask.mask, {**attention_mask.kwargs, **kwargs}
+        attention_mask = without_all_true(attention_mask, cfg.plans)  # (GLM-5.3-Flash's text model makes one)
         cache = next((c for c in (cache_params, past_key_values, cache) if c is not None), None)
         memory = _memory(cache, self.record())
         if memory:  # a decode step of ring_generate: the same new tokens on every rank, after the prefill's state

@@ -131,6 +131,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "qwen3_5": ("qwen3_5_text",),  # Qwen3.5 (every checkpoint is this vision-language model)
     "qwen3_5_moe": ("qwen3_5_moe_text",),
     "qwen4_exp": ("qwen4_exp_text",),  # Qwen4-Exp (block-sparse attention, per-layer n-gram embeddings; 5.24)
+    "glm5_next": ("glm5_next_text",),  # GLM-5.3-Flash (KDA layers, pooled sparse attention, hyper-connections; 5.24)
     "llava": ("llama", "mistral", "qwen2"),  # LLaVA 1.5 and checkpoints of its architecture
     "llava_next": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT (1.6)
     "vipllava": ("llama",),  # ViP-LLaVA (7B, 13B): features of several vision layers
@@ -214,6 +215,7 @@ IMAGES = (
     "qwen3_5",
     "qwen3_5_moe",
     "qwen4_exp",
+    "glm5_next",
     "internvl",
     "mistral3",
     "mistral_large4",
@@ -461,6 +463,8 @@ INNER = {
         attention_class=path,
         check_config=INNER_CHECKS.get(model_type, generic.CHECKS.get(model_type, generic.check)),
         sparse=model_type in generic.SPARSE,
+        linear_class=generic.LINEAR.get(model_type),
+        no_generate=generic.NO_GENERATE.get(model_type),
     )
     for model_type, path in {
         "qwen2_vl_text": "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLAttention",
@@ -491,6 +495,7 @@ INNER = {
         "muse_spark_text": "transformers.models.muse_spark.modeling_muse_spark.MuseSparkTextAttention",
         "muse_glimmer_text": "transformers.models.muse_glimmer.modeling_muse_glimmer.MuseGlimmerTextAttention",
         "cosmos3_edge_text": "transformers.models.cosmos3_edge.modeling_cosmos3_edge.Cosmos3EdgeTextAttention",
+        "glm5_next_text": "transformers.models.glm5_next.modeling_glm5_next.Glm5NextTextAttention",
     }.items()
 }
 """Text models that exist only inside a vision-language model (no causal-LM class of their own): their patch, as

@@ -321,6 +321,16 @@ _MROPE_HALF = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1
 _QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                    "patch_size": 14}  # fmt: skip
 
+_GLM5_NEXT = {"num_hidden_layers": 3, "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16,
+              "qk_nope_head_dim": 16, "qk_rope_head_dim": 0, "v_head_dim": 12, "linear_head_dim": 16,
+              "linear_num_heads": 4, "linear_conv_kernel_dim": 4, "hc_mult": 2, "hc_sinkhorn_iters": 3,
+              "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+              "mlp_layer_types": ["dense", "sparse", "dense"], **_DSA, "index_topk": 8, "index_kpool": 4,
+              "layer_types": ["linear_attention", "indexed_attention", "indexed_attention"],
+              "indexer_types": ["full", "full", "shared"]}  # fmt: skip
+_GLM5_NEXT_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+                     "projection_intermediate_size": 48, "patch_size": 14}  # fmt: skip
+
 # Cohere2 text (sliding / full, a logit scale that the vision-language heads do not apply); a SigLIP tower of 2 x 2
 # patches per 28 x 28 image, pixel-shuffled 2 x 2 into one token (Aya Vision, Command A Vision)
 _COHERE2_TEXT = {"model_type": "cohere2", "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
@@ -584,6 +594,9 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "glm46v-moe": ("Glm46VConfig", "Glm46VForConditionalGeneration",
                    {"model_type": "glm4v_moe_text", "rope_parameters": _GLM_ROPE, "n_routed_experts": 4,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1}, _GLM_VISION),
+    # GLM-5.3-Flash: KDA layers beside latent attention without RoPE whose indexer picks pools of 4 keys (layer 2
+    # reusing layer 1's picks), hyper-connections of 2 streams, a MoE layer; GLM-4.1V-like images (4 tokens each)
+    "glm5_next": ("Glm5NextConfig", "Glm5NextForConditionalGeneration", _GLM5_NEXT, _GLM5_NEXT_VISION),
     # GLM-OCR: GLM-4.1V's images and multimodal RoPE, a text model of its own (no biases in its attention)
     "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", {"rope_parameters": _GLM_ROPE}, _GLM_VISION),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", {"model_type": "gemma", "head_dim": 16},
@@ -740,7 +753,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
-         "opt": "5.24", "moss_transcribe_diarize": "5.24"}  # fmt: skip
+         "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -1202,6 +1215,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         "muse_spark",
         "muse_glimmer",
         "dots3_note",
+        "glm5_next",
     )
     qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
     gemma = ("gemma3", "gemma4", "gemma4_unified")
@@ -1251,6 +1265,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             "muse_spark",
             "muse_glimmer",
             "dots3_note",
+            "glm5_next",
         ):  # (no token types from
             # their processors)
             extra["mm_token_type_ids"] = types

@@ -141,6 +141,30 @@ def test_minimax_m3_refuses_packed_rows_and_padded_prompts():
         assert torch.isfinite(hf_ring.apply_ring_attention(dense)(**hf_ring.shard_batch(packed)).loss)
 
 
+@pytest.mark.skipif(not in_transformers("glm5_next"), reason="GLM-5.3-Flash is not in this Transformers")
+def test_glm5_next_refuses_packed_rows_striped_shards_and_ring_generate():
+    """Its indexer cuts the row into pools from its first real token and lets a query see every earlier pool (no
+    documents): a packed row's documents would pick among each other's pools; hf_ring runs its code on runs of
+    consecutive queries, which a striped shard over several ranks is not; its cache keeps the indexer's pooled state,
+    which ring_generate's does not follow; under DeepSpeed ZeRO-3 its indexer's own parameters would stay partitioned
+    where hf_ring runs its code. Each refused by name."""
+    model = hf_ring.apply_ring_attention(make_model("glm5_next").eval())
+    packed, _ = make_batch("packed", 40)
+    with torch.no_grad(), pytest.raises(ValueError, match="packed documents would select among each other's pools"):
+        model(**hf_ring.shard_batch(packed))
+    with pytest.raises(ValueError, match="a striped shard does not hold"):
+        hf_attention._check_pools(False, "striped", 2)
+    hf_attention._check_pools(False, "striped", 1)  # (one rank: one run)
+    hf_attention._check_pools(False, "contiguous", 2)
+    padded, _ = make_batch("padded", 40)
+    prompt = {k: padded[k] for k in ("input_ids", "attention_mask")}
+    with pytest.raises(ValueError, match="ring_generate does not support glm5_next models: its sparse attention"):
+        hf_ring.ring_generate(model, prompt, max_new_tokens=2)
+    model.model.language_model.layers[1].self_attn.indexer.index_kpool_compress_gate.ds_id = 0  # (as ZeRO-3 marks it)
+    with torch.no_grad(), pytest.raises(ValueError, match="under DeepSpeed ZeRO-3 its own pool parameters"):
+        model(**hf_ring.shard_batch(padded))
+
+
 @pytest.mark.parametrize("family", [f for f in MODEL_TYPES if in_transformers(f)])
 def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     from transformers import AttentionInterface
@@ -434,6 +458,7 @@ def _text_only_batches_and_refused_images(family):
         ("muse_glimmer", "images-padded"),  # gated attention, sliding layers, a full one without RoPE
         ("dots3_note", "images-padded"),  # sparse attention beside sliding layers
         ("qwen4_exp", "images-padded"),  # blocks of keys picked per query, per-layer n-gram embeddings of the ids
+        ("glm5_next", "images-padded"),  # pools of keys picked per query, KDA layers, hyper-connections
         ("video_llama_3", "video"),
         ("deepseek_vl", "images-padded"),
         ("janus", "images"),
@@ -1513,6 +1538,56 @@ def test_qwen4_exp_breaks_ties_between_blocks_as_its_own_indexer_does(monkeypatc
         for want, picked, r, g, k in zip(theirs, ours, ref, got, (torch.ones_like(keep), keep), strict=True):
             assert torch.equal(_chosen(picked)[k], want[k]), seed
             assert float((g - r)[k].norm() / r[k].norm()) <= 1e-5, seed
+
+
+def test_glm5_next_picks_the_pools_its_own_indexer_picks_and_reverts(monkeypatch):
+    """GLM-5.3-Flash's pooled indexer at one rank: each real query's keys (the best 2 of the complete pools of 4
+    tokens counted from the row's first real token, and the query's own incomplete pool) are the set the unmodified
+    indexer gives, with a padding mask (left and right) or without, and with its scores in chunks of one query (runs
+    of one position: the model's code told where each chunk ends); the last layer reuses the second's picks. The
+    logits are the unmodified model's, and the selection bites: every pool picked changes the logits (a control).
+    Revert restores the indexers and the mask builders."""
+    from hf_ring.patches._sparse import CarryCall, DeferIndexer
+
+    from hf_ring import sparse
+
+    if not in_transformers("glm5_next"):
+        pytest.skip("GLM-5.3-Flash is not in this Transformers release")
+    model = make_model("glm5_next").eval()
+    padded, plain, keep = _padded_and_plain()
+    layers = model.model.language_model.layers
+    theirs, ours = [], []
+    hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, a, k, out: theirs.append(out), with_kwargs=True)
+             for layer in layers if getattr(layer.self_attn, "indexer", None) is not None]  # fmt: skip
+    with torch.no_grad():
+        ref = [model(**x).logits for x in (plain, padded)]
+    for h in hooks:
+        h.remove()
+    hf_ring.apply_ring_attention(model)
+    assert isinstance(vars(layers[1].self_attn.indexer).get("forward"), DeferIndexer)
+    assert isinstance(vars(layers[2].self_attn).get("build_attention_mask_from_topk"), CarryCall)
+    real = sparse._select_pools
+    monkeypatch.setattr(sparse, "_select_pools", lambda *a, **k: ours.append(real(*a, **k)) or ours[-1])
+    with torch.no_grad():
+        got = [model(**x).logits for x in (plain, padded)]
+        monkeypatch.setattr(sparse, "CHUNK_BYTES", 1)  # one query per chunk
+        chunked = model(**plain).logits
+    rows = (torch.ones_like(keep), keep)
+    for r, g, k in zip(ref, got, rows, strict=True):
+        assert float((g - r)[k].norm() / r[k].norm()) <= 1e-5
+    assert float((chunked - ref[0]).norm() / ref[0].norm()) <= 1e-5
+    assert len(theirs) == 2 and len(ours) == 3  # (one indexer layer per forward: the third reuses the second's picks)
+    for want, picked, k in zip(theirs, ours[:2], rows, strict=True):  # the same keys, for every real query
+        assert torch.equal(_chosen(picked)[k], _chosen(want)[k])
+        assert int(_chosen(want)[k].sum(-1).max()) == 2 * 4 + 3  # (the budget reached: the selection bites)
+    assert torch.equal(ours[2], ours[0])  # (the chunked forward's)
+    hf_ring.revert_ring_attention(model)
+    assert not any(isinstance(vars(m).get("forward"), DeferIndexer) for m in model.modules())
+    assert not any("build_attention_mask_from_topk" in vars(m) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(**plain).logits, ref[0])
+        layers[1].self_attn.indexer.index_topk = 40  # (every pool)
+        assert float((model(**plain).logits - ref[0]).norm() / ref[0].norm()) > 1e-3
 
 
 def test_cosmos3_edge_sees_one_document_where_transformers_5_17_reads_its_image_positions_as_packing():

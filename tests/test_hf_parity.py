@@ -211,6 +211,12 @@ CASES = {
         40,
         {"ulysses": 2},
     ),
+    # GLM-5.3-Flash: pools of 4 keys picked per query (2 of up to 10, and its own incomplete pool) by its indexer over
+    # the whole sequence, the last layer reusing them; KDA layers' recurrence and convolution across the ranks;
+    # hyper-connections; images. Zig-zag and contiguous shards (runs of consecutive queries: one run or two)
+    "glm5_next-padded": ("glm5_next", "padded", 40, {}),
+    "glm5_next-plain-contiguous-lora": ("glm5_next", "plain", 40, {"layout": "contiguous", "lora": True}),
+    "glm5_next-images-padded-checkpointing": ("glm5_next", "images-padded", 40, {"checkpointing": True}),
     "qwen4_exp-images-padded": ("qwen4_exp", "images-padded", 40, {}),  # (the whole ids cut for the n-grams)
     "qwen4_exp-images-lora-checkpointing": ("qwen4_exp", "images", 45, {"lora": True, "checkpointing": True}),
     # (its decay gradients, 3e-7 in norm, move by 1.0e-3 with Transformers' own kernel at chunks of 16 for 64)
