@@ -46,7 +46,8 @@ first real token, each scored by a gated average of its tokens' keys, the best `
 query's own incomplete pool. The packed keys, gate scores and validity of the whole sequence come from one
 all-gather; the model's own indexer code then runs on chunks of consecutive positions of this rank's queries, its
 cache answering with them and with the position after the chunk as its length. One document per row, not striped
-(``hf_attention`` refuses both).
+(``hf_attention`` refuses both). In ``ring_generate`` the cache keeps every token's packed keys on every rank, from
+which a decode step picks (``_decode_pools``).
 
 Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per chunk of queries, the chunk sized to
 keep them within ``chunk_bytes`` (256 MiB by default; the pass also holds their ReLU, the chunk's other indexer
@@ -329,6 +330,8 @@ def select_decode(call: IndexerCall, cache, *, q_pos: torch.Tensor, prompt_docs:
         return _resolved(call, Selection(picked.to(torch.int32), call.module.block_size, cache.state.offset))
     if _pools_blocks(call.module):
         return _resolved(call, _decode_blocks(call, cache, q_pos, prompt_docs))
+    if pools_tokens(call.module):
+        return _resolved(call, _decode_pools(call, cache))
     keys = cache.update_indexer(_local_keys(call), call.module.layer_idx)  # [batch, every token so far, dim]
     full = keys.shape[1]
     docs = torch.cat([prompt_docs, prompt_docs.new_zeros(prompt_docs.shape[0], full - prompt_docs.shape[1])], 1)
@@ -394,11 +397,12 @@ def _select_pools(call, group, rank, world_size, layout, chunk_bytes, *, cu_seql
         except _StopIndexerError:
             pass
         packed = local.keys
-        if call.cache is not None:  # (the model's own cache, at one rank: its tokens' packed keys, as the model gives)
-            call.cache.update_indexer(packed, m.layer_idx)
+        own = packed
         if world_size > 1:
             what = "the all-gather of the sparse-attention indexer keys"
             packed = _layout.unshard(list(StateGather(group, timeout, what=what).gather(packed)), dim=1, layout=layout)
+        if call.cache is not None:  # ring_generate's keeps every token's, the model's own (at one rank) its tokens'
+            call.cache.update_indexer(packed if getattr(call.cache, "WHOLE_INDEXER_KEYS", False) else own, m.layer_idx)
         rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * batch * m.n_heads * max(1, -(-full // m.index_kpool))))
         host = _layout.positions(full, rank=rank, world_size=world_size, layout=layout)  # (on the host: no sync)
         starts = [0, *(torch.nonzero(host[1:] != host[:-1] + 1).flatten() + 1).tolist()]
@@ -407,6 +411,23 @@ def _select_pools(call, group, rank, world_size, layout, chunk_bytes, *, cu_seql
             parts += [slice(a, min(hi, a + rows)) for a in range(lo, hi, rows)]
         picked = [call.run(part, _PooledKeys(packed, int(host[part.stop - 1]) + 1), valid[:, part]) for part in parts]
         return torch.cat(picked, dim=1)
+
+
+def _decode_pools(call, cache) -> torch.Tensor:
+    """GLM-5.3-Flash's selection of a decode step's queries (``select_decode``): the cache holds every token's packed
+    keys, gate scores and validity on every rank (the prefill's gathered, then each step's, every new token valid),
+    so every rank picks the same pools with no communication, by the model's own code."""
+    m = call.module
+    hidden = call.hidden_states
+    with torch.no_grad():
+        valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        local = _LocalKeys()
+        try:
+            call.run(slice(None), local, valid)
+        except _StopIndexerError:
+            pass
+        packed = cache.update_indexer(local.keys, m.layer_idx)  # [batch, every token so far, 2 x dim + 1]
+        return call.run(slice(None), _PooledKeys(packed, packed.shape[1]), valid)
 
 
 def _pools_blocks(module) -> bool:

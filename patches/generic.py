@@ -417,8 +417,6 @@ NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
     "deepseek_v4": "its compressed layers keep their compressors' windows in the model's own cache, which the sharded "
     "cache does not follow",
-    "glm5_next_text": "its sparse attention layers keep their indexer's pooled keys in the model's own cache, which the "
-    "sharded cache does not follow",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 

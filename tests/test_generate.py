@@ -126,6 +126,8 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     # Qwen4-Exp: its indexer's blocks over every token so far, its per-layer embeddings' last ids and convolution
     # inputs carried from the prefill (Transformers 5.24)
     "qwen4_exp_text": ("qwen4_exp_text", 2, 14, 3, "zigzag"),
+    # GLM-5.3-Flash: its indexer's pools over every token so far, KDA layers' states carried from the prefill (5.24)
+    "glm5_next": ("glm5_next", 2, 14, 3, "zigzag"),
 }
 HYBRID_RTOL = 1e-5  # every step's logits (fp32); measured up to 6.2e-7 (the prefill's sharded sums, rounding)
 
@@ -287,6 +289,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "muse_spark-images": ("muse_spark", "images-padded", {}),  # sliding layers, a full one without RoPE
     "dots3_note-images": ("dots3_note", "images-padded", {}),  # sparse attention and a sliding layer
     "qwen4_exp-images": ("qwen4_exp", "images-padded", {}),  # blocks of keys, per-layer n-gram embeddings
+    "glm5_next-images": ("glm5_next", "images-padded", {}),  # pools of keys, KDA layers, hyper-connections
     "muse_glimmer-images": ("muse_glimmer", "images-padded", {}),  # gated attention, a full layer without RoPE
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "cosmos3_edge-images": ("cosmos3_edge", "images-padded", {}),  # interleaved multimodal RoPE in decoding

@@ -373,6 +373,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         ("qwen4_exp", "get_video_features", 2),
         ("muse_glimmer", "get_image_features", 2),
         ("cosmos3_edge", "get_image_features", 2),
+        ("glm5_next", "get_image_features", 2),
     ],  # fmt: skip
     ids=[
         "qwen3_vl-videos-2",
@@ -386,6 +387,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         "qwen4_exp-videos-2",
         "muse_glimmer-images-2",
         "cosmos3_edge-images-2",
+        "glm5_next-images-2",
     ],  # fmt: skip
 )
 def test_the_vision_split_gives_every_rank_every_feature_and_the_whole_gradient(family, method, world):
