@@ -75,6 +75,7 @@ HYBRIDS = {
     "bamba": "mamba",
     "jamba": "mamba",
     "qwen4_exp_text": "ple",  # (Transformers 5.24) its per-layer embedding, and its block-sparse attention layer
+    "glm5_next": "self_attn",  # (Transformers 5.24) its KDA layer, its indexer's pools (a vision-language model)
 }  # family: its first layer's recurrent module
 
 
@@ -239,8 +240,9 @@ def worker(out: Path) -> None:
         if not in_transformers(family):
             continue
         hybrid = hf_ring.apply_ring_attention(_tiny_hybrid(family), group=cp_group)
-        fully_shard(getattr(hybrid.model.layers[0], mixer))  # FSDP2 gives it a class of its own
-        for layer in hybrid.model.layers:
+        layers = getattr(hybrid.model, "language_model", hybrid.model).layers
+        fully_shard(getattr(layers[0], mixer))  # FSDP2 gives it a class of its own
+        for layer in layers:
             fully_shard(layer)
         fully_shard(hybrid)
         set_cp_gradient_reduction(hybrid, dp_size=dp)
@@ -349,9 +351,10 @@ def test_torch_native_fsdp2_recipe_matches_single_process_training(launch):
 @pytest.mark.parametrize("family", list(HYBRIDS))
 def test_hybrid_model_with_fsdp2_matches_single_process_training(launch, family):
     """Qwen3.5 (Gated DeltaNet layers), Bamba (Mamba2 layers), Jamba (Mamba layers, lent the batch's keywords by
-    their decoder layers) and Qwen4-Exp (its per-layer embedding, run by its own forward per run of tokens; its
-    indexer's blocks), the first one sharded by FSDP2 as a module of its own: two SGD steps of the native recipe
-    give the weights of single-process training on the full sequences."""
+    their decoder layers), Qwen4-Exp (its per-layer embedding, run by its own forward per run of tokens; its
+    indexer's blocks) and GLM-5.3-Flash (Kimi Delta Attention layers; its indexer's pools), the first one sharded by
+    FSDP2 as a module of its own: two SGD steps of the native recipe give the weights of single-process training on
+    the full sequences."""
     from tests.hf_models import in_transformers
 
     if not in_transformers(family):

@@ -218,6 +218,7 @@ CASES = {
     "glm5_next-plain-contiguous-lora": ("glm5_next", "plain", 40, {"layout": "contiguous", "lora": True}),
     "glm5_next-images-padded-checkpointing": ("glm5_next", "images-padded", 40, {"checkpointing": True}),
     "glm5_next-bf16": ("glm5_next", "plain", 40, {"dtype": torch.bfloat16}),
+    "glm5_next-router-loss-padded": ("glm5_next", "padded", 40, {"config": ROUTER_LOSS}),
     "qwen4_exp-images-padded": ("qwen4_exp", "images-padded", 40, {}),  # (the whole ids cut for the n-grams)
     "qwen4_exp-images-lora-checkpointing": ("qwen4_exp", "images", 45, {"lora": True, "checkpointing": True}),
     # (its decay gradients, 3e-7 in norm, move by 1.0e-3 with Transformers' own kernel at chunks of 16 for 64)
