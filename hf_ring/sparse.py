@@ -380,11 +380,6 @@ def _select_pools(call, group, rank, world_size, layout, chunk_bytes, *, cu_seql
     hidden = call.hidden_states
     batch, local_len = hidden.shape[:2]
     full = local_len * world_size
-    if any(hasattr(p, "ds_id") for p in m.parameters(recurse=False)):  # (the same model on every rank)
-        raise ValueError(
-            f"{type(m).__name__}: under DeepSpeed ZeRO-3 its own pool parameters stay partitioned where hf_ring runs "
-            "its code on the whole sequence's keys; use ZeRO-1 or 2, or FSDP2"
-        )
     with torch.no_grad():
         q_pos, _, docs = _seen(plans, cu_seqlens, document_ids, full, rank, world_size, layout, hidden.device)[:3]
         if docs is not None:  # (the batch's padding: shard_batch's, or the model's mask at one rank)

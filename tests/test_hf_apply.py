@@ -151,12 +151,13 @@ def test_glm5_next_refuses_packed_rows_striped_shards_and_zero3():
     packed, _ = make_batch("packed", 40)
     with torch.no_grad(), pytest.raises(ValueError, match="packed documents would select among each other's pools"):
         model(**hf_ring.shard_batch(packed))
+    indexer = model.model.language_model.layers[1].self_attn.indexer
     with pytest.raises(ValueError, match="a striped shard does not hold"):
-        hf_attention._check_pools(False, "striped", 2)
-    hf_attention._check_pools(False, "striped", 1)  # (one rank: one run)
-    hf_attention._check_pools(False, "contiguous", 2)
+        hf_attention._check_pools(indexer, False, "striped", 2)
+    hf_attention._check_pools(indexer, False, "striped", 1)  # (one rank: one run)
+    hf_attention._check_pools(indexer, False, "contiguous", 2)
     padded, _ = make_batch("padded", 40)
-    model.model.language_model.layers[1].self_attn.indexer.index_kpool_compress_gate.ds_id = 0  # (as ZeRO-3 marks it)
+    indexer.index_kpool_compress_gate.ds_id = 0  # (as ZeRO-3 marks it)
     with torch.no_grad(), pytest.raises(ValueError, match="under DeepSpeed ZeRO-3 its own pool parameters"):
         model(**hf_ring.shard_batch(padded))
 
