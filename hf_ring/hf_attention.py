@@ -345,9 +345,7 @@ def ring_attention_forward(
                 _packed(document_ids, cu_seqlens, cfg), cache
             )  # (the same on every rank: before any collective)
         if isinstance(kwargs.get("indices"), IndexerCall) and pools_tokens(kwargs["indices"].module):
-            _check_pools(  # (the same on every rank: before any collective of the layer)
-                kwargs["indices"].module, _packed(document_ids, cu_seqlens, cfg), cfg.layout, world_size
-            )
+            _check_pools(_packed(document_ids, cu_seqlens, cfg), cfg.layout, world_size)  # (the same on every rank)
         if _compressed.compresses(module):  # DeepSeek-V4: in every layer, so the first one finds it, before the ring
             if _packed(document_ids, cu_seqlens, cfg):  # (the same on every rank: the whole batch's documents)
                 raise ValueError(_compressed.PACKED)
@@ -448,17 +446,11 @@ def _check_key_blocks(packed: bool, cache) -> None:
         )
 
 
-def _check_pools(indexer, packed: bool, layout: str, world_size: int) -> None:
+def _check_pools(packed: bool, layout: str, world_size: int) -> None:
     """ValueError where GLM-5.3-Flash's pooled selection cannot be the model's: its indexer cuts the row into pools
     from its first token that is not padding and lets a query see every earlier pool, so a packed row's documents
     would select among each other's pools; it takes its queries as consecutive positions (``hf_ring.sparse``), which
-    a striped shard is not; hf_ring runs its code outside its module's call, where DeepSpeed ZeRO-3 would leave its
-    own parameters partitioned."""
-    if any(hasattr(p, "ds_id") for p in indexer.parameters(recurse=False)):
-        raise ValueError(
-            f"{type(indexer).__name__}: under DeepSpeed ZeRO-3 its own pool parameters stay partitioned where hf_ring "
-            "runs its code on the whole sequence's keys; use ZeRO-1 or 2, or FSDP2"
-        )
+    a striped shard is not."""
     if packed:
         raise ValueError(
             "GLM-5.3-Flash's sparse attention layers cut the row into pools of keys from its first token and let a "

@@ -65,6 +65,7 @@ a batch padded or cut otherwise may pick another key (docs/transformers.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -380,7 +381,7 @@ def _select_pools(call, group, rank, world_size, layout, chunk_bytes, *, cu_seql
     hidden = call.hidden_states
     batch, local_len = hidden.shape[:2]
     full = local_len * world_size
-    with torch.no_grad():
+    with torch.no_grad(), _gathered(m):
         q_pos, _, docs = _seen(plans, cu_seqlens, document_ids, full, rank, world_size, layout, hidden.device)[:3]
         if docs is not None:  # (the batch's padding: shard_batch's, or the model's mask at one rank)
             valid = (docs >= 0).expand(batch, full)[:, q_pos]
@@ -404,8 +405,26 @@ def _select_pools(call, group, rank, world_size, layout, chunk_bytes, *, cu_seql
         parts = []
         for lo, hi in zip(starts, [*starts[1:], local_len]):  # runs of consecutive positions, cut into chunks
             parts += [slice(a, min(hi, a + rows)) for a in range(lo, hi, rows)]
-        picked = [call.run(part, _PooledKeys(packed, int(host[part.stop - 1]) + 1), valid[:, part]) for part in parts]
+        chunks = _chunk_count(m, len(parts), hidden.device, timeout)  # (ZeRO-3: as many on every rank of its group)
+        picked = []
+        for i in range(chunks):  # a rank with fewer runs its first query again, the result dropped (the model's code
+            part = parts[i] if i < len(parts) else slice(0, 1)  # takes no empty chunk)
+            got = call.run(part, _PooledKeys(packed, int(host[part.stop - 1]) + 1), valid[:, part])
+            if i < len(parts):
+                picked.append(got)
         return torch.cat(picked, dim=1)
+
+
+def _gathered(module):
+    """A context in which ``module``'s own parameters are whole: under DeepSpeed ZeRO-3, gathered over their group
+    (a collective: every rank of it runs the indexer layers as often); else nothing. GLM-5.3-Flash's indexer reads its
+    pool gate and position weights directly, outside its module's call (where ZeRO-3 would gather them)."""
+    own = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
+    if not own:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(own)
 
 
 def _decode_pools(call, cache) -> torch.Tensor:
@@ -414,7 +433,7 @@ def _decode_pools(call, cache) -> torch.Tensor:
     so every rank picks the same pools with no communication, by the model's own code."""
     m = call.module
     hidden = call.hidden_states
-    with torch.no_grad():
+    with torch.no_grad(), _gathered(m):
         valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
         local = _LocalKeys()
         try:

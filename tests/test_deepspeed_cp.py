@@ -11,6 +11,7 @@ size; the tests assert on the JSON it writes:
   shares summed, DP replicas averaged, the clipping norm that of the full gradient);
 - ZeRO-3 ``save_state`` / ``load_state`` resume to the same next loss and weights;
 - a vision-language model (Qwen2-VL) on batches with images under ZeRO-3: the losses and weights of one process;
+- GLM-5.3-Flash (its indexer's pools, Kimi Delta Attention layers, experts) under ZeRO-3: the same;
 - DeepSpeed's bf16 mode (ZeRO-2, fp32 master weights and reduction) stays within twice the error the same
   mode has without CP;
 - ``RingAttentionTrainer`` with ``deepspeed=`` (ZeRO-2 and ZeRO-3, gradient accumulation 2), and TRL's
@@ -94,7 +95,8 @@ def worker(out: Path) -> None:
     import deepspeed
 
     from hf_ring.accelerate import RingAttentionPlugin
-    from tests.hf_models import make_model
+    from tests.hf_models import in_transformers, make_model
+    from tests.train_utils import VOCAB
 
     res: dict = {}
     states = {}
@@ -102,6 +104,9 @@ def worker(out: Path) -> None:
     # embedding's padding row
     vlm = make_model("qwen2_vl", images=True)
     vlm_reference = copy.deepcopy(vlm)  # for rank 0's reference, built later under no ZeRO-3 context either
+    # GLM-5.3-Flash (Transformers 5.24): its indexer's own pool parameters gathered where hf_ring runs its code
+    glm5 = make_model("glm5_next", vocab_size=VOCAB) if in_transformers("glm5_next") else None
+    glm5_reference = copy.deepcopy(glm5)
     for stage in STAGES:
         accelerator = _deepspeed_accelerator(stage)
         world, rank = accelerator.num_processes, accelerator.process_index
@@ -130,6 +135,10 @@ def worker(out: Path) -> None:
         RingAttentionPlugin(cp_size=2), accelerator, vlm, images, STEPS, collate_fn=collate_images
     )
     states["images"] = zero3_full_state(vlm.module)
+    if glm5 is not None:  # (its sparse layers' selection, KDA layers, experts; partitioned by ZeRO-3)
+        accelerator = _deepspeed_accelerator(3)
+        glm5, _, _, res["glm5_losses"] = plugin_train(RingAttentionPlugin(cp_size=2), accelerator, glm5, data, STEPS)
+        states["glm5"] = zero3_full_state(glm5.module)
 
     # DeepSpeed's bf16 mode (bf16 model, fp32 master weights, fp32 reduction) under ZeRO-2, two steps, with
     # CP and, as the baseline of DeepSpeed's own bf16 error, as plain data parallelism (cp_size=1)
@@ -166,6 +175,11 @@ def worker(out: Path) -> None:
             images, dp, STEPS, clip=CLIP, make=lambda: vlm_reference, collate_fn=collate_images
         )
         res["images_weights_err"] = max_param_rel_err(states["images"], images_ref)
+        if glm5 is not None:
+            res["glm5_ref_losses"], glm5_ref = replica_reference(
+                data, dp, STEPS, clip=CLIP, make=lambda: glm5_reference
+            )
+            res["glm5_weights_err"] = max_param_rel_err(states["glm5"], glm5_ref)
         for stage in STAGES:
             res[f"z{stage}_weights_err"] = max_param_rel_err(states[stage], ref_state)
         ref32_losses, ref32_state = replica_reference(data, dp, 2, clip=CLIP)
@@ -229,6 +243,19 @@ def test_images_with_deepspeed_zero3_match_single_process_training(launch):
         assert r["images_losses"] == pytest.approx(results[0]["images_ref_losses"], rel=RTOL)
     err = results[0]["images_weights_err"]
     assert err <= RTOL, f"world {world}, images under ZeRO-3: final weights differ by {err:.2e}"
+
+
+def test_glm5_next_with_deepspeed_zero3_matches_single_process_training(launch):
+    """GLM-5.3-Flash under ZeRO-3: its indexer reads its own pool parameters outside its module's call (gathered
+    around hf_ring's selection), and the ranks of a CP group run different numbers of chunks of queries (zig-zag: one
+    run or two; the shorter one runs one again). Losses and final weights equal single-process training."""
+    world, results = launch
+    if "glm5_losses" not in results[0]:
+        pytest.skip("GLM-5.3-Flash is not in this Transformers release")
+    for r in results:
+        assert r["glm5_losses"] == pytest.approx(results[0]["glm5_ref_losses"], rel=RTOL)
+    err = results[0]["glm5_weights_err"]
+    assert err <= RTOL, f"world {world}, GLM-5.3-Flash under ZeRO-3: final weights differ by {err:.2e}"
 
 
 @pytest.mark.parametrize("stage", TRAINER_STAGES)
