@@ -423,8 +423,12 @@ def _gathered(module):
     if not own:
         return contextlib.nullcontext()
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    return deepspeed.zero.GatheredParameters(own)
+    # only those still partitioned: TRL's generation already gathers every parameter (DeepSpeed refuses a nested
+    # context over the same ones), and those below ZeRO-3's persistence threshold stay whole (alike on every rank)
+    own = [p for p in own if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    return deepspeed.zero.GatheredParameters(own) if own else contextlib.nullcontext()
 
 
 def _decode_pools(call, cache) -> torch.Tensor:

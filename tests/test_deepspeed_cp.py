@@ -137,7 +137,12 @@ def worker(out: Path) -> None:
     states["images"] = zero3_full_state(vlm.module)
     if glm5 is not None:  # (its sparse layers' selection, KDA layers, experts; partitioned by ZeRO-3)
         accelerator = _deepspeed_accelerator(3)
+        # every parameter partitioned (the tiny model's would all stay whole below DeepSpeed's default threshold)
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+        zero["stage3_param_persistence_threshold"] = 0
         glm5, _, _, res["glm5_losses"] = plugin_train(RingAttentionPlugin(cp_size=2), accelerator, glm5, data, STEPS)
+        indexer = glm5.module.model.language_model.layers[1].self_attn.indexer
+        res["glm5_partitioned"] = all(p.numel() == 0 for p in indexer.parameters())
         states["glm5"] = zero3_full_state(glm5.module)
 
     # DeepSpeed's bf16 mode (bf16 model, fp32 master weights, fp32 reduction) under ZeRO-2, two steps, with
@@ -246,13 +251,14 @@ def test_images_with_deepspeed_zero3_match_single_process_training(launch):
 
 
 def test_glm5_next_with_deepspeed_zero3_matches_single_process_training(launch):
-    """GLM-5.3-Flash under ZeRO-3: its indexer reads its own pool parameters outside its module's call (gathered
-    around hf_ring's selection), and the ranks of a CP group run different numbers of chunks of queries (zig-zag: one
-    run or two; the shorter one runs one again). Losses and final weights equal single-process training."""
+    """GLM-5.3-Flash under ZeRO-3, every parameter partitioned: ZeRO-3 gathers the indexer's projections at each call,
+    and the ranks of a CP group have different numbers of chunks of queries (zig-zag: one run or two; the shorter
+    runs one again, else its peers would wait in a gather). Losses and final weights equal single-process training."""
     world, results = launch
     if "glm5_losses" not in results[0]:
         pytest.skip("GLM-5.3-Flash is not in this Transformers release")
     for r in results:
+        assert r["glm5_partitioned"]  # (its indexer's parameters too: gathered where hf_ring reads them)
         assert r["glm5_losses"] == pytest.approx(results[0]["glm5_ref_losses"], rel=RTOL)
     err = results[0]["glm5_weights_err"]
     assert err <= RTOL, f"world {world}, GLM-5.3-Flash under ZeRO-3: final weights differ by {err:.2e}"
