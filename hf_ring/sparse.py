@@ -375,7 +375,8 @@ def _select_pools(call, group, rank, world_size, layout, chunk_bytes, *, cu_seql
     one all-gather; then the model's code runs on chunks of consecutive positions of this rank's queries, its cache
     answering with the whole sequence and with the position after the chunk as its length (its queries: the chunk).
     Padding is the batch's (``document_ids`` -1: ``shard_batch``'s, or at one rank those of the mask the model gave its
-    indexer, which ``hf_attention`` passes on). One document per row (``hf_attention`` refuses packed rows: the model's pools run across documents).
+    indexer, which ``hf_attention`` passes on). One document per row (``hf_attention`` refuses packed rows: the
+    model's pools run across documents).
     """
     m = call.module
     hidden = call.hidden_states
@@ -387,13 +388,7 @@ def _select_pools(call, group, rank, world_size, layout, chunk_bytes, *, cu_seql
             valid = (docs >= 0).expand(batch, full)[:, q_pos]
         else:
             valid = torch.ones(batch, local_len, dtype=torch.bool, device=hidden.device)
-        local = _LocalKeys()
-        try:
-            call.run(slice(None), local, valid)
-        except _StopIndexerError:
-            pass
-        packed = local.keys
-        own = packed
+        own = packed = _local_keys(call, valid)
         if world_size > 1:
             what = "the all-gather of the sparse-attention indexer keys"
             packed = _layout.unshard(list(StateGather(group, timeout, what=what).gather(packed)), dim=1, layout=layout)
@@ -439,12 +434,7 @@ def _decode_pools(call, cache) -> torch.Tensor:
     hidden = call.hidden_states
     with torch.no_grad(), _gathered(m):
         valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-        local = _LocalKeys()
-        try:
-            call.run(slice(None), local, valid)
-        except _StopIndexerError:
-            pass
-        packed = cache.update_indexer(local.keys, m.layer_idx)  # [batch, every token so far, 2 x dim + 1]
+        packed = cache.update_indexer(_local_keys(call, valid), m.layer_idx)  # [batch, every token so far, 2 dim + 1]
         return call.run(slice(None), _PooledKeys(packed, packed.shape[1]), valid)
 
 
@@ -630,11 +620,12 @@ def _pick(m, q, pooled, blocks: _Blocks, q_pos, chunk_bytes) -> torch.Tensor:
     return out
 
 
-def _local_keys(call: IndexerCall) -> torch.Tensor:
-    """The indexer keys of the call's own tokens: the model's indexer run up to its key cache."""
+def _local_keys(call: IndexerCall, mask=None) -> torch.Tensor:
+    """The indexer keys of the call's own tokens: the model's indexer run up to its key cache (with ``mask``: GLM-5.3-
+    Flash's packs each token's validity beside its key)."""
     local = _LocalKeys()
     try:
-        call.run(slice(None), local, None)
+        call.run(slice(None), local, mask)
     except _StopIndexerError:
         pass
     if local.keys is None:

@@ -13,7 +13,8 @@ function can gather (it knows the group, the layout and the batch's documents). 
   carries the call); the attention function unwraps it;
 - a module that turns its top-k into a dense mask itself (GLM-5.3-Flash's ``build_attention_mask_from_topk``, its
   mask the 2-D padding mask) is given, as an instance attribute, ``CarryCall`` in its place: the ``SparseMask`` it
-  returns carries the call and no mask (the selection leaves out padding keys and padding queries).
+  returns carries the call, which keeps the padding mask its indexer was given (the attention function reads it
+  there).
 """
 
 from __future__ import annotations
