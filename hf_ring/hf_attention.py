@@ -59,6 +59,7 @@ from .ring_config import (  # (they were defined here: their import from this mo
     POSITIONS_KWARG,
     SHARD_INFO_KWARG,
     TEMPERATURE_ATTR,
+    DistanceBias,
     QueryTemperature,
     RingBlocks,
     RingConfig,
@@ -75,6 +76,7 @@ __all__ = [
     "CONFIG_ATTR",
     "DECODE_KWARG",
     "DOCUMENT_IDS_KWARG",
+    "DistanceBias",
     "LOCAL_ATTR",
     "LOST_GROUP",
     "PACKED_WITH_MIXERS",
@@ -102,7 +104,7 @@ _DEFAULT = RingConfig()
 #: along that do not change what attention computes. Any other keyword with a value is refused: an
 #: attention feature hf_ring does not implement (T5's ``position_bias``, ...) must raise, never be
 #: dropped silently. ``softcap`` (Gemma2's attention logit softcapping) and ``s_aux`` (gpt-oss's learned
-#: sinks) are implemented.
+#: sinks) are implemented; ``position_bias`` only as Inkling's patched modules give it (a ``DistanceBias``).
 _READ_KWARGS = (
     "is_causal", "output_attentions", "position_ids", "softcap", "s_aux", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG,
     DECODE_KWARG, BLOCK_IDS_KWARG, POSITIONS_KWARG, "indices",
@@ -253,6 +255,10 @@ def ring_attention_forward(
     if kwargs.get("block_indices") is not None:  # MiniMax M3's indexer's blocks of keys, under their own name
         kwargs = {**kwargs, "indices": kwargs["block_indices"]}
     kwargs.pop("block_indices", None)
+    bias = kwargs.pop("position_bias", None)
+    if bias is not None and not isinstance(bias, DistanceBias):  # (a dense bias of the shard's own keys: refused)
+        kwargs["position_bias"] = bias
+        bias = None
     unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"))
     if unknown:
         raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
@@ -327,6 +333,14 @@ def ring_attention_forward(
         else:
             rows = _generated_rows(cache, query.device)
         query = temperature.apply(query, rows)
+    table = None
+    if bias is not None:  # Inkling: scaled by the tokens' positions (a packed row's documents each as if alone)
+        if cache is not None:
+            raise ValueError(f"{type(module).__name__}: ring_generate does not take a relative position bias")
+        rows = kwargs.get("position_ids")
+        if not isinstance(rows, torch.Tensor) or rows.shape[-1] != local_len:
+            rows = positions(full, rank=rank, world_size=world_size, layout=cfg.layout, device=query.device)
+        query, table = bias.scaled(query, rows.to(query.device))
     query, key, value = _autocast(query, key, value)
     try:  # what this rank finds wrong with its batch: through the ring's pre-flight exchange, so every rank raises
         if cfg.plans is None:
@@ -397,6 +411,7 @@ def ring_attention_forward(
         block_ids=_block_ids(kwargs.get(BLOCK_IDS_KWARG), sliding_window),
         selected=selected,
         shared=shared,
+        distance_bias=table,
         backend=cfg.backend,
         plans=cfg.plans,
         ulysses=cfg.ulysses,

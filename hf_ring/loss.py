@@ -349,8 +349,24 @@ def _head(target) -> torch.nn.Module:
     ``decoder``, the projection to the vocabulary)."""
     head, out = target.lm_head, target.get_output_embeddings()
     if isinstance(out, torch.nn.Module) and all(out is not m for m in head.modules()):
-        return torch.nn.Sequential(head, out)
+        head = torch.nn.Sequential(head, out)
+    kept = getattr(target.config.get_text_config(), "unpadded_vocab_size", None)
+    if kept is not None and kept < getattr(target.config.get_text_config(), "vocab_size", kept):
+        return _Unpadded(head, kept)
     return head
+
+
+class _Unpadded(torch.nn.Module):
+    """A head whose logits beyond ``kept`` are dropped, as the family's own head does (Inkling's padded vocabulary:
+    ``config.unpadded_vocab_size``)."""
+
+    def __init__(self, head: torch.nn.Module, kept: int):
+        super().__init__()
+        self.head, self.kept = head, kept
+        self.out_features = kept  # (the logits per token: ``_vocab_width``)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)[..., : self.kept]
 
 
 def _inner_causal_lm(target):

@@ -30,7 +30,9 @@ naming the rank and the call that failed (``hf_ring.guard``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -81,6 +83,7 @@ def ring_attention(
     block_ids: torch.Tensor | None = None,
     selected=None,
     shared: SharedKeys | None = None,
+    distance_bias: torch.Tensor | None = None,
     backend: str = "auto",
     comm: RingComm | None = None,
     plans: PlanCache | None = None,
@@ -129,6 +132,11 @@ def ring_attention(
         shared: a ``SharedKeys`` (keys every rank holds whole, attended locally and merged with the ring's, on the
             torch backend), or a function of no arguments returning it, called after the pre-flight check (as
             ``selected``); None: none. Not with ``ulysses``.
+        distance_bias: [batch, q_heads, local_seq, E] floating, on q's device: each query's additive bias by backward
+            distance (Inkling's relative position bias): the score of a key at global distance ``d = q_pos - k_pos``
+            gets the query's entry ``d`` when ``0 <= d < E``, nothing otherwise (the masks apply as without it).
+            Differentiable (its gradient stays on this rank: it belongs to the rank's queries). The steps then run on
+            the torch backend, which reads it per tile. Not with ``ulysses``, ``shared`` or ``softcap``.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
@@ -155,6 +163,8 @@ def ring_attention(
         )
     if selected is not None:  # (the same on every rank: the model's shapes and configuration)
         _check_selected(selected, q, k)
+    if distance_bias is not None:  # (likewise)
+        _check_bias(distance_bias, q, hybrid=hybrid, shared=shared is not None, softcap=softcap)
     if ulysses is not None:
         if group is not None and group is not ulysses.cp_group:
             raise ValueError("pass either group or ulysses (it carries its own CP group), not two different groups")
@@ -203,6 +213,10 @@ def ring_attention(
             _failed(watch, comm, e)
             raise
     selected = None if selected is None else Selection.of(selected)
+    if distance_bias is not None:
+        index = None if selected is None else selected.index
+        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected, None, None, None, None,
+                                    distance_bias)  # fmt: skip
     if not hybrid:
         index = None if selected is None else selected.index
         if shared is None:
@@ -233,6 +247,35 @@ def _check_shared(shared, q, k, v) -> None:
         problem = selection_error(shared.selected, q, k, device=True)
         if problem is not None:
             raise ValueError(f"ring_attention: shared keys' {problem}")
+
+
+def _check_bias(bias, q, *, hybrid: bool, shared: bool, softcap) -> None:
+    """ValueError unless ``bias`` is a bias by distance for these queries, in a call that can take one (the same on
+    every rank: the model's shapes and configuration)."""
+    b, hq, lq, _ = q.shape
+    if not (
+        isinstance(bias, torch.Tensor) and bias.dim() == 4 and tuple(bias.shape[:3]) == (b, hq, lq)
+        and bias.shape[3] >= 1 and bias.dtype.is_floating_point and bias.device == q.device
+    ):  # fmt: skip
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(
+            f"ring_attention: distance_bias must be a floating-point tensor [batch={b}, q_heads={hq}, local_seq={lq}, "
+            f"extent >= 1] on q's device, got {got}"
+        )
+    for given, what in ((hybrid, "ulysses"), (shared, "shared keys"), (softcap is not None, "softcap")):
+        if given:
+            raise ValueError(f"ring_attention: distance_bias is not supported with {what}")
+
+
+def _biasing(plan: Plan, bias: torch.Tensor, dbias: torch.Tensor | None = None) -> Plan:
+    """This call's plan with its bias by distance: the steps on the torch backend, given ``bias`` (and, backward,
+    the accumulator of its gradient)."""
+    backend = SimpleNamespace(
+        __name__="torch backend with a bias by distance", SOFTCAP=False, SELECT=True,
+        forward=functools.partial(_torch_backend.forward, bias=bias),
+        backward=functools.partial(_torch_backend.backward, bias=bias, dbias=dbias),
+    )  # fmt: skip
+    return dataclasses.replace(plan, backend=backend)
 
 
 def _check_selected(selected, q, k=None) -> None:
@@ -424,13 +467,15 @@ class _RingAttention(torch.autograd.Function):
     # sink's gradient is -sum over rows of exp(sink - lse') * rowsum(dout * out').
     @staticmethod
     def forward(ctx, q, k, v, sinks, plan, comm, watch, selected=None, selection=None, ek=None, ev=None, e_index=None,
-                shared=None):  # fmt: skip
+                shared=None, bias=None):  # fmt: skip
         with torch.autocast(q.device.type, enabled=False):
             try:
                 run = plan
                 if selected is not None:
                     selection = dataclasses.replace(selection, index=selected)  # (the hybrid's, exchanged)
                     run = _selecting(plan, selection, q.shape[2] * plan.world_size)
+                if bias is not None:
+                    run = _biasing(run, bias.detach())
                 out, lse, kv = _ring_forward(q, k, v, run, comm)
             except BaseException as e:
                 _failed(watch, comm, e)
@@ -448,7 +493,7 @@ class _RingAttention(torch.autograd.Function):
         # Compiled, the output is a copy, never the buffer the kernels mutated: torch 2.11's AOTAutograd
         # gives a mutated output of a custom op a zero gradient (found with the triton backend, fp32).
         out = out.to(q.dtype, copy=torch.compiler.is_compiling())
-        ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks, selected, ek, ev, e_index)
+        ctx.save_for_backward(q, *((k, v) if kv is None else (kv,)), out, lse, sinks, selected, ek, ev, e_index, bias)
         # (the selections' indices are saved as tensors; their block and start go with the context)
         ctx.selection = None if selection is None else dataclasses.replace(selection, index=None)
         ctx.shared_mask = shared_mask  # (with its device copies: the backward reuses them)
@@ -458,15 +503,20 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, *kv, out, lse, sinks, selected, ek, ev, e_index = ctx.saved_tensors
+        q, *kv, out, lse, sinks, selected, ek, ev, e_index, bias = ctx.saved_tensors
         kv = kv[0] if len(kv) == 1 else tuple(kv)
         with torch.autocast(q.device.type, enabled=False):
             delta = (dout.float() * out.float()).sum(-1)
+            dbias = None
             try:
                 plan = ctx.plan
                 if selected is not None:
                     selection = dataclasses.replace(ctx.selection, index=selected)
                     plan = _selecting(plan, selection, q.shape[2] * plan.world_size)
+                if bias is not None:
+                    if ctx.needs_input_grad[13]:
+                        dbias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                    plan = _biasing(plan, bias, dbias)
                 dq, dk, dv = _ring_backward(dout, q, kv, out, lse, delta, plan, ctx.comm)
             except BaseException as e:
                 _failed(ctx.watch, ctx.comm, e)
@@ -487,4 +537,4 @@ class _RingAttention(torch.autograd.Function):
                 )  # fmt: skip
                 dek, dev = dek.to(ek.dtype), dev.to(ev.dtype)
         grads = (dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dsinks, None, None, None, None, None)
-        return *grads, dek, dev, None, None
+        return *grads, dek, dev, None, None, None if dbias is None else dbias.to(bias.dtype)

@@ -23,7 +23,7 @@ from .layout import LAYOUTS
 from .plan import PlanCache
 
 __all__ = [
-    "BATCH_DOCUMENT_KWARGS", "BLOCK_IDS_KWARG", "CONFIG_ATTR", "DECODE_KWARG", "DOCUMENT_IDS_KWARG", "LOCAL_ATTR",
+    "BATCH_DOCUMENT_KWARGS", "BLOCK_IDS_KWARG", "CONFIG_ATTR", "DECODE_KWARG", "DOCUMENT_IDS_KWARG", "DistanceBias", "LOCAL_ATTR",
     "LOST_GROUP", "PACKED_WITH_MIXERS", "PACKING_KWARGS", "POSITIONS_KWARG", "QueryTemperature", "RingBlocks",
     "RingConfig", "SHARD_INFO_KWARG", "ShardInfo", "TEMPERATURE_ATTR", "lost_group",
 ]  # fmt: skip
@@ -73,6 +73,30 @@ class QueryTemperature:
         """``query`` [batch, heads, seq, dim] scaled for the row indices ``rows`` [seq] of its tokens."""
         scales = torch.log1p(torch.floor((rows.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
         return (query * scales.view(1, 1, -1, 1)).to(query.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DistanceBias:
+    """Inkling's relative position bias as its attention module hands it to the attention function while patched
+    (``hf_ring.patches._relative``): ``table`` [batch, heads, seq, E], each query's bias by backward distance 0 .. E - 1
+    (``ring_attention(distance_bias=...)``), in place of the dense bias of the shard's own keys; ``log_scaling``:
+    ``(n_floor, alpha)`` of the layer's logarithmic scaling, which the module would apply by the token's index in
+    its shard and the attention function applies by its position in the whole sequence (``position_ids``: in a packed
+    row, in its document), or None."""
+
+    table: torch.Tensor
+    log_scaling: tuple | None = None
+
+    def scaled(self, query: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(query, table)`` scaled for the positions ``rows`` ([seq], or [1 or batch, seq]) of their tokens, with the
+        model's operations (``tau = 1 + alpha * log(max((i + 1) / n_floor, 1))``, in fp32, back to each one's
+        dtype)."""
+        if self.log_scaling is None:
+            return query, self.table
+        n_floor, alpha = self.log_scaling
+        tau = 1.0 + alpha * torch.log(((rows + 1).float() / n_floor).clamp(min=1.0))
+        tau = tau.view(-1, 1, rows.shape[-1], 1)
+        return (query.float() * tau).to(query.dtype), (self.table.float() * tau).to(self.table.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -51,6 +51,7 @@ from . import (
     _compressed,
     _lend,
     _mask_positions,
+    _relative,
     _rope,
     _router,
     _shared_kv,
@@ -525,6 +526,8 @@ class FamilyPatch:
         _rope.install(rotaries, cfg)
         _temperature.remove(model)
         _temperature.install(modules)
+        _relative.remove(model)
+        _relative.install(modules)
         _shared_kv.install(model)
         _sparse.remove(model)
         if self.sparse:
@@ -570,6 +573,7 @@ class FamilyPatch:
                 delattr(m, LOCAL_ATTR)
         _rope.remove(model)
         _temperature.remove(model)
+        _relative.remove(model)
         _shared_kv.remove(model)
         _sparse.remove(model)
         _compressed.remove(model)

@@ -92,9 +92,12 @@ def install(
     with ``unpack``, each of ``modules`` unpacks them by a pre-hook (an attention module; hf_ring's sharded mixers
     unpack them themselves)."""
     parents = {id(c): p for p in model.modules() for c in p.children()}
+    lending = set()  # (one hook per module, however many of ``modules`` it holds: Inkling's layers hold two)
     for m in modules:
         layer = parents[id(m)]
-        layer.register_forward_pre_hook(LendKeywords(layer, keys, into, entry), with_kwargs=True)
+        if id(layer) not in lending:
+            lending.add(id(layer))
+            layer.register_forward_pre_hook(LendKeywords(layer, keys, into, entry), with_kwargs=True)
         if unpack:
             m.register_forward_pre_hook(UnpackLent(), with_kwargs=True)
 

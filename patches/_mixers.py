@@ -37,8 +37,8 @@ def _project(m, hidden_states):
 
 def output(m) -> torch.nn.Module:
     """The module's output projection (OLMo Hybrid's ``o_proj``, Qwen4-Exp's per-layer embedding's ``value_proj``,
-    RecurrentGemma's ``linear_out``, the others' ``out_proj``)."""
-    for name in ("o_proj", "value_proj", "linear_out"):
+    RecurrentGemma's ``linear_out``, the others' ``out_proj``; Inkling's short convolutions: their ``conv1d``)."""
+    for name in ("o_proj", "value_proj", "linear_out", "conv1d" if hasattr(m, "conv_idx") else "out_proj"):
         if hasattr(m, name):
             return getattr(m, name)
     return m.out_proj if hasattr(m, "out_proj") else m.q_proj  # (ZAYA's CCA projection has no output projection)
@@ -75,6 +75,8 @@ def computation(module):
         return _mamba2
     if hasattr(module, "forget_gate"):
         return _kimi_delta
+    if hasattr(module, "conv_idx"):
+        return _residual_conv
     return _short_conv if hasattr(module, "in_proj") else _gated_delta_net
 
 
@@ -88,6 +90,19 @@ def _short_conv(m, kernels, hidden_states, plan, gather, documents, keep, memory
 
     y = causal_conv1d(b * x, conv, m.conv_kernel_size, plan, gather, documents, memory)
     return m.out_proj((c * y).transpose(-1, -2).contiguous())
+
+
+def _residual_conv(m, kernels, hidden_states, plan, gather, documents, keep, memory):
+    """Transformers' Inkling short convolution without a cache: in fp32, its input zeroed at padding, convolved over
+    the CP group, added to its input."""
+    x = hidden_states.float()
+    weight = m.conv1d.weight.squeeze(1)
+
+    def conv(t):
+        return kernels.causal_conv1d_fn(t, weight, m.conv1d.bias)
+
+    y = causal_conv1d(masked(x, keep).transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents, memory)
+    return (y.transpose(1, 2) + x).to(hidden_states.dtype)
 
 
 def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep, memory):

@@ -112,6 +112,7 @@ FAMILIES = {
     "hyperclovax": "transformers.models.hyperclovax.modeling_hyperclovax.HyperCLOVAXAttention",
     "jais2": "transformers.models.jais2.modeling_jais2.Jais2Attention",
     "jamba": "transformers.models.jamba.modeling_jamba.JambaAttention",
+    "inkling_text": "transformers.models.inkling.modeling_inkling.InklingAttention",
     "jetmoe": "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearAttention",
     "kolibri1": "transformers.models.kolibri1.modeling_kolibri1.Kolibri1Attention",
@@ -204,6 +205,12 @@ def check_linear_sliding(config) -> None:
 def check_zaya(config) -> None:
     """``check`` for ZAYA: its layer types name full and sliding-window attention layers ``hybrid`` and
     ``hybrid_sliding`` (each with its CCA projection: ``hf_ring.patches.linear``)."""
+    check_layer_types(config, getattr(config, "model_type", "model"), allowed=("hybrid", "hybrid_sliding"))
+
+
+def check_inkling(config) -> None:
+    """``check`` for Inkling: full and sliding-window attention layers, named ``hybrid`` and ``hybrid_sliding`` (with
+    a relative position bias: ``patches._relative``; and short convolutions: ``patches.linear``)."""
     check_layer_types(config, getattr(config, "model_type", "model"), allowed=("hybrid", "hybrid_sliding"))
 
 
@@ -347,6 +354,8 @@ LINEAR = {
     "falcon_mamba": "transformers.models.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer",
     "glm5_next_text": "transformers.models.glm5_next.modeling_glm5_next.Glm5NextTextLinearAttention",
     "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+    # Inkling: the short convolutions on its keys and values and after its attention and MLP
+    "inkling_text": "transformers.models.inkling.modeling_inkling.InklingShortConvolution",
     "jamba": "transformers.models.jamba.modeling_jamba.JambaMambaMixer",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
     "lara_mini": "transformers.models.lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet",
@@ -390,7 +399,7 @@ CHECKS = {
     "llama4_text": check_llama4,
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
-    "recurrent_gemma": check_linear_sliding, "zaya": check_zaya,
+    "recurrent_gemma": check_linear_sliding, "zaya": check_zaya, "inkling_text": check_inkling,
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
     "glm5_next_text": check_sparse_linear,
@@ -414,6 +423,7 @@ holds whole): their modules attend locally, by the model's own implementation
 (``FamilyPatch.local_attention_class``)."""
 
 NO_GENERATE = {
+    "inkling_text": "its relative position bias is not implemented by ring_generate's decode steps yet",
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
     "deepseek_v4": "its compressed layers keep their compressors' windows in the model's own cache, which the sharded "
     "cache does not follow",
@@ -441,6 +451,7 @@ LOGIT_TRANSFORMS = {
     "granitemoehybrid": LogitTransform(divide="logits_scaling"),
     "falcon_h1": LogitTransform(multiply="lm_head_multiplier"),
     "hyperclovax": LogitTransform(multiply="logits_scaling"),
+    "inkling_text": LogitTransform(divide="logits_mup_width_multiplier"),  # divides the hidden states (no head bias)
     "minicpm3": LogitTransform(divide="logits_scaling"),  # divides the hidden states (the head has no bias)
     "nanochat": LogitTransform(softcap="final_logit_softcapping"),
     "recurrent_gemma": LogitTransform(softcap="logits_soft_cap"),

@@ -44,8 +44,8 @@ from ..linear_attention import causal_conv1d, chunks, diagonal_scan
 from . import _lend, _mixers
 from ._lend import LENT, Lent
 
-__all__ = ["FIELDS", "ShardedCCA", "ShardedLinear", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock", "check",
-           "install", "remove"]  # fmt: skip
+__all__ = ["FIELDS", "ShardedCCA", "ShardedLinear", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock",
+           "ShardedResidualConv", "check", "install", "remove"]  # fmt: skip
 
 FIELDS = ("error", "local_seq", "batch", "hidden", "dtype", "layout", "conv_kernel", "documents",
           *(f"unused_{i}" for i in range(8)))  # fmt: skip
@@ -216,6 +216,20 @@ class ShardedPLE(ShardedMixer):
                 last = torch.cat([before[-1], runs[-1]], dim=-1)[..., -context:] if context else before[-1]
             memory["ids"], memory["conv"] = last, halo.last
         return out if halo.tails is None else Uses.apply(out, halo.tails)
+
+
+class ShardedResidualConv(ShardedLinear):
+    """The ``forward`` of Inkling's short convolutions (``(hidden_states, cache, conv_mask)``: four per layer, on the
+    keys, the values and the outputs of attention and MLP, each added to its input) while the model is patched. Their
+    callers leave out the batch's keywords: the module calling each lends them in ``conv_mask`` (``Lent``)."""
+
+    masks_input = False  # (its input is zeroed at padding for the convolution only, not for the residual)
+
+    def __call__(self, hidden_states, cache=None, conv_mask=None, **kwargs):
+        return super().__call__(hidden_states, attention_mask=conv_mask, cache=cache, **kwargs)
+
+    def record(self) -> tuple:
+        return ("conv", self.module.layer_idx, self.module.conv_idx)
 
 
 class ShardedRecurrentBlock(ShardedMixer):
@@ -506,11 +520,16 @@ def install(model: torch.nn.Module, modules: list, cfg: RingConfig, lend: str | 
             m.forward = ShardedRecurrentBlock(m, cfg, layer)
         elif hasattr(m, "conv_qk_depthwise"):
             m.forward = ShardedCCA(m, cfg)
+        elif hasattr(m, "conv_idx"):
+            m.forward = ShardedResidualConv(m, cfg)
         else:
             m.forward = (ShardedPLE if hasattr(m, "ple_embedding") else ShardedLinear)(m, cfg)
     ple = [m for m in modules if hasattr(m, "ple_embedding")]
     if ple:  # (called without the batch's keywords: its decoder layer lends them in conv_mask)
         _lend.install(model, ple, keys=LENT, unpack=False, into="conv_mask")
+    convs = [m for m in modules if hasattr(m, "conv_idx")]
+    if convs:  # (called without the batch's keywords: the attention module or decoder layer lends them in conv_mask)
+        _lend.install(model, convs, keys=LENT, unpack=False, into="conv_mask")
     cca = [m for m in modules if hasattr(m, "conv_qk_depthwise")]
     if cca:  # (called with the mask mapping's "conv" entry alone: its attention module lends the keywords there)
         _lend.install(model, cca, keys=LENT, unpack=False, into="attention_mask", entry="conv")

@@ -51,8 +51,9 @@ DYNAMIC_FULL_LAYERS = {  # Gemma 3: RoPE per layer type, dynamic on the full-att
 }  # fmt: skip
 
 EAGER_REFERENCE = ("gemma2", "gpt_oss", "deepseek_v4", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma", "paligemma",
-                   "paligemma-gemma2")  # fmt: skip
-"""Families with attention logit softcapping or sinks: their reference is Transformers' eager attention. PaliGemma
+                   "paligemma-gemma2", "inkling_text")  # fmt: skip
+"""Families with attention logit softcapping, sinks or a position bias (Inkling, whose SDPA path drops its bias): their
+reference is Transformers' eager attention. PaliGemma
 too: its text attention says ``is_causal=False``, so SDPA attends both ways where Transformers skips the causal mask
 (no token types, no padding); eager always applies the mask (``patches.multimodal.PaliGemmaPatch``)."""
 
@@ -111,6 +112,16 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "zaya": ("ZayaConfig", "ZayaForCausalLM", {"head_dim": 16, "layer_types": ["hybrid_sliding", "hybrid"],
                                                "sliding_window": 6, "num_experts": 4, "num_experts_per_tok": 1,
                                                "moe_intermediate_size": 32, "router_hidden_size": 16}),
+    # Inkling: a relative position bias by distance (extents 5 on the sliding layer, 7 on the full one), log scaling
+    # of its full layer's queries and bias from position 10, short convolutions on keys, values and both residual
+    # branches, an MoE layer with shared experts as a sink; a head on hidden states divided by a muP multiplier, its
+    # vocabulary padded
+    "inkling_text": ("InklingTextConfig", "InklingForCausalLM", {
+        "head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
+        "sliding_window_size": 5, "d_rel": 4, "rel_extent": 7, "log_scaling_n_floor": 10, "log_scaling_alpha": 0.5,
+        "layer_types": ["hybrid_sliding", "hybrid"], "mlp_layer_types": ["dense", "sparse"], "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "logits_mup_width_multiplier": 2.0,
+        "vocab_size": VOCAB + 8, "unpadded_vocab_size": VOCAB}),
     # ModernBERT decoder (Ettin): windows of local_attention // 2, multi-head attention, a prediction head
     "modernbert-decoder": ("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM",
                            {"local_attention": 12, "layer_types": _SLIDE_FULL["layer_types"], "num_key_value_heads": 4,
@@ -753,7 +764,8 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "hyperclovax_vision_v2": "5.24", "hy_v4_vl": "5.24", "granite_docling": "5.24",
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
-         "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24"}  # fmt: skip
+         "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
+         "inkling_text": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given

@@ -41,10 +41,12 @@ def dense_mask(seq_len: int, causal=True, window: int | None = None, docs: torch
 
 def reference_attention(
     q, k, v, *, causal=True, window=None, docs=None, scale=None, softcap=None, sinks=None, dtype=torch.float64,
-    blocks=None, keep=None,
+    blocks=None, keep=None, bias=None,
 ):  # fmt: skip
     """Softmax attention in ``dtype`` with K/V repeated to the query heads; empty rows give 0.
 
+    ``bias``: [batch, heads, S, E]: each query's additive bias by backward distance (Inkling's relative position bias):
+    the score of key j for query i gets ``bias[..., i, i - j]`` when ``0 <= i - j < E``.
     ``softcap``: scores become ``softcap * tanh(s / softcap)`` before masking (Gemma2). ``sinks``: [heads]
     logits appended to every row's softmax and dropped after it (gpt-oss's learned sinks). ``keep``: [batch, 1 or heads, S, S]
     bool, ANDed with the mask (a selection of keys per query: DeepSeek sparse attention).
@@ -56,6 +58,11 @@ def reference_attention(
     s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        n, extent = q.shape[2], bias.shape[-1]
+        dist = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+        for d in range(min(extent, n)):  # one diagonal at a time
+            s = s + (dist == d) * bias.to(dtype)[..., :, d : d + 1]
     mask = dense_mask(q.shape[2], causal, window, docs, blocks)
     s = s.masked_fill(~(mask if keep is None else mask & keep), -math.inf)
     if sinks is not None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hf_ring.patches import REGISTRY, _lend, get_patch
 from hf_ring.patches._lend import LendKeywords, UnpackLent
-from hf_ring.patches.linear import ShardedCCA, ShardedMixer, ShardedPLE
+from hf_ring.patches.linear import ShardedCCA, ShardedMixer, ShardedPLE, ShardedResidualConv
 
 import hf_ring
 from hf_ring import hf_attention
@@ -156,6 +156,31 @@ def test_glm5_next_refuses_packed_rows_and_striped_shards():
     hf_attention._check_pools(False, "contiguous", 2)
 
 
+def test_inkling_hands_its_relative_bias_to_the_ring_and_reverts():
+    """While patched, Inkling's relative-logits modules return the per-query table and its attention modules leave
+    the log scaling to the ring (``patches._relative``); revert gives both back; switched by attn_implementation alone,
+    the dense bias of a shard's own keys is refused by name."""
+    if not in_transformers("inkling_text"):
+        pytest.skip("inkling_text is not in this Transformers release")
+    from hf_ring.patches import _relative
+
+    model = make_model("inkling_text").eval()
+    attention = [m for m in model.modules() if _relative.biased(m)]
+    sliding = [m.is_sliding for m in attention]
+    assert sliding == [True, False]  # (the test model: a sliding layer, then a full one with log scaling)
+    hf_ring.apply_ring_attention(model)
+    assert all(m.is_sliding for m in attention)
+    tables = [m.rel_logits_proj.__dict__.get("forward") for m in attention]
+    assert all(isinstance(t, _relative.Table) for t in tables)
+    assert [t.log_scaling for t in tables] == [None, (10, 0.5)]
+    hf_ring.revert_ring_attention(model)
+    assert [m.is_sliding for m in attention] == sliding
+    assert all("forward" not in m.rel_logits_proj.__dict__ for m in attention)
+    model.set_attn_implementation("hf_ring")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"does not implement \['position_bias'\]"):
+        model(**hf_ring.shard_batch(make_batch("padded", 40)[0]))
+
+
 @pytest.mark.parametrize("family", [f for f in MODEL_TYPES if in_transformers(f)])
 def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     from transformers import AttentionInterface
@@ -185,8 +210,10 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert len(ple) == len(getattr(text, "ple_layer_ids", None) or ()) and all(_lends(model, m) for m in ple)
     cca = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedCCA)]  # (ZAYA's, inside each attention)
     assert len(cca) == (len(modules) if family == "zaya" else 0) and all(_lends(model, m) for m in cca)
-    both = 0 if cca else types.count("hybrid")  # (Falcon-H1: attention and Mamba2 in one layer, of type "hybrid")
-    assert len(modules) + len(linear) - len(ple) - len(cca) + len(local) == len(mixing) + both
+    convs = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedResidualConv)]  # (Inkling's: 4 a layer)
+    assert len(convs) == (4 * len(modules) if family == "inkling_text" else 0) and all(_lends(model, m) for m in convs)
+    both = 0 if cca or convs else types.count("hybrid")  # (Falcon-H1: attention and Mamba2 in one layer, "hybrid")
+    assert len(modules) + len(linear) - len(ple) - len(cca) - len(convs) + len(local) == len(mixing) + both
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
     assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
     if family == "jamba":  # its layers call their mixer without the batch's keywords: they lend theirs

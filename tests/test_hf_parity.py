@@ -600,6 +600,19 @@ CASES = {
         {"lora": ["q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj"], "checkpointing": True},
     ),  # fmt: skip
     "zaya-padded-contiguous": ("zaya", "padded", 40, {"layout": "contiguous", "random_biases": True, "rtol": 3e-5}),
+    # Inkling: its relative position bias by distance and its full layer's log scaling by the index in the whole row
+    # (hf_ring.patches._relative), its four short convolutions per layer across rank edges (patches.linear), its
+    # padded vocabulary in the chunked loss; packed documents each as if alone (convolutions and log scaling start
+    # afresh at each; the model's own run across them and count the row's index)
+    "inkling_text-plain": ("inkling_text", "plain", 45, {}),
+    "inkling_text-packed": ("inkling_text", "packed", 45, {}),
+    "inkling_text-padded-lora-checkpointing": (
+        "inkling_text",
+        "padded",
+        40,
+        {"lora": ["q_proj", "k_proj", "r_proj", "o_proj"], "checkpointing": True},
+    ),  # fmt: skip
+    "inkling_text-padded-contiguous": ("inkling_text", "padded", 40, {"layout": "contiguous", "random_biases": True}),
     "recurrent_gemma-plain": ("recurrent_gemma", "plain", 40, {"random_biases": True}),
     "recurrent_gemma-packed-lora-checkpointing": (
         "recurrent_gemma",
@@ -1068,7 +1081,7 @@ FOUR_RANKS = {
     "deepseek_v4-plain", "deepseek_v4-chunk-multiple", "qwen2_vl-images-padded", "gemma3-images-padded",
     "paligemma-images-padded", "mllama-images-padded", "mamba2-packed-lora", "mamba-padded-lora-checkpointing",
     "recurrent_gemma-plain", "qwen3_next-padded", "kimi_linear-padded", "minimax-window", "lfm2-padded",
-    "zaya-plain", "jamba-packed-checkpointing", "falcon_h1-plain", "granitemoehybrid-padded", "zamba2-padded",
+    "zaya-plain", "inkling_text-plain", "jamba-packed-checkpointing", "falcon_h1-plain", "granitemoehybrid-padded", "zamba2-padded",
 }  # fmt: skip
 
 

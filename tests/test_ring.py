@@ -607,3 +607,75 @@ def test_autocast_does_not_lower_the_kernel_precision():
         under = hf_ring.ring_attention(q, k, v)
     assert under.dtype == torch.float32
     assert torch.equal(plain, under)
+
+
+def _bias_worker(rank, world):
+    """Errors (out, dq, dk, dv, d bias) of calls with a bias by distance per query (Inkling's relative position bias),
+    per layout and feature, against plain attention with the dense bias; and the refusals."""
+    torch_backend.BLOCK_Q = torch_backend.BLOCK_K = 8
+    s = FULL_LEN[world]
+    pad = torch.where(torch.arange(s)[None].repeat(2, 1) < torch.tensor([[s - 9], [s - 20]]), 0, -1)
+    cu = torch.tensor([0, 7, 20, 33, s], dtype=torch.int32)
+    feats = {
+        "causal": {},
+        "extent-1": {"extent": 1},
+        "extent-past-the-end": {"extent": s + 3},
+        "padded-window": {"docs": pad, "window": 9},
+        "packed-gqa1": {"cu": cu, "hkv": 1},
+        "bidirectional": {"causal": False},  # (keys after the query: negative distances, no bias)
+        "sinks-selected": {"sinks": True, "select": True},
+    }
+    errs = {}
+    for layout, (feat, opts) in itertools.product(hf_ring.LAYOUTS, feats.items()):
+        g = torch.Generator().manual_seed(5)
+        b, hq, hkv, d, extent = 2, 4, opts.get("hkv", 2), 16, opts.get("extent", 6)
+        q, k = torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+        v, dout = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hq, s, d, generator=g)
+        bias = torch.randn(b, hq, s, extent, generator=g)
+        sinks = torch.randn(hq, generator=g) if opts.get("sinks") else None
+        sel = torch.randint(-1, s, (b, s, 7), generator=g) if opts.get("select") else None
+        keep = None
+        if sel is not None:
+            keep = torch.zeros(b, s, s + 1, dtype=torch.bool).scatter_(-1, torch.where(sel >= 0, sel, s), True)
+            keep = keep[:, None, :, :s]
+
+        def part(x, dim=2, lay=layout):
+            return hf_ring.shard(x, dim=dim, rank=rank, world_size=world, layout=lay)
+
+        ql, kl, vl, bl = (part(x).requires_grad_() for x in (q, k, v, bias))
+        causal, docs, cus, window = opts.get("causal", True), opts.get("docs"), opts.get("cu"), opts.get("window")
+        out = hf_ring.ring_attention(
+            ql, kl, vl, layout=layout, causal=causal, document_ids=docs, cu_seqlens=cus, sliding_window=window,
+            sinks=sinks, selected=None if sel is None else part(sel, dim=1), distance_bias=bl,
+        )  # fmt: skip
+        out.backward(part(dout))
+        ref_docs = docs if cus is None else doc_ids_from_cu(cus, s)
+        ref_in = [x.double().requires_grad_() for x in (q, k, v, bias)]
+        ref = reference_attention(
+            *ref_in[:3], causal=causal, docs=ref_docs, window=window, sinks=sinks, keep=keep, bias=ref_in[3]
+        )  # fmt: skip
+        ref.backward(dout.double())
+        mine = (out, ql.grad, kl.grad, vl.grad, bl.grad)
+        refs = (part(ref), *(part(x.grad) for x in ref_in))
+        errs[(layout, feat)] = [rel_err(a, r) for a, r in zip(mine, refs)]
+    q, kv = torch.randn(1, 4, s // world, 8), torch.randn(1, 2, s // world, 8)
+    refusals = {
+        "shape": dict(distance_bias=torch.zeros(1, 2, s // world, 3)),
+        "softcap": dict(distance_bias=torch.zeros(1, 4, s // world, 3), softcap=5.0),
+    }
+    for name, kwargs in refusals.items():
+        try:
+            hf_ring.ring_attention(q, kv, kv, **kwargs)
+            errs[name] = None
+        except ValueError as e:
+            errs[name] = str(e)
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_bias_by_distance_matches_plain_attention_with_the_dense_bias(world):
+    for rank, errs in enumerate(run_distributed(_bias_worker, world, timeout=300)):
+        assert "distance_bias must be a floating-point tensor [batch=1, q_heads=4" in errs.pop("shape")
+        assert "distance_bias is not supported with softcap" in errs.pop("softcap")
+        for case, e in errs.items():
+            assert max(e) <= FP32_TOL, f"rank {rank} {case}: rel errors (out, dq, dk, dv, d bias) {e}"

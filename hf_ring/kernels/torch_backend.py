@@ -23,12 +23,13 @@ import torch
 
 from .mask import EMPTY, FULL, BlockMask
 
-__all__ = ["SELECT", "SOFTCAP", "forward", "backward", "merge_", "tiles"]
+__all__ = ["BIAS", "SELECT", "SOFTCAP", "forward", "backward", "merge_", "tiles"]
 
 BLOCK_Q = 512
 BLOCK_K = 512
 SOFTCAP = True  # implements attention logit softcapping (``softcap=``)
 SELECT = True  # reads a mask's selection (``BlockMask.with_selection``: DeepSeek sparse attention's top-k)
+BIAS = True  # adds a per-query bias by distance (``bias=``: Inkling's relative position bias)
 
 
 def tiles(pos: torch.Tensor, block: int) -> list[slice]:
@@ -108,13 +109,31 @@ def _scores(qf, kt, scale: float, softcap: float | None) -> tuple[torch.Tensor, 
     return t * softcap, t
 
 
-def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None):
+def _distances(mask: BlockMask, qs: slice, ks: slice, extent: int, group: int):
+    """``(index, inside)`` of a tile for a bias by distance, broadcastable to the folded scores: the backward
+    distance ``q_pos - k_pos`` clamped into ``[0, extent)`` and where it lies there ([G * tile_q, tile_k] each)."""
+    dist = mask.q_pos[qs][:, None].long() - mask.k_pos[ks][None, :].long()
+    inside = (dist >= 0) & (dist < extent)
+    return dist.clamp(0, extent - 1).repeat(group, 1), inside.repeat(group, 1)
+
+
+def _tile_bias(bias: torch.Tensor, where, kv_heads: int, qs: slice) -> torch.Tensor:
+    """The bias of a tile, folded like its scores: ``bias``'s rows ``qs`` read at the tile's distances (0 outside
+    the extent). ``where``: ``_distances``'s."""
+    index, inside = where
+    table = _fold(bias, kv_heads, qs)
+    return table.gather(-1, index.expand(*table.shape[:2], -1, -1)).masked_fill_(~inside, 0.0)
+
+
+def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None, bias=None):
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
     q: [batch, q_heads, local_q, head_dim]; k: [batch, kv_heads, local_k, head_dim]; v: [batch, kv_heads,
     local_k, v_head_dim] (v's head_dim may differ, as in multi-head latent attention).
     out: [batch, q_heads, local_q, v_head_dim] fp32; lse: [batch, q_heads, local_q] fp32.
     softcap: None, or the cap of attention logit softcapping (applied before masking).
+    bias: None, or [batch, q_heads, local_q, E]: each query's additive bias by backward distance ``d = q_pos - k_pos``
+        (the query's row at ``d`` for ``0 <= d < E``, 0 elsewhere), added to the scaled scores (not with softcap).
     Returns ``(out, lse)``.
     """
     hq, hkv = q.shape[1], k.shape[1]
@@ -131,6 +150,8 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
             if kind == EMPTY:
                 continue
             s, _ = _scores(qf, k[:, :, ks].float(), scale, softcap)
+            if bias is not None:
+                s += _tile_bias(bias, _distances(on_device, qs, ks, bias.shape[-1], group), hkv, qs)
             if kind != FULL:
                 s.masked_fill_(~_tile_mask(on_device, qs, ks, group).to(s.device), -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
@@ -147,13 +168,16 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     return out, lse
 
 
-def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, softcap=None):
+def backward(
+    do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, softcap=None, bias=None, dbias=None
+):
     """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place (``out`` unused).
 
     q: [batch, q_heads, local_q, head_dim]; do: [batch, q_heads, local_q, v_head_dim]; k, v: as in ``forward``.
     lse: [batch, q_heads, local_q] fp32, the final (global) LSE; delta = rowsum(dO * O), same shape.
     dq: like q, dk: like k, dv: like v, fp32. softcap: as in ``forward`` (its derivative, ``1 - tanh^2``,
-    scales the score gradients). Returns ``(dq, dk, dv)``.
+    scales the score gradients). bias: as in ``forward``; dbias: None, or like it, fp32: its gradient accumulated in
+    place (the score gradients summed by distance). Returns ``(dq, dk, dv)``.
     """
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
@@ -167,12 +191,16 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
         lse_t = lse_safe[:, :, qs].reshape(qf.shape[:-1]).unsqueeze(-1)
         delta_t = delta[:, :, qs].reshape(qf.shape[:-1]).unsqueeze(-1)
         dq_t = torch.zeros_like(qf)
+        db_t = None if dbias is None else qf.new_zeros(*qf.shape[:-1], dbias.shape[-1])
         for ks in k_tiles:
             kind = mask.classify(qs, ks)
             if kind == EMPTY:
                 continue
             kt, vt = k[:, :, ks].float(), v[:, :, ks].float()
             s, t = _scores(qf, kt, scale, softcap)
+            if bias is not None:
+                where = _distances(on_device, qs, ks, bias.shape[-1], group)
+                s += _tile_bias(bias, where, hkv, qs)
             p = torch.exp(s - lse_t)
             if kind != FULL:
                 p.masked_fill_(~_tile_mask(on_device, qs, ks, group).to(p.device), 0.0)
@@ -182,5 +210,10 @@ def backward(do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv,
                 ds.mul_(1.0 - t * t)  # d(softcap * tanh(s / softcap)) / ds
             dq_t += torch.matmul(ds, kt)
             dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qf).mul_(scale)
+            if db_t is not None:
+                index, inside = where
+                db_t.scatter_add_(-1, index.expand(*ds.shape[:2], -1, -1), ds.masked_fill(~inside, 0.0))
         dq[:, :, qs] += _unfold_rows(dq_t.mul_(scale), hq)
+        if db_t is not None:
+            dbias[:, :, qs] += _unfold_rows(db_t, hq)
     return dq, dk, dv

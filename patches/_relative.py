@@ -1,0 +1,63 @@
+"""Inkling's relative position bias, made exact under context parallelism.
+
+Inkling's attention adds to each score a bias that depends on the query and on its backward distance to the key: the
+query's hidden state mixes a learned bank of bias-by-distance profiles into one bias per distance 0 .. E - 1
+(``InklingRelativeLogits``), which the module spreads over a dense ``[query, key]`` matrix of the keys it holds, its
+shard's under the ring, numbered from the shard's first token. Its full-attention layers also scale the queries and
+the bias logarithmically by the token's index, counted the same way.
+
+``install`` gives each such attention module's relative-logits module a ``forward`` that returns the per-query table
+itself (``hf_ring.hf_attention.DistanceBias``), which the ring applies at every step by the tokens' global positions
+(``ring_attention(distance_bias=...)``), and moves the logarithmic scaling into the attention function, by the
+index in the whole row (the module's own is turned off through its instance attribute ``is_sliding``, which its
+forward reads for that alone). ``remove`` gives both back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..hf_attention import DistanceBias
+
+__all__ = ["install", "remove"]
+
+_SLIDING = "_hf_ring_is_sliding"  # the attention module's own ``is_sliding``, while ``install`` overrides it
+
+
+class Table:
+    """The ``forward`` of a relative-logits module while patched: ``(relative_states, query_positions,
+    key_positions) -> DistanceBias``, the table ``[batch, heads, q_len, E]`` of each query's bias by distance (the
+    positions, a shard's, are not read)."""
+
+    def __init__(self, module: torch.nn.Module, log_scaling: tuple | None):
+        self.module, self.log_scaling = module, log_scaling
+
+    def __call__(self, relative_states, query_positions=None, key_positions=None):
+        table = (relative_states @ self.module.proj).transpose(1, 2)
+        return DistanceBias(table, self.log_scaling)
+
+
+def biased(module: torch.nn.Module) -> bool:
+    """``module`` is an attention module with Inkling's relative position bias."""
+    return isinstance(getattr(module, "rel_logits_proj", None), torch.nn.Module) and hasattr(module, "is_sliding")
+
+
+def install(modules: list) -> None:
+    """Hand the relative position bias of ``modules`` (patched attention modules) to the ring. Idempotent."""
+    for m in modules:
+        if not biased(m) or hasattr(m, _SLIDING):
+            continue
+        config = m.config
+        floor = getattr(config, "log_scaling_n_floor", None)
+        log_scaling = None if m.is_sliding or floor is None else (floor, float(config.log_scaling_alpha))
+        m.rel_logits_proj.forward = Table(m.rel_logits_proj, log_scaling)
+        setattr(m, _SLIDING, m.is_sliding)
+        m.is_sliding = True  # (its forward reads it only to scale logarithmically: the attention function does)
+
+
+def remove(model: torch.nn.Module) -> None:
+    """Give every module of ``model`` that ``install`` changed its own bias and scaling back."""
+    for m in model.modules():
+        if _SLIDING in m.__dict__:
+            m.is_sliding = m.__dict__.pop(_SLIDING)
+            m.rel_logits_proj.__dict__.pop("forward", None)
