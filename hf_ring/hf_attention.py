@@ -104,7 +104,8 @@ _DEFAULT = RingConfig()
 #: along that do not change what attention computes. Any other keyword with a value is refused: an
 #: attention feature hf_ring does not implement (T5's ``position_bias``, ...) must raise, never be
 #: dropped silently. ``softcap`` (Gemma2's attention logit softcapping) and ``s_aux`` (gpt-oss's learned
-#: sinks) are implemented; ``position_bias`` only as Inkling's patched modules give it (a ``DistanceBias``).
+#: sinks) are implemented, as are Inkling 2's ``sinks`` (one per query); ``position_bias`` only as Inkling's patched
+#: modules give it (a ``DistanceBias``).
 _READ_KWARGS = (
     "is_causal", "output_attentions", "position_ids", "softcap", "s_aux", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG,
     DECODE_KWARG, BLOCK_IDS_KWARG, POSITIONS_KWARG, "indices",
@@ -259,6 +260,13 @@ def ring_attention_forward(
     if bias is not None and not isinstance(bias, DistanceBias):  # (a dense bias of the shard's own keys: refused)
         kwargs["position_bias"] = bias
         bias = None
+    sinks = kwargs.get("s_aux")
+    per_query = kwargs.pop("sinks", None)  # Inkling 2's: a sink per query, [batch, heads, seq, 1]
+    if per_query is not None:
+        if sinks is None and isinstance(per_query, torch.Tensor) and per_query.dim() == 4 and per_query.shape[-1] == 1:
+            sinks = per_query.squeeze(-1)
+        else:  # (refused by name below)
+            kwargs["sinks"] = per_query
     unknown = _unknown_kwargs_error(kwargs) or _sparse_error(kwargs.get("indices"))
     if unknown:
         raise ValueError(unknown)  # from the model's code: the same on every rank, before any collective
@@ -405,7 +413,7 @@ def ring_attention_forward(
         scale=scaling,
         sliding_window=sliding_window,
         softcap=kwargs.get("softcap"),
-        sinks=kwargs.get("s_aux"),
+        sinks=sinks,
         cu_seqlens=cu_seqlens,
         document_ids=document_ids,
         block_ids=_block_ids(kwargs.get(BLOCK_IDS_KWARG), sliding_window),

@@ -67,12 +67,15 @@ def local_error(
         return f"softcap must be a positive finite number (or None), got {softcap}"
     if sinks is not None and (
         not isinstance(sinks, torch.Tensor)
-        or sinks.shape != (hq,)
+        or tuple(sinks.shape) not in ((hq,), (b, hq, lq))
         or not sinks.dtype.is_floating_point
         or sinks.device != q.device
     ):
         got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        return f"sinks must be a floating-point tensor [q_heads={hq}] on q's device, got {got}"
+        return (
+            f"sinks must be a floating-point tensor [q_heads={hq}] (or one per query, [batch={b}, q_heads={hq}, "
+            f"local_seq={lq}]) on q's device, got {got}"
+        )
     full = lq * world_size
     m = _layout.required_multiple(layout, world_size)
     if full % m:

@@ -106,7 +106,8 @@ def ring_attention(
             masking (Gemma2). ``"auto"`` runs it on a backend that implements it.
         sinks: [q_heads] learned attention sinks (gpt-oss): one extra logit per head in every row's
             softmax, with no value. Merged once into the final LSE of the whole ring (not per step);
-            differentiable (its gradient is this rank's rows' share).
+            differentiable (its gradient is this rank's rows' share). Or [batch, q_heads, local_seq]: a sink per
+            query (Inkling 2's, projected from each token), its gradient its own; not with ``ulysses``.
         cu_seqlens: int [num_docs + 1] boundaries of packed documents in the full (unsharded)
             sequence; tokens attend only inside their own document. Batch 1, or every batch row
             packed alike.
@@ -163,6 +164,9 @@ def ring_attention(
         )
     if selected is not None:  # (the same on every rank: the model's shapes and configuration)
         _check_selected(selected, q, k)
+    if isinstance(sinks, torch.Tensor) and sinks.dim() == 3 and hybrid:  # (the model's configuration)
+        raise ValueError("ring_attention: a sink per query (sinks [batch, q_heads, local_seq]) is not supported with "
+                         "ulysses")  # fmt: skip
     if distance_bias is not None:  # (likewise)
         _check_bias(distance_bias, q, hybrid=hybrid, shared=shared is not None, softcap=softcap)
     if ulysses is not None:
@@ -455,6 +459,12 @@ def _failed(watch, comm, error: BaseException) -> None:
     guard.failed(groups, error, f"{where} {name}")
 
 
+def _per_row(sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks as fp32 logits broadcast over the rows ``[batch, q_heads, local_seq]``: one per head, or one per
+    query."""
+    return sinks.float()[None, :, None] if sinks.dim() == 1 else sinks.float()
+
+
 class _RingAttention(torch.autograd.Function):
     # Autocast is off inside: the kernels choose their own precision (fp32 scores and accumulators);
     # under autocast the torch backend's matmuls would otherwise round scores to bf16.
@@ -487,7 +497,7 @@ class _RingAttention(torch.autograd.Function):
                 _torch_backend.forward(q, ek, ev, mask, plan.scale, out, lse, **plan.kernel_kwargs)
                 out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0)
             if sinks is not None:
-                merged = torch.logaddexp(lse, sinks.detach().float()[None, :, None])
+                merged = torch.logaddexp(lse, _per_row(sinks.detach()))
                 out.mul_(torch.exp(lse - merged).unsqueeze(-1))
                 lse = merged
         # Compiled, the output is a copy, never the buffer the kernels mutated: torch 2.11's AOTAutograd
@@ -525,8 +535,8 @@ class _RingAttention(torch.autograd.Function):
                 ctx.watch[2].backward_calls += 1
             dsinks = None
             if sinks is not None and ctx.needs_input_grad[3]:
-                p_sink = torch.exp(sinks.float()[None, :, None] - lse)
-                dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+                dsinks = -(torch.exp(_per_row(sinks) - lse) * delta)
+                dsinks = (dsinks.sum((0, 2)) if sinks.dim() == 1 else dsinks).to(sinks.dtype)
             dek = dev = None
             if ctx.shared_mask is not None:  # the local block of the shared keys: its gradients stay here
                 dek = torch.zeros(ek.shape, dtype=torch.float32, device=q.device)

@@ -392,7 +392,7 @@ class FamilyPatch:
     model_types: tuple
     # "transformers.models.llama.modeling_llama.LlamaAttention"; None: a model without attention layers (Mamba2:
     # its ``linear_class`` modules only, and no attention implementation to switch)
-    attention_class: str | None
+    attention_class: str | tuple | None
     check_config: Callable = _no_check
     # what the family's causal-LM head does to the lm_head output before the loss (final logit softcapping,
     # logit scales); None: nothing (``hf_ring.apply_chunked_loss`` uses it)
@@ -448,7 +448,10 @@ class FamilyPatch:
     def cache_type(self) -> type | None:
         return None if self.cache_class is None else _class(self.cache_class)
 
-    def attention_type(self) -> type:
+    def attention_type(self) -> type | tuple:
+        """The attention class (or classes: Inkling 2's sliding and full ones)."""
+        if isinstance(self.attention_class, tuple):
+            return tuple(_class(path) for path in self.attention_class)
         return _class(self.attention_class)
 
     def attention_modules(self, model: torch.nn.Module) -> list:
@@ -503,7 +506,8 @@ class FamilyPatch:
         modules = self.attention_modules(model)
         mixers = self.linear_modules(model)
         if not (modules if self.attention_class else mixers):
-            what = (self.attention_class or self.linear_class).rpartition(".")[2]
+            path = self.attention_class or self.linear_class
+            what = (path if isinstance(path, str) else path[0]).rpartition(".")[2]
             raise ValueError(f"found no {what} module in {type(model).__name__}")
         linear.check(mixers)
         original = getattr(model, ORIGINAL_ATTR, text._attn_implementation)

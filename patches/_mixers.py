@@ -9,6 +9,7 @@ Transformers module whose kernels its forward calls.
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 
 import torch
@@ -38,6 +39,8 @@ def _project(m, hidden_states):
 def output(m) -> torch.nn.Module:
     """The module's output projection (OLMo Hybrid's ``o_proj``, Qwen4-Exp's per-layer embedding's ``value_proj``,
     RecurrentGemma's ``linear_out``, the others' ``out_proj``; Inkling's short convolutions: their ``conv1d``)."""
+    if hasattr(m, "static_weight"):  # (Inkling 2's dynamic convolution: its tap projection)
+        return m.weight_proj
     for name in ("o_proj", "value_proj", "linear_out", "conv1d" if hasattr(m, "conv_idx") else "out_proj"):
         if hasattr(m, name):
             return getattr(m, name)
@@ -92,17 +95,56 @@ def _short_conv(m, kernels, hidden_states, plan, gather, documents, keep, memory
     return m.out_proj((c * y).transpose(-1, -2).contiguous())
 
 
-def _residual_conv(m, kernels, hidden_states, plan, gather, documents, keep, memory):
-    """Transformers' Inkling short convolution without a cache: in fp32, its input zeroed at padding, convolved over
-    the CP group, added to its input."""
+RESIDUAL_CONVOLUTIONS = {  # class name -> what the output (convolution + input) is divided by, of the kernel size K
+    "InklingShortConvolution": lambda k: 1.0,
+    "Inkling2ShortConvolution": lambda k: math.sqrt(k + 1),
+    "Inkling2DynamicShortConvolution": lambda k: math.sqrt(2 * k + 1),  # (and taps per token: ``_dynamic_taps``)
+}
+"""Inkling's and Inkling 2's short convolutions, each added to its input (``_residual_conv``)."""
+
+
+def _residual_divisor(m) -> float:
+    for cls in type(m).__mro__:  # (along the bases: FSDP2 gives a sharded module a class of its own)
+        if cls.__name__ in RESIDUAL_CONVOLUTIONS:
+            return RESIDUAL_CONVOLUTIONS[cls.__name__](m.conv_kernel_size)
+    raise ValueError(f"{type(m).__name__} is not a short convolution hf_ring knows")
+
+
+def _shifts(k: int):
+    """A "convolution" for ``causal_conv1d`` that returns each token's window of the k inputs ending at it, lag by
+    lag: [batch, channels, n] -> [batch, channels * k, n], entry ``c * k + lag`` the input of channel c lag tokens
+    back (zeros before the start)."""
+
+    def stack(t):
+        windows = F.pad(t, (k - 1, 0)).unfold(-1, k, 1).flip(-1)  # [batch, channels, n, k]
+        return windows.transpose(-1, -2).reshape(t.shape[0], -1, t.shape[-1])
+
+    return stack
+
+
+def _residual_conv(m, kernels, hidden_states, plan, gather, documents, keep, memory, dynamic_input=None):
+    """Transformers' Inkling / Inkling 2 short convolution without a cache: in fp32, its input zeroed at padding,
+    convolved over the CP group, added to its input (and divided as the module divides). Inkling 2's dynamic one
+    (keys and values of its full layers) weights each token's window by taps of its own (static ones plus ones
+    projected from ``dynamic_input``, per key/value head), as its forward does."""
     x = hidden_states.float()
-    weight = m.conv1d.weight.squeeze(1)
+    k = m.conv_kernel_size
+    context = masked(x, keep).transpose(1, 2)
+    if hasattr(m, "static_weight"):  # Inkling 2's dynamic convolution
+        b, n, c = x.shape
+        windows = causal_conv1d(context, _shifts(k), k, plan, gather, documents, memory)  # [b, c * k, n]
+        windows = windows.view(b, c, k, n).permute(0, 3, 1, 2).reshape(b, n, m.num_heads, -1, k)
+        taps = m.weight_proj(dynamic_input).float().view(b, n, m.num_heads, 1, k)
+        taps = m.static_weight.float().T.view(m.num_heads, -1, k) + taps
+        y = (windows * taps).sum(-1).reshape(b, n, c)
+    else:
+        weight = m.conv1d.weight.squeeze(1)
 
-    def conv(t):
-        return kernels.causal_conv1d_fn(t, weight, m.conv1d.bias)
+        def conv(t):
+            return kernels.causal_conv1d_fn(t, weight, m.conv1d.bias)
 
-    y = causal_conv1d(masked(x, keep).transpose(1, 2), conv, m.conv_kernel_size, plan, gather, documents, memory)
-    return (y.transpose(1, 2) + x).to(hidden_states.dtype)
+        y = causal_conv1d(context, conv, k, plan, gather, documents, memory).transpose(1, 2)
+    return ((y + x) / _residual_divisor(m)).to(hidden_states.dtype)
 
 
 def _gated_delta_net(m, kernels, hidden_states, plan, gather, documents, keep, memory):

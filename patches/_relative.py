@@ -1,4 +1,4 @@
-"""Inkling's relative position bias, made exact under context parallelism.
+"""Inkling's and Inkling 2's relative position bias, made exact under context parallelism.
 
 Inkling's attention adds to each score a bias that depends on the query and on its backward distance to the key: the
 query's hidden state mixes a learned bank of bias-by-distance profiles into one bias per distance 0 .. E - 1
@@ -10,7 +10,9 @@ the bias logarithmically by the token's index, counted the same way.
 itself (``hf_ring.hf_attention.DistanceBias``), which the ring applies at every step by the tokens' global positions
 (``ring_attention(distance_bias=...)``), and moves the logarithmic scaling into the attention function, by the
 index in the whole row (the module's own is turned off through its instance attribute ``is_sliding``, which its
-forward reads for that alone). ``remove`` gives both back.
+forward reads for that alone). Inkling 2's module projects and scales its table itself, by ``position_ids``
+(global under the ring): its patched ``forward`` returns the table (``Table2``), and nothing else changes.
+``remove`` gives both back.
 """
 
 from __future__ import annotations
@@ -22,6 +24,21 @@ from ..hf_attention import DistanceBias
 __all__ = ["install", "remove"]
 
 _SLIDING = "_hf_ring_is_sliding"  # the attention module's own ``is_sliding``, while ``install`` overrides it
+
+
+class Table2:
+    """The ``forward`` of Inkling 2's relative-position-bias module while patched: ``(hidden_states,
+    relative_distance, position_ids) -> DistanceBias``, its table of each query's bias by distance (its states'
+    projection and norm, the logarithmic scaling by ``position_ids`` included, as the module computes them; the
+    distances, a shard's, are not read)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, hidden_states, relative_distance=None, position_ids=None):
+        m = self.module
+        states = m.linear(hidden_states).view(*hidden_states.shape[:-1], m.num_heads, -1)
+        return DistanceBias((m.norm(states, position_ids) @ m.proj).transpose(1, 2))
 
 
 class Table:
@@ -38,14 +55,19 @@ class Table:
 
 
 def biased(module: torch.nn.Module) -> bool:
-    """``module`` is an attention module with Inkling's relative position bias."""
-    return isinstance(getattr(module, "rel_logits_proj", None), torch.nn.Module) and hasattr(module, "is_sliding")
+    """``module`` is an attention module with Inkling's or Inkling 2's relative position bias."""
+    bias = getattr(module, "rel_logits_proj", getattr(module, "relative_position_bias", None))
+    return isinstance(bias, torch.nn.Module) and hasattr(module, "is_sliding")
 
 
 def install(modules: list) -> None:
     """Hand the relative position bias of ``modules`` (patched attention modules) to the ring. Idempotent."""
     for m in modules:
         if not biased(m) or hasattr(m, _SLIDING):
+            continue
+        if not hasattr(m, "rel_logits_proj"):  # Inkling 2: its scaling by position_ids, which are global already
+            m.relative_position_bias.forward = Table2(m.relative_position_bias)
+            setattr(m, _SLIDING, m.is_sliding)
             continue
         config = m.config
         floor = getattr(config, "log_scaling_n_floor", None)
@@ -60,4 +82,5 @@ def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
         if _SLIDING in m.__dict__:
             m.is_sliding = m.__dict__.pop(_SLIDING)
-            m.rel_logits_proj.__dict__.pop("forward", None)
+            bias = getattr(m, "rel_logits_proj", None) or m.relative_position_bias
+            bias.__dict__.pop("forward", None)

@@ -113,6 +113,10 @@ FAMILIES = {
     "jais2": "transformers.models.jais2.modeling_jais2.Jais2Attention",
     "jamba": "transformers.models.jamba.modeling_jamba.JambaAttention",
     "inkling_text": "transformers.models.inkling.modeling_inkling.InklingAttention",
+    "inkling2_text": (
+        "transformers.models.inkling2.modeling_inkling2.Inkling2SlidingAttention",
+        "transformers.models.inkling2.modeling_inkling2.Inkling2FullAttention",
+    ),
     "jetmoe": "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearAttention",
     "kolibri1": "transformers.models.kolibri1.modeling_kolibri1.Kolibri1Attention",
@@ -356,6 +360,10 @@ LINEAR = {
     "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
     # Inkling: the short convolutions on its keys and values and after its attention and MLP
     "inkling_text": "transformers.models.inkling.modeling_inkling.InklingShortConvolution",
+    "inkling2_text": (
+        "transformers.models.inkling2.modeling_inkling2.Inkling2ShortConvolution",
+        "transformers.models.inkling2.modeling_inkling2.Inkling2DynamicShortConvolution",
+    ),
     "jamba": "transformers.models.jamba.modeling_jamba.JambaMambaMixer",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
     "lara_mini": "transformers.models.lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet",
@@ -400,6 +408,7 @@ CHECKS = {
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
     "recurrent_gemma": check_linear_sliding, "zaya": check_zaya, "inkling_text": check_inkling,
+    "inkling2_text": check_inkling,
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
     "glm5_next_text": check_sparse_linear,
@@ -417,13 +426,18 @@ LENDS_MIXER_KWARGS = {"jamba": "layer", "mamba": "model", "falcon_mamba": "model
 with the mask alone) beside the mask (``Lent``); Mamba2's causal LM to its backbone, which unpacks them and passes
 them on (``UnpackLent``)."""
 
-CROSS_ATTENTION = {"mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextCrossAttention"}
+CROSS_ATTENTION = {
+    "mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextCrossAttention",
+    # Inkling 2's attention residuals: each token's attention over the outputs of earlier blocks of layers
+    "inkling2_text": "transformers.models.inkling2.modeling_inkling2.Inkling2BlockAttentionResidual",
+}
 """Families with cross-attention layers (Llama 3.2 Vision's text model, attending to the image features every rank
 holds whole): their modules attend locally, by the model's own implementation
 (``FamilyPatch.local_attention_class``)."""
 
 NO_GENERATE = {
     "inkling_text": "its relative position bias is not implemented by ring_generate's decode steps yet",
+    "inkling2_text": "its relative position bias is not implemented by ring_generate's decode steps yet",
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
     "deepseek_v4": "its compressed layers keep their compressors' windows in the model's own cache, which the sharded "
     "cache does not follow",
@@ -452,6 +466,7 @@ LOGIT_TRANSFORMS = {
     "falcon_h1": LogitTransform(multiply="lm_head_multiplier"),
     "hyperclovax": LogitTransform(multiply="logits_scaling"),
     "inkling_text": LogitTransform(divide="logits_mup_width_multiplier"),  # divides the hidden states (no head bias)
+    "inkling2_text": LogitTransform(softcap="final_logit_softcapping"),
     "minicpm3": LogitTransform(divide="logits_scaling"),  # divides the hidden states (the head has no bias)
     "nanochat": LogitTransform(softcap="final_logit_softcapping"),
     "recurrent_gemma": LogitTransform(softcap="logits_soft_cap"),

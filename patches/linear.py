@@ -219,14 +219,25 @@ class ShardedPLE(ShardedMixer):
 
 
 class ShardedResidualConv(ShardedLinear):
-    """The ``forward`` of Inkling's short convolutions (``(hidden_states, cache, conv_mask)``: four per layer, on the
-    keys, the values and the outputs of attention and MLP, each added to its input) while the model is patched. Their
-    callers leave out the batch's keywords: the module calling each lends them in ``conv_mask`` (``Lent``)."""
+    """The ``forward`` of Inkling's and Inkling 2's short convolutions (``(hidden_states, dynamic_input, cache,
+    conv_mask, cache_offset)``: four per layer, on the keys, the values and the outputs of attention and MLP, each
+    added to its input; Inkling 2's full layers weight their keys' and values' by taps projected from
+    ``dynamic_input``) while the model is patched. Inkling's callers leave out the batch's keywords: the module calling
+    each lends them in ``conv_mask`` (``Lent``)."""
 
     masks_input = False  # (its input is zeroed at padding for the convolution only, not for the residual)
 
-    def __call__(self, hidden_states, cache=None, conv_mask=None, **kwargs):
+    def __call__(self, hidden_states, dynamic_input=None, cache=None, conv_mask=None, cache_offset=0, **kwargs):
+        if cache_offset:  # (Inkling 2 Loop's repeated layers: a cache of their own)
+            raise ValueError(
+                f"{type(self.module).__name__}: cache_offset={cache_offset} is not supported under hf_ring"
+            )
+        kwargs = {**kwargs, "conv_dynamic_input": dynamic_input}
         return super().__call__(hidden_states, attention_mask=conv_mask, cache=cache, **kwargs)
+
+    def run(self, hidden_states, plan, gather, packed, keep, memory, kwargs):
+        dynamic = kwargs.get("conv_dynamic_input")
+        return self.compute(self.module, self.kernels, hidden_states, plan, gather, packed, keep, memory, dynamic)
 
     def record(self) -> tuple:
         return ("conv", self.module.layer_idx, self.module.conv_idx)

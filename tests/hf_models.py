@@ -51,7 +51,7 @@ DYNAMIC_FULL_LAYERS = {  # Gemma 3: RoPE per layer type, dynamic on the full-att
 }  # fmt: skip
 
 EAGER_REFERENCE = ("gemma2", "gpt_oss", "deepseek_v4", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma", "paligemma",
-                   "paligemma-gemma2", "inkling_text")  # fmt: skip
+                   "paligemma-gemma2", "inkling_text", "inkling2_text")  # fmt: skip
 """Families with attention logit softcapping, sinks or a position bias (Inkling, whose SDPA path drops its bias): their
 reference is Transformers' eager attention. PaliGemma
 too: its text attention says ``is_causal=False``, so SDPA attends both ways where Transformers skips the causal mask
@@ -122,6 +122,17 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
         "layer_types": ["hybrid_sliding", "hybrid"], "mlp_layer_types": ["dense", "sparse"], "n_routed_experts": 4,
         "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "logits_mup_width_multiplier": 2.0,
         "vocab_size": VOCAB + 8, "unpadded_vocab_size": VOCAB}),
+    # Inkling 2: its relative position bias (projected and log-scaled by position_ids from 10), a sink per query,
+    # short convolutions (its full layers' keys and values with taps per token), attention residuals over blocks of
+    # layers (2 layers a block: its third layer reads the first block), experts; final logit softcapping, a padded
+    # vocabulary
+    "inkling2_text": ("Inkling2TextConfig", "Inkling2ForCausalLM", {
+        "num_hidden_layers": 3, "head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+        "swa_head_dim": 16, "sliding_window_size": 5, "d_rel": 4, "rel_extent": 7, "log_scaling_n_floor": 10,
+        "log_scaling_alpha": 0.5, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
+        "n_layers_per_attn_res_block": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "final_logit_softcapping": 10.0, "vocab_size": VOCAB + 8,
+        "unpadded_vocab_size": VOCAB}),
     # ModernBERT decoder (Ettin): windows of local_attention // 2, multi-head attention, a prediction head
     "modernbert-decoder": ("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM",
                            {"local_attention": 12, "layer_types": _SLIDE_FULL["layer_types"], "num_key_value_heads": 4,
@@ -765,7 +776,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
          "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
-         "inkling_text": "5.24"}  # fmt: skip
+         "inkling_text": "5.24", "inkling2_text": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -1093,6 +1104,12 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
         if type(m).__name__ == "ZayaQKNorm":
             with torch.no_grad():
                 m.temp.copy_(1.0 + 0.3 * torch.randn(m.temp.shape, generator=torch.Generator().manual_seed(9)))
+    for m in model.modules():  # Inkling 2's attention-residual queries and static convolution taps start at zero (the
+        # residuals uniform over the blocks): draw them
+        if type(m).__name__ in ("Inkling2BlockAttentionResidual", "Inkling2DynamicShortConvolution"):
+            with torch.no_grad():
+                p = m.query if hasattr(m, "query") else m.static_weight
+                p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(11)))
     for m in model.modules():  # learned sinks start at zero: give each head its own, which the ring must keep apart
         if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
             with torch.no_grad():

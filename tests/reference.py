@@ -48,7 +48,8 @@ def reference_attention(
     ``bias``: [batch, heads, S, E]: each query's additive bias by backward distance (Inkling's relative position bias):
     the score of key j for query i gets ``bias[..., i, i - j]`` when ``0 <= i - j < E``.
     ``softcap``: scores become ``softcap * tanh(s / softcap)`` before masking (Gemma2). ``sinks``: [heads]
-    logits appended to every row's softmax and dropped after it (gpt-oss's learned sinks). ``keep``: [batch, 1 or heads, S, S]
+    logits appended to every row's softmax and dropped after it (gpt-oss's learned sinks), or [batch, heads, S]: one per
+    query (Inkling 2's). ``keep``: [batch, 1 or heads, S, S]
     bool, ANDed with the mask (a selection of keys per query: DeepSeek sparse attention).
     """
     g = q.shape[1] // k.shape[1]
@@ -66,7 +67,8 @@ def reference_attention(
     mask = dense_mask(q.shape[2], causal, window, docs, blocks)
     s = s.masked_fill(~(mask if keep is None else mask & keep), -math.inf)
     if sinks is not None:
-        col = sinks.to(dtype)[None, :, None, None].expand(*s.shape[:-1], 1)
+        col = sinks.to(dtype)[None, :, None, None] if sinks.dim() == 1 else sinks.to(dtype)[..., None]
+        col = col.expand(*s.shape[:-1], 1)
         return torch.softmax(torch.cat([s, col], -1), -1)[..., :-1] @ v
     return torch.softmax(s, -1).nan_to_num(0.0) @ v
 

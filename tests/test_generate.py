@@ -704,7 +704,7 @@ def test_hybrid_decode_steps_run_the_models_one_token_kernels(monkeypatch, famil
     assert len(calls) == layers * (NEW - 1), (len(calls), layers)  # the first new token comes from the prefill
 
 
-@pytest.mark.parametrize("family", ["dory", "inkling_text"])
+@pytest.mark.parametrize("family", ["dory", "inkling_text", "inkling2_text"])
 def test_families_whose_models_manage_the_cache_their_own_way_are_refused(family):
     """Dory's loops copy the cache (a second rank crashed in a trial); Inkling's relative position bias is not in the
     decode steps."""

@@ -64,7 +64,9 @@ def test_registry_keyed_by_model_type_dedicated_modules_and_one_generic_patch():
         if patch.attention_class is None:  # a model without attention (Mamba2): its mixers only
             assert patch.linear_class is not None
         elif in_transformers(model_type):  # (families new in a later Transformers: their classes are not there)
-            assert patch.attention_type().__name__.endswith(("Attention", "MLA"))  # LongCat's: LongcatFlashMLA
+            classes = patch.attention_type()  # (Inkling 2: its sliding and full attention classes)
+            for cls in classes if isinstance(classes, tuple) else (classes,):
+                assert cls.__name__.endswith(("Attention", "MLA"))  # LongCat's: LongcatFlashMLA
         if patch.name in generic.FAMILIES:  # one line each in the generic table, one shared check
             assert generic.PATCHES[model_type] is patch and patch.model_types[0] == patch.name
             assert set(patch.model_types[1:]) == {a for a, f in generic.ALIASES.items() if f == patch.name}
@@ -179,6 +181,14 @@ def test_inkling_hands_its_relative_bias_to_the_ring_and_reverts():
     model.set_attn_implementation("hf_ring")
     with torch.no_grad(), pytest.raises(ValueError, match=r"does not implement \['position_bias'\]"):
         model(**hf_ring.shard_batch(make_batch("padded", 40)[0]))
+    # Inkling 2: its module computes the table (log-scaled by position_ids), which it returns while patched
+    model = make_model("inkling2_text").eval()
+    bias = [m.relative_position_bias for m in model.modules() if _relative.biased(m)]
+    assert len(bias) == 3
+    hf_ring.apply_ring_attention(model)
+    assert all(isinstance(b.__dict__.get("forward"), _relative.Table2) for b in bias)
+    hf_ring.revert_ring_attention(model)
+    assert all("forward" not in b.__dict__ for b in bias)
 
 
 @pytest.mark.parametrize("family", [f for f in MODEL_TYPES if in_transformers(f)])
@@ -203,7 +213,10 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     linear = get_patch(family).linear_modules(model)  # hybrids: their Gated DeltaNet, convolution or Mamba2 layers
     local = get_patch(family).local_modules(model)  # Mllama's cross-attention layers: local, by the model's own
     assert all(getattr(m, hf_attention.LOCAL_ATTR) == original for m in local)
-    assert len(local) == len(getattr(text, "cross_attention_layers", None) or ())
+    residuals = family == "inkling2_text"  # (Inkling 2: its attention residuals, two a layer with the final one: local)
+    assert len(local) == (
+        2 * text.num_hidden_layers if residuals else len(getattr(text, "cross_attention_layers", None) or ())
+    )
     types = list(getattr(text, "layer_types", None) or [])
     mixing = [t for t in types if t not in ("mlp", "moe")] or [None] * text.num_hidden_layers  # (Nemotron-H: MLPs)
     ple = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedPLE)]  # (Qwen4-Exp's, beside a mixer)
@@ -211,9 +224,11 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     cca = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedCCA)]  # (ZAYA's, inside each attention)
     assert len(cca) == (len(modules) if family == "zaya" else 0) and all(_lends(model, m) for m in cca)
     convs = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedResidualConv)]  # (Inkling's: 4 a layer)
-    assert len(convs) == (4 * len(modules) if family == "inkling_text" else 0) and all(_lends(model, m) for m in convs)
+    inkling = family in ("inkling_text", "inkling2_text")
+    assert len(convs) == (4 * len(modules) if inkling else 0) and all(_lends(model, m) for m in convs)
     both = 0 if cca or convs else types.count("hybrid")  # (Falcon-H1: attention and Mamba2 in one layer, "hybrid")
-    assert len(modules) + len(linear) - len(ple) - len(cca) - len(convs) + len(local) == len(mixing) + both
+    layers = len(modules) + len(linear) - len(ple) - len(cca) - len(convs) + (0 if residuals else len(local))
+    assert layers == len(mixing) + both
     assert all(isinstance(getattr(m, hf_attention.CONFIG_ATTR), hf_attention.RingConfig) for m in modules)
     assert all(isinstance(m.__dict__.get("forward"), ShardedMixer) for m in linear)
     if family == "jamba":  # its layers call their mixer without the batch's keywords: they lend theirs

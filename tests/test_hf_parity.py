@@ -613,6 +613,17 @@ CASES = {
         {"lora": ["q_proj", "k_proj", "r_proj", "o_proj"], "checkpointing": True},
     ),  # fmt: skip
     "inkling_text-padded-contiguous": ("inkling_text", "padded", 40, {"layout": "contiguous", "random_biases": True}),
+    # Inkling 2: its bias table from the module's own projection and log scaling by position_ids; a sink per query;
+    # attention residuals over blocks of layers, attended locally (hf_ring.hf_attention's local attention)
+    "inkling2_text-plain": ("inkling2_text", "plain", 45, {}),
+    "inkling2_text-packed": ("inkling2_text", "packed", 45, {}),
+    "inkling2_text-padded-lora-checkpointing": (
+        "inkling2_text",
+        "padded",
+        40,
+        {"lora": ["linear", "gate_proj", "weight_proj"], "checkpointing": True},
+    ),  # fmt: skip
+    "inkling2_text-padded-contiguous": ("inkling2_text", "padded", 40, {"layout": "contiguous"}),
     "recurrent_gemma-plain": ("recurrent_gemma", "plain", 40, {"random_biases": True}),
     "recurrent_gemma-packed-lora-checkpointing": (
         "recurrent_gemma",
@@ -1081,7 +1092,7 @@ FOUR_RANKS = {
     "deepseek_v4-plain", "deepseek_v4-chunk-multiple", "qwen2_vl-images-padded", "gemma3-images-padded",
     "paligemma-images-padded", "mllama-images-padded", "mamba2-packed-lora", "mamba-padded-lora-checkpointing",
     "recurrent_gemma-plain", "qwen3_next-padded", "kimi_linear-padded", "minimax-window", "lfm2-padded",
-    "zaya-plain", "inkling_text-plain", "jamba-packed-checkpointing", "falcon_h1-plain", "granitemoehybrid-padded", "zamba2-padded",
+    "zaya-plain", "inkling_text-plain", "inkling2_text-plain", "jamba-packed-checkpointing", "falcon_h1-plain", "granitemoehybrid-padded", "zamba2-padded",
 }  # fmt: skip
 
 

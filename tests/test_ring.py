@@ -331,6 +331,12 @@ def _hybrid_extras_worker(rank, world):
             *(torch.randn(1, 2, s // world, 16) for _ in "kv"),
             ulysses=groups,
         ),
+        lambda: hf_ring.ring_attention(  # a sink per query (Inkling 2's), or a bias by distance: not with Ulysses
+            ql.detach(), kl.detach(), vl.detach(), sinks=torch.zeros(1, 4, s // world), ulysses=groups
+        ),
+        lambda: hf_ring.ring_attention(
+            ql.detach(), kl.detach(), vl.detach(), distance_bias=torch.zeros(1, 4, s // world, 3), ulysses=groups
+        ),
     ):
         try:
             call()
@@ -350,6 +356,8 @@ def test_ulysses_ring_hybrid_softcap_sinks_and_errors_on_every_rank():
         assert "ulysses_size=3 does not divide the context-parallel group's 4 ranks" in messages[0], messages[0]
         assert "q_heads (3) must be a multiple of ulysses_size (2)" in messages[1], messages[1]
         assert "ranks disagree on q_heads: [6, 4, 4, 4]" in messages[2], messages[2]  # checked over all 4 ranks
+        assert "a sink per query (sinks [batch, q_heads, local_seq]) is not supported with ulysses" in messages[3]
+        assert "distance_bias is not supported with ulysses" in messages[4], messages[4]
 
 
 def test_without_process_group_equals_plain_attention():

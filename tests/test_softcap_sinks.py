@@ -35,6 +35,8 @@ def _cases(full: int) -> list[dict]:
         dict(base, sinks=True, batch=1, cu=cu, layout="contiguous"),
         dict(base, softcap=CAP, sinks=True, docs=pad),  # padded rows: zeros, never NaN
         dict(base, softcap=CAP, causal=False, hq=2),
+        dict(base, sinks="per query", window=9, docs=pad),  # (Inkling 2: a sink projected from each token)
+        dict(base, sinks="per query", batch=1, cu=cu, layout="striped", hkv=1),
     ]
 
 
@@ -44,13 +46,14 @@ def _run(rank: int, world: int, case: dict, backend: str) -> dict:
     b, hq, hkv, d = case["batch"], case["hq"], case["hkv"], case["d"]
     q, dout = (torch.randn(b, hq, full, d, generator=g) for _ in range(2))
     k, v = (torch.randn(b, hkv, full, d, generator=g) for _ in range(2))
-    sinks = torch.randn(hq, generator=g) if case.get("sinks") else None
+    per_query = case.get("sinks") == "per query"
+    sinks = torch.randn((b, hq, full) if per_query else (hq,), generator=g) if case.get("sinks") else None
 
     def part(x):
         return hf_ring.shard(x, dim=2, rank=rank, world_size=world, layout=case["layout"])
 
     ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
-    sl = None if sinks is None else sinks.clone().requires_grad_()
+    sl = None if sinks is None else (part(sinks) if per_query else sinks.clone()).requires_grad_()
     out = hf_ring.ring_attention(
         ql, kl, vl, layout=case["layout"], causal=case["causal"], sliding_window=case["window"],
         softcap=case.get("softcap"), sinks=sl, cu_seqlens=case["cu"], document_ids=case["docs"], backend=backend,
@@ -70,7 +73,7 @@ def _run(rank: int, world: int, case: dict, backend: str) -> dict:
         "errs": errs,
         "finite": bool(torch.isfinite(out).all()),
         "dsinks": None if sl is None else sl.grad,  # this rank's rows' share: the shares sum to the gradient
-        "ref_dsinks": None if sinks is None else ref_sinks.grad,
+        "ref_dsinks": None if sinks is None else (part(ref_sinks.grad) if per_query else ref_sinks.grad),
     }
 
 
@@ -96,7 +99,9 @@ def _check(per_rank: list) -> None:
             for rank, run in enumerate(runs):
                 assert run["finite"], (label, backend, rank)
                 assert max(run["errs"]) <= FP32_TOL, f"{label} {backend} rank {rank}: (out, dq, dk, dv) {run['errs']}"
-            if case.get("sinks"):
+            if case.get("sinks") == "per query":  # each rank's queries' own
+                assert all(rel_err(run["dsinks"], run["ref_dsinks"]) <= FP32_TOL for run in runs), (label, backend)
+            elif case.get("sinks"):
                 total = sum(run["dsinks"] for run in runs)
                 assert rel_err(total, runs[0]["ref_dsinks"]) <= FP32_TOL, (label, backend)
 
