@@ -46,6 +46,7 @@ def decode_attention(
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
     selected=None,
+    distance_bias: torch.Tensor | None = None,
     backend: str = "auto",
     check: bool = True,
 ) -> torch.Tensor:
@@ -58,13 +59,16 @@ def decode_attention(
         q_pos: [new] integer global positions of the queries; k_pos: [local_keys] of this rank's keys.
         group: the CP process group (None: the default group; none initialised: one rank).
         causal, sliding_window, softcap, scale: as in ``ring_attention`` (visibility from the positions).
-        sinks: [q_heads] learned attention sinks, merged once into the global LSE.
+        sinks: [q_heads] learned attention sinks, merged once into the global LSE; or [batch, q_heads, new], one per
+            query (Inkling 2).
         q_doc, k_doc: [1 or batch, new] and [1 or batch, local_keys] integer document ids (-1: padding, which
             sees nothing and is seen by nothing), or None (one document).
         selected: [batch, new, K] integer global key positions each query may see at most (DeepSeek sparse
             attention's top-k, ``hf_ring.sparse.select_decode``), below the queries' largest position + 1, or
             ``ring_attention``'s other forms of a selection (per key/value head, ``Selection`` of blocks); the local
             kernel is then the torch backend's.
+        distance_bias: [batch, q_heads, new, E]: each query's bias by backward distance, as in ``ring_attention``
+            (Inkling's relative position bias); the local kernel is then the torch backend's.
         backend: the local kernel (``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``).
         check: run the pre-flight check (one small all-gather: every rank raises the same error when one rank's
             arguments are wrong or ranks disagree on the query shape) before the merge's all-gather. A caller
@@ -74,7 +78,9 @@ def decode_attention(
         [batch, q_heads, new, v_head_dim] in q's dtype, the same on every rank; rows that see no key are 0.
     """
     rank, world = group_rank_and_size(group)
-    error = _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks)
+    error = _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks, distance_bias)
+    if error is None and distance_bias is not None and softcap is not None:
+        error = "distance_bias is not supported with softcap"
     if error is None and selected is not None:
         error = selection_error(selected, q, k)
     if check:
@@ -103,17 +109,21 @@ def decode_attention(
             sel = dataclasses.replace(sel, index=sel.index.to(q.device))
             mask = mask.with_selection(sel, int(max(mask.q_pos.max(), mask.k_pos.max())) + 1)
         if not mask.is_empty():
-            module, problem = choose_backend("torch" if selected is not None else backend, q, k, v, softcap)
+            plain = selected is None and distance_bias is None
+            module, problem = choose_backend(backend if plain else "torch", q, k, v, softcap)
             if problem is not None:
                 raise ValueError(f"decode_attention: {problem}")
             kwargs = {} if softcap is None else {"softcap": float(softcap)}
+            if distance_bias is not None:
+                kwargs["bias"] = distance_bias.detach()
             scale = d**-0.5 if scale is None else float(scale)
             with torch.autocast(q.device.type, enabled=False):
                 module.forward(q, k, v, mask, scale, out, lse, **kwargs)
     if world > 1:
         out, lse = _merge(out, lse, group, world)
     if sinks is not None:
-        merged = torch.logaddexp(lse, sinks.detach().float()[None, :, None])
+        sink = sinks.detach().float()
+        merged = torch.logaddexp(lse, sink[None, :, None] if sink.dim() == 1 else sink)
         out.mul_(torch.exp(lse - merged).unsqueeze(-1))
     return out.to(q.dtype)
 
@@ -131,7 +141,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, group, world: int) -> tuple[tor
     return (parts[..., :d] * weights.unsqueeze(-1)).sum(0), total
 
 
-def _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks) -> str | None:
+def _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks, distance_bias=None) -> str | None:
     """The first problem with this rank's arguments, or None."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -152,6 +162,11 @@ def _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks) -> str | None:
         return "pass q_doc and k_doc together (document ids of the queries and of this rank's keys), or neither"
     if q_doc is not None and (q_doc.shape[-1] != t or k_doc.shape[-1] != k.shape[2]):
         return f"q_doc must be [1 or batch, {t}] and k_doc [1 or batch, {k.shape[2]}]"
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,)):
-        return f"sinks must be a tensor [q_heads={hq}]"
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) not in ((hq,), (b, hq, t))):
+        return f"sinks must be a tensor [q_heads={hq}] (or one per query, [batch={b}, q_heads={hq}, new={t}])"
+    if distance_bias is not None and (
+        not isinstance(distance_bias, torch.Tensor) or distance_bias.dim() != 4
+        or tuple(distance_bias.shape[:3]) != (b, hq, t)
+    ):  # fmt: skip
+        return f"distance_bias must be a tensor [batch={b}, q_heads={hq}, new={t}, extent]"
     return None

@@ -302,7 +302,8 @@ def ring_generate(model, inputs, **generate_kwargs):
 
         given = generate_kwargs.get("stopping_criteria") or []
         generate_kwargs = {**generate_kwargs, "stopping_criteria": StoppingCriteriaList([*given, _same_tokens(state)])}
-    local = frozenset(m.layer_idx for m in patch.local_modules(target))  # cross-attention layers
+    # cross-attention layers (Inkling 2's attention residuals, local too, keep no cache: no layer index)
+    local = frozenset(m.layer_idx for m in patch.local_modules(target) if getattr(m, "layer_idx", None) is not None)
     cache = _sharded_cache_class(patch.cache_type())(state, target.config.get_text_config().num_hidden_layers, local)
     name = _cache_name(target)
     hooks = [

@@ -290,7 +290,7 @@ def ring_attention_forward(
     kwargs = batch_checks.with_model_positions(kwargs, query.shape[2])
     cache = kwargs.get(DECODE_KWARG)
     if cache is not None and cache.state.phase == "decode":
-        return _decode(module, query, key, value, cfg, cache, scaling, sliding_window, kwargs), None
+        return _decode(module, query, key, value, cfg, cache, scaling, sliding_window, kwargs, sinks, bias), None
     if compressor_call is None and isinstance(getattr(module, "compressor", None), torch.nn.Module):
         raise InStepError(  # (the same model on every rank, at the same layer: the group stays usable)
             f"{type(module).__name__}: this layer's compressor ran on one rank's tokens only: switch the model with "
@@ -343,12 +343,7 @@ def ring_attention_forward(
         query = temperature.apply(query, rows)
     table = None
     if bias is not None:  # Inkling: scaled by the tokens' positions (a packed row's documents each as if alone)
-        if cache is not None:
-            raise ValueError(f"{type(module).__name__}: ring_generate does not take a relative position bias")
-        rows = kwargs.get("position_ids")
-        if not isinstance(rows, torch.Tensor) or rows.shape[-1] != local_len:
-            rows = positions(full, rank=rank, world_size=world_size, layout=cfg.layout, device=query.device)
-        query, table = bias.scaled(query, rows.to(query.device))
+        query, table = bias.scaled(query, _bias_rows(kwargs, cache, full, rank, world_size, cfg, query.device))
     query, key, value = _autocast(query, key, value)
     try:  # what this rank finds wrong with its batch: through the ring's pre-flight exchange, so every rank raises
         if cfg.plans is None:
@@ -499,9 +494,24 @@ def _attend_locally(implementation: str, module, query, key, value, attention_ma
     return run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_window, kwargs) -> torch.Tensor:
+def _bias_rows(kwargs, cache, full: int, rank: int, world_size: int, cfg: RingConfig, device) -> torch.Tensor:
+    """The positions by which Inkling's log scaling scales its queries and bias: the call's ``position_ids`` (a packed
+    row's documents each from 0); without them, the index in the whole row (the layout's, or ring_generate's: its
+    padding before the prompt counted, as the model counts it)."""
+    if cache is not None:
+        return _generated_rows(cache, device)
+    rows = kwargs.get("position_ids")
+    if not isinstance(rows, torch.Tensor) or rows.shape[-1] != full // world_size:
+        rows = positions(full, rank=rank, world_size=world_size, layout=cfg.layout, device=device)
+    return rows.to(device)
+
+
+def _decode(
+    module, query, key, value, cfg: RingConfig, cache, scaling, sliding_window, kwargs, sinks=None, bias=None
+) -> torch.Tensor:
     """A decode step of ``ring_generate``: the new tokens' queries (alike on every rank) against every rank's
-    cached keys (``decode_attention``); [batch, new, q_heads, v_head_dim]."""
+    cached keys (``decode_attention``); [batch, new, q_heads, v_head_dim]. ``sinks``: per head or per query;
+    ``bias``: Inkling's ``DistanceBias``."""
     from .decode import decode_attention
 
     st = cache.state
@@ -516,6 +526,9 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
     temperature = getattr(module, TEMPERATURE_ATTR, None)
     if temperature is not None:
         query = temperature.apply(query, _generated_rows(cache, query.device))
+    table = None
+    if bias is not None:
+        query, table = bias.scaled(query, _generated_rows(cache, query.device))
     query, key, value = _autocast(query, key, value)
     docs = {}  # one document per row: only padding needs the document mask (costly tiles on the CPU)
     chunk = batch_checks.chunk_size(module)
@@ -539,10 +552,11 @@ def _decode(module, query, key, value, cfg: RingConfig, cache, scaling, sliding_
         scale=scaling,
         sliding_window=sliding_window,
         softcap=kwargs.get("softcap"),
-        sinks=kwargs.get("s_aux"),
+        sinks=sinks,
         backend=cfg.backend,
         check=False,  # ring_generate checked the step across ranks once, before the first layer
         selected=selected,
+        distance_bias=table,
         **docs,
     )
     return out.transpose(1, 2).contiguous()

@@ -436,8 +436,6 @@ holds whole): their modules attend locally, by the model's own implementation
 (``FamilyPatch.local_attention_class``)."""
 
 NO_GENERATE = {
-    "inkling_text": "its relative position bias is not implemented by ring_generate's decode steps yet",
-    "inkling2_text": "its relative position bias is not implemented by ring_generate's decode steps yet",
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
     "deepseek_v4": "its compressed layers keep their compressors' windows in the model's own cache, which the sharded "
     "cache does not follow",

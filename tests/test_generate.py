@@ -123,6 +123,10 @@ HYBRIDS = {  # name: (family, batch, prompt length, left padding of row 1, layou
     "lara_mini": ("lara_mini", 2, 14, 3, "zigzag"),
     "bailing_hybrid-contiguous": ("bailing_hybrid", 1, 13, 0, "contiguous"),
     "qwen3_5-vision-language": ("qwen3_5", 1, 13, 0, "zigzag"),
+    # Inkling / Inkling 2: the relative position bias of each new token over every rank's cached keys, the log scaling
+    # by the index in the row, the short convolutions' (and dynamic ones') last inputs carried from the prefill
+    "inkling_text": ("inkling_text", 2, 14, 3, "zigzag"),
+    "inkling2_text": ("inkling2_text", 2, 14, 3, "zigzag"),
     # Qwen4-Exp: its indexer's blocks over every token so far, its per-layer embeddings' last ids and convolution
     # inputs carried from the prefill (Transformers 5.24)
     "qwen4_exp_text": ("qwen4_exp_text", 2, 14, 3, "zigzag"),
@@ -704,10 +708,9 @@ def test_hybrid_decode_steps_run_the_models_one_token_kernels(monkeypatch, famil
     assert len(calls) == layers * (NEW - 1), (len(calls), layers)  # the first new token comes from the prefill
 
 
-@pytest.mark.parametrize("family", ["dory", "inkling_text", "inkling2_text"])
+@pytest.mark.parametrize("family", ["dory"])
 def test_families_whose_models_manage_the_cache_their_own_way_are_refused(family):
-    """Dory's loops copy the cache (a second rank crashed in a trial); Inkling's relative position bias is not in the
-    decode steps."""
+    """Dory's loops copy the cache (a second rank crashed in a trial)."""
     import hf_ring
     from tests.hf_models import in_transformers, make_model
 
