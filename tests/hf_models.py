@@ -1033,6 +1033,11 @@ MEDIA_TOKENS = {"image_token_id": VOCAB + 4, "video_token_id": VOCAB + 5, "visio
 model made with ``images=True`` (VOCAB + 8 tokens), outside the range the batches draw text from."""
 
 
+KEEPS_FP32 = ("inkling_text", "inkling2_text")
+"""Families whose modules in ``_keep_in_fp32_modules_strict`` stay fp32 in a low-precision test model, as
+``from_pretrained(dtype=...)`` keeps them (Inkling 2's router takes fp32 inputs only)."""
+
+
 def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool = False, **overrides):
     """A tiny random model of ``family``; ``images``: a vision-language model that takes ``MEDIA_TOKENS``."""
     import transformers as tf
@@ -1070,6 +1075,11 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model = cls(config).to(dtype)
     else:
         model = cls(config).to(dtype)
+    if family in KEEPS_FP32 and dtype != torch.float32:  # as from_pretrained(dtype=...) keeps them
+        strict = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if any(part in name for part in strict):
+                t.data = t.data.float()
     model.config.use_cache = False
     if family in DRAWN_PADDING_EMBEDDING:
         with torch.no_grad():

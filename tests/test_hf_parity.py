@@ -613,6 +613,7 @@ CASES = {
         {"lora": ["q_proj", "k_proj", "r_proj", "o_proj"], "checkpointing": True},
     ),  # fmt: skip
     "inkling_text-padded-contiguous": ("inkling_text", "padded", 40, {"layout": "contiguous", "random_biases": True}),
+    "inkling_text-bf16": ("inkling_text", "plain", 40, {"dtype": torch.bfloat16}),
     # Inkling 2: its bias table from the module's own projection and log scaling by position_ids; a sink per query;
     # attention residuals over blocks of layers, attended locally (hf_ring.hf_attention's local attention)
     "inkling2_text-plain": ("inkling2_text", "plain", 45, {}),
@@ -624,6 +625,7 @@ CASES = {
         {"lora": ["linear", "gate_proj", "weight_proj"], "checkpointing": True},
     ),  # fmt: skip
     "inkling2_text-padded-contiguous": ("inkling2_text", "padded", 40, {"layout": "contiguous"}),
+    "inkling2_text-bf16": ("inkling2_text", "plain", 40, {"dtype": torch.bfloat16}),
     "recurrent_gemma-plain": ("recurrent_gemma", "plain", 40, {"random_biases": True}),
     "recurrent_gemma-packed-lora-checkpointing": (
         "recurrent_gemma",
