@@ -76,6 +76,7 @@ HYBRIDS = {
     "jamba": "mamba",
     "qwen4_exp_text": "ple",  # (Transformers 5.24) its per-layer embedding, and its block-sparse attention layer
     "glm5_next": "self_attn",  # (Transformers 5.24) its KDA layer, its indexer's pools (a vision-language model)
+    "inkling2_text": "self_attn",  # (Transformers 5.24) its relative bias, dynamic convolutions, attention residuals
 }  # family: its first layer's recurrent module
 
 
@@ -83,6 +84,8 @@ def _tiny_hybrid(family: str = "qwen3_5_text"):
     from tests.hf_models import make_model
     from tests.train_utils import VOCAB
 
+    if family.startswith("inkling"):  # (its vocabulary padded beyond the data's)
+        return make_model(family, vocab_size=VOCAB + 8, unpadded_vocab_size=VOCAB)
     return make_model(family, vocab_size=VOCAB)
 
 
@@ -352,7 +355,8 @@ def test_torch_native_fsdp2_recipe_matches_single_process_training(launch):
 def test_hybrid_model_with_fsdp2_matches_single_process_training(launch, family):
     """Qwen3.5 (Gated DeltaNet layers), Bamba (Mamba2 layers), Jamba (Mamba layers, lent the batch's keywords by
     their decoder layers), Qwen4-Exp (its per-layer embedding, run by its own forward per run of tokens; its
-    indexer's blocks) and GLM-5.3-Flash (Kimi Delta Attention layers; its indexer's pools), the first one sharded by
+    indexer's blocks), GLM-5.3-Flash (Kimi Delta Attention layers; its indexer's pools) and Inkling 2 (its attention
+    with a relative bias and dynamic short convolutions, its attention residuals), the first one sharded by
     FSDP2 as a module of its own: two SGD steps of the native recipe give the weights of single-process training on
     the full sequences."""
     from tests.hf_models import in_transformers
