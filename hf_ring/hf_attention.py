@@ -44,7 +44,7 @@ from . import batch_checks
 from . import compressed as _compressed
 from .comm import group_rank_and_size
 from .guard import InStepError
-from .layout import positions, several_documents
+from .layout import documents_from_cu_seqlens, positions, several_documents
 from .ring import raise_on_every_rank, ring_attention
 from .ring_config import (  # (they were defined here: their import from this module stays)
     BATCH_DOCUMENT_KWARGS,
@@ -341,10 +341,8 @@ def ring_attention_forward(
         else:
             rows = _generated_rows(cache, query.device)
         query = temperature.apply(query, rows)
-    table = None
-    if bias is not None:  # Inkling: scaled by the tokens' positions (a packed row's documents each as if alone)
-        query, table = bias.scaled(query, _bias_rows(kwargs, cache, full, rank, world_size, cfg, query.device))
-    query, key, value = _autocast(query, key, value)
+    if bias is None:
+        query, key, value = _autocast(query, key, value)
     try:  # what this rank finds wrong with its batch: through the ring's pre-flight exchange, so every rank raises
         if cfg.plans is None:
             document_ids, cu_seqlens = batch_checks.documents(attention_mask, kwargs, full, world_size)
@@ -382,6 +380,11 @@ def ring_attention_forward(
         raise
     except ValueError as e:  # (in the first layer, before any ring call of the forward: every rank is at it too)
         raise_on_every_rank(str(e), group=cfg.group, device=query.device)
+    table = None
+    if bias is not None:  # Inkling: scaled by the index in the row (in a packed row, in its document)
+        rows = _bias_rows(document_ids, cu_seqlens, cache, full, rank, world_size, cfg, query.device)
+        query, table = bias.scaled(query, rows)
+        query, key, value = _autocast(query, key, value)
     chunk = batch_checks.chunk_size(module)
     if chunk is not None:  # (once per forward with a plan cache: the chunked layers share one plan)
         make = lambda: batch_checks.chunked(document_ids, cu_seqlens, full, chunk)  # noqa: E731
@@ -494,16 +497,27 @@ def _attend_locally(implementation: str, module, query, key, value, attention_ma
     return run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-def _bias_rows(kwargs, cache, full: int, rank: int, world_size: int, cfg: RingConfig, device) -> torch.Tensor:
-    """The positions by which Inkling's log scaling scales its queries and bias: the call's ``position_ids`` (a packed
-    row's documents each from 0); without them, the index in the whole row (the layout's, or ring_generate's: its
-    padding before the prompt counted, as the model counts it)."""
+def _bias_rows(document_ids, cu_seqlens, cache, full: int, rank: int, world_size: int, cfg: RingConfig, device):
+    """The indices by which Inkling's log scaling scales its queries and bias, [local] or [batch, local]: each token's
+    index in its row, as the model counts it (in ring_generate, its padding before the prompt counted too); in a row
+    packing several documents, its index in its document (each document as if alone, as its convolutions)."""
     if cache is not None:
         return _generated_rows(cache, device)
-    rows = kwargs.get("position_ids")
-    if not isinstance(rows, torch.Tensor) or rows.shape[-1] != full // world_size:
-        rows = positions(full, rank=rank, world_size=world_size, layout=cfg.layout, device=device)
-    return rows.to(device)
+
+    def make():
+        rows = positions(full, rank=rank, world_size=world_size, layout=cfg.layout, device=torch.device("cpu"))
+        if _packed(document_ids, cu_seqlens, cfg):
+            docs = document_ids if cu_seqlens is None else documents_from_cu_seqlens(cu_seqlens, full)[None]
+            docs = docs.detach().cpu().long()
+            index = torch.arange(full).expand_as(docs)
+            starts = torch.ones_like(docs, dtype=torch.bool)
+            starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+            first = torch.where(starts, index, 0).cummax(-1).values  # each token's document's first token
+            rows = (index - first)[:, rows]
+        return rows.to(device)
+
+    # (once per forward: every layer, and the backward's recomputation, scale by the same rows)
+    return make() if cfg.plans is None else cfg.plans.derived((_bias_rows, document_ids, cu_seqlens), make)
 
 
 def _decode(

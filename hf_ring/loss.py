@@ -140,6 +140,10 @@ def _chunked_sum(flat, head, targets, ignore_index, transform, chunk_size):
     recompute = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
     if recompute and _plain_linear(head, flat):
         return _LinearChunks.apply(flat, head.weight, head.bias, targets, transform, ignore_index, chunk_size)
+    if recompute and isinstance(head, _Unpadded) and _plain_linear(head.head, flat):  # the rows it keeps, as a view
+        kept, bias = head.kept, head.head.bias
+        weight, bias = head.head.weight[:kept], None if bias is None else bias[:kept]
+        return _LinearChunks.apply(flat, weight, bias, targets, transform, ignore_index, chunk_size)
     # no target here (a shard of prompt or padding): one empty chunk, so the head still takes part and its
     # gradient is a zero tensor as with the full logits (DDP and FSDP2 expect one on every rank)
     starts = range(0, flat.shape[0], chunk_size) if flat.shape[0] else [0]

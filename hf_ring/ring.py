@@ -272,12 +272,13 @@ def _check_bias(bias, q, *, hybrid: bool, shared: bool, softcap) -> None:
 
 
 def _biasing(plan: Plan, bias: torch.Tensor, dbias: torch.Tensor | None = None) -> Plan:
-    """This call's plan with its bias by distance: the steps on the torch backend, given ``bias`` (and, backward,
-    the accumulator of its gradient)."""
+    """This call's plan with its bias by distance: the steps on a backend that reads it (the torch backend, unless
+    the plan's does), given ``bias`` (and, backward, the accumulator of its gradient)."""
+    kernels = plan.backend if getattr(plan.backend, "BIAS", False) else _torch_backend
     backend = SimpleNamespace(
-        __name__="torch backend with a bias by distance", SOFTCAP=False, SELECT=True,
-        forward=functools.partial(_torch_backend.forward, bias=bias),
-        backward=functools.partial(_torch_backend.backward, bias=bias, dbias=dbias),
+        __name__=f"{kernels.__name__} with a bias by distance", SOFTCAP=False, SELECT=getattr(kernels, "SELECT", False),
+        forward=functools.partial(kernels.forward, bias=bias),
+        backward=functools.partial(kernels.backward, bias=bias, dbias=dbias),
     )  # fmt: skip
     return dataclasses.replace(plan, backend=backend)
 

@@ -81,14 +81,14 @@ class DistanceBias:
     (``hf_ring.patches._relative``): ``table`` [batch, heads, seq, E], each query's bias by backward distance 0 .. E - 1
     (``ring_attention(distance_bias=...)``), in place of the dense bias of the shard's own keys; ``log_scaling``:
     ``(n_floor, alpha)`` of the layer's logarithmic scaling, which the module would apply by the token's index in
-    its shard and the attention function applies by its position in the whole sequence (``position_ids``: in a packed
-    row, in its document), or None."""
+    its shard and the attention function applies by its index in the whole row (in a row packing several documents,
+    in its document), or None."""
 
     table: torch.Tensor
     log_scaling: tuple | None = None
 
     def scaled(self, query: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(query, table)`` scaled for the positions ``rows`` ([seq], or [1 or batch, seq]) of their tokens, with the
+        """``(query, table)`` scaled for the indices ``rows`` ([seq], or [1 or batch, seq]) of their tokens, with the
         model's operations (``tau = 1 + alpha * log(max((i + 1) / n_floor, 1))``, in fp32, back to each one's
         dtype)."""
         if self.log_scaling is None:

@@ -436,6 +436,9 @@ class FamilyPatch:
     # modules attend locally, by the implementation the model had (``hf_attention.LOCAL_ATTR``); a vision-language
     # family with one takes its images beside sharded text (``TextOnly.cross``); None: no cross-attention
     local_attention_class: str | None = None
+    # the local modules are cross-attention to features every rank holds whole (Mllama's); False: attention of each
+    # token over states of its own (Inkling 2's attention residuals over blocks of layers), nothing to do with images
+    local_is_cross: bool = True
     # the family's head computes a loss of its own over the targets that are not padding (``attention_mask`` 0), a
     # plain mean (Qwen2-Audio, Granite Speech): ``hf_ring.apply_chunked_loss`` skips those targets too when the call
     # gives ``labels`` (``shard_batch``'s ``shift_labels`` have them ignored already)
@@ -459,6 +462,10 @@ class FamilyPatch:
             return []
         cls = self.attention_type()
         return [m for m in model.modules() if isinstance(m, cls)]
+
+    def cross_modules(self, model: torch.nn.Module) -> list:
+        """The model's cross-attention modules: its local modules, when they are cross-attention."""
+        return self.local_modules(model) if self.local_is_cross else []
 
     def local_modules(self, model: torch.nn.Module) -> list:
         """The model's cross-attention modules (none for a family without ``local_attention_class``)."""
@@ -548,7 +555,7 @@ class FamilyPatch:
             _mask_positions.install([m for m in model.modules() if isinstance(m, decoder)])
         linear.remove(model)
         linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)  # (after _lend.remove: its hooks too)
-        cross = bool(self.local_modules(model))
+        cross = bool(self.cross_modules(model))
         text_only = TextOnly(self.name, self.media, self.images, cfg, cross=cross) if self.media else None
         _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
         if self.images and not cross:  # (the images of a batch reach every rank whole: each encodes its share)

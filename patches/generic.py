@@ -435,6 +435,10 @@ CROSS_ATTENTION = {
 holds whole): their modules attend locally, by the model's own implementation
 (``FamilyPatch.local_attention_class``)."""
 
+LOCAL_PER_TOKEN = {"inkling2_text"}
+"""Families whose local modules (``CROSS_ATTENTION``) attend per token over states of their own, not to image
+features (Inkling 2's attention residuals)."""
+
 NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
     "deepseek_v4": "its compressed layers keep their compressors' windows in the model's own cache, which the sharded "
@@ -495,6 +499,7 @@ PATCHES = {
         sparse=model_type in SPARSE,
         compressed=model_type in COMPRESSED,
         local_attention_class=CROSS_ATTENTION.get(model_type),
+        local_is_cross=model_type not in LOCAL_PER_TOKEN,
         mask_positions=MASK_POSITIONS.get(model_type),
     )
     for model_type, path in FAMILIES.items()

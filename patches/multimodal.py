@@ -132,6 +132,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "qwen3_5_moe": ("qwen3_5_moe_text",),
     "qwen4_exp": ("qwen4_exp_text",),  # Qwen4-Exp (block-sparse attention, per-layer n-gram embeddings; 5.24)
     "glm5_next": ("glm5_next_text",),  # GLM-5.3-Flash (KDA layers, pooled sparse attention, hyper-connections; 5.24)
+    "inkling2": ("inkling2_text",),  # Inkling 2 (its relative position bias, short convolutions; 5.24)
     "llava": ("llama", "mistral", "qwen2"),  # LLaVA 1.5 and checkpoints of its architecture
     "llava_next": ("llama", "mistral", "qwen2"),  # LLaVA-NeXT (1.6)
     "vipllava": ("llama",),  # ViP-LLaVA (7B, 13B): features of several vision layers
@@ -422,6 +423,7 @@ BLOCKS = {"gemma3": _gemma3_blocks, "gemma4": _gemma4_blocks, "gemma4_unified": 
 
 LOGIT_TRANSFORMS = {
     "gemma3n": generic.LOGIT_TRANSFORMS["gemma3n_text"],
+    "inkling2": generic.LOGIT_TRANSFORMS["inkling2_text"],
     "gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"],
     "cohere_compass": generic.LOGIT_TRANSFORMS["cohere_compass_text"],  # the text config's logit_scale (None: none)
     "hyperclovax_vision_v2": generic.LOGIT_TRANSFORMS["hyperclovax"],  # the text config's logits_scaling
@@ -530,6 +532,9 @@ class VisionLanguagePatch(FamilyPatch):
 
     def local_modules(self, model) -> list:
         return self.text(model.config.get_text_config()).local_modules(model)
+
+    def cross_modules(self, model) -> list:
+        return self.text(model.config.get_text_config()).cross_modules(model)
 
 
 CAUSAL_ATTR = "hf_ring_original_is_causal"

@@ -447,6 +447,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                                                       "mrope_interleaved": True}},
                  {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                   "patch_size": 14, "deepstack_visual_indexes": [0]}),
+    # Inkling 2 (5.24): its text model as MORE_FAMILIES' (the vision tower's merger: 2 x 2 patches of 8 pixels)
+    "inkling2": ("Inkling2Config", "Inkling2ForConditionalGeneration",
+                 {k: v for k, v in MORE_FAMILIES["inkling2_text"][2].items() if k != "vocab_size"},
+                 {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "patch_size": 8,
+                  "projection_hidden_dim": 48, "text_hidden_size": 64, "posemb_grid_size": 8}),
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
                  {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}},
                  {"depth": 1, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14}),
@@ -776,7 +781,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
          "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
-         "inkling_text": "5.24", "inkling2_text": "5.24"}  # fmt: skip
+         "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given

@@ -191,6 +191,31 @@ def test_inkling_hands_its_relative_bias_to_the_ring_and_reverts():
     assert all("forward" not in b.__dict__ for b in bias)
 
 
+def _inkling_rows(rank, world):
+    """Logits of a left-padded batch whose position_ids count from each row's first token (as Hugging Face's
+    collators number padded rows): Inkling's log scaling counts the row's index whatever they say (strong scaling,
+    from position 10)."""
+    model = make_model("inkling_text", log_scaling_alpha=5.0).eval()
+    ours, ref = make_batch("padded", 40, family="inkling_text")
+    pos = (ref["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = model(**ref, position_ids=pos).logits
+        hf_ring.apply_ring_attention(model)
+        got = model(**hf_ring.shard_batch({**ours, "position_ids": pos})).logits
+    shards = [torch.zeros_like(got) for _ in range(world)]
+    torch.distributed.all_gather(shards, got)
+    real = ref["attention_mask"].bool()
+    return float((hf_ring.unshard(shards, dim=1)[:, :40] - want)[real].abs().max() / want[real].abs().max())
+
+
+def test_inkling_scales_by_the_row_index_whatever_the_position_ids():
+    if not in_transformers("inkling_text"):
+        pytest.skip("inkling_text is not in this Transformers release")
+    from .dist_utils import run_distributed
+
+    assert max(run_distributed(_inkling_rows, 2, timeout=300)) <= 1e-5  # (measured 6e-8: fp32 rounding)
+
+
 @pytest.mark.parametrize("family", [f for f in MODEL_TYPES if in_transformers(f)])
 def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     from transformers import AttentionInterface
@@ -213,7 +238,7 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     linear = get_patch(family).linear_modules(model)  # hybrids: their Gated DeltaNet, convolution or Mamba2 layers
     local = get_patch(family).local_modules(model)  # Mllama's cross-attention layers: local, by the model's own
     assert all(getattr(m, hf_attention.LOCAL_ATTR) == original for m in local)
-    residuals = family == "inkling2_text"  # (Inkling 2: its attention residuals, two a layer with the final one: local)
+    residuals = family in ("inkling2_text", "inkling2")  # (Inkling 2: its attention residuals, two a layer: local)
     assert len(local) == (
         2 * text.num_hidden_layers if residuals else len(getattr(text, "cross_attention_layers", None) or ())
     )
@@ -224,7 +249,7 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     cca = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedCCA)]  # (ZAYA's, inside each attention)
     assert len(cca) == (len(modules) if family == "zaya" else 0) and all(_lends(model, m) for m in cca)
     convs = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedResidualConv)]  # (Inkling's: 4 a layer)
-    inkling = family in ("inkling_text", "inkling2_text")
+    inkling = family in ("inkling_text", "inkling2_text", "inkling2")
     assert len(convs) == (4 * len(modules) if inkling else 0) and all(_lends(model, m) for m in convs)
     both = 0 if cca or convs else types.count("hybrid")  # (Falcon-H1: attention and Mamba2 in one layer, "hybrid")
     layers = len(modules) + len(linear) - len(ple) - len(cca) - len(convs) + (0 if residuals else len(local))

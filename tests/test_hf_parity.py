@@ -626,6 +626,7 @@ CASES = {
     ),  # fmt: skip
     "inkling2_text-padded-contiguous": ("inkling2_text", "padded", 40, {"layout": "contiguous"}),
     "inkling2_text-bf16": ("inkling2_text", "plain", 40, {"dtype": torch.bfloat16}),
+    "inkling2-padded": ("inkling2", "padded", 40, {}),  # (the vision-language model, text only)
     "recurrent_gemma-plain": ("recurrent_gemma", "plain", 40, {"random_biases": True}),
     "recurrent_gemma-packed-lora-checkpointing": (
         "recurrent_gemma",

@@ -109,10 +109,11 @@ def _scores(qf, kt, scale: float, softcap: float | None) -> tuple[torch.Tensor, 
     return t * softcap, t
 
 
-def _distances(mask: BlockMask, qs: slice, ks: slice, extent: int, group: int):
-    """``(index, inside)`` of a tile for a bias by distance, broadcastable to the folded scores: the backward
-    distance ``q_pos - k_pos`` clamped into ``[0, extent)`` and where it lies there ([G * tile_q, tile_k] each)."""
-    dist = mask.q_pos[qs][:, None].long() - mask.k_pos[ks][None, :].long()
+def _distances(mask: BlockMask, qs: slice, ks: slice, extent: int, group: int, device: torch.device):
+    """``(index, inside)`` of a tile for a bias by distance, broadcastable to the folded scores, on ``device``: the
+    backward distance ``q_pos - k_pos`` clamped into ``[0, extent)`` and where it lies there ([G * tile_q, tile_k]
+    each; ``mask`` as ``_on`` gives it: its positions on the scores' device on a GPU, else on the host)."""
+    dist = (mask.q_pos[qs][:, None].long() - mask.k_pos[ks][None, :].long()).to(device)
     inside = (dist >= 0) & (dist < extent)
     return dist.clamp(0, extent - 1).repeat(group, 1), inside.repeat(group, 1)
 
@@ -151,7 +152,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
                 continue
             s, _ = _scores(qf, k[:, :, ks].float(), scale, softcap)
             if bias is not None:
-                s += _tile_bias(bias, _distances(on_device, qs, ks, bias.shape[-1], group), hkv, qs)
+                s += _tile_bias(bias, _distances(on_device, qs, ks, bias.shape[-1], group, s.device), hkv, qs)
             if kind != FULL:
                 s.masked_fill_(~_tile_mask(on_device, qs, ks, group).to(s.device), -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
@@ -199,7 +200,7 @@ def backward(
             kt, vt = k[:, :, ks].float(), v[:, :, ks].float()
             s, t = _scores(qf, kt, scale, softcap)
             if bias is not None:
-                where = _distances(on_device, qs, ks, bias.shape[-1], group)
+                where = _distances(on_device, qs, ks, bias.shape[-1], group, s.device)
                 s += _tile_bias(bias, where, hkv, qs)
             p = torch.exp(s - lse_t)
             if kind != FULL:
