@@ -36,6 +36,7 @@ device-to-host copy when ``position_ids`` live on a GPU; ``shard_batch`` users n
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -51,6 +52,7 @@ from .ring_config import (  # (they were defined here: their import from this mo
     BLOCK_IDS_KWARG,
     CONFIG_ATTR,
     DECODE_KWARG,
+    DISTANCE_BIAS_ATTR,
     DOCUMENT_IDS_KWARG,
     LOCAL_ATTR,
     LOST_GROUP,
@@ -105,7 +107,7 @@ _DEFAULT = RingConfig()
 #: attention feature hf_ring does not implement (T5's ``position_bias``, ...) must raise, never be
 #: dropped silently. ``softcap`` (Gemma2's attention logit softcapping) and ``s_aux`` (gpt-oss's learned
 #: sinks) are implemented, as are Inkling 2's ``sinks`` (one per query); ``position_bias`` only as Inkling's patched
-#: modules give it (a ``DistanceBias``).
+#: modules give it (its table by distance: the module holds a ``DistanceBias``).
 _READ_KWARGS = (
     "is_causal", "output_attentions", "position_ids", "softcap", "s_aux", DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG,
     DECODE_KWARG, BLOCK_IDS_KWARG, POSITIONS_KWARG, "indices",
@@ -256,10 +258,10 @@ def ring_attention_forward(
     if kwargs.get("block_indices") is not None:  # MiniMax M3's indexer's blocks of keys, under their own name
         kwargs = {**kwargs, "indices": kwargs["block_indices"]}
     kwargs.pop("block_indices", None)
-    bias = kwargs.pop("position_bias", None)
-    if bias is not None and not isinstance(bias, DistanceBias):  # (a dense bias of the shard's own keys: refused)
+    bias, spec = kwargs.pop("position_bias", None), getattr(module, DISTANCE_BIAS_ATTR, None)
+    if bias is not None and spec is None:  # (a dense bias of the shard's own keys: refused by name below)
         kwargs["position_bias"] = bias
-        bias = None
+    bias = None if bias is None or spec is None else dataclasses.replace(spec, table=bias)
     sinks = kwargs.get("s_aux")
     per_query = kwargs.pop("sinks", None)  # Inkling 2's: a sink per query, [batch, heads, seq, 1]
     if per_query is not None:

@@ -23,7 +23,7 @@ from .layout import LAYOUTS
 from .plan import PlanCache
 
 __all__ = [
-    "BATCH_DOCUMENT_KWARGS", "BLOCK_IDS_KWARG", "CONFIG_ATTR", "DECODE_KWARG", "DOCUMENT_IDS_KWARG", "DistanceBias", "LOCAL_ATTR",
+    "BATCH_DOCUMENT_KWARGS", "BLOCK_IDS_KWARG", "CONFIG_ATTR", "DECODE_KWARG", "DISTANCE_BIAS_ATTR", "DOCUMENT_IDS_KWARG", "DistanceBias", "LOCAL_ATTR",
     "LOST_GROUP", "PACKED_WITH_MIXERS", "PACKING_KWARGS", "POSITIONS_KWARG", "QueryTemperature", "RingBlocks",
     "RingConfig", "SHARD_INFO_KWARG", "ShardInfo", "TEMPERATURE_ATTR", "lost_group",
 ]  # fmt: skip
@@ -54,6 +54,7 @@ LOCAL_ATTR = "hf_ring_local_attention"
 are image features every rank holds whole), holding the implementation the model had before hf_ring, which runs it."""
 
 TEMPERATURE_ATTR = "hf_ring_temperature"
+DISTANCE_BIAS_ATTR = "hf_ring_distance_bias"  # an attention module's DistanceBias (its table comes per call)
 """Attribute of a patched attention module whose queries this function scales by their global index
 (a ``QueryTemperature``: Llama 4's layers without RoPE, ``hf_ring.patches._temperature``)."""
 
@@ -78,13 +79,14 @@ class QueryTemperature:
 @dataclasses.dataclass(frozen=True, eq=False)
 class DistanceBias:
     """Inkling's relative position bias as its attention module hands it to the attention function while patched
-    (``hf_ring.patches._relative``): ``table`` [batch, heads, seq, E], each query's bias by backward distance 0 .. E - 1
+    (``hf_ring.patches._relative``: the module holds one without a table under ``DISTANCE_BIAS_ATTR``, and its
+    ``position_bias`` is the table): ``table`` [batch, heads, seq, E], each query's bias by backward distance 0 .. E - 1
     (``ring_attention(distance_bias=...)``), in place of the dense bias of the shard's own keys; ``log_scaling``:
     ``(n_floor, alpha)`` of the layer's logarithmic scaling, which the module would apply by the token's index in
     its shard and the attention function applies by its index in the whole row (in a row packing several documents,
     in its document), or None."""
 
-    table: torch.Tensor
+    table: torch.Tensor | None = None
     log_scaling: tuple | None = None
 
     def scaled(self, query: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

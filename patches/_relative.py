@@ -7,7 +7,7 @@ shard's under the ring, numbered from the shard's first token. Its full-attentio
 the bias logarithmically by the token's index, counted the same way.
 
 ``install`` gives each such attention module's relative-logits module a ``forward`` that returns the per-query table
-itself (``hf_ring.hf_attention.DistanceBias``), which the ring applies at every step by the tokens' global positions
+itself (the attention module holding a ``hf_ring.hf_attention.DistanceBias`` that says so), which the ring applies at every step by the tokens' global positions
 (``ring_attention(distance_bias=...)``), and moves the logarithmic scaling into the attention function, by the
 index in the whole row (the module's own is turned off through its instance attribute ``is_sliding``, which its
 forward reads for that alone). Inkling 2's module projects and scales its table itself, by ``position_ids``
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf_attention import DistanceBias
+from ..hf_attention import DISTANCE_BIAS_ATTR, DistanceBias
 
 __all__ = ["install", "remove"]
 
@@ -28,7 +28,7 @@ _SLIDING = "_hf_ring_is_sliding"  # the attention module's own ``is_sliding``, w
 
 class Table2:
     """The ``forward`` of Inkling 2's relative-position-bias module while patched: ``(hidden_states,
-    relative_distance, position_ids) -> DistanceBias``, its table of each query's bias by distance (its states'
+    relative_distance, position_ids) -> table``, each query's bias by distance [batch, heads, q_len, E] (its states'
     projection and norm, the logarithmic scaling by ``position_ids`` included, as the module computes them; the
     distances, a shard's, are not read)."""
 
@@ -38,20 +38,21 @@ class Table2:
     def __call__(self, hidden_states, relative_distance=None, position_ids=None):
         m = self.module
         states = m.linear(hidden_states).view(*hidden_states.shape[:-1], m.num_heads, -1)
-        return DistanceBias((m.norm(states, position_ids) @ m.proj).transpose(1, 2))
+        return (m.norm(states, position_ids) @ m.proj).transpose(1, 2)
 
 
 class Table:
     """The ``forward`` of a relative-logits module while patched: ``(relative_states, query_positions,
-    key_positions) -> DistanceBias``, the table ``[batch, heads, q_len, E]`` of each query's bias by distance (the
-    positions, a shard's, are not read)."""
+    key_positions) -> table``, each query's bias by distance ``[batch, heads, q_len, E]`` (the positions, a shard's,
+    are not read). A tensor, as the module's own output: DeepSpeed ZeRO-3 hooks the gathering of its ``proj`` for the
+    backward on its outputs. The attention module holds a ``DistanceBias`` (its log scaling) saying what the
+    ``position_bias`` it passes on is."""
 
-    def __init__(self, module: torch.nn.Module, log_scaling: tuple | None):
-        self.module, self.log_scaling = module, log_scaling
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
 
     def __call__(self, relative_states, query_positions=None, key_positions=None):
-        table = (relative_states @ self.module.proj).transpose(1, 2)
-        return DistanceBias(table, self.log_scaling)
+        return (relative_states @ self.module.proj).transpose(1, 2)
 
 
 def biased(module: torch.nn.Module) -> bool:
@@ -65,15 +66,16 @@ def install(modules: list) -> None:
     for m in modules:
         if not biased(m) or hasattr(m, _SLIDING):
             continue
+        setattr(m, _SLIDING, m.is_sliding)
         if not hasattr(m, "rel_logits_proj"):  # Inkling 2: its scaling by position_ids, which are global already
             m.relative_position_bias.forward = Table2(m.relative_position_bias)
-            setattr(m, _SLIDING, m.is_sliding)
+            setattr(m, DISTANCE_BIAS_ATTR, DistanceBias())
             continue
         config = m.config
         floor = getattr(config, "log_scaling_n_floor", None)
         log_scaling = None if m.is_sliding or floor is None else (floor, float(config.log_scaling_alpha))
-        m.rel_logits_proj.forward = Table(m.rel_logits_proj, log_scaling)
-        setattr(m, _SLIDING, m.is_sliding)
+        m.rel_logits_proj.forward = Table(m.rel_logits_proj)
+        setattr(m, DISTANCE_BIAS_ATTR, DistanceBias(log_scaling=log_scaling))
         m.is_sliding = True  # (its forward reads it only to scale logarithmically: the attention function does)
 
 
@@ -82,5 +84,6 @@ def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
         if _SLIDING in m.__dict__:
             m.is_sliding = m.__dict__.pop(_SLIDING)
+            m.__dict__.pop(DISTANCE_BIAS_ATTR, None)
             bias = getattr(m, "rel_logits_proj", None) or m.relative_position_bias
             bias.__dict__.pop("forward", None)

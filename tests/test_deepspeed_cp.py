@@ -11,7 +11,8 @@ size; the tests assert on the JSON it writes:
   shares summed, DP replicas averaged, the clipping norm that of the full gradient);
 - ZeRO-3 ``save_state`` / ``load_state`` resume to the same next loss and weights;
 - a vision-language model (Qwen2-VL) on batches with images under ZeRO-3: the losses and weights of one process;
-- GLM-5.3-Flash (its indexer's pools, Kimi Delta Attention layers, experts) under ZeRO-3: the same;
+- GLM-5.3-Flash (its indexer's pools, Kimi Delta Attention layers, experts) and Inkling 2 (its bias tables, dynamic
+  convolutions, attention residuals, padded vocabulary) under ZeRO-3: the same;
 - DeepSpeed's bf16 mode (ZeRO-2, fp32 master weights and reduction) stays within twice the error the same
   mode has without CP;
 - ``RingAttentionTrainer`` with ``deepspeed=`` (ZeRO-2 and ZeRO-3, gradient accumulation 2), and TRL's
@@ -107,6 +108,12 @@ def worker(out: Path) -> None:
     # GLM-5.3-Flash (Transformers 5.24): its indexer's own pool parameters gathered where hf_ring runs its code
     glm5 = make_model("glm5_next", vocab_size=VOCAB) if in_transformers("glm5_next") else None
     glm5_reference = copy.deepcopy(glm5)
+    # Inkling 2 (Transformers 5.24): its bias table, dynamic convolutions' taps and residual queries read in modules that
+    # hf_ring runs; its padded vocabulary's head in the chunked loss (called as a module: partitioned)
+    inkling2 = None
+    if in_transformers("inkling2_text"):
+        inkling2 = make_model("inkling2_text", vocab_size=VOCAB + 8, unpadded_vocab_size=VOCAB)
+    inkling2_reference = copy.deepcopy(inkling2)
     for stage in STAGES:
         accelerator = _deepspeed_accelerator(stage)
         world, rank = accelerator.num_processes, accelerator.process_index
@@ -144,6 +151,16 @@ def worker(out: Path) -> None:
         indexer = glm5.module.model.language_model.layers[1].self_attn.indexer
         res["glm5_partitioned"] = all(p.numel() == 0 for p in indexer.parameters())
         states["glm5"] = zero3_full_state(glm5.module)
+    if inkling2 is not None:  # (every parameter partitioned, as GLM-5.3-Flash's)
+        accelerator = _deepspeed_accelerator(3)
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+        zero["stage3_param_persistence_threshold"] = 0
+        inkling2, _, _, res["inkling2_losses"] = plugin_train(
+            RingAttentionPlugin(cp_size=2), accelerator, inkling2, data, STEPS
+        )
+        conv = inkling2.module.model.layers[1].self_attn.k_proj.sconv  # (a dynamic one: its taps partitioned)
+        res["inkling2_partitioned"] = all(p.numel() == 0 for p in conv.parameters())
+        states["inkling2"] = zero3_full_state(inkling2.module)
 
     # DeepSpeed's bf16 mode (bf16 model, fp32 master weights, fp32 reduction) under ZeRO-2, two steps, with
     # CP and, as the baseline of DeepSpeed's own bf16 error, as plain data parallelism (cp_size=1)
@@ -185,6 +202,11 @@ def worker(out: Path) -> None:
                 data, dp, STEPS, clip=CLIP, make=lambda: glm5_reference
             )
             res["glm5_weights_err"] = max_param_rel_err(states["glm5"], glm5_ref)
+        if inkling2 is not None:
+            res["inkling2_ref_losses"], inkling2_ref = replica_reference(
+                data, dp, STEPS, clip=CLIP, make=lambda: inkling2_reference
+            )
+            res["inkling2_weights_err"] = max_param_rel_err(states["inkling2"], inkling2_ref)
         for stage in STAGES:
             res[f"z{stage}_weights_err"] = max_param_rel_err(states[stage], ref_state)
         ref32_losses, ref32_state = replica_reference(data, dp, 2, clip=CLIP)
@@ -262,6 +284,19 @@ def test_glm5_next_with_deepspeed_zero3_matches_single_process_training(launch):
         assert r["glm5_losses"] == pytest.approx(results[0]["glm5_ref_losses"], rel=RTOL)
     err = results[0]["glm5_weights_err"]
     assert err <= RTOL, f"world {world}, GLM-5.3-Flash under ZeRO-3: final weights differ by {err:.2e}"
+
+
+def test_inkling2_with_deepspeed_zero3_matches_single_process_training(launch):
+    """Inkling 2 under ZeRO-3, every parameter partitioned (its dynamic convolutions' taps, its bias tables, its
+    attention residuals, its padded vocabulary's head): losses and final weights equal single-process training."""
+    world, results = launch
+    if "inkling2_losses" not in results[0]:
+        pytest.skip("Inkling 2 is not in this Transformers release")
+    for r in results:
+        assert r["inkling2_partitioned"]
+        assert r["inkling2_losses"] == pytest.approx(results[0]["inkling2_ref_losses"], rel=RTOL)
+    err = results[0]["inkling2_weights_err"]
+    assert err <= RTOL, f"world {world}, Inkling 2 under ZeRO-3: final weights differ by {err:.2e}"
 
 
 @pytest.mark.parametrize("stage", TRAINER_STAGES)

@@ -174,10 +174,11 @@ def test_inkling_hands_its_relative_bias_to_the_ring_and_reverts():
     assert all(m.is_sliding for m in attention)
     tables = [m.rel_logits_proj.__dict__.get("forward") for m in attention]
     assert all(isinstance(t, _relative.Table) for t in tables)
-    assert [t.log_scaling for t in tables] == [None, (10, 0.5)]
+    assert [getattr(m, hf_attention.DISTANCE_BIAS_ATTR).log_scaling for m in attention] == [None, (10, 0.5)]
     hf_ring.revert_ring_attention(model)
     assert [m.is_sliding for m in attention] == sliding
     assert all("forward" not in m.rel_logits_proj.__dict__ for m in attention)
+    assert not any(hasattr(m, hf_attention.DISTANCE_BIAS_ATTR) for m in attention)
     model.set_attn_implementation("hf_ring")
     with torch.no_grad(), pytest.raises(ValueError, match=r"does not implement \['position_bias'\]"):
         model(**hf_ring.shard_batch(make_batch("padded", 40)[0]))
