@@ -435,7 +435,7 @@ class FamilyPatch:
     # the family's cross-attention class (Mllama's, attending to image features that every rank holds whole): its
     # modules attend locally, by the implementation the model had (``hf_attention.LOCAL_ATTR``); a vision-language
     # family with one takes its images beside sharded text (``TextOnly.cross``); None: no cross-attention
-    local_attention_class: str | None = None
+    local_attention_class: str | tuple | None = None
     # the local modules are cross-attention to features every rank holds whole (Mllama's); False: attention of each
     # token over states of its own (Inkling 2's attention residuals over blocks of layers), nothing to do with images
     local_is_cross: bool = True
@@ -471,7 +471,8 @@ class FamilyPatch:
         """The model's cross-attention modules (none for a family without ``local_attention_class``)."""
         if self.local_attention_class is None:
             return []
-        cls = _class(self.local_attention_class)
+        paths = self.local_attention_class
+        cls = tuple(_class(path) for path in ((paths,) if isinstance(paths, str) else paths))
         return [m for m in model.modules() if isinstance(m, cls)]
 
     def linear_modules(self, model: torch.nn.Module) -> list:

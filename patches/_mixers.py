@@ -98,9 +98,11 @@ def _short_conv(m, kernels, hidden_states, plan, gather, documents, keep, memory
 RESIDUAL_CONVOLUTIONS = {  # class name -> what the output (convolution + input) is divided by, of the kernel size K
     "InklingShortConvolution": lambda k: 1.0,
     "Inkling2ShortConvolution": lambda k: math.sqrt(k + 1),
-    "Inkling2DynamicShortConvolution": lambda k: math.sqrt(2 * k + 1),  # (and taps per token: ``_dynamic_taps``)
+    "Inkling2DynamicShortConvolution": lambda k: math.sqrt(2 * k + 1),  # (and taps per token)
+    "Inkling2LoopShortConvolution": lambda k: math.sqrt(k + 1),
+    "Inkling2LoopDynamicShortConvolution": lambda k: math.sqrt(2 * k + 1),
 }
-"""Inkling's and Inkling 2's short convolutions, each added to its input (``_residual_conv``)."""
+"""Inkling's, Inkling 2's and Inkling 2 Loop's short convolutions, each added to its input (``_residual_conv``)."""
 
 
 def _residual_divisor(m) -> float:

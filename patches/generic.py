@@ -117,6 +117,10 @@ FAMILIES = {
         "transformers.models.inkling2.modeling_inkling2.Inkling2SlidingAttention",
         "transformers.models.inkling2.modeling_inkling2.Inkling2FullAttention",
     ),
+    "inkling2_loop_text": (
+        "transformers.models.inkling2_loop.modeling_inkling2_loop.Inkling2LoopSlidingAttention",
+        "transformers.models.inkling2_loop.modeling_inkling2_loop.Inkling2LoopFullAttention",
+    ),
     "jetmoe": "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearAttention",
     "kolibri1": "transformers.models.kolibri1.modeling_kolibri1.Kolibri1Attention",
@@ -364,6 +368,10 @@ LINEAR = {
         "transformers.models.inkling2.modeling_inkling2.Inkling2ShortConvolution",
         "transformers.models.inkling2.modeling_inkling2.Inkling2DynamicShortConvolution",
     ),
+    "inkling2_loop_text": (
+        "transformers.models.inkling2_loop.modeling_inkling2_loop.Inkling2LoopShortConvolution",
+        "transformers.models.inkling2_loop.modeling_inkling2_loop.Inkling2LoopDynamicShortConvolution",
+    ),
     "jamba": "transformers.models.jamba.modeling_jamba.JambaMambaMixer",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
     "lara_mini": "transformers.models.lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet",
@@ -408,7 +416,7 @@ CHECKS = {
     "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
     "recurrent_gemma": check_linear_sliding, "zaya": check_zaya, "inkling_text": check_inkling,
-    "inkling2_text": check_inkling,
+    "inkling2_text": check_inkling, "inkling2_loop_text": check_inkling,
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
     "glm5_next_text": check_sparse_linear,
@@ -430,16 +438,23 @@ CROSS_ATTENTION = {
     "mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextCrossAttention",
     # Inkling 2's attention residuals: each token's attention over the outputs of earlier blocks of layers
     "inkling2_text": "transformers.models.inkling2.modeling_inkling2.Inkling2BlockAttentionResidual",
+    # (and Inkling 2 Loop's, with its residuals retrieving messages from the previous pass)
+    "inkling2_loop_text": (
+        "transformers.models.inkling2_loop.modeling_inkling2_loop.Inkling2LoopBlockAttentionResidual",
+        "transformers.models.inkling2_loop.modeling_inkling2_loop.Inkling2LoopMessageAttentionResidual",
+    ),
 }
 """Families with cross-attention layers (Llama 3.2 Vision's text model, attending to the image features every rank
 holds whole): their modules attend locally, by the model's own implementation
 (``FamilyPatch.local_attention_class``)."""
 
-LOCAL_PER_TOKEN = {"inkling2_text"}
+LOCAL_PER_TOKEN = {"inkling2_text", "inkling2_loop_text"}
 """Families whose local modules (``CROSS_ATTENTION``) attend per token over states of their own, not to image
 features (Inkling 2's attention residuals)."""
 
 NO_GENERATE = {
+    "inkling2_loop_text": "its loop layers copy their KV caches and convolution states for every pass, which the sharded "
+    "cache does not follow",
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
     "deepseek_v4": "its compressed layers keep their compressors' windows in the model's own cache, which the sharded "
     "cache does not follow",
@@ -469,6 +484,7 @@ LOGIT_TRANSFORMS = {
     "hyperclovax": LogitTransform(multiply="logits_scaling"),
     "inkling_text": LogitTransform(divide="logits_mup_width_multiplier"),  # divides the hidden states (no head bias)
     "inkling2_text": LogitTransform(softcap="final_logit_softcapping"),
+    "inkling2_loop_text": LogitTransform(softcap="final_logit_softcapping"),
     "minicpm3": LogitTransform(divide="logits_scaling"),  # divides the hidden states (the head has no bias)
     "nanochat": LogitTransform(softcap="final_logit_softcapping"),
     "recurrent_gemma": LogitTransform(softcap="logits_soft_cap"),

@@ -228,10 +228,8 @@ class ShardedResidualConv(ShardedLinear):
     masks_input = False  # (its input is zeroed at padding for the convolution only, not for the residual)
 
     def __call__(self, hidden_states, dynamic_input=None, cache=None, conv_mask=None, cache_offset=0, **kwargs):
-        if cache_offset:  # (Inkling 2 Loop's repeated layers: a cache of their own)
-            raise ValueError(
-                f"{type(self.module).__name__}: cache_offset={cache_offset} is not supported under hf_ring"
-            )
+        if cache_offset and cache is not None:  # (Inkling 2 Loop's passes: caches of their own; ring_generate refuses)
+            raise ValueError(f"{type(self.module).__name__}: a cache at cache_offset={cache_offset} is not supported")
         kwargs = {**kwargs, "conv_dynamic_input": dynamic_input}
         return super().__call__(hidden_states, attention_mask=conv_mask, cache=cache, **kwargs)
 

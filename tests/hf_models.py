@@ -51,7 +51,7 @@ DYNAMIC_FULL_LAYERS = {  # Gemma 3: RoPE per layer type, dynamic on the full-att
 }  # fmt: skip
 
 EAGER_REFERENCE = ("gemma2", "gpt_oss", "deepseek_v4", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "vaultgemma", "paligemma",
-                   "paligemma-gemma2", "inkling_text", "inkling2_text")  # fmt: skip
+                   "paligemma-gemma2", "inkling_text", "inkling2_text", "inkling2_loop_text")  # fmt: skip
 """Families with attention logit softcapping, sinks or a position bias (Inkling, whose SDPA path drops its bias): their
 reference is Transformers' eager attention. PaliGemma
 too: its text attention says ``is_causal=False``, so SDPA attends both ways where Transformers skips the causal mask
@@ -126,13 +126,20 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     # short convolutions (its full layers' keys and values with taps per token), attention residuals over blocks of
     # layers (2 layers a block: its third layer reads the first block), experts; final logit softcapping, a padded
     # vocabulary
-    "inkling2_text": ("Inkling2TextConfig", "Inkling2ForCausalLM", {
+    "inkling2_text": ("Inkling2TextConfig", "Inkling2ForCausalLM", MORE_FAMILIES_INKLING2 := {
         "num_hidden_layers": 3, "head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
         "swa_head_dim": 16, "sliding_window_size": 5, "d_rel": 4, "rel_extent": 7, "log_scaling_n_floor": 10,
         "log_scaling_alpha": 0.5, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
         "n_layers_per_attn_res_block": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "moe_intermediate_size": 32, "final_logit_softcapping": 10.0, "vocab_size": VOCAB + 8,
         "unpadded_vocab_size": VOCAB}),
+    # Inkling 2 Loop: Inkling 2's layers (a block each), its layers 2 and 3 run twice, the second pass taking messages
+    # of the first pass's blocks through gates
+    "inkling2_loop_text": ("Inkling2LoopTextConfig", "Inkling2LoopForCausalLM", {
+        **{k: v for k, v in MORE_FAMILIES_INKLING2.items() if k not in ("num_hidden_layers", "layer_types")},
+        "num_hidden_layers": 5, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+        "loop_layer_index_start": 2, "loop_layer_index_end": 4, "loop_num_passes": 2, "loop_gate_rank": 8,
+        "n_layers_per_attn_res_block": 1}),
     # ModernBERT decoder (Ettin): windows of local_attention // 2, multi-head attention, a prediction head
     "modernbert-decoder": ("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM",
                            {"local_attention": 12, "layer_types": _SLIDE_FULL["layer_types"], "num_key_value_heads": 4,
@@ -781,7 +788,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
          "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
-         "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24"}  # fmt: skip
+         "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24", "inkling2_loop_text": "5.24"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -1038,7 +1045,7 @@ MEDIA_TOKENS = {"image_token_id": VOCAB + 4, "video_token_id": VOCAB + 5, "visio
 model made with ``images=True`` (VOCAB + 8 tokens), outside the range the batches draw text from."""
 
 
-KEEPS_FP32 = ("inkling_text", "inkling2_text")
+KEEPS_FP32 = ("inkling_text", "inkling2_text", "inkling2_loop_text")
 """Families whose modules in ``_keep_in_fp32_modules_strict`` stay fp32 in a low-precision test model, as
 ``from_pretrained(dtype=...)`` keeps them (Inkling 2's router takes fp32 inputs only)."""
 
@@ -1121,7 +1128,11 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
                 m.temp.copy_(1.0 + 0.3 * torch.randn(m.temp.shape, generator=torch.Generator().manual_seed(9)))
     for m in model.modules():  # Inkling 2's attention-residual queries and static convolution taps start at zero (the
         # residuals uniform over the blocks): draw them
-        if type(m).__name__ in ("Inkling2BlockAttentionResidual", "Inkling2DynamicShortConvolution"):
+        if type(m).__name__.replace("Loop", "") in (
+            "Inkling2BlockAttentionResidual",
+            "Inkling2MessageAttentionResidual",
+            "Inkling2DynamicShortConvolution",
+        ):
             with torch.no_grad():
                 p = m.query if hasattr(m, "query") else m.static_weight
                 p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(11)))

@@ -239,9 +239,11 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     linear = get_patch(family).linear_modules(model)  # hybrids: their Gated DeltaNet, convolution or Mamba2 layers
     local = get_patch(family).local_modules(model)  # Mllama's cross-attention layers: local, by the model's own
     assert all(getattr(m, hf_attention.LOCAL_ATTR) == original for m in local)
-    residuals = family in ("inkling2_text", "inkling2")  # (Inkling 2: its attention residuals, two a layer: local)
+    # (Inkling 2: its attention residuals, two a layer, local; Inkling 2 Loop's and the one taking its messages)
+    residuals = family in ("inkling2_text", "inkling2", "inkling2_loop_text")
+    loop = family == "inkling2_loop_text"
     assert len(local) == (
-        2 * text.num_hidden_layers if residuals else len(getattr(text, "cross_attention_layers", None) or ())
+        2 * text.num_hidden_layers + loop if residuals else len(getattr(text, "cross_attention_layers", None) or ())
     )
     types = list(getattr(text, "layer_types", None) or [])
     mixing = [t for t in types if t not in ("mlp", "moe")] or [None] * text.num_hidden_layers  # (Nemotron-H: MLPs)
@@ -250,7 +252,7 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     cca = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedCCA)]  # (ZAYA's, inside each attention)
     assert len(cca) == (len(modules) if family == "zaya" else 0) and all(_lends(model, m) for m in cca)
     convs = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedResidualConv)]  # (Inkling's: 4 a layer)
-    inkling = family in ("inkling_text", "inkling2_text", "inkling2")
+    inkling = family in ("inkling_text", "inkling2_text", "inkling2", "inkling2_loop_text")
     assert len(convs) == (4 * len(modules) if inkling else 0) and all(_lends(model, m) for m in convs)
     both = 0 if cca or convs else types.count("hybrid")  # (Falcon-H1: attention and Mamba2 in one layer, "hybrid")
     layers = len(modules) + len(linear) - len(ple) - len(cca) - len(convs) + (0 if residuals else len(local))

@@ -627,6 +627,15 @@ CASES = {
     "inkling2_text-padded-contiguous": ("inkling2_text", "padded", 40, {"layout": "contiguous"}),
     "inkling2_text-bf16": ("inkling2_text", "plain", 40, {"dtype": torch.bfloat16}),
     "inkling2-padded": ("inkling2", "padded", 40, {}),  # (the vision-language model, text only)
+    # Inkling 2 Loop: its loop layers' attention called once per pass (a ring call each), messages between passes
+    "inkling2_loop_text-plain": ("inkling2_loop_text", "plain", 45, {}),
+    "inkling2_loop_text-packed-lora-checkpointing": (
+        "inkling2_loop_text",
+        "packed",
+        45,
+        {"lora": ["linear", "gate_proj", "weight_proj"], "checkpointing": True},
+    ),  # fmt: skip
+    "inkling2_loop_text-padded-contiguous": ("inkling2_loop_text", "padded", 40, {"layout": "contiguous"}),
     "recurrent_gemma-plain": ("recurrent_gemma", "plain", 40, {"random_biases": True}),
     "recurrent_gemma-packed-lora-checkpointing": (
         "recurrent_gemma",
