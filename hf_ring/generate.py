@@ -277,7 +277,7 @@ def ring_generate(model, inputs, **generate_kwargs):
         if refused(_effective(target, generate_kwargs, name)):
             raise ValueError(f"ring_generate does not support {what}; use greedy or sampled decoding")
     inputs = dict(inputs)
-    if patch.local_modules(target) and multimodal(inputs) and inputs.get("cross_attention_mask") is None:
+    if patch.cross_modules(target) and multimodal(inputs) and inputs.get("cross_attention_mask") is None:
         raise ValueError(
             f"ring_generate: the prompt carries images without a cross_attention_mask; {patch.name}'s images enter "
             "by cross-attention: pass the prompt as its processor makes it, cross_attention_mask included"

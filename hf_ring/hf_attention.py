@@ -384,8 +384,10 @@ def ring_attention_forward(
         raise_on_every_rank(str(e), group=cfg.group, device=query.device)
     table = None
     if bias is not None:  # Inkling: scaled by the index in the row (in a packed row, in its document)
-        rows = _bias_rows(document_ids, cu_seqlens, cache, full, rank, world_size, cfg, query.device)
-        query, table = bias.scaled(query, rows)
+        table = bias.table
+        if bias.log_scaling is not None:  # (Inkling's; Inkling 2's modules scale by position_ids themselves)
+            rows = _bias_rows(document_ids, cu_seqlens, cache, full, rank, world_size, cfg, query.device)
+            query, table = bias.scaled(query, rows)
         query, key, value = _autocast(query, key, value)
     chunk = batch_checks.chunk_size(module)
     if chunk is not None:  # (once per forward with a plan cache: the chunked layers share one plan)
@@ -508,14 +510,15 @@ def _bias_rows(document_ids, cu_seqlens, cache, full: int, rank: int, world_size
 
     def make():
         rows = positions(full, rank=rank, world_size=world_size, layout=cfg.layout, device=torch.device("cpu"))
-        if _packed(document_ids, cu_seqlens, cfg):
+        if _packed(document_ids, cu_seqlens, cfg):  # (decided per row: a row holding one document keeps its index)
             docs = document_ids if cu_seqlens is None else documents_from_cu_seqlens(cu_seqlens, full)[None]
             docs = docs.detach().cpu().long()
             index = torch.arange(full).expand_as(docs)
             starts = torch.ones_like(docs, dtype=torch.bool)
             starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
             first = torch.where(starts, index, 0).cummax(-1).values  # each token's document's first token
-            rows = (index - first)[:, rows]
+            packed = (starts & (docs >= 0)).sum(-1, keepdim=True) > 1  # rows holding several documents (not padding)
+            rows = torch.where(packed, index - first, index)[:, rows]
         return rows.to(device)
 
     # (once per forward: every layer, and the backward's recomputation, scale by the same rows)

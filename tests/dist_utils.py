@@ -17,11 +17,13 @@ AMD EPYC). Each rank gets the parent's environment of the moment, as a spawned p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -74,9 +76,22 @@ def _worker(rank, world_size, port, env, fn, args, results):
             # plain pickle copies tensor data: the result stays valid after this process exits
             results.put((rank, True, pickle.dumps(out)))
         finally:
+            _leave(rank, world_size)
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
+
+
+def _leave(rank: int, world_size: int, patience: float = 60.0) -> None:
+    """Rank 0 hosts the group's store: it stays until every rank is done with its function (or ``patience`` runs
+    out), so that a rank still reading the store (hf_ring.guard's record of a failure) never finds it gone."""
+    with contextlib.suppress(Exception):  # (no store, or a store gone: nothing to wait for)
+        store = dist.distributed_c10d._get_default_store()
+        done = store.add("dist_utils/done", 1)
+        deadline = time.monotonic() + patience
+        while rank == 0 and done < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            done = store.add("dist_utils/done", 0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:

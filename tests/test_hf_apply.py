@@ -206,7 +206,21 @@ def _inkling_rows(rank, world):
     shards = [torch.zeros_like(got) for _ in range(world)]
     torch.distributed.all_gather(shards, got)
     real = ref["attention_mask"].bool()
-    return float((hf_ring.unshard(shards, dim=1)[:, :40] - want)[real].abs().max() / want[real].abs().max())
+    padded = float((hf_ring.unshard(shards, dim=1)[:, :40] - want)[real].abs().max() / want[real].abs().max())
+    # beside a packed row (its documents each scaled from their first token), a left-padded row of one document keeps
+    # the row's index: the same logits as alone
+    g = torch.Generator().manual_seed(1)
+    ids, mask = torch.randint(3, 50, (2, 40), generator=g), torch.ones(2, 40, dtype=torch.long)
+    mask[1, :12] = 0
+    pos = torch.stack([torch.cat([torch.arange(20), torch.arange(20)]), (mask[1].cumsum(-1) - 1).clamp(min=0)])
+    with torch.no_grad():
+        both = model(**hf_ring.shard_batch({"input_ids": ids, "attention_mask": mask, "position_ids": pos})).logits
+        alone = model(
+            **hf_ring.shard_batch({"input_ids": ids[1:], "attention_mask": mask[1:], "position_ids": pos[1:]})
+        )
+    keep = hf_ring.shard(mask[1:], dim=1, rank=rank, world_size=world)[0].bool()
+    beside = float((both[1] - alone.logits[0])[keep].abs().max() / alone.logits[0][keep].abs().max())
+    return max(padded, beside)
 
 
 def test_inkling_scales_by_the_row_index_whatever_the_position_ids():
