@@ -376,6 +376,7 @@ def _sub_configs(config) -> list:
         "qianfan_ocr",
         "paligemma",
         "paligemma-gemma2",
+        "inkling2",
         "qwen2_vl",
         "qwen2_5_vl",
         "qwen3_5",
