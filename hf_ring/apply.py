@@ -105,13 +105,19 @@ def _query_heads(text) -> int | None:
 
 def _ulysses_size(value, group, config) -> int:
     """U for ``ulysses_size`` (None, ``"auto"`` or an int) on this group and model; ValueError naming the fix."""
+    from .patches.generic import NO_ULYSSES
+
     if value is None:
         return 1
-    heads = _query_heads(config.get_text_config())
+    text = config.get_text_config()
+    heads = _query_heads(text)
+    refused = NO_ULYSSES.get(getattr(text, "model_type", None))
     if value == "auto":
-        return auto_ulysses_size(group_rank_and_size(group)[1], heads) if heads else 1
+        return auto_ulysses_size(group_rank_and_size(group)[1], heads) if heads and not refused else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"ulysses_size must be None, 'auto' or a positive int, got {value!r}")
+    if refused and value > 1:
+        raise ValueError(f"{text.model_type}: ulysses_size={value} is not supported: {refused}; use ulysses_size=1")
     if heads and heads % value:
         raise ValueError(
             f"ulysses_size={value} does not divide the model's {heads} query heads: each rank of a Ulysses group "

@@ -40,6 +40,7 @@ from ._family import FamilyPatch, LogitTransform, check_layer_types, check_windo
 
 __all__ = [
     "ALIASES", "CACHE_CLASSES", "CHECKS", "COMPRESSED", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS",
+    "NO_ULYSSES",
     "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "MASK_POSITIONS", "NO_GENERATE",
     "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_deepseek_v4", "check_gemma4", "check_linear", "check_linear_sliding",
@@ -447,6 +448,13 @@ CROSS_ATTENTION = {
 """Families with cross-attention layers (Llama 3.2 Vision's text model, attending to the image features every rank
 holds whole): their modules attend locally, by the model's own implementation
 (``FamilyPatch.local_attention_class``)."""
+
+NO_ULYSSES = dict.fromkeys(
+    ("inkling_text", "inkling2_text", "inkling2_loop_text"),
+    "its relative position bias (a table per query) and sinks per query do not travel the Ulysses all-to-all yet",
+)
+"""Families the Ulysses x Ring hybrid does not take, and why: ``ulysses_size="auto"`` gives them the pure ring, an
+explicit ``ulysses_size`` above 1 is refused by name (``hf_ring.apply``)."""
 
 LOCAL_PER_TOKEN = {"inkling2_text", "inkling2_loop_text"}
 """Families whose local modules (``CROSS_ATTENTION``) attend per token over states of their own, not to image

@@ -192,6 +192,21 @@ def test_inkling_hands_its_relative_bias_to_the_ring_and_reverts():
     assert all("forward" not in b.__dict__ for b in bias)
 
 
+def test_inkling_runs_the_pure_ring_and_refuses_ulysses(monkeypatch):
+    """The Ulysses x Ring hybrid does not take a bias by distance or sinks per query: "auto" gives Inkling's families
+    the pure ring (a Llama of as many heads gets Ulysses), an explicit ulysses_size is refused by name."""
+    if not in_transformers("inkling2_text"):
+        pytest.skip("inkling2_text is not in this Transformers release")
+    from hf_ring import apply
+
+    monkeypatch.setattr(apply, "group_rank_and_size", lambda group: (0, 4))  # (as on 4 ranks)
+    assert apply._ulysses_size("auto", None, make_model("llama").config) > 1
+    for family in ("inkling_text", "inkling2_text"):
+        assert apply._ulysses_size("auto", None, make_model(family).config) == 1
+        with pytest.raises(ValueError, match=f"{family}: ulysses_size=2 is not supported: its relative position bias"):
+            hf_ring.apply_ring_attention(make_model(family), ulysses_size=2)
+
+
 def _inkling_rows(rank, world):
     """Logits of a left-padded batch whose position_ids count from each row's first token (as Hugging Face's
     collators number padded rows): Inkling's log scaling counts the row's index whatever they say (strong scaling,
