@@ -45,7 +45,7 @@ from . import batch_checks
 from . import compressed as _compressed
 from .comm import group_rank_and_size
 from .guard import InStepError
-from .layout import documents_from_cu_seqlens, positions, several_documents
+from .layout import documents_from_cu_seqlens, index_in_document, packed_rows, positions, several_documents
 from .ring import raise_on_every_rank, ring_attention
 from .ring_config import (  # (they were defined here: their import from this module stays)
     BATCH_DOCUMENT_KWARGS,
@@ -513,12 +513,8 @@ def _bias_rows(document_ids, cu_seqlens, cache, full: int, rank: int, world_size
         if _packed(document_ids, cu_seqlens, cfg):  # (decided per row: a row holding one document keeps its index)
             docs = document_ids if cu_seqlens is None else documents_from_cu_seqlens(cu_seqlens, full)[None]
             docs = docs.detach().cpu().long()
-            index = torch.arange(full).expand_as(docs)
-            starts = torch.ones_like(docs, dtype=torch.bool)
-            starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-            first = torch.where(starts, index, 0).cummax(-1).values  # each token's document's first token
-            packed = (starts & (docs >= 0)).sum(-1, keepdim=True) > 1  # rows holding several documents (not padding)
-            rows = torch.where(packed, index - first, index)[:, rows]
+            within = index_in_document(docs)[1]
+            rows = torch.where(packed_rows(docs)[:, None], within, torch.arange(full))[:, rows]
         return rows.to(device)
 
     # (once per forward: every layer, and the backward's recomputation, scale by the same rows)

@@ -27,6 +27,8 @@ __all__ = [
     "documents_from_cu_seqlens",
     "documents_from_positions",
     "chunk_documents",
+    "index_in_document",
+    "packed_rows",
     "several_documents",
 ]
 
@@ -133,13 +135,27 @@ def chunk_documents(document_ids: torch.Tensor | None, chunk: int, *, seq_len: i
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"the attention chunk size must be a positive integer, got {chunk!r}")
     docs = torch.zeros(1, seq_len, dtype=torch.long) if document_ids is None else document_ids.detach().cpu().long()
-    rows, n = docs.shape
-    index = torch.arange(n).expand(rows, n)
-    _, labels = torch.unique(docs, return_inverse=True)  # 0 .. k-1 over the batch
-    first = torch.full((rows, int(labels.max()) + 1), n).scatter_reduce(1, labels, index, "amin")
-    pieces = labels * (n // chunk + 1) + (index - first.gather(1, labels)) // chunk  # (document, chunk) apart
+    labels, within = index_in_document(docs)
+    pieces = labels * (docs.shape[1] // chunk + 1) + within // chunk  # (document, chunk) apart
     ids = torch.unique(pieces, return_inverse=True)[1]
     return torch.where(docs < 0, -1, ids).to(torch.int32)
+
+
+def index_in_document(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(labels, within)`` of document ids ``docs`` ([rows, seq] on the host, -1 = padding): each token's document
+    numbered 0 .. k-1 over the batch, and its index from that document's first token in its row (int64 both)."""
+    rows, n = docs.shape
+    index = torch.arange(n).expand(rows, n)
+    _, labels = torch.unique(docs, return_inverse=True)
+    first = torch.full((rows, int(labels.max()) + 1), n).scatter_reduce(1, labels, index, "amin")
+    return labels, index - first.gather(1, labels)
+
+
+def packed_rows(document_ids: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: the rows of ``document_ids`` (``[rows, seq]``, -1 = padding) holding two different ids >= 0."""
+    ids = document_ids.detach().cpu().long()
+    top = ids.max(dim=-1, keepdim=True).values
+    return ((ids >= 0) & (ids != top)).any(dim=-1)
 
 
 def several_documents(document_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> bool:
@@ -149,6 +165,4 @@ def several_documents(document_ids: torch.Tensor | None, cu_seqlens: torch.Tenso
         return cu_seqlens.numel() > 2
     if document_ids is None:
         return False
-    ids = document_ids.detach().cpu().long()
-    top = ids.max(dim=-1, keepdim=True).values
-    return bool(((ids >= 0) & (ids != top)).any())
+    return bool(packed_rows(document_ids).any())

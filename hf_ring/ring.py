@@ -217,14 +217,10 @@ def ring_attention(
             _failed(watch, comm, e)
             raise
     selected = None if selected is None else Selection.of(selected)
-    if distance_bias is not None:
-        index = None if selected is None else selected.index
-        return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected, None, None, None, None,
-                                    distance_bias)  # fmt: skip
-    if not hybrid:
+    if not hybrid:  # (a bias by distance: neither hybrid nor with shared keys)
         index = None if selected is None else selected.index
         if shared is None:
-            return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected)
+            return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected, *(None,) * 4, distance_bias)
         extra = (shared.keys, shared.values, shared.selected.index if shared.selected is not None else None)
         return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected, *extra, shared)
     return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected)

@@ -23,8 +23,8 @@ from .layout import LAYOUTS
 from .plan import PlanCache
 
 __all__ = [
-    "BATCH_DOCUMENT_KWARGS", "BLOCK_IDS_KWARG", "CONFIG_ATTR", "DECODE_KWARG", "DISTANCE_BIAS_ATTR", "DOCUMENT_IDS_KWARG", "DistanceBias", "LOCAL_ATTR",
-    "LOST_GROUP", "PACKED_WITH_MIXERS", "PACKING_KWARGS", "POSITIONS_KWARG", "QueryTemperature", "RingBlocks",
+    "BATCH_DOCUMENT_KWARGS", "BLOCK_IDS_KWARG", "CONFIG_ATTR", "DECODE_KWARG", "DISTANCE_BIAS_ATTR", "DOCUMENT_IDS_KWARG",
+    "DistanceBias", "LOCAL_ATTR", "LOST_GROUP", "PACKED_WITH_MIXERS", "PACKING_KWARGS", "POSITIONS_KWARG", "QueryTemperature", "RingBlocks",
     "RingConfig", "SHARD_INFO_KWARG", "ShardInfo", "TEMPERATURE_ATTR", "lost_group",
 ]  # fmt: skip
 
