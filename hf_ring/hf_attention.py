@@ -54,6 +54,7 @@ from .ring_config import (  # (they were defined here: their import from this mo
     DECODE_KWARG,
     DISTANCE_BIAS_ATTR,
     DOCUMENT_IDS_KWARG,
+    HANDED_OVER,
     LOCAL_ATTR,
     LOST_GROUP,
     PACKED_WITH_MIXERS,
@@ -62,6 +63,7 @@ from .ring_config import (  # (they were defined here: their import from this mo
     SHARD_INFO_KWARG,
     TEMPERATURE_ATTR,
     DistanceBias,
+    Lent,
     QueryTemperature,
     RingBlocks,
     RingConfig,
@@ -177,11 +179,12 @@ def ring_mask_function(
     """No dense mask: the 2-D padding mask ``[batch, kv_length]`` (bool) if one was given, else None.
 
     Masks are derived from global positions inside ``ring_attention``; like Transformers' flash-attention
-    mask function, this only passes the padding information on (without a device sync).
+    mask function, this only passes the padding information on (without a device sync). While a model whose layers
+    are called without the batch's keywords runs (``ring_config.HANDED_OVER``), the mask comes with them (``Lent``).
     """
-    if attention_mask is None:
-        return None
-    return attention_mask[:, -kv_length:]
+    mask = None if attention_mask is None else attention_mask[:, -kv_length:]
+    handed = getattr(HANDED_OVER, "kwargs", None)
+    return mask if handed is None else Lent(mask, handed)
 
 
 def scales_queries_itself(module) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 import warnings
 from typing import Any
 
@@ -24,7 +25,7 @@ from .plan import PlanCache
 
 __all__ = [
     "BATCH_DOCUMENT_KWARGS", "BLOCK_IDS_KWARG", "CONFIG_ATTR", "DECODE_KWARG", "DISTANCE_BIAS_ATTR", "DOCUMENT_IDS_KWARG",
-    "DistanceBias", "LOCAL_ATTR", "LOST_GROUP", "PACKED_WITH_MIXERS", "PACKING_KWARGS", "POSITIONS_KWARG", "QueryTemperature", "RingBlocks",
+    "DistanceBias", "HANDED_OVER", "LOCAL_ATTR", "Lent", "LOST_GROUP", "PACKED_WITH_MIXERS", "PACKING_KWARGS", "POSITIONS_KWARG", "QueryTemperature", "RingBlocks",
     "RingConfig", "SHARD_INFO_KWARG", "ShardInfo", "TEMPERATURE_ATTR", "lost_group",
 ]  # fmt: skip
 
@@ -45,6 +46,21 @@ SHARD_INFO_KWARG = "ring_shard_info"
 
 DECODE_KWARG = "ring_cache"
 """Model keyword argument carrying ``hf_ring.ring_generate``'s sharded KV cache (decode steps attend through it)."""
+
+
+class Lent:
+    """An ``attention_mask`` argument with the batch's keywords beside it, for a module whose caller does not pass
+    them on (``hf_ring.patches._lend``)."""
+
+    def __init__(self, mask, kwargs: dict):
+        self.mask, self.kwargs = mask, kwargs
+
+
+HANDED_OVER = threading.local()
+"""``HANDED_OVER.kwargs``: the batch's keywords a patched model whose layers are called without them (Falcon, GPT-Neo)
+hands to its own causal-mask construction for the length of its forward (``hf_ring.patches._lend.HandOver``):
+``hf_attention.ring_mask_function`` returns its mask with them (a ``Lent``), and the mask reaches every layer."""
+
 
 CONFIG_ATTR = "hf_ring_config"
 """Attribute of each patched attention module holding its ``RingConfig``."""

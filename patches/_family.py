@@ -51,6 +51,7 @@ from . import (
     _compressed,
     _lend,
     _mask_positions,
+    _own,
     _relative,
     _rope,
     _router,
@@ -315,11 +316,16 @@ class ShardEmbeddings:
         return args, kwargs
 
 
-def _switch(model, implementation: str) -> None:
+def _switch(model, implementation: str, own: bool = False) -> None:
     """``set_attn_implementation`` for the text model only (a vision-language model's vision tower keeps its own;
-    DBRX's attention and FFN sub-configs, parts of its own config, keep theirs)."""
+    DBRX's attention and FFN sub-configs, parts of its own config, keep theirs). ``own``: a family whose attention
+    modules compute attention themselves (``patches._own``), which Transformers does not switch: its config says
+    the implementation, which its causal mask follows (``hf_attention.ring_mask_function``)."""
     config = model.config
     text = config.get_text_config()
+    if own:
+        text._attn_implementation = implementation
+        return
     if text is config:
         model.set_attn_implementation({"": implementation})
         return
@@ -447,6 +453,10 @@ class FamilyPatch:
     # shifts them), given that numbering from the batch's document ids (``patches._mask_positions``); None:
     # its model numbers them 0, 1, ... as shard_batch does
     mask_positions: str | None = None
+    # the family's attention modules compute attention themselves (Falcon, GPT-Neo), not through Transformers'
+    # AttentionInterface: their ``forward`` is replaced while patched by ``patches._own.FORWARDS[own_attention]``, and
+    # the model hands the batch's keywords to its layers through its causal mask (``patches._lend.HandOver``)
+    own_attention: str | None = None
 
     def cache_type(self) -> type | None:
         return None if self.cache_class is None else _class(self.cache_class)
@@ -522,7 +532,7 @@ class FamilyPatch:
         if original == ATTN_IMPLEMENTATION:  # loaded with attn_implementation="hf_ring"
             original = FALLBACK_ATTN_IMPLEMENTATION
         if self.attention_class is not None:  # (a model without attention keeps its implementation)
-            _switch(model, ATTN_IMPLEMENTATION)
+            _switch(model, ATTN_IMPLEMENTATION, own=bool(self.own_attention))
             if text._attn_implementation != ATTN_IMPLEMENTATION:
                 raise ValueError(
                     f"{type(model).__name__} did not accept attn_implementation={ATTN_IMPLEMENTATION!r} "
@@ -559,6 +569,10 @@ class FamilyPatch:
         cross = bool(self.cross_modules(model))
         text_only = TextOnly(self.name, self.media, self.images, cfg, cross=cross) if self.media else None
         _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
+        _own.remove(model)
+        if self.own_attention:  # (after _set_hooks: the hand-over sees the positions StartBatch adds)
+            _own.install(modules, self.own_attention)
+            _lend.hand_over(model)
         if self.images and not cross:  # (the images of a batch reach every rank whole: each encodes its share)
             _split_vision.install(model, cfg)  # (in place of the encoders an earlier apply installed)
         else:
@@ -576,7 +590,7 @@ class FamilyPatch:
                 "on it, or it was reverted already)"
             )
         if self.attention_class is not None:
-            _switch(model, getattr(model, ORIGINAL_ATTR))
+            _switch(model, getattr(model, ORIGINAL_ATTR), own=bool(self.own_attention))
         for m in (*self.attention_modules(model), *self.linear_modules(model)):
             if hasattr(m, CONFIG_ATTR):
                 delattr(m, CONFIG_ATTR)
@@ -591,6 +605,7 @@ class FamilyPatch:
         _compressed.remove(model)
         _lend.remove(model)
         _mask_positions.remove(model)
+        _own.remove(model)
         linear.remove(model)
         _split_vision.remove(model)
         _router.remove(model)

@@ -22,16 +22,11 @@ import inspect
 import torch
 
 from ..hf_attention import DOCUMENT_IDS_KWARG, POSITIONS_KWARG, SHARD_INFO_KWARG
+from ..ring_config import DECODE_KWARG, HANDED_OVER, Lent
 from ._hooks import remove_hooks
 
-__all__ = ["LENT", "LendKeywords", "Lent", "UnpackLent", "install", "install_on_model", "remove"]
-
-
-class Lent:
-    """The ``attention_mask`` argument of a call, with the batch's keywords its caller was given beside it."""
-
-    def __init__(self, mask, kwargs: dict):
-        self.mask, self.kwargs = mask, kwargs
+__all__ = ["HANDED", "HandOver", "LENT", "LendKeywords", "Lent", "UnpackLent", "hand_over", "install", "install_on_model",
+           "remove"]  # fmt: skip
 
 
 LENT = (DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, POSITIONS_KWARG, "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
@@ -79,6 +74,47 @@ class UnpackLent:
         return args, {**lent.kwargs, **kwargs, "attention_mask": lent.mask}
 
 
+HANDED = (DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, POSITIONS_KWARG, DECODE_KWARG, "cu_seq_lens_q", "cu_seq_lens_k",
+          "seq_idx")  # fmt: skip
+"""The keywords a model whose layers are called without any hands over through its mask (``HandOver``): documents,
+padding, packing, the shard, positions, ring_generate's cache. (``position_ids`` reach those layers by name.)"""
+
+
+class HandOver:
+    """Hooks of each ``PreTrainedModel`` of a model whose decoder layers are called with hidden states, mask, cache and
+    positions only (Falcon, GPT-Neo; Falcon's causal LM does not even pass its keywords to its base model). The
+    forward pre-hook puts ``HANDED`` keywords of the call in ``HANDED_OVER`` (the outermost model anew, the inner ones
+    adding theirs), where ``hf_attention.ring_mask_function`` finds them when the model builds its causal mask and
+    returns the mask with them (``Lent``): the mask is passed to every layer, and from there to the attention
+    (``patches._own`` unpacks it). The outermost model's forward hook (run even when the forward raises) empties the
+    slot. The keywords travel in the mask argument, so a checkpointed layer's recomputation sees them again."""
+
+    def __init__(self, top: bool):
+        self.top = top
+
+    def before(self, module, args, kwargs) -> None:
+        given = {k: kwargs[k] for k in HANDED if k in kwargs}
+        held = None if self.top else getattr(HANDED_OVER, "kwargs", None)
+        HANDED_OVER.kwargs = {**(held or {}), **given}
+
+    def after(self, module, args, output) -> None:
+        if self.top:
+            HANDED_OVER.kwargs = None
+
+
+def hand_over(model: torch.nn.Module) -> None:
+    """Install ``HandOver`` on ``model`` and every ``PreTrainedModel`` inside it (``remove`` takes them down)."""
+    from transformers import PreTrainedModel
+
+    top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            hook = HandOver(top=m is top)
+            m.register_forward_pre_hook(hook.before, with_kwargs=True)
+            if m is top:
+                m.register_forward_hook(hook.after, always_call=True)
+
+
 def install(
     model: torch.nn.Module,
     modules: list,
@@ -115,4 +151,4 @@ def remove(model: torch.nn.Module) -> None:
     """Remove every hook ``install`` and ``install_on_model`` added (found by their class, so a deep copy's are found
     too)."""
     for m in model.modules():
-        remove_hooks(m, (LendKeywords, UnpackLent))
+        remove_hooks(m, (LendKeywords, UnpackLent, HandOver))

@@ -41,9 +41,9 @@ from ._family import FamilyPatch, LogitTransform, check_layer_types, check_windo
 __all__ = [
     "ALIASES", "CACHE_CLASSES", "CHECKS", "COMPRESSED", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS",
     "NO_ULYSSES",
-    "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "MASK_POSITIONS", "NO_GENERATE",
+    "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "MASK_POSITIONS", "NO_GENERATE", "OWN_ATTENTION",
     "PATCHES", "SPARSE", "check",
-    "check_causal_mask_only", "check_decoder_only", "check_deepseek_v4", "check_gemma4", "check_linear", "check_linear_sliding",
+    "check_causal_mask_only", "check_decoder_only", "check_deepseek_v4", "check_falcon", "check_gemma4", "check_gpt_neo", "check_linear", "check_linear_sliding",
     "check_llama4", "check_minimax", "check_minimax_m3", "check_opt", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
     "check_without_windows",
 ]  # fmt: skip
@@ -79,6 +79,7 @@ FAMILIES = {
     "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeAttention",
     "exaone4": "transformers.models.exaone4.modeling_exaone4.Exaone4Attention",
     "exaone_moe": "transformers.models.exaone_moe.modeling_exaone_moe.ExaoneMoeAttention",
+    "falcon": "transformers.models.falcon.modeling_falcon.FalconAttention",
     "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Attention",
     "falcon_mamba": None,  # no attention: its Mamba mixers only (``LINEAR``)
     "flex_olmo": "transformers.models.flex_olmo.modeling_flex_olmo.FlexOlmoAttention",
@@ -96,6 +97,7 @@ FAMILIES = {
     "glm_moe_dsa": "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaAttention",
     "gpt2": "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
     "gpt_bigcode": "transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention",
+    "gpt_neo": "transformers.models.gpt_neo.modeling_gpt_neo.GPTNeoSelfAttention",
     "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention",
     "gptj": "transformers.models.gptj.modeling_gptj.GPTJAttention",
@@ -188,6 +190,27 @@ def check(config, *, windows: bool = True) -> None:
         check_layer_types(config, what)
     else:
         check_layer_types(config, what, allowed=("full_attention",), window=False)
+
+
+def check_falcon(config) -> None:
+    """``check`` for Falcon: rotary positions only (ALiBi, ``config.alibi``, is refused)."""
+    check(config, windows=False)
+    if getattr(config, "alibi", False):
+        raise ValueError(
+            "falcon: config.alibi=True (ALiBi position biases, the Falcon-RW models) is not supported by hf_ring; "
+            "Falcon models with rotary positions (alibi=False: Falcon 7B, 40B, 180B, Falcon 2) are"
+        )
+
+
+def check_gpt_neo(config) -> None:
+    """``check`` for GPT-Neo: global and local layers, the local ones a window of ``config.window_size`` keys."""
+    check(config, windows=False)
+    kinds = sorted(set(getattr(config, "attention_layers", None) or []) - {"global", "local"})
+    if kinds:
+        raise ValueError(f"gpt_neo: attention layer types {kinds} are not supported; hf_ring supports global, local")
+    w = getattr(config, "window_size", None)
+    if "local" in config.attention_layers and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+        raise ValueError(f"gpt_neo: config.window_size must be a positive integer, got {w!r}")
 
 
 def check_linear(config, sliding: bool = False) -> None:
@@ -414,7 +437,7 @@ CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
     "gemma4_unified_text": check_gemma4,
     "llama4_text": check_llama4,
-    "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, **{model_type: check_linear for model_type in LINEAR},
+    "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, "falcon": check_falcon, "gpt_neo": check_gpt_neo, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
     "recurrent_gemma": check_linear_sliding, "zaya": check_zaya, "inkling_text": check_inkling,
     "inkling2_text": check_inkling, "inkling2_loop_text": check_inkling,
@@ -504,6 +527,10 @@ MASK_POSITIONS = {"opt": "transformers.models.opt.modeling_opt.OPTDecoder"}
 """Families whose model numbers its tokens from the attention mask, and the module that does
 (``hf_ring.patches._mask_positions``)."""
 
+OWN_ATTENTION = {"falcon", "gpt_neo"}
+"""Families whose attention modules compute attention themselves (not through Transformers' AttentionInterface):
+their ``forward`` is replaced while patched (``hf_ring.patches._own``)."""
+
 ALIASES = {"sarvam_mla": "deepseek_v3", "sarvam_moe": "glm4_moe"}
 """Model types whose checkpoints load another family's model classes (a config of their own, the modules of the
 family named): that family's patch. (Llama's: ``hf_ring.patches.llama``.)"""
@@ -525,6 +552,7 @@ PATCHES = {
         local_attention_class=CROSS_ATTENTION.get(model_type),
         local_is_cross=model_type not in LOCAL_PER_TOKEN,
         mask_positions=MASK_POSITIONS.get(model_type),
+        own_attention=model_type if model_type in OWN_ATTENTION else None,
     )
     for model_type, path in FAMILIES.items()
 }

@@ -276,6 +276,19 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     # mixtures of attention heads (JetMoE), differential attention (DiffLlama), shared experts, and sinks with
     # windows (Granite MoE variants)
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    # attention computed in the modules' own forward (hf_ring.patches._own): Falcon's three query / key / value
+    # layouts (grouped keys and values as Falcon 40B / 180B, one key / value head with parallel attention as Falcon
+    # 7B, one per query head with sequential blocks), rotary positions; GPT-Neo's unscaled scores with global and local
+    # (window 6) layers and learned positions
+    "falcon": ("FalconConfig", "FalconForCausalLM", {"num_kv_heads": 2, "new_decoder_architecture": True,
+               "alibi": False, "hidden_dropout": 0.0, "attention_dropout": 0.0}),
+    "falcon-multi-query": ("FalconConfig", "FalconForCausalLM", {"multi_query": True, "new_decoder_architecture": False,
+                           "parallel_attn": True, "alibi": False, "hidden_dropout": 0.0}),
+    "falcon-heads": ("FalconConfig", "FalconForCausalLM", {"multi_query": False, "new_decoder_architecture": False,
+                     "parallel_attn": False, "bias": True, "alibi": False, "hidden_dropout": 0.0}),
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", {"num_layers": 2, "num_heads": 4,
+                "attention_types": [[["global", "local"], 1]], "window_size": 6, "attention_dropout": 0.0,
+                "resid_dropout": 0.0, "embed_dropout": 0.0}),
     # positions numbered from the attention mask (padding in front shifts them): OPT as OPT-350m (post-norm layers,
     # embeddings projected from a narrower width)
     "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 96, "dropout": 0.0, "word_embed_proj_dim": 48,

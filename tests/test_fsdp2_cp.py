@@ -77,6 +77,7 @@ HYBRIDS = {
     "qwen4_exp_text": "ple",  # (Transformers 5.24) its per-layer embedding, and its block-sparse attention layer
     "glm5_next": "self_attn",  # (Transformers 5.24) its KDA layer, its indexer's pools (a vision-language model)
     "inkling2_text": "self_attn",  # (Transformers 5.24) its relative bias, dynamic convolutions, attention residuals
+    "falcon": "self_attention",  # its attention computed in its own forward (hf_ring.patches._own), keywords handed over
 }  # family: its first layer's recurrent module
 
 
@@ -243,7 +244,8 @@ def worker(out: Path) -> None:
         if not in_transformers(family):
             continue
         hybrid = hf_ring.apply_ring_attention(_tiny_hybrid(family), group=cp_group)
-        layers = getattr(hybrid.model, "language_model", hybrid.model).layers
+        base = getattr(hybrid, "transformer", None) or getattr(hybrid.model, "language_model", hybrid.model)
+        layers = base.h if family == "falcon" else base.layers
         fully_shard(getattr(layers[0], mixer))  # FSDP2 gives it a class of its own
         for layer in layers:
             fully_shard(layer)
@@ -355,8 +357,9 @@ def test_torch_native_fsdp2_recipe_matches_single_process_training(launch):
 def test_hybrid_model_with_fsdp2_matches_single_process_training(launch, family):
     """Qwen3.5 (Gated DeltaNet layers), Bamba (Mamba2 layers), Jamba (Mamba layers, lent the batch's keywords by
     their decoder layers), Qwen4-Exp (its per-layer embedding, run by its own forward per run of tokens; its
-    indexer's blocks), GLM-5.3-Flash (Kimi Delta Attention layers; its indexer's pools) and Inkling 2 (its attention
-    with a relative bias and dynamic short convolutions, its attention residuals), the first one sharded by
+    indexer's blocks), GLM-5.3-Flash (Kimi Delta Attention layers; its indexer's pools), Inkling 2 (its attention
+    with a relative bias and dynamic short convolutions, its attention residuals) and Falcon (its attention computed
+    in its own forward, the batch's keywords handed over through the mask), the first one sharded by
     FSDP2 as a module of its own: two SGD steps of the native recipe give the weights of single-process training on
     the full sequences."""
     from tests.hf_models import in_transformers

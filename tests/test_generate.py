@@ -91,6 +91,9 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     # decoder layers that call their attention without the model's keywords: they lend it the sharded cache
     "nemotron-lent-keywords": ("nemotron", 2, 14, 3, {}),
     "stablelm-lent-keywords": ("stablelm", 1, 13, 0, {}),
+    # attention computed in the modules' own forward: the model hands the sharded cache over through its mask
+    "falcon-own-attention": ("falcon", 2, 14, 3, {"scores": True}),
+    "gpt_neo-own-attention-windows": ("gpt_neo", 2, 14, 3, {"scores": True}),  # a local layer of window 6
 }
 CASES = {name: case for name, case in CASES.items() if in_transformers(case[0])}
 

@@ -12,7 +12,8 @@ import inspect
 import pytest
 import torch
 from hf_ring.patches import REGISTRY, _lend, get_patch
-from hf_ring.patches._lend import LendKeywords, UnpackLent
+from hf_ring.patches._lend import HandOver, LendKeywords, UnpackLent
+from hf_ring.patches._own import OwnAttention
 from hf_ring.patches.linear import ShardedCCA, ShardedMixer, ShardedPLE, ShardedResidualConv
 
 import hf_ring
@@ -302,10 +303,14 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
         hf_ring.apply_ring_attention(model)  # again: the hooks replaced, not added
         assert sum(isinstance(h, LendKeywords) for h in model._forward_pre_hooks.values()) == 1
         assert sum(isinstance(h, UnpackLent) for h in model.backbone._forward_pre_hooks.values()) == unpacks
+    itself = get_patch(family).own_attention is not None  # (Falcon, GPT-Neo: forward replaced, keywords handed over)
+    assert all(isinstance(m.__dict__.get("forward"), OwnAttention) == itself for m in modules)
+    assert bool(_handing_over(model)) == itself
     ring = _logits(model, input_ids=ids)
     torch.testing.assert_close(ring, before, atol=ATOL, rtol=0)
 
     assert hf_ring.revert_ring_attention(model) is model
+    assert not any("forward" in m.__dict__ for m in modules) and not _handing_over(model)
     assert all(c._attn_implementation == own[id(c)] for c in _sub_configs(model.config))
     assert not any(hasattr(m, hf_attention.CONFIG_ATTR) for m in modules)
     assert not any(hasattr(m, hf_attention.LOCAL_ATTR) for m in local)
@@ -322,6 +327,46 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
     assert model.config._attn_implementation == "hf_ring"
     getattr(mod, f"revert_ring_attention_from_{family}")(model)
     assert torch.equal(_logits(model, input_ids=ids), before)
+
+
+def _handing_over(model) -> list:
+    """The ``HandOver`` hooks of ``model`` (of a family whose attention computes attention itself)."""
+    hooks = [h for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    return [h for h in hooks if isinstance(getattr(h, "__self__", h), HandOver)]
+
+
+@pytest.mark.parametrize("family", ["falcon", "gpt_neo"])
+def test_attention_computed_in_the_modules_own_forward_goes_through_the_ring(family):
+    """Falcon's and GPT-Neo's attention modules compute attention themselves: while patched, their forward is
+    hf_ring's (``patches._own``), and the model hands the batch's keywords to them through its causal mask, also to a
+    forward that raises, leaving nothing behind; a deep copy's modules have forwards of their own."""
+    import copy
+
+    from hf_ring.ring_config import HANDED_OVER
+
+    model = make_model(family).eval()
+    batch, reference = make_batch("padded", 21)
+    real = reference["attention_mask"].bool()
+    with torch.no_grad():
+        before = model(**reference).logits
+    hf_ring.apply_ring_attention(model)
+    assert len(_handing_over(model)) == 3  # the causal LM's two hooks, its base model's pre-hook
+    seen = []
+    attention = get_patch(family).attention_modules(model)[0]
+    attention.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"]), with_kwargs=True)
+    with torch.no_grad():
+        ring = model(**hf_ring.shard_batch(batch)).logits
+    assert isinstance(seen[0], hf_attention.Lent) and "ring_document_ids" in seen[0].kwargs
+    torch.testing.assert_close(ring[real], before[real], atol=ATOL, rtol=0)
+    assert HANDED_OVER.kwargs is None
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(**hf_ring.shard_batch(batch), output_attentions=True)
+    assert HANDED_OVER.kwargs is None
+    twin = copy.deepcopy(model)
+    module = get_patch(family).attention_modules(twin)[0]
+    assert module.forward.module is module
+    with torch.no_grad():
+        torch.testing.assert_close(twin(**hf_ring.shard_batch(batch)).logits, ring, atol=0, rtol=0)
 
 
 def _lends(model, mixer) -> bool:
@@ -1144,6 +1189,9 @@ def test_the_router_loss_function_is_hf_rings_only_inside_a_patched_models_forwa
         ("nemotron_h", "layer_types", ["linear_attention", "sliding_attention", "moe"], "sliding_attention"),
         ("llama4_text", "attention_chunk_size", 0, "positive config.attention_chunk_size"),
         ("llama4_text", "layer_types", ["sliding_attention"] * 4, r"\['sliding_attention'\] are not supported"),
+        ("falcon", "alibi", True, "ALiBi"),
+        ("gpt_neo", "attention_layers", ["global", "sparse"], r"attention layer types \['sparse'\]"),
+        ("gpt_neo", "window_size", 0, "window_size must be a positive integer"),
     ],
 )
 def test_unsupported_config_errors(family, attr, value, match):

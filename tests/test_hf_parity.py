@@ -162,6 +162,21 @@ CASES = {
     "solar_open-plain": ("solar_open", "plain", 40, {}),
     "vaultgemma-packed": ("vaultgemma", "packed", 45, {}),
     "gpt2-padded": ("gpt2", "padded", 45, {}),
+    # attention computed in the modules' own forward (hf_ring.patches._own), the batch's keywords handed over through
+    # the causal mask (also to a checkpointed layer's recomputation)
+    "falcon-padded": ("falcon", "padded", 45, {}),
+    "falcon-packed-lora-checkpointing": (
+        "falcon",
+        "packed",
+        40,
+        {"lora": ["query_key_value", "dense"], "checkpointing": True},
+    ),
+    "falcon-multi-query-plain": ("falcon-multi-query", "plain", 45, {}),
+    "falcon-heads-packed": ("falcon-heads", "packed", 40, {}),
+    "falcon-bf16": ("falcon", "plain", 40, {"dtype": torch.bfloat16}),
+    "gpt_neo-packed": ("gpt_neo", "packed", 45, {}),
+    "gpt_neo-padded-lora-checkpointing": ("gpt_neo", "padded", 40, {"lora": True, "checkpointing": True}),
+    "gpt_neo-contiguous": ("gpt_neo", "plain", 40, {"layout": "contiguous"}),
     # OPT numbers its tokens from the attention mask: the left-padded row's from its first token (a mask positions hook)
     "opt-padded": ("opt", "padded", 45, {}),
     "opt-padded-lora-checkpointing": ("opt", "padded", 40, {"lora": True, "checkpointing": True}),

@@ -1,0 +1,122 @@
+"""Attention modules that compute attention themselves, made to call hf_ring's attention function.
+
+Falcon and GPT-Neo do not dispatch through Transformers' ``AttentionInterface``: their attention modules multiply
+queries by keys in their own ``forward``. While such a model is patched, ``OwnAttention`` replaces the ``forward`` of
+each of its attention modules (an instance attribute; ``revert`` removes it) by the family's function below: the
+module's own projections, head split, rotary embedding and cache update, then one call of
+``hf_attention.ring_attention_forward`` with the family's scale and window, then its output projection. Everything
+but the attention itself is the module's own weights and Transformers' own helpers.
+
+Their decoder layers are called without the batch's keywords (document ids, shard, ring_generate's cache): the
+model hands them over through its causal mask (``patches._lend.HandOver``), and each function here unpacks them.
+
+- Falcon (``falcon``: Falcon 7B / 40B / 180B, Falcon 2; rotary positions): its three query / key / value layouts
+  (``new_decoder_architecture``: grouped keys and values; ``multi_query``: one key / value head; neither: one per
+  query head). Keys and values keep their own heads (Transformers broadcasts them to every query head first; the
+  ring sends only the key / value heads). Its rotary path applies no attention dropout, and neither does this one.
+  ALiBi (``config.alibi``, the Falcon-RW models) is refused by ``generic.check_falcon``.
+- GPT-Neo (``gpt_neo``): unscaled scores (scale 1), its local layers a window of ``config.window_size`` keys
+  (``q - W < k <= q``, Transformers' sliding-window rule), attention dropout as configured (refused in training
+  when not 0, as for every family).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..hf_attention import ring_attention_forward
+from ..ring_config import Lent
+
+__all__ = ["FORWARDS", "OwnAttention", "install", "remove"]
+
+
+def _unpacked(attention_mask, kwargs: dict) -> tuple:
+    """The mask and the keywords of the call, with those the model handed over through the mask."""
+    if isinstance(attention_mask, Lent):
+        return attention_mask.mask, {**attention_mask.kwargs, **kwargs}
+    return attention_mask, kwargs
+
+
+def _falcon_heads(m, fused: torch.Tensor) -> tuple:
+    """Falcon's fused projection split into q [b, s, heads, d] and k, v [b, s, kv_heads, d] (not broadcast)."""
+    b, s, _ = fused.shape
+    d = m.head_dim
+    if m.new_decoder_architecture:
+        kv = m.num_kv_heads
+        qkv = fused.view(b, s, kv, m.num_heads // kv + 2, d)  # per key / value head: its queries, its key, its value
+        return qkv[:, :, :, :-2].reshape(b, s, m.num_heads, d), qkv[:, :, :, -2], qkv[:, :, :, -1]
+    if m.multi_query:
+        qkv = fused.view(b, s, m.num_heads + 2, d)
+        return qkv[:, :, :-2], qkv[:, :, -2:-1], qkv[:, :, -1:]
+    qkv = fused.view(b, s, m.num_heads, 3, d)
+    return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+
+
+def _falcon(
+    m,
+    hidden_states: torch.Tensor,
+    alibi,
+    attention_mask,
+    position_ids=None,
+    layer_past=None,
+    use_cache: bool = False,
+    output_attentions: bool = False,
+    position_embeddings=None,
+    **kwargs,
+):
+    from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+    if alibi is not None:  # (refused at apply: a model built with alibi=True after it)
+        raise ValueError("hf_ring does not support Falcon with ALiBi (config.alibi=True)")
+    mask, kwargs = _unpacked(attention_mask, kwargs)
+    b, s, _ = hidden_states.shape
+    q, k, v = (t.transpose(1, 2) for t in _falcon_heads(m, m.query_key_value(hidden_states)))
+    cos, sin = position_embeddings
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, m.layer_idx)
+    out, _ = ring_attention_forward(
+        m, q, k, v, mask, scaling=m.inv_norm_factor, dropout=0.0, position_ids=position_ids, use_cache=use_cache,
+        output_attentions=output_attentions, **kwargs,
+    )  # fmt: skip
+    return m.dense(out.reshape(b, s, -1)), None
+
+
+def _gpt_neo(m, hidden_states: torch.Tensor, attention_mask=None, layer_past=None, use_cache: bool = False,
+             output_attentions: bool = False, **kwargs):  # fmt: skip
+    mask, kwargs = _unpacked(attention_mask, kwargs)
+    b, s, _ = hidden_states.shape
+    q, k, v = (m._split_heads(p(hidden_states), m.num_heads, m.head_dim) for p in (m.q_proj, m.k_proj, m.v_proj))
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, m.layer_id)
+    window = m.config.window_size if m.attention_type == "local" else None
+    out, _ = ring_attention_forward(
+        m, q, k, v, mask, scaling=1.0, dropout=m.attn_dropout.p if m.training else 0.0, sliding_window=window,
+        use_cache=use_cache, output_attentions=output_attentions, **kwargs,
+    )  # fmt: skip
+    return m.resid_dropout(m.out_proj(out.reshape(b, s, -1))), None
+
+
+FORWARDS = {"falcon": _falcon, "gpt_neo": _gpt_neo}
+"""Model type -> the attention forward of its modules under hf_ring."""
+
+
+class OwnAttention:
+    """``forward`` of an attention module of a family in ``FORWARDS`` while its model is patched."""
+
+    def __init__(self, module: torch.nn.Module, family: str):
+        self.module, self.family = module, family
+
+    def __call__(self, *args, **kwargs):
+        return FORWARDS[self.family](self.module, *args, **kwargs)
+
+
+def install(modules: list, family: str) -> None:
+    for m in modules:
+        m.forward = OwnAttention(m, family)
+
+
+def remove(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), OwnAttention):
+            del m.forward
