@@ -47,6 +47,7 @@ def decode_attention(
     k_doc: torch.Tensor | None = None,
     selected=None,
     distance_bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     backend: str = "auto",
     check: bool = True,
 ) -> torch.Tensor:
@@ -69,6 +70,8 @@ def decode_attention(
             kernel is then the torch backend's.
         distance_bias: [batch, q_heads, new, E]: each query's bias by backward distance, as in ``ring_attention``
             (Inkling's relative position bias); the local kernel is then the torch backend's.
+        alibi_slopes: [q_heads]: ALiBi's slope per head (``-slope * d``), as in ``ring_attention``; the local kernel
+            is then the torch backend's.
         backend: the local kernel (``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``).
         check: run the pre-flight check (one small all-gather: every rank raises the same error when one rank's
             arguments are wrong or ranks disagree on the query shape) before the merge's all-gather. A caller
@@ -78,9 +81,13 @@ def decode_attention(
         [batch, q_heads, new, v_head_dim] in q's dtype, the same on every rank; rows that see no key are 0.
     """
     rank, world = group_rank_and_size(group)
-    error = _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks, distance_bias)
+    error = _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks, distance_bias, alibi_slopes)
     if error is None and distance_bias is not None and softcap is not None:
         error = "distance_bias is not supported with softcap"
+    if error is None and alibi_slopes is not None:
+        if softcap is not None or distance_bias is not None:
+            error = "alibi_slopes is not supported with softcap or distance_bias"
+        distance_bias = alibi_slopes  # (the torch backend tells them by their shape)
     if error is None and selected is not None:
         error = selection_error(selected, q, k)
     if check:
@@ -141,7 +148,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, group, world: int) -> tuple[tor
     return (parts[..., :d] * weights.unsqueeze(-1)).sum(0), total
 
 
-def _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks, distance_bias=None) -> str | None:
+def _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks, distance_bias=None, alibi_slopes=None) -> str | None:
     """The first problem with this rank's arguments, or None."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -169,4 +176,6 @@ def _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks, distance_bias=None) -> st
         or tuple(distance_bias.shape[:3]) != (b, hq, t)
     ):  # fmt: skip
         return f"distance_bias must be a tensor [batch={b}, q_heads={hq}, new={t}, extent]"
+    if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape) != (hq,)):
+        return f"alibi_slopes must be a tensor [q_heads={hq}]"
     return None

@@ -183,8 +183,10 @@ def ring_mask_function(
     are called without the batch's keywords runs (``ring_config.HANDED_OVER``), the mask comes with them (``Lent``).
     """
     mask = None if attention_mask is None else attention_mask[:, -kv_length:]
-    handed = getattr(HANDED_OVER, "kwargs", None)
-    return mask if handed is None else Lent(mask, handed)
+    stack = getattr(HANDED_OVER, "stack", None)
+    if stack and kwargs.get("config") is stack[-1][1]:  # (the model running builds its mask: no other model's)
+        return Lent(mask, stack[-1][2])
+    return mask
 
 
 def scales_queries_itself(module) -> bool:
@@ -265,6 +267,7 @@ def ring_attention_forward(
     if bias is not None and spec is None:  # (a dense bias of the shard's own keys: refused by name below)
         kwargs["position_bias"] = bias
     bias = None if bias is None or spec is None else dataclasses.replace(spec, table=bias)
+    slopes = kwargs.pop("alibi_slopes", None)  # ALiBi's (BLOOM, MPT: their forward under hf_ring, patches._own)
     sinks = kwargs.get("s_aux")
     per_query = kwargs.pop("sinks", None)  # Inkling 2's: a sink per query, [batch, heads, seq, 1]
     if per_query is not None:
@@ -295,7 +298,8 @@ def ring_attention_forward(
     kwargs = batch_checks.with_model_positions(kwargs, query.shape[2])
     cache = kwargs.get(DECODE_KWARG)
     if cache is not None and cache.state.phase == "decode":
-        return _decode(module, query, key, value, cfg, cache, scaling, sliding_window, kwargs, sinks, bias), None
+        out = _decode(module, query, key, value, cfg, cache, scaling, sliding_window, kwargs, sinks, bias, slopes)
+        return out, None
     if compressor_call is None and isinstance(getattr(module, "compressor", None), torch.nn.Module):
         raise InStepError(  # (the same model on every rank, at the same layer: the group stays usable)
             f"{type(module).__name__}: this layer's compressor ran on one rank's tokens only: switch the model with "
@@ -425,6 +429,7 @@ def ring_attention_forward(
         selected=selected,
         shared=shared,
         distance_bias=table,
+        alibi_slopes=slopes,
         backend=cfg.backend,
         plans=cfg.plans,
         ulysses=cfg.ulysses,
@@ -525,11 +530,22 @@ def _bias_rows(document_ids, cu_seqlens, cache, full: int, rank: int, world_size
 
 
 def _decode(
-    module, query, key, value, cfg: RingConfig, cache, scaling, sliding_window, kwargs, sinks=None, bias=None
+    module,
+    query,
+    key,
+    value,
+    cfg: RingConfig,
+    cache,
+    scaling,
+    sliding_window,
+    kwargs,
+    sinks=None,
+    bias=None,
+    slopes=None,
 ) -> torch.Tensor:
     """A decode step of ``ring_generate``: the new tokens' queries (alike on every rank) against every rank's
     cached keys (``decode_attention``); [batch, new, q_heads, v_head_dim]. ``sinks``: per head or per query;
-    ``bias``: Inkling's ``DistanceBias``."""
+    ``bias``: Inkling's ``DistanceBias``; ``slopes``: ALiBi's."""
     from .decode import decode_attention
 
     st = cache.state
@@ -575,6 +591,7 @@ def _decode(
         check=False,  # ring_generate checked the step across ranks once, before the first layer
         selected=selected,
         distance_bias=table,
+        alibi_slopes=slopes,
         **docs,
     )
     return out.transpose(1, 2).contiguous()

@@ -84,6 +84,7 @@ def ring_attention(
     selected=None,
     shared: SharedKeys | None = None,
     distance_bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     backend: str = "auto",
     comm: RingComm | None = None,
     plans: PlanCache | None = None,
@@ -138,6 +139,9 @@ def ring_attention(
             gets the query's entry ``d`` when ``0 <= d < E``, nothing otherwise (the masks apply as without it).
             Differentiable (its gradient stays on this rank: it belongs to the rank's queries). The steps then run on
             the torch backend, which reads it per tile. Not with ``ulysses``, ``shared`` or ``softcap``.
+        alibi_slopes: [q_heads] floating, on q's device, without gradient: ALiBi (BLOOM, MPT): the score of a key at
+            global distance ``d = q_pos - k_pos`` gets ``-slope * d`` (its query head's slope). The steps then run on
+            the torch backend. Not with ``distance_bias``, nor with what it is not with.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
@@ -169,6 +173,10 @@ def ring_attention(
                          "ulysses")  # fmt: skip
     if distance_bias is not None:  # (likewise)
         _check_bias(distance_bias, q, hybrid=hybrid, shared=shared is not None, softcap=softcap)
+    if alibi_slopes is not None:  # (likewise)
+        _check_slopes(alibi_slopes, q, distance_bias)
+        _check_bias(distance_bias, q, hybrid=hybrid, shared=shared is not None, softcap=softcap, what="alibi_slopes")
+        distance_bias = alibi_slopes  # (the torch backend tells them by their shape)
     if ulysses is not None:
         if group is not None and group is not ulysses.cp_group:
             raise ValueError("pass either group or ulysses (it carries its own CP group), not two different groups")
@@ -249,11 +257,29 @@ def _check_shared(shared, q, k, v) -> None:
             raise ValueError(f"ring_attention: shared keys' {problem}")
 
 
-def _check_bias(bias, q, *, hybrid: bool, shared: bool, softcap) -> None:
-    """ValueError unless ``bias`` is a bias by distance for these queries, in a call that can take one (the same on
-    every rank: the model's shapes and configuration)."""
-    b, hq, lq, _ = q.shape
+def _check_slopes(slopes, q, distance_bias) -> None:
+    """ValueError unless ``slopes`` are ALiBi's slopes for these queries, without a bias by distance beside them (the
+    same on every rank: the model's shapes and configuration)."""
+    hq = q.shape[1]
     if not (
+        isinstance(slopes, torch.Tensor) and tuple(slopes.shape) == (hq,) and slopes.dtype.is_floating_point
+        and slopes.device == q.device and not slopes.requires_grad
+    ):  # fmt: skip
+        got = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise ValueError(
+            f"ring_attention: alibi_slopes must be a floating-point tensor [q_heads={hq}] on q's device that requires "
+            f"no gradient (ALiBi's slopes are fixed), got {got}"
+        )
+    if distance_bias is not None:
+        raise ValueError("ring_attention: pass distance_bias or alibi_slopes, not both")
+
+
+def _check_bias(bias, q, *, hybrid: bool, shared: bool, softcap, what: str = "distance_bias") -> None:
+    """ValueError unless ``bias`` is a bias by distance for these queries (``what="alibi_slopes"``: None, the slopes
+    checked by ``_check_slopes``), in a call that can take one (the same on every rank: the model's shapes and
+    configuration)."""
+    b, hq, lq, _ = q.shape
+    if bias is not None and not (
         isinstance(bias, torch.Tensor) and bias.dim() == 4 and tuple(bias.shape[:3]) == (b, hq, lq)
         and bias.shape[3] >= 1 and bias.dtype.is_floating_point and bias.device == q.device
     ):  # fmt: skip
@@ -262,9 +288,9 @@ def _check_bias(bias, q, *, hybrid: bool, shared: bool, softcap) -> None:
             f"ring_attention: distance_bias must be a floating-point tensor [batch={b}, q_heads={hq}, local_seq={lq}, "
             f"extent >= 1] on q's device, got {got}"
         )
-    for given, what in ((hybrid, "ulysses"), (shared, "shared keys"), (softcap is not None, "softcap")):
+    for given, name in ((hybrid, "ulysses"), (shared, "shared keys"), (softcap is not None, "softcap")):
         if given:
-            raise ValueError(f"ring_attention: distance_bias is not supported with {what}")
+            raise ValueError(f"ring_attention: {what} is not supported with {name}")
 
 
 def _biasing(plan: Plan, bias: torch.Tensor, dbias: torch.Tensor | None = None) -> Plan:

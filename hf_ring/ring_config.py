@@ -55,11 +55,16 @@ class Lent:
     def __init__(self, mask, kwargs: dict):
         self.mask, self.kwargs = mask, kwargs
 
+    def to(self, *args, **kwargs) -> Lent:
+        """The mask converted (MPT's model casts its causal mask to bool), the keywords beside it."""
+        return Lent(None if self.mask is None else self.mask.to(*args, **kwargs), self.kwargs)
+
 
 HANDED_OVER = threading.local()
-"""``HANDED_OVER.kwargs``: the batch's keywords a patched model whose layers are called without them (Falcon, GPT-Neo)
-hands to its own causal-mask construction for the length of its forward (``hf_ring.patches._lend.HandOver``):
-``hf_attention.ring_mask_function`` returns its mask with them (a ``Lent``), and the mask reaches every layer."""
+"""``HANDED_OVER.stack``: per thread, one entry ``(model, config, keywords)`` for each model level whose forward is
+running, of a patched model whose layers are called without the batch's keywords (Falcon, GPT-Neo, BLOOM, MPT;
+``hf_ring.patches._lend.HandOver``): ``hf_attention.ring_mask_function`` returns the mask of that config with the
+innermost entry's keywords (a ``Lent``), and the mask reaches every layer."""
 
 
 CONFIG_ATTR = "hf_ring_config"

@@ -324,7 +324,7 @@ def _switch(model, implementation: str, own: bool = False) -> None:
     config = model.config
     text = config.get_text_config()
     if own:
-        text._attn_implementation = implementation
+        text._attn_implementation = {"": implementation}  # (its sub-configs keep theirs: MPT's attention config)
         return
     if text is config:
         model.set_attn_implementation({"": implementation})
@@ -528,6 +528,8 @@ class FamilyPatch:
             what = (path if isinstance(path, str) else path[0]).rpartition(".")[2]
             raise ValueError(f"found no {what} module in {type(model).__name__}")
         linear.check(mixers)
+        if self.own_attention:
+            _own.check(model, modules, self.own_attention)
         original = getattr(model, ORIGINAL_ATTR, text._attn_implementation)
         if original == ATTN_IMPLEMENTATION:  # loaded with attn_implementation="hf_ring"
             original = FALLBACK_ATTN_IMPLEMENTATION

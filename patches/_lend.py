@@ -82,37 +82,36 @@ padding, packing, the shard, positions, ring_generate's cache. (``position_ids``
 
 class HandOver:
     """Hooks of each ``PreTrainedModel`` of a model whose decoder layers are called with hidden states, mask, cache and
-    positions only (Falcon, GPT-Neo; Falcon's causal LM does not even pass its keywords to its base model). The
-    forward pre-hook puts ``HANDED`` keywords of the call in ``HANDED_OVER`` (the outermost model anew, the inner ones
-    adding theirs), where ``hf_attention.ring_mask_function`` finds them when the model builds its causal mask and
-    returns the mask with them (``Lent``): the mask is passed to every layer, and from there to the attention
-    (``patches._own`` unpacks it). The outermost model's forward hook (run even when the forward raises) empties the
-    slot. The keywords travel in the mask argument, so a checkpointed layer's recomputation sees them again."""
-
-    def __init__(self, top: bool):
-        self.top = top
+    positions only (Falcon, GPT-Neo, BLOOM, MPT; Falcon's causal LM does not even pass its keywords to its base
+    model). The forward pre-hook pushes an entry on ``HANDED_OVER.stack``: the model, its config, and the ``HANDED``
+    keywords of its call beside those of the levels around it; the forward hook (run even when the forward raises)
+    pops it. While the model builds its causal mask, ``hf_attention.ring_mask_function`` finds the entry of that config
+    and returns the mask with its keywords (``Lent``): the mask is passed to every layer, and from there to the
+    attention (``patches._own`` unpacks it). A base model called on its own pushes and pops its own entry; another
+    model called inside builds its mask without them. The keywords travel in the mask argument, so a checkpointed
+    layer's recomputation sees them again."""
 
     def before(self, module, args, kwargs) -> None:
+        stack = HANDED_OVER.__dict__.setdefault("stack", [])
         given = {k: kwargs[k] for k in HANDED if k in kwargs}
-        held = None if self.top else getattr(HANDED_OVER, "kwargs", None)
-        HANDED_OVER.kwargs = {**(held or {}), **given}
+        around = stack[-1][2] if stack else {}
+        stack.append((module, getattr(module, "config", None), {**around, **given}))
 
     def after(self, module, args, output) -> None:
-        if self.top:
-            HANDED_OVER.kwargs = None
+        stack = getattr(HANDED_OVER, "stack", None)
+        if stack and stack[-1][0] is module:  # (a pre-hook before this one raised: nothing was pushed)
+            stack.pop()
 
 
 def hand_over(model: torch.nn.Module) -> None:
     """Install ``HandOver`` on ``model`` and every ``PreTrainedModel`` inside it (``remove`` takes them down)."""
     from transformers import PreTrainedModel
 
-    top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     for m in model.modules():
         if isinstance(m, PreTrainedModel):
-            hook = HandOver(top=m is top)
+            hook = HandOver()
             m.register_forward_pre_hook(hook.before, with_kwargs=True)
-            if m is top:
-                m.register_forward_hook(hook.after, always_call=True)
+            m.register_forward_hook(hook.after, always_call=True)
 
 
 def install(

@@ -43,7 +43,7 @@ __all__ = [
     "NO_ULYSSES",
     "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "MASK_POSITIONS", "NO_GENERATE", "OWN_ATTENTION",
     "PATCHES", "SPARSE", "check",
-    "check_causal_mask_only", "check_decoder_only", "check_deepseek_v4", "check_falcon", "check_gemma4", "check_gpt_neo", "check_linear", "check_linear_sliding",
+    "check_causal_mask_only", "check_decoder_only", "check_deepseek_v4", "check_gemma4", "check_gpt_neo", "check_linear", "check_linear_sliding",
     "check_llama4", "check_minimax", "check_minimax_m3", "check_opt", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
     "check_without_windows",
 ]  # fmt: skip
@@ -59,6 +59,7 @@ FAMILIES = {
     "bailing_hybrid": "transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridAttention",
     "bamba": "transformers.models.bamba.modeling_bamba.BambaAttention",
     "bitnet": "transformers.models.bitnet.modeling_bitnet.BitNetAttention",
+    "bloom": "transformers.models.bloom.modeling_bloom.BloomAttention",
     "codegen": "transformers.models.codegen.modeling_codegen.CodeGenAttention",
     "cohere": "transformers.models.cohere.modeling_cohere.CohereAttention",
     "cohere2": "transformers.models.cohere2.modeling_cohere2.Cohere2Attention",
@@ -148,6 +149,7 @@ FAMILIES = {
     "mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralAttention",
     "modernbert-decoder": "transformers.models.modernbert_decoder.modeling_modernbert_decoder.ModernBertDecoderAttention",
     "mllama_text_model": "transformers.models.mllama.modeling_mllama.MllamaTextSelfAttention",
+    "mpt": "transformers.models.mpt.modeling_mpt.MptAttention",
     "nanochat": "transformers.models.nanochat.modeling_nanochat.NanoChatAttention",
     "nemotron": "transformers.models.nemotron.modeling_nemotron.NemotronAttention",
     "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHAttention",
@@ -190,16 +192,6 @@ def check(config, *, windows: bool = True) -> None:
         check_layer_types(config, what)
     else:
         check_layer_types(config, what, allowed=("full_attention",), window=False)
-
-
-def check_falcon(config) -> None:
-    """``check`` for Falcon: rotary positions only (ALiBi, ``config.alibi``, is refused)."""
-    check(config, windows=False)
-    if getattr(config, "alibi", False):
-        raise ValueError(
-            "falcon: config.alibi=True (ALiBi position biases, the Falcon-RW models) is not supported by hf_ring; "
-            "Falcon models with rotary positions (alibi=False: Falcon 7B, 40B, 180B, Falcon 2) are"
-        )
 
 
 def check_gpt_neo(config) -> None:
@@ -437,7 +429,7 @@ CHECKS = {
     "olmoe": check_causal_mask_only, "qwen2_moe": check_without_windows, "gemma4_text": check_gemma4,
     "gemma4_unified_text": check_gemma4,
     "llama4_text": check_llama4,
-    "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, "falcon": check_falcon, "gpt_neo": check_gpt_neo, **{model_type: check_linear for model_type in LINEAR},
+    "gpt2": check_decoder_only, "gpt_bigcode": check_decoder_only, "gpt_neo": check_gpt_neo, **{model_type: check_linear for model_type in LINEAR},
     "minimax": check_minimax, "lfm3": check_linear_sliding, "lara_mini": check_linear_sliding,
     "recurrent_gemma": check_linear_sliding, "zaya": check_zaya, "inkling_text": check_inkling,
     "inkling2_text": check_inkling, "inkling2_loop_text": check_inkling,
@@ -472,10 +464,13 @@ CROSS_ATTENTION = {
 holds whole): their modules attend locally, by the model's own implementation
 (``FamilyPatch.local_attention_class``)."""
 
-NO_ULYSSES = dict.fromkeys(
-    ("inkling_text", "inkling2_text", "inkling2_loop_text"),
-    "its relative position bias (a table per query) and sinks per query do not travel the Ulysses all-to-all yet",
-)
+NO_ULYSSES = {
+    **dict.fromkeys(
+        ("inkling_text", "inkling2_text", "inkling2_loop_text"),
+        "its relative position bias (a table per query) and sinks per query do not travel the Ulysses all-to-all yet",
+    ),
+    **dict.fromkeys(("bloom", "mpt"), "its ALiBi slopes (one per head) do not follow the Ulysses all-to-all yet"),
+}
 """Families the Ulysses x Ring hybrid does not take, and why: ``ulysses_size="auto"`` gives them the pure ring, an
 explicit ``ulysses_size`` above 1 is refused by name (``hf_ring.apply``)."""
 
@@ -527,7 +522,7 @@ MASK_POSITIONS = {"opt": "transformers.models.opt.modeling_opt.OPTDecoder"}
 """Families whose model numbers its tokens from the attention mask, and the module that does
 (``hf_ring.patches._mask_positions``)."""
 
-OWN_ATTENTION = {"falcon", "gpt_neo"}
+OWN_ATTENTION = {"falcon", "gpt_neo", "bloom", "mpt"}
 """Families whose attention modules compute attention themselves (not through Transformers' AttentionInterface):
 their ``forward`` is replaced while patched (``hf_ring.patches._own``)."""
 

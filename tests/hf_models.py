@@ -286,6 +286,12 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
                            "parallel_attn": True, "alibi": False, "hidden_dropout": 0.0}),
     "falcon-heads": ("FalconConfig", "FalconForCausalLM", {"multi_query": False, "new_decoder_architecture": False,
                      "parallel_attn": False, "bias": True, "alibi": False, "hidden_dropout": 0.0}),
+    # ALiBi (hf_ring.patches._own, the ring's alibi_slopes): BLOOM (4 heads; 6, whose slopes mix two bases), MPT
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"attention_dropout": 0.0, "hidden_dropout": 0.0}),
+    "bloom-six-heads": ("BloomConfig", "BloomForCausalLM", {"hidden_size": 48, "num_attention_heads": 6,
+                        "attention_dropout": 0.0, "hidden_dropout": 0.0}),
+    "mpt": ("MptConfig", "MptForCausalLM", {"max_seq_len": 64}),
+    "mpt-six-heads": ("MptConfig", "MptForCausalLM", {"max_seq_len": 64, "hidden_size": 48, "num_attention_heads": 6}),
     "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", {"num_layers": 2, "num_heads": 4,
                 "attention_types": [[["global", "local"], 1]], "window_size": 6, "attention_dropout": 0.0,
                 "resid_dropout": 0.0, "embed_dropout": 0.0}),

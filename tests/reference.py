@@ -41,12 +41,13 @@ def dense_mask(seq_len: int, causal=True, window: int | None = None, docs: torch
 
 def reference_attention(
     q, k, v, *, causal=True, window=None, docs=None, scale=None, softcap=None, sinks=None, dtype=torch.float64,
-    blocks=None, keep=None, bias=None,
+    blocks=None, keep=None, bias=None, alibi=None,
 ):  # fmt: skip
     """Softmax attention in ``dtype`` with K/V repeated to the query heads; empty rows give 0.
 
     ``bias``: [batch, heads, S, E]: each query's additive bias by backward distance (Inkling's relative position bias):
-    the score of key j for query i gets ``bias[..., i, i - j]`` when ``0 <= i - j < E``.
+    the score of key j for query i gets ``bias[..., i, i - j]`` when ``0 <= i - j < E``. ``alibi``: [heads] slopes: the
+    score of key j for query i gets ``-slope * (i - j)`` (ALiBi).
     ``softcap``: scores become ``softcap * tanh(s / softcap)`` before masking (Gemma2). ``sinks``: [heads]
     logits appended to every row's softmax and dropped after it (gpt-oss's learned sinks), or [batch, heads, S]: one per
     query (Inkling 2's). ``keep``: [batch, 1 or heads, S, S]
@@ -64,6 +65,9 @@ def reference_attention(
         dist = torch.arange(n)[:, None] - torch.arange(n)[None, :]
         for d in range(min(extent, n)):  # one diagonal at a time
             s = s + (dist == d) * bias.to(dtype)[..., :, d : d + 1]
+    if alibi is not None:
+        n = q.shape[2]
+        s = s - alibi.to(dtype)[:, None, None] * (torch.arange(n)[:, None] - torch.arange(n)[None, :]).to(dtype)
     mask = dense_mask(q.shape[2], causal, window, docs, blocks)
     s = s.masked_fill(~(mask if keep is None else mask & keep), -math.inf)
     if sinks is not None:

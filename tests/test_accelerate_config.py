@@ -151,13 +151,13 @@ def test_accelerate_parallelism_config_gives_the_cp_size_or_a_clear_error():
 
 
 def test_unsupported_models_are_refused_before_any_collective():
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import XGLMConfig, XGLMForCausalLM
 
     from hf_ring.accelerate import RingAttentionPlugin
 
-    bloom = BloomForCausalLM(BloomConfig(n_layer=1, n_head=2, hidden_size=16, vocab_size=32))
-    with pytest.raises(ValueError, match="no ring-attention patch for model type 'bloom'"):
-        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(), bloom)
+    xglm = XGLMForCausalLM(XGLMConfig(num_layers=1, attention_heads=2, d_model=16, ffn_dim=32, vocab_size=32))
+    with pytest.raises(ValueError, match="no ring-attention patch for model type 'xglm'"):
+        RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(), xglm)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         RingAttentionPlugin(cp_size=1).prepare(_fake_accelerator(), torch.nn.Linear(2, 2))
 

@@ -366,10 +366,12 @@ def test_default_chunk_size_keeps_a_chunk_of_fp32_logits_within_256_mib():
 
 
 def test_errors_name_what_is_unsupported():
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import XGLMConfig, XGLMForCausalLM
 
-    with pytest.raises(ValueError, match="no ring-attention patch for model type 'bloom'"):
-        hf_ring.apply_chunked_loss(BloomForCausalLM(BloomConfig(n_layer=1, n_head=2, hidden_size=16, vocab_size=32)))
+    with pytest.raises(ValueError, match="no ring-attention patch for model type 'xglm'"):
+        hf_ring.apply_chunked_loss(
+            XGLMForCausalLM(XGLMConfig(num_layers=1, attention_heads=2, d_model=16, ffn_dim=32, vocab_size=32))
+        )
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         hf_ring.apply_chunked_loss(make_model("llama"), chunk_size=0)
     with pytest.raises(ValueError, match="no chunked loss to revert"):

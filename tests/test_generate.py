@@ -94,6 +94,8 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     # attention computed in the modules' own forward: the model hands the sharded cache over through its mask
     "falcon-own-attention": ("falcon", 2, 14, 3, {"scores": True}),
     "gpt_neo-own-attention-windows": ("gpt_neo", 2, 14, 3, {"scores": True}),  # a local layer of window 6
+    "bloom-alibi": ("bloom", 2, 14, 3, {"scores": True}),  # ALiBi's slopes in the decode steps too
+    "mpt-alibi": ("mpt-six-heads", 2, 14, 3, {"scores": True}),  # (its reference generates without a cache)
 }
 CASES = {name: case for name, case in CASES.items() if in_transformers(case[0])}
 
@@ -340,6 +342,12 @@ def _kwargs(opts: dict) -> dict:
     return {"max_new_tokens": NEW, "do_sample": False}
 
 
+def _with_cache(family: str, kwargs: dict) -> dict:
+    """MPT's configs default to ``use_cache=False``, which ring_generate refuses: it is asked for (the reference
+    generates the same tokens either way)."""
+    return {**kwargs, "use_cache": True} if family.startswith("mpt") else kwargs
+
+
 def _with_scores(ref, out):
     """``(ref tokens, our tokens, largest difference of the step logits)`` from generate() outputs with scores."""
     if isinstance(out, str):
@@ -368,7 +376,7 @@ def _worker(rank, world):
         torch.manual_seed(7)  # every rank seeds alike, as the reference did
         try:
             with torch.no_grad():
-                out = hf_ring.ring_generate(model, inputs, **_kwargs(opts))
+                out = hf_ring.ring_generate(model, inputs, **_with_cache(family, _kwargs(opts)))
         except ValueError as e:
             out = str(e)
         results[name] = _with_scores(ref, out) if opts.get("scores") else (ref, out)

@@ -350,7 +350,7 @@ def test_attention_computed_in_the_modules_own_forward_goes_through_the_ring(fam
     with torch.no_grad():
         before = model(**reference).logits
     hf_ring.apply_ring_attention(model)
-    assert len(_handing_over(model)) == 3  # the causal LM's two hooks, its base model's pre-hook
+    assert len(_handing_over(model)) == 4  # two on the causal LM, two on its base model
     seen = []
     attention = get_patch(family).attention_modules(model)[0]
     attention.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"]), with_kwargs=True)
@@ -358,15 +358,36 @@ def test_attention_computed_in_the_modules_own_forward_goes_through_the_ring(fam
         ring = model(**hf_ring.shard_batch(batch)).logits
     assert isinstance(seen[0], hf_attention.Lent) and "ring_document_ids" in seen[0].kwargs
     torch.testing.assert_close(ring[real], before[real], atol=ATOL, rtol=0)
-    assert HANDED_OVER.kwargs is None
+    assert not HANDED_OVER.stack
     with pytest.raises(ValueError, match="output_attentions=True is not supported"):
         model(**hf_ring.shard_batch(batch), output_attentions=True)
-    assert HANDED_OVER.kwargs is None
+    assert not HANDED_OVER.stack
+    # its base model called on its own (a value head, an embedding) takes its own keywords and leaves none behind
+    with torch.no_grad():
+        inner = model.base_model(**{k: v for k, v in hf_ring.shard_batch(batch).items() if k != "labels"})
+    assert not HANDED_OVER.stack
+    torch.testing.assert_close(model.lm_head(inner.last_hidden_state)[real], before[real], atol=ATOL, rtol=0)
+    llama = hf_ring.apply_ring_attention(make_model("llama").eval())  # (another patched model builds its own mask)
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(llama, input_ids=_ids()), _logits(make_model("llama"), input_ids=_ids()))
     twin = copy.deepcopy(model)
     module = get_patch(family).attention_modules(twin)[0]
     assert module.forward.module is module
     with torch.no_grad():
         torch.testing.assert_close(twin(**hf_ring.shard_batch(batch)).logits, ring, atol=0, rtol=0)
+
+
+def test_falcon_built_with_alibi_and_a_forward_replaced_by_someone_else_are_refused():
+    import types
+
+    with pytest.raises(ValueError, match="built with ALiBi"):
+        hf_ring.apply_ring_attention(make_model("falcon", alibi=True))
+    model = make_model("gpt_neo")
+    attention = get_patch("gpt_neo").attention_modules(model)[0]
+    attention.forward = types.MethodType(type(attention).forward, attention)  # (as Accelerate's offloading hooks do)
+    with pytest.raises(ValueError, match="its forward was replaced by something else"):
+        hf_ring.apply_ring_attention(model)
+    assert model.config._attn_implementation != "hf_ring"
 
 
 def _lends(model, mixer) -> bool:
@@ -1093,19 +1114,19 @@ class _Wrapper(torch.nn.Module):  # what DDP / FSDP / accelerator.prepare hand b
 
 def test_apply_errors():
     from hf_ring.patches import apply_ring_attention_to_mistral, revert_ring_attention_from_llama
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import XGLMConfig, XGLMForCausalLM
 
     with pytest.raises(TypeError, match="PreTrainedModel or a peft PeftModel"):
         hf_ring.apply_ring_attention(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="_Wrapper.*apply before wrapping, or pass model.module"):
         hf_ring.apply_ring_attention(_Wrapper(make_model("llama")))
-    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=VOCAB))
+    xglm = XGLMForCausalLM(XGLMConfig(num_layers=1, d_model=16, attention_heads=2, ffn_dim=32, vocab_size=VOCAB))
     with pytest.raises(
-        ValueError, match="model type 'bloom'; supported model types: afmoe, apertus, .*, starcoder2, .*vaultgemma"
+        ValueError, match="model type 'xglm'; supported model types: afmoe, apertus, .*, starcoder2, .*vaultgemma"
     ):
-        hf_ring.apply_ring_attention(bloom)
-    with pytest.raises(ValueError, match="model type 'bloom'"):
-        hf_ring.revert_ring_attention(bloom)
+        hf_ring.apply_ring_attention(xglm)
+    with pytest.raises(ValueError, match="model type 'xglm'"):
+        hf_ring.revert_ring_attention(xglm)
     llama = make_model("llama")
     with pytest.raises(ValueError, match="covers model types \\['mistral'\\], not 'llama'"):
         apply_ring_attention_to_mistral(model=llama)
@@ -1189,7 +1210,6 @@ def test_the_router_loss_function_is_hf_rings_only_inside_a_patched_models_forwa
         ("nemotron_h", "layer_types", ["linear_attention", "sliding_attention", "moe"], "sliding_attention"),
         ("llama4_text", "attention_chunk_size", 0, "positive config.attention_chunk_size"),
         ("llama4_text", "layer_types", ["sliding_attention"] * 4, r"\['sliding_attention'\] are not supported"),
-        ("falcon", "alibi", True, "ALiBi"),
         ("gpt_neo", "attention_layers", ["global", "sparse"], r"attention layer types \['sparse'\]"),
         ("gpt_neo", "window_size", 0, "window_size must be a positive integer"),
     ],

@@ -337,6 +337,9 @@ def _hybrid_extras_worker(rank, world):
         lambda: hf_ring.ring_attention(
             ql.detach(), kl.detach(), vl.detach(), distance_bias=torch.zeros(1, 4, s // world, 3), ulysses=groups
         ),
+        lambda: hf_ring.ring_attention(
+            ql.detach(), kl.detach(), vl.detach(), alibi_slopes=torch.ones(4), ulysses=groups
+        ),
     ):
         try:
             call()
@@ -358,6 +361,7 @@ def test_ulysses_ring_hybrid_softcap_sinks_and_errors_on_every_rank():
         assert "ranks disagree on q_heads: [6, 4, 4, 4]" in messages[2], messages[2]  # checked over all 4 ranks
         assert "a sink per query (sinks [batch, q_heads, local_seq]) is not supported with ulysses" in messages[3]
         assert "distance_bias is not supported with ulysses" in messages[4], messages[4]
+        assert "alibi_slopes is not supported with ulysses" in messages[5], messages[5]
 
 
 def test_without_process_group_equals_plain_attention():
@@ -666,10 +670,44 @@ def _bias_worker(rank, world):
         mine = (out, ql.grad, kl.grad, vl.grad, bl.grad)
         refs = (part(ref), *(part(x.grad) for x in ref_in))
         errs[(layout, feat)] = [rel_err(a, r) for a, r in zip(mine, refs)]
+    alibi = {  # ALiBi's slopes (BLOOM, MPT): no gradient of their own
+        "alibi-causal": {},
+        "alibi-padded-window": {"docs": pad, "window": 9},
+        "alibi-packed-gqa1": {"cu": cu, "hkv": 1},
+        "alibi-sinks": {"sinks": True},
+    }
+    for layout, (feat, opts) in itertools.product(hf_ring.LAYOUTS, alibi.items()):
+        g = torch.Generator().manual_seed(6)
+        b, hq, hkv, d = 2, 4, opts.get("hkv", 2), 16
+        q, k = torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+        v, dout = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hq, s, d, generator=g)
+        slopes = torch.tensor([0.5, 0.25, 0.125, 2**-0.5])  # (one is not a power of two: BLOOM with 6 heads)
+        sinks = torch.randn(hq, generator=g) if opts.get("sinks") else None
+
+        def part(x, dim=2, lay=layout):
+            return hf_ring.shard(x, dim=dim, rank=rank, world_size=world, layout=lay)
+
+        ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+        docs, cus, window = opts.get("docs"), opts.get("cu"), opts.get("window")
+        out = hf_ring.ring_attention(
+            ql, kl, vl, layout=layout, document_ids=docs, cu_seqlens=cus, sliding_window=window, sinks=sinks,
+            alibi_slopes=slopes,
+        )  # fmt: skip
+        out.backward(part(dout))
+        ref_docs = docs if cus is None else doc_ids_from_cu(cus, s)
+        ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+        ref = reference_attention(*ref_in, docs=ref_docs, window=window, sinks=sinks, alibi=slopes)
+        ref.backward(dout.double())
+        mine = (out, ql.grad, kl.grad, vl.grad)
+        errs[(layout, feat)] = [rel_err(a, r) for a, r in zip(mine, (part(ref), *(part(x.grad) for x in ref_in)))]
     q, kv = torch.randn(1, 4, s // world, 8), torch.randn(1, 2, s // world, 8)
     refusals = {
         "shape": dict(distance_bias=torch.zeros(1, 2, s // world, 3)),
         "softcap": dict(distance_bias=torch.zeros(1, 4, s // world, 3), softcap=5.0),
+        "slopes-shape": dict(alibi_slopes=torch.ones(2)),
+        "slopes-grad": dict(alibi_slopes=torch.ones(4, requires_grad=True)),
+        "slopes-and-table": dict(alibi_slopes=torch.ones(4), distance_bias=torch.zeros(1, 4, s // world, 3)),
+        "slopes-softcap": dict(alibi_slopes=torch.ones(4), softcap=5.0),
     }
     for name, kwargs in refusals.items():
         try:
@@ -681,9 +719,13 @@ def _bias_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_a_bias_by_distance_matches_plain_attention_with_the_dense_bias(world):
+def test_a_bias_by_distance_and_alibi_match_plain_attention_with_the_dense_bias(world):
     for rank, errs in enumerate(run_distributed(_bias_worker, world, timeout=300)):
         assert "distance_bias must be a floating-point tensor [batch=1, q_heads=4" in errs.pop("shape")
         assert "distance_bias is not supported with softcap" in errs.pop("softcap")
+        assert "alibi_slopes must be a floating-point tensor [q_heads=4]" in errs.pop("slopes-shape")
+        assert "that requires no gradient" in errs.pop("slopes-grad")
+        assert "pass distance_bias or alibi_slopes, not both" in errs.pop("slopes-and-table")
+        assert "alibi_slopes is not supported with softcap" in errs.pop("slopes-softcap")
         for case, e in errs.items():
-            assert max(e) <= FP32_TOL, f"rank {rank} {case}: rel errors (out, dq, dk, dv, d bias) {e}"
+            assert max(e) <= FP32_TOL, f"rank {rank} {case}: rel errors (out, dq, dk, dv[, d bias]) {e}"

@@ -126,6 +126,26 @@ def _tile_bias(bias: torch.Tensor, where, kv_heads: int, qs: slice) -> torch.Ten
     return table.gather(-1, index.expand(*table.shape[:2], -1, -1)).masked_fill_(~inside, 0.0)
 
 
+def _slopes_bias(slopes: torch.Tensor, mask: BlockMask, qs: slice, ks: slice, kv_heads: int, device) -> torch.Tensor:
+    """ALiBi's bias of a tile, folded like its scores: ``-slope * (q_pos - k_pos)`` with a slope per query head
+    (``slopes`` [q_heads]); [kv_heads, G * tile_q, tile_k] (``mask`` as ``_on`` gives it)."""
+    dist = (mask.q_pos[qs][:, None].long() - mask.k_pos[ks][None, :].long()).to(device, torch.float32)
+    group, rows = slopes.numel() // kv_heads, qs.stop - qs.start
+    column = slopes.float().view(kv_heads, group, 1, 1).expand(kv_heads, group, rows, 1).reshape(kv_heads, -1, 1)
+    return -(column * dist.repeat(group, 1))
+
+
+def _add_bias(s: torch.Tensor, bias: torch.Tensor, mask: BlockMask, qs: slice, ks: slice, kv_heads: int):
+    """``s`` plus the tile's bias: a table by distance ([batch, q_heads, local_q, E]) or ALiBi's slopes ([q_heads]);
+    returns the table's ``where`` (``_distances``) for its gradient, or None."""
+    if bias.dim() == 1:
+        s += _slopes_bias(bias, mask, qs, ks, kv_heads, s.device)
+        return None
+    where = _distances(mask, qs, ks, bias.shape[-1], bias.shape[1] // kv_heads, s.device)
+    s += _tile_bias(bias, where, kv_heads, qs)
+    return where
+
+
 def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, softcap=None, bias=None):
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
@@ -134,7 +154,8 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     out: [batch, q_heads, local_q, v_head_dim] fp32; lse: [batch, q_heads, local_q] fp32.
     softcap: None, or the cap of attention logit softcapping (applied before masking).
     bias: None, or [batch, q_heads, local_q, E]: each query's additive bias by backward distance ``d = q_pos - k_pos``
-        (the query's row at ``d`` for ``0 <= d < E``, 0 elsewhere), added to the scaled scores (not with softcap).
+        (the query's row at ``d`` for ``0 <= d < E``, 0 elsewhere), added to the scaled scores (not with softcap); or
+        [q_heads]: ALiBi's slope per head, the bias ``-slope * d``.
     Returns ``(out, lse)``.
     """
     hq, hkv = q.shape[1], k.shape[1]
@@ -152,7 +173,7 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
                 continue
             s, _ = _scores(qf, k[:, :, ks].float(), scale, softcap)
             if bias is not None:
-                s += _tile_bias(bias, _distances(on_device, qs, ks, bias.shape[-1], group, s.device), hkv, qs)
+                _add_bias(s, bias, on_device, qs, ks, hkv)
             if kind != FULL:
                 s.masked_fill_(~_tile_mask(on_device, qs, ks, group).to(s.device), -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
@@ -200,8 +221,7 @@ def backward(
             kt, vt = k[:, :, ks].float(), v[:, :, ks].float()
             s, t = _scores(qf, kt, scale, softcap)
             if bias is not None:
-                where = _distances(on_device, qs, ks, bias.shape[-1], group, s.device)
-                s += _tile_bias(bias, where, hkv, qs)
+                where = _add_bias(s, bias, on_device, qs, ks, hkv)
             p = torch.exp(s - lse_t)
             if kind != FULL:
                 p.masked_fill_(~_tile_mask(on_device, qs, ks, group).to(p.device), 0.0)
