@@ -141,7 +141,8 @@ def ring_attention(
             the torch backend, which reads it per tile. Not with ``ulysses``, ``shared`` or ``softcap``.
         alibi_slopes: [q_heads] floating, on q's device, without gradient: ALiBi (BLOOM, MPT): the score of a key at
             global distance ``d = q_pos - k_pos`` gets ``-slope * d`` (its query head's slope). The steps then run on
-            the torch backend. Not with ``distance_bias``, nor with what it is not with.
+            the torch backend. With ``ulysses`` too (each rank the slopes of its heads); not with ``distance_bias``,
+            ``shared`` or ``softcap``.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a
             ``LoopbackComm`` (virtual ranks in one process; rank and size come from it).
@@ -175,7 +176,7 @@ def ring_attention(
         _check_bias(distance_bias, q, hybrid=hybrid, shared=shared is not None, softcap=softcap)
     if alibi_slopes is not None:  # (likewise)
         _check_slopes(alibi_slopes, q, distance_bias)
-        _check_bias(distance_bias, q, hybrid=hybrid, shared=shared is not None, softcap=softcap, what="alibi_slopes")
+        _check_bias(None, q, hybrid=False, shared=shared is not None, softcap=softcap, what="alibi_slopes")
         distance_bias = alibi_slopes  # (the torch backend tells them by their shape)
     if ulysses is not None:
         if group is not None and group is not ulysses.cp_group:
@@ -231,7 +232,7 @@ def ring_attention(
             return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected, *(None,) * 4, distance_bias)
         extra = (shared.keys, shared.values, shared.selected.index if shared.selected is not None else None)
         return _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected, *extra, shared)
-    return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected)
+    return _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected, alibi_slopes)
 
 
 def _check_shared(shared, q, k, v) -> None:
@@ -322,10 +323,10 @@ def _selecting(plan: Plan, selected: Selection, seq_len: int) -> Plan:
     return dataclasses.replace(plan, backend=backend, masks=masks)
 
 
-def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected: Selection | None = None):
+def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected: Selection | None = None, slopes=None):
     """Ulysses x Ring: heads for sequence inside the Ulysses group, the ring across groups, heads back. A selection
     travels as the keys do: one per query to every rank of the group, one per key/value head to the rank of that head
-    (an all-to-all of integers, no gradient)."""
+    (an all-to-all of integers, no gradient). Sinks and ALiBi's slopes: those of this rank's query heads."""
     u, x = ulysses.ulysses_size, ulysses.exchange
     index = None if selected is None else selected.index
     if index is not None:  # the all-to-all below needs the same shape on every rank: checked first, everywhere
@@ -338,6 +339,8 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected: Selection | No
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     if sinks is not None:
         sinks = sinks.view(u, -1)[x.rank]  # the sinks of this rank's query heads
+    if slopes is not None:
+        slopes = slopes.view(u, -1)[x.rank]
     q, k, v = x.heads_to_sequence(q), x.heads_to_sequence(k), x.heads_to_sequence(v)
     if index is not None:
         if index.dim() == 3:  # one list per query, for every head: each rank of the group gets them all
@@ -351,9 +354,9 @@ def _hybrid(q, k, v, sinks, plan, comm, ulysses, watch, selected: Selection | No
         q, k, v = (t.index_select(2, plan.order[0]) for t in (q, k, v))
         index = None if index is None else index.index_select(-2, plan.order[0])
     if index is None:
-        out = _RingAttention.apply(q, k, v, sinks, plan, comm, watch)
+        out = _RingAttention.apply(q, k, v, sinks, plan, comm, watch, *(None,) * 6, slopes)
     else:
-        out = _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected)
+        out = _RingAttention.apply(q, k, v, sinks, plan, comm, watch, index, selected, *(None,) * 4, slopes)
     if plan.order is not None:
         out = out.index_select(2, plan.order[1])
     return x.sequence_to_heads(out)

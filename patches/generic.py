@@ -469,7 +469,6 @@ NO_ULYSSES = {
         ("inkling_text", "inkling2_text", "inkling2_loop_text"),
         "its relative position bias (a table per query) and sinks per query do not travel the Ulysses all-to-all yet",
     ),
-    **dict.fromkeys(("bloom", "mpt"), "its ALiBi slopes (one per head) do not follow the Ulysses all-to-all yet"),
 }
 """Families the Ulysses x Ring hybrid does not take, and why: ``ulysses_size="auto"`` gives them the pure ring, an
 explicit ``ulysses_size`` above 1 is refused by name (``hf_ring.apply``)."""

@@ -11,8 +11,9 @@ size; the tests assert on the JSON it writes:
   shares summed, DP replicas averaged, the clipping norm that of the full gradient);
 - ZeRO-3 ``save_state`` / ``load_state`` resume to the same next loss and weights;
 - a vision-language model (Qwen2-VL) on batches with images under ZeRO-3: the losses and weights of one process;
-- GLM-5.3-Flash (its indexer's pools, Kimi Delta Attention layers, experts) and Inkling 2 (its bias tables, dynamic
-  convolutions, attention residuals, padded vocabulary) under ZeRO-3: the same;
+- GLM-5.3-Flash (its indexer's pools, Kimi Delta Attention layers, experts), Inkling 2 (its bias tables, dynamic
+  convolutions, attention residuals, padded vocabulary) and BLOOM (its attention in hf_ring's own forward, ALiBi)
+  under ZeRO-3: the same;
 - DeepSpeed's bf16 mode (ZeRO-2, fp32 master weights and reduction) stays within twice the error the same
   mode has without CP;
 - ``RingAttentionTrainer`` with ``deepspeed=`` (ZeRO-2 and ZeRO-3, gradient accumulation 2), and TRL's
@@ -114,6 +115,9 @@ def worker(out: Path) -> None:
     if in_transformers("inkling2_text"):
         inkling2 = make_model("inkling2_text", vocab_size=VOCAB + 8, unpadded_vocab_size=VOCAB)
     inkling2_reference = copy.deepcopy(inkling2)
+    # BLOOM: its attention computed in hf_ring's own forward (ALiBi's slopes, the batch's keywords handed over)
+    bloom = make_model("bloom", vocab_size=VOCAB)
+    bloom_reference = copy.deepcopy(bloom)
     for stage in STAGES:
         accelerator = _deepspeed_accelerator(stage)
         world, rank = accelerator.num_processes, accelerator.process_index
@@ -161,6 +165,12 @@ def worker(out: Path) -> None:
         conv = inkling2.module.model.layers[1].self_attn.k_proj.sconv  # (a dynamic one: its taps partitioned)
         res["inkling2_partitioned"] = all(p.numel() == 0 for p in conv.parameters())
         states["inkling2"] = zero3_full_state(inkling2.module)
+    accelerator = _deepspeed_accelerator(3)  # (every parameter partitioned, as GLM-5.3-Flash's)
+    accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    bloom, _, _, res["bloom_losses"] = plugin_train(RingAttentionPlugin(cp_size=2), accelerator, bloom, data, STEPS)
+    qkv = bloom.module.transformer.h[0].self_attention.query_key_value
+    res["bloom_partitioned"] = all(p.numel() == 0 for p in qkv.parameters())
+    states["bloom"] = zero3_full_state(bloom.module)
 
     # DeepSpeed's bf16 mode (bf16 model, fp32 master weights, fp32 reduction) under ZeRO-2, two steps, with
     # CP and, as the baseline of DeepSpeed's own bf16 error, as plain data parallelism (cp_size=1)
@@ -207,6 +217,8 @@ def worker(out: Path) -> None:
                 data, dp, STEPS, clip=CLIP, make=lambda: inkling2_reference
             )
             res["inkling2_weights_err"] = max_param_rel_err(states["inkling2"], inkling2_ref)
+        res["bloom_ref_losses"], bloom_ref = replica_reference(data, dp, STEPS, clip=CLIP, make=lambda: bloom_reference)
+        res["bloom_weights_err"] = max_param_rel_err(states["bloom"], bloom_ref)
         for stage in STAGES:
             res[f"z{stage}_weights_err"] = max_param_rel_err(states[stage], ref_state)
         ref32_losses, ref32_state = replica_reference(data, dp, 2, clip=CLIP)
@@ -321,3 +333,15 @@ def test_trl_sft_trainer_with_deepspeed_zero3_matches_single_process(launch):
 
 if __name__ == "__main__":
     run_worker(worker, Path(sys.argv[1]))
+
+
+def test_bloom_with_deepspeed_zero3_matches_single_process_training(launch):
+    """BLOOM under ZeRO-3, every parameter partitioned: its attention modules run hf_ring's forward (ALiBi through the
+    ring, the batch's keywords handed over through the mask), gathering their projections as modules; losses and final
+    weights equal single-process training."""
+    world, results = launch
+    for r in results:
+        assert r["bloom_partitioned"]
+        assert r["bloom_losses"] == pytest.approx(results[0]["bloom_ref_losses"], rel=RTOL)
+    err = results[0]["bloom_weights_err"]
+    assert err <= RTOL, f"world {world}, BLOOM under ZeRO-3: final weights differ by {err:.2e}"

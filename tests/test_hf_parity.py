@@ -182,6 +182,7 @@ CASES = {
     "mpt-packed": ("mpt", "packed", 45, {}),
     "mpt-six-heads-padded-contiguous": ("mpt-six-heads", "padded", 40, {"layout": "contiguous"}),
     "mpt-lora-checkpointing": ("mpt", "plain", 40, {"lora": ["Wqkv", "out_proj"], "checkpointing": True}),
+    "bloom-packed-ulysses": ("bloom", "packed", 40, {"ulysses": 2}),  # (each rank the slopes of its heads)
     "gpt_neo-packed": ("gpt_neo", "packed", 45, {}),
     "gpt_neo-padded-lora-checkpointing": ("gpt_neo", "padded", 40, {"lora": True, "checkpointing": True}),
     "gpt_neo-contiguous": ("gpt_neo", "plain", 40, {"layout": "contiguous"}),

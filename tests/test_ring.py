@@ -300,7 +300,8 @@ def test_ulysses_ring_hybrid_matches_plain_attention_fp32(world, u):
 
 
 def _hybrid_extras_worker(rank, world):
-    """2 x 2: softcapping and sinks (and the sinks' gradient) through the hybrid; its errors on every rank."""
+    """2 x 2: softcapping and sinks (and the sinks' gradient), and ALiBi, through the hybrid; its errors on every
+    rank."""
     from hf_ring.comm import ulysses_groups
 
     groups = ulysses_groups(None, 2)
@@ -322,6 +323,14 @@ def _hybrid_extras_worker(rank, world):
     ref.backward(dout.double())
     errs = [rel_err(out, part(ref)), rel_err(ql.grad, part(ref_in[0].grad)), rel_err(kl.grad, part(ref_in[1].grad)),
             rel_err(vl.grad, part(ref_in[2].grad)), rel_err(dsinks, ref_in[3].grad)]  # fmt: skip
+    slopes = torch.tensor([0.5, 0.25, 0.125, 2**-0.5])  # ALiBi: each rank the slopes of its query heads
+    ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+    out = hf_ring.ring_attention(ql, kl, vl, alibi_slopes=slopes, ulysses=groups)
+    out.backward(part(dout))
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*ref_in, alibi=slopes)
+    ref.backward(dout.double())
+    errs += [rel_err(out, part(ref)), *(rel_err(t.grad, part(r.grad)) for t, r in zip((ql, kl, vl), ref_in))]
     messages = []
     for call in (
         lambda: ulysses_groups(None, 3),  # does not divide 4 ranks: raised locally, before any collective
@@ -336,9 +345,6 @@ def _hybrid_extras_worker(rank, world):
         ),
         lambda: hf_ring.ring_attention(
             ql.detach(), kl.detach(), vl.detach(), distance_bias=torch.zeros(1, 4, s // world, 3), ulysses=groups
-        ),
-        lambda: hf_ring.ring_attention(
-            ql.detach(), kl.detach(), vl.detach(), alibi_slopes=torch.ones(4), ulysses=groups
         ),
     ):
         try:
@@ -361,7 +367,6 @@ def test_ulysses_ring_hybrid_softcap_sinks_and_errors_on_every_rank():
         assert "ranks disagree on q_heads: [6, 4, 4, 4]" in messages[2], messages[2]  # checked over all 4 ranks
         assert "a sink per query (sinks [batch, q_heads, local_seq]) is not supported with ulysses" in messages[3]
         assert "distance_bias is not supported with ulysses" in messages[4], messages[4]
-        assert "alibi_slopes is not supported with ulysses" in messages[5], messages[5]
 
 
 def test_without_process_group_equals_plain_attention():
