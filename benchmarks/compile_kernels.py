@@ -29,7 +29,8 @@ import time
 SMEM_LIMIT = {90: 232448, 100: 232448, 80: 166912, 86: 101376, 89: 101376, 120: 101376}
 #: Pointer arguments of the kernels: inputs in the input dtype, positions int32, the rest fp32.
 _PTR_DTYPE = {"Q": "in", "K": "in", "V": "in", "DO": "in", "QPOS": "i32", "KPOS": "i32", "QDOC": "i32", "KDOC": "i32",
-              "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32", "DK": "fp32", "DV": "fp32"}  # fmt: skip
+              "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32", "DK": "fp32", "DV": "fp32",
+              "SLOPES": "fp32"}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -113,11 +114,13 @@ def compile_kernel(fn, arch: int, dtype: str, constexprs: dict, warps: int, stag
 
 
 def reports(
-    arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"), config=None, softcap=None, v_head_dim=None
-):
+    arch: int, dtype: str, head_dim: int, kernels=("fwd", "dq", "dkdv"), config=None, softcap=None, v_head_dim=None,
+    alibi: bool = False,
+):  # fmt: skip
     """Compile the three kernels of one (arch, dtype, head_dim) cell: yields a ``Report`` per kernel.
 
     ``softcap``: compile the attention-logit-softcapping variant (a compile-time option) with that cap.
+    ``alibi``: compile the ALiBi variant (another compile-time option).
     ``v_head_dim``: the values' head_dim when it differs (multi-head latent attention; the config is chosen for the
     larger of the two, as ``triton_backend`` does)."""
     import torch
@@ -129,7 +132,7 @@ def reports(
     cfg = config or triton_backend.cuda_config(divmod(arch, 10), torch_dtype, max(head_dim, dv))
     base = dict(**triton_fwd.head_dims(head_dim, dv), SCAN=cfg.scan,
                 CAUSAL=True, HAS_WINDOW=True, HAS_DOCS=True, UPCAST=cfg.upcast or dtype == "fp32",
-                SOFTCAP=triton_fwd.softcap_constexpr(softcap))  # fmt: skip
+                SOFTCAP=triton_fwd.softcap_constexpr(softcap), ALIBI=bool(alibi))  # fmt: skip
     plan = {
         "fwd": (triton_fwd._fwd_kernel, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages),
         "dq": (triton_bwd._dq_kernel, cfg.dq_block_m, cfg.dq_block_n, cfg.dq_num_warps, cfg.dq_num_stages),
@@ -138,6 +141,7 @@ def reports(
     for name in kernels:
         fn, m, n, warps, stages = plan[name]
         cap = ("" if softcap is None else f" cap{softcap:g}") + ("" if dv == head_dim else f" dv{dv}")
+        cap += " alibi" if alibi else ""
         rep = Report(arch, dtype, head_dim, name, f"M{m} N{n} w{warps} s{stages}{cap}")
         t0 = time.perf_counter()
         try:
@@ -158,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", nargs="+", default=["fwd", "dq", "dkdv"], choices=["fwd", "dq", "dkdv"])
     p.add_argument("--softcap", type=float, default=None, help="compile the logit-softcapping variant with this cap")
     p.add_argument("--v-head-dim", type=int, default=None, help="the values' head_dim, when it differs (MLA)")
+    p.add_argument("--alibi", action="store_true", help="compile the ALiBi variant (slopes per head)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler this script reports on")
@@ -170,8 +175,9 @@ def main(argv=None) -> int:
         for dtype in args.dtypes:
             for head_dim in args.head_dims:
                 for rep in reports(
-                    arch, dtype, head_dim, args.kernels, softcap=args.softcap, v_head_dim=args.v_head_dim
-                ):
+                    arch, dtype, head_dim, args.kernels, softcap=args.softcap, v_head_dim=args.v_head_dim,
+                    alibi=args.alibi,
+                ):  # fmt: skip
                     print(rep.line(), flush=True)
                     failed += not rep.ok
     print(f"{failed} kernel(s) failed or do not fit" if failed else "every kernel compiled and fits")

@@ -39,6 +39,7 @@ import torch
 from . import guard
 from . import plan as _planning
 from .comm import RingComm, UlyssesGroups
+from .kernels import masked_fallback, unsupported_by
 from .kernels import torch_backend as _torch_backend
 from .kernels.mask import BlockMask, Selection, selection_error
 from .plan import Plan, PlanCache, host_document_ids  # (PlanCache and host_document_ids: imported from here too)
@@ -294,12 +295,21 @@ def _check_bias(bias, q, *, hybrid: bool, shared: bool, softcap, what: str = "di
             raise ValueError(f"ring_attention: {what} is not supported with {name}")
 
 
-def _biasing(plan: Plan, bias: torch.Tensor, dbias: torch.Tensor | None = None) -> Plan:
-    """This call's plan with its bias by distance: the steps on a backend that reads it (the torch backend, unless
-    the plan's does), given ``bias`` (and, backward, the accumulator of its gradient)."""
-    kernels = plan.backend if getattr(plan.backend, "BIAS", False) else _torch_backend
+def _biasing(plan: Plan, bias: torch.Tensor, dbias: torch.Tensor | None = None, inputs=None, kernels=None) -> Plan:
+    """This call's plan with its bias: the steps on a backend that reads it (``kernels``, or chosen here; the plan's
+    ``backend.kernels``), given ``bias`` (and, backward, the accumulator of its gradient). A table by distance: the
+    plan's backend if it reads one, else the torch backend. ALiBi's slopes ([q_heads]): the plan's backend if it
+    takes them, else the one that runs the steps fused attention ops cannot (triton on CUDA), when it can run
+    ``inputs`` (q, k, v); else the torch backend."""
+    if kernels is None and bias.dim() == 1:
+        kernels = plan.backend if getattr(plan.backend, "ALIBI", False) else masked_fallback(bias.device)
+        if not getattr(kernels, "ALIBI", False) or unsupported_by(kernels, *inputs):
+            kernels = _torch_backend
+    elif kernels is None:
+        kernels = plan.backend if getattr(plan.backend, "BIAS", False) else _torch_backend
     backend = SimpleNamespace(
-        __name__=f"{kernels.__name__} with a bias by distance", SOFTCAP=False, SELECT=getattr(kernels, "SELECT", False),
+        kernels=kernels, __name__=f"{kernels.__name__} with a bias", SOFTCAP=False,
+        SELECT=getattr(kernels, "SELECT", False),
         forward=functools.partial(kernels.forward, bias=bias),
         backward=functools.partial(kernels.backward, bias=bias, dbias=dbias),
     )  # fmt: skip
@@ -511,7 +521,8 @@ class _RingAttention(torch.autograd.Function):
                     selection = dataclasses.replace(selection, index=selected)  # (the hybrid's, exchanged)
                     run = _selecting(plan, selection, q.shape[2] * plan.world_size)
                 if bias is not None:
-                    run = _biasing(run, bias.detach())
+                    run = _biasing(run, bias.detach(), inputs=(q, k, v))
+                    ctx.bias_kernels = run.backend.kernels  # (the backward's too)
                 out, lse, kv = _ring_forward(q, k, v, run, comm)
             except BaseException as e:
                 _failed(watch, comm, e)
@@ -552,7 +563,7 @@ class _RingAttention(torch.autograd.Function):
                 if bias is not None:
                     if ctx.needs_input_grad[13]:
                         dbias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-                    plan = _biasing(plan, bias, dbias)
+                    plan = _biasing(plan, bias, dbias, kernels=ctx.bias_kernels)
                 dq, dk, dv = _ring_backward(dout, q, kv, out, lse, delta, plan, ctx.comm)
             except BaseException as e:
                 _failed(ctx.watch, ctx.comm, e)

@@ -26,21 +26,22 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_hopper_and_consumer_configs_compile_and_fit():
-    """bf16 at head_dim 128 (the benchmark target) on sm_90, also with logit softcapping (Gemma2's cap), DeepSeek's
-    multi-head latent attention (queries and keys 192, values 128) on sm_90, and the tightest case: head_dim 256 on
-    sm_86."""
+    """bf16 at head_dim 128 (the benchmark target) on sm_90, also with logit softcapping (Gemma2's cap) and with ALiBi
+    (BLOOM's, MPT's), DeepSeek's multi-head latent attention (queries and keys 192, values 128) on sm_90, and the
+    tightest case: head_dim 256 on sm_86."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = []
-    cells = (("90", "128", []), ("90", "128", ["--softcap", "50"]), ("90", "192", ["--v-head-dim", "128"]),
-             ("86", "256", []))  # fmt: skip
+    cells = (("90", "128", []), ("90", "128", ["--softcap", "50"]), ("90", "128", ["--alibi"]),
+             ("90", "192", ["--v-head-dim", "128"]), ("86", "256", []))  # fmt: skip
     for arch, head_dim, extra in cells:
         cmd = [sys.executable, "benchmarks/compile_kernels.py", "--arch", arch, "--dtypes", "bf16",
                "--head-dims", head_dim, *extra]  # fmt: skip
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         lines += [ln for ln in proc.stdout.splitlines() if ln.startswith("sm_")]
-    assert len(lines) == 12, "\n".join(lines)
+    assert len(lines) == 15, "\n".join(lines)
     assert sum("cap50" in ln for ln in lines) == 3 and sum("dv128" in ln for ln in lines) == 3
+    assert sum("alibi" in ln for ln in lines) == 3
     for line in lines:
         shared = int(re.search(r"shared=\s*(\d+) \(ok\)", line).group(1))
         registers = int(re.search(r"registers=\s*(\d+)", line).group(1))

@@ -117,11 +117,15 @@ def _inputs(c, dtype, seed=0, transposed=False):
     return rnd(c["hq"], lq, d), rnd(c["hkv"], lk, d), rnd(c["hkv"], lk, dv), rnd(c["hq"], lq, dv)
 
 
-def _dense(q, k, v, mask: BlockMask, scale, dtype=torch.float64):
-    """Masked attention in ``dtype`` (softmax in fp32 or better): ``(out, lse)``; empty rows give 0 / -inf."""
+def _dense(q, k, v, mask: BlockMask, scale, dtype=torch.float64, slopes=None):
+    """Masked attention in ``dtype`` (softmax in fp32 or better): ``(out, lse)``; empty rows give 0 / -inf.
+    ``slopes``: ALiBi's, the score of key j for query i less ``slope * (q_pos[i] - k_pos[j])``."""
     g = q.shape[1] // k.shape[1]
     k, v = k.to(dtype).repeat_interleave(g, 1), v.to(dtype).repeat_interleave(g, 1)
     s = (q.to(dtype) @ k.transpose(-1, -2)) * scale
+    if slopes is not None:
+        dist = (mask.q_pos[:, None] - mask.k_pos[None, :]).to(q.device, dtype)
+        s = s - slopes.to(q.device, dtype)[:, None, None] * dist
     vis = mask.visible().to(q.device)[:, None]
     s = s.float() if dtype in (torch.float16, torch.bfloat16) else s
     s = s.masked_fill(~vis, -math.inf)
@@ -130,10 +134,12 @@ def _dense(q, k, v, mask: BlockMask, scale, dtype=torch.float64):
     return p @ v, lse
 
 
-def _run(backend, c, q, k, v, do, scale, config=None):
+def _run(backend, c, q, k, v, do, scale, config=None, slopes=None):
     """Forward from empty accumulators, then backward with the resulting LSE: (out, lse, dq, dk, dv)."""
     b, hq, lq, _ = q.shape
     kw = {} if config is None else {"config": config}
+    if slopes is not None:
+        kw["bias"] = slopes
     mask = _mask(c)
     out = torch.zeros(b, hq, lq, v.shape[-1], device=DEVICE)
     lse = torch.full((b, hq, lq), -math.inf, device=DEVICE)
@@ -145,10 +151,10 @@ def _run(backend, c, q, k, v, do, scale, config=None):
     return out, lse, dq, dk, dv
 
 
-def _reference(c, q, k, v, do, scale, dtype=torch.float64):
+def _reference(c, q, k, v, do, scale, dtype=torch.float64, slopes=None):
     """Dense attention and its autograd gradients in ``dtype``: (out, lse, dq, dk, dv)."""
     xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-    out, lse = _dense(*xs, _mask(c), scale, dtype)
+    out, lse = _dense(*xs, _mask(c), scale, dtype, slopes)
     out.backward(do.to(dtype))
     return (out.detach(), lse.detach(), *(x.grad for x in xs))
 
@@ -179,6 +185,23 @@ def test_fp32_matches_torch_backend_and_float64(case):
     for label, ref in (("torch backend", ref_torch), ("float64", ref64)):
         errs = _errors(mine, ref)
         assert max(errs) <= FP32_TOL, f"vs {label}: rel errors (lse, out, dq, dk, dv) {errs}"
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (4, 5, 8, 11)])
+def test_alibi_slopes_match_torch_backend_and_float64(case):
+    """ALiBi (BLOOM, MPT): ``-slope * (q_pos - k_pos)`` with a slope per query head, added in every tile (the full,
+    mask-free ones too) of the forward and both backward kernels."""
+    q, k, v, do = _inputs(case, torch.float32, seed=2)
+    scale = case["d"] ** -0.5
+    slopes = torch.tensor([0.5, 2**-0.5, 0.125, 0.0625])[: case["hq"]].to(DEVICE)
+    mine = _run(triton_backend, case, q, k, v, do, scale, SMALL, slopes=slopes)
+    ref_torch = _run(torch_backend, case, q, k, v, do, scale, slopes=slopes)
+    ref64 = _reference(case, q, k, v, do, scale, slopes=slopes)
+    for label, ref in (("torch backend", ref_torch), ("float64", ref64)):
+        errs = _errors(mine, ref)
+        assert max(errs) <= FP32_TOL, f"vs {label}: rel errors (lse, out, dq, dk, dv) {errs}"
+    plain = _run(triton_backend, case, q, k, v, do, scale, SMALL)  # (the slopes do change every output)
+    assert min(_errors(plain, ref64)[1:]) > 1e-3
 
 
 @pytest.mark.parametrize("case", FP16_CASES)

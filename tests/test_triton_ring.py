@@ -32,7 +32,8 @@ def _cases() -> list[dict]:
     cu = torch.tensor([0, 9, 30, 30, 41, FULL], dtype=torch.int32)  # off the chunk edges, one empty doc
     pad = torch.arange(FULL)[None].repeat(2, 1)
     pad = torch.where(pad < torch.tensor([[FULL - 6], [FULL - 25]]), pad // 20, -1)  # docs, then right padding
-    base = dict(batch=2, hq=4, hkv=2, d=64, dv=None, causal=True, window=None, cu=None, docs=None, layout="zigzag")
+    base = dict(batch=2, hq=4, hkv=2, d=64, dv=None, causal=True, window=None, cu=None, docs=None, layout="zigzag",
+                alibi=False)  # fmt: skip
     return [
         dict(base),
         dict(base, causal=False, d=80),
@@ -47,6 +48,8 @@ def _cases() -> list[dict]:
         dict(base, layout="contiguous"),
         dict(base, layout="contiguous", window=13, causal=False),
         dict(base, batch=1, hq=4, hkv=4, d=48, dv=32, cu=cu),  # values with their own head_dim (MLA)
+        dict(base, alibi=True),  # ALiBi's slopes (BLOOM, MPT), in the kernels
+        dict(base, alibi=True, docs=pad, hq=2, hkv=2, layout="striped", window=11),
     ]
 
 
@@ -64,14 +67,15 @@ def _run_case(rank, world, case, dtype, seed):
         return hf_ring.shard(x, dim=2, rank=rank, world_size=world, layout=lay)
 
     ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+    slopes = torch.tensor([0.5, 2**-0.5, 0.125, 0.0625])[:hq] if case["alibi"] else None
     out = hf_ring.ring_attention(
         ql, kl, vl, layout=lay, causal=case["causal"], sliding_window=case["window"],
-        cu_seqlens=case["cu"], document_ids=case["docs"], backend="triton",
+        cu_seqlens=case["cu"], document_ids=case["docs"], backend="triton", alibi_slopes=slopes,
     )  # fmt: skip
     out.backward(part(dout))
     docs = case["docs"] if case["cu"] is None else doc_ids_from_cu(case["cu"], FULL)
     ref_in = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = reference_attention(*ref_in, causal=case["causal"], window=case["window"], docs=docs)
+    ref = reference_attention(*ref_in, causal=case["causal"], window=case["window"], docs=docs, alibi=slopes)
     ref.backward(dout.double())
     refs = (part(ref), *(part(x.grad) for x in ref_in))
     mine = [rel_err(a, r) for a, r in zip((out, ql.grad, kl.grad, vl.grad), refs)]
@@ -85,7 +89,17 @@ def _run_case(rank, world, case, dtype, seed):
 
 
 def _worker(rank, world):
+    biased = []  # the triton kernels' calls with ALiBi's slopes (not the torch backend's)
+    for name in ("forward", "backward"):
+        kernel = getattr(triton_backend, name)
+
+        def spy(*args, _kernel=kernel, **kwargs):
+            biased.append(kwargs.get("bias") is not None)
+            return _kernel(*args, **kwargs)
+
+        setattr(triton_backend, name, spy)
     results = {"fp32": [_run_case(rank, world, c, torch.float32, seed=i) for i, c in enumerate(_cases())]}
+    results["biased_calls"] = sum(biased)
     results["fp16"] = [_run_case(rank, world, _cases()[i], torch.float16, seed=10 + i) for i in (0, 7)]
     return results
 
@@ -99,6 +113,7 @@ def test_triton_ring_matches_plain_attention():
     for rank, res in enumerate(run_distributed(_worker, WORLD, timeout=600)):
         for case, (errs, _) in zip(cases, res["fp32"]):
             assert max(errs) <= FP32_TOL, f"rank {rank} fp32 {_label(case)}: rel errors (out, dq, dk, dv) {errs}"
+        assert res["biased_calls"] == 2 * 2 * WORLD  # two ALiBi cases: every step forward and backward
         for i, (errs, sdpa) in zip((0, 7), res["fp16"]):
             for name, e, s in zip(("out", "dq", "dk", "dv"), errs, sdpa):
                 assert e <= LOWP_FACTOR * s + LOWP_EPS, (

@@ -23,13 +23,14 @@ import torch
 
 from .mask import EMPTY, FULL, BlockMask
 
-__all__ = ["BIAS", "SELECT", "SOFTCAP", "forward", "backward", "merge_", "tiles"]
+__all__ = ["ALIBI", "BIAS", "SELECT", "SOFTCAP", "forward", "backward", "merge_", "tiles"]
 
 BLOCK_Q = 512
 BLOCK_K = 512
 SOFTCAP = True  # implements attention logit softcapping (``softcap=``)
 SELECT = True  # reads a mask's selection (``BlockMask.with_selection``: DeepSeek sparse attention's top-k)
 BIAS = True  # adds a per-query bias by distance (``bias=``: Inkling's relative position bias)
+ALIBI = True  # or ALiBi's slopes (``bias=`` [q_heads])
 
 
 def tiles(pos: torch.Tensor, block: int) -> list[slice]:

@@ -27,10 +27,11 @@ from .triton_bwd import _dq_kernel, bwd_launch
 from .triton_fwd import fwd_launch
 
 __all__ = [
-    "SOFTCAP", "KernelConfig", "backward", "cuda_config", "default_config", "forward", "interpreted", "unsupported",
+    "ALIBI", "SOFTCAP", "KernelConfig", "backward", "cuda_config", "default_config", "forward", "interpreted", "unsupported",
 ]  # fmt: skip
 
 SOFTCAP = True  # attention logit softcapping, a compile-time option of the kernels
+ALIBI = True  # ALiBi's slopes (``bias=`` [q_heads]), a compile-time option of the kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,16 +160,19 @@ def _fwd_op(
     config: list[int],
     softcap: float | None = None,
     blocks: bool = False,
+    slopes: torch.Tensor | None = None,
 ) -> None:
     cfg = KernelConfig.from_list(config)
     with _on_device(q):
-        fwd_launch(q, k, v, (q_pos, k_pos, q_doc, k_doc), scale, causal, window, out, lse, cfg, softcap, blocks)
+        pos = (q_pos, k_pos, q_doc, k_doc)
+        fwd_launch(q, k, v, pos, scale, causal, window, out, lse, cfg, softcap, blocks, slopes)
 
 
 @_fwd_op.register_fake
 def _fwd_fake(
-    q, k, v, q_pos, k_pos, q_doc, k_doc, scale, causal, window, out, lse, config, softcap=None, blocks=False
-) -> None:
+    q, k, v, q_pos, k_pos, q_doc, k_doc, scale, causal, window, out, lse, config, softcap=None, blocks=False,
+    slopes=None,
+) -> None:  # fmt: skip
     return None
 
 
@@ -193,17 +197,18 @@ def _bwd_op(
     config: list[int],
     softcap: float | None = None,
     blocks: bool = False,
+    slopes: torch.Tensor | None = None,
 ) -> None:
     cfg = KernelConfig.from_list(config)
     pos = (q_pos, k_pos, q_doc, k_doc)
     with _on_device(q):
-        bwd_launch(do, q, k, v, lse, delta, pos, scale, causal, window, dq, dk, dv, cfg, softcap, blocks)
+        bwd_launch(do, q, k, v, lse, delta, pos, scale, causal, window, dq, dk, dv, cfg, softcap, blocks, slopes)
 
 
 @_bwd_op.register_fake
 def _bwd_fake(
     do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, scale, causal, window, dq, dk, dv, config, softcap=None,
-    blocks=False,
+    blocks=False, slopes=None,
 ) -> None:  # fmt: skip
     return None
 
@@ -301,17 +306,32 @@ def _positions(mask: BlockMask, device: torch.device, batch: int):
     return t["q_pos"], t["k_pos"], q_doc, k_doc
 
 
-def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, config=None, softcap=None):
+def _slopes(bias, q) -> torch.Tensor | None:
+    """ALiBi's slopes for the kernels ([q_heads] fp32 on q's device), or None; ValueError for a bias by distance (a
+    table: the torch backend's, ``ring._biasing`` sends it there)."""
+    if bias is None:
+        return None
+    if bias.dim() != 1:
+        raise ValueError("the triton backend takes ALiBi's slopes ([q_heads]), not a bias by distance; use 'torch'")
+    return bias.to(q.device, torch.float32).contiguous()
+
+
+def forward(
+    q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torch.Tensor, *, config=None, softcap=None,
+    bias=None,
+):  # fmt: skip
     """Attend ``q`` to one key/value block and merge into the accumulators in place.
 
     q: [batch, q_heads, local_q, head_dim]; k: [batch, kv_heads, local_k, head_dim]; v: [batch, kv_heads,
     local_k, v_head_dim] (fp16 / bf16 / fp32, any strides). out: [batch, q_heads, local_q, v_head_dim] fp32;
     lse: [batch, q_heads, local_q] fp32 natural-log, ``-inf`` for rows that saw nothing yet.
     config: a ``KernelConfig`` overriding ``default_config``. softcap: attention logit softcapping
-    (a compile-time option of the kernels; None compiles it out). Returns ``(out, lse)``.
+    (a compile-time option of the kernels; None compiles it out). bias: None, or ALiBi's slopes [q_heads] (the
+    score gets ``-slope * (q_pos - k_pos)``; a compile-time option too). Returns ``(out, lse)``.
     """
     if q.dtype == torch.float64:
-        return torch_backend.forward(q, k, v, mask, scale, out, lse, softcap=softcap)
+        return torch_backend.forward(q, k, v, mask, scale, out, lse, softcap=softcap, bias=bias)
+    slopes = _slopes(bias, q)
     b, hq, lq, d = q.shape
     _check(q, k, v, mask, {"out": (out, (b, hq, lq, v.shape[-1])), "lse": (lse, (b, hq, lq))})
     if lq == 0 or k.shape[2] == 0:
@@ -322,23 +342,43 @@ def forward(q, k, v, mask: BlockMask, scale: float, out: torch.Tensor, lse: torc
     _int32_safe(out, copy=False)
     _fwd_op(
         q, k, v, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window, out, lse, cfg.to_list(),
-        None if softcap is None else float(softcap), bool(mask.blocks and q_doc is not None),
+        None if softcap is None else float(softcap), bool(mask.blocks and q_doc is not None), slopes,
     )  # fmt: skip
     return out, lse
 
 
 def backward(
-    do, q, k, v, lse, delta, mask: BlockMask, scale: float, dq, dk, dv, *, out=None, config=None, softcap=None
+    do,
+    q,
+    k,
+    v,
+    lse,
+    delta,
+    mask: BlockMask,
+    scale: float,
+    dq,
+    dk,
+    dv,
+    *,
+    out=None,
+    config=None,
+    softcap=None,
+    bias=None,
+    dbias=None,
 ):
     """Accumulate the gradients of one block into ``dq``, ``dk``, ``dv`` (fp32) in place (``out`` unused).
 
     q: [batch, q_heads, local_q, head_dim]; do: [batch, q_heads, local_q, v_head_dim]; k, v: as in ``forward``.
     lse: [batch, q_heads, local_q] fp32, the final (global) LSE (``-inf``: the row saw nothing, its
     gradients are 0); delta = rowsum(dO * O), same shape. dq: like q, fp32; dk: like k, dv: like v, fp32.
-    softcap: as in ``forward``. Returns ``(dq, dk, dv)``.
+    softcap, bias: as in ``forward`` (ALiBi's slopes take no gradient: ``dbias`` must be None). Returns
+    ``(dq, dk, dv)``.
     """
+    if dbias is not None:
+        raise ValueError("the triton backend computes no bias gradient (ALiBi's slopes are fixed); use 'torch'")
     if q.dtype == torch.float64:
-        return torch_backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, softcap=softcap)
+        return torch_backend.backward(do, q, k, v, lse, delta, mask, scale, dq, dk, dv, softcap=softcap, bias=bias)
+    slopes = _slopes(bias, q)
     b, hq, lq, d = q.shape
     acc = {
         "lse": (lse, (b, hq, lq)), "delta": (delta, (b, hq, lq)),
@@ -358,5 +398,6 @@ def backward(
     _bwd_op(
         do, q, k, v, lse, delta, q_pos, k_pos, q_doc, k_doc, float(scale), bool(mask.causal), mask.window,
         dq, dk, dv, cfg.to_list(), None if softcap is None else float(softcap), bool(mask.blocks and q_doc is not None),
+        slopes,
     )  # fmt: skip
     return dq, dk, dv

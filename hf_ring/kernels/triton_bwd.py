@@ -41,10 +41,10 @@ __all__ = ["bwd_launch"]
 @triton.jit
 def _dq_tile(
     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
-    start_n, Lk, qk_scale, window,
+    start_n, Lk, qk_scale, window, slope,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -72,6 +72,8 @@ def _dq_tile(
     if SOFTCAP > 0.0:
         t = _tanh(s / SOFTCAP)
         s = SOFTCAP * t
+    if ALIBI:  # (ALiBi's bias: no gradient of its own, the score's flows to q and k as without it)
+        s += slope * (tl.load(KPOS + offs_n, mask=n_ok, other=0)[None, :] - qp[:, None]).to(tl.float32)
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
         kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
@@ -92,7 +94,7 @@ def _dq_tile(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QDOC, KDOC,
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QDOC, KDOC, SLOPES,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -104,12 +106,17 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
+    if ALIBI:
+        slope = tl.load(SLOPES + h).to(tl.float32) * _LOG2E
+    else:
+        slope = 0.0
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Lq
@@ -150,22 +157,22 @@ def _dq_kernel(
             if full:
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
-                    stride_vd, t * BLOCK_N, Lk, qk_scale, window,
+                    stride_vd, t * BLOCK_N, Lk, qk_scale, window, slope,
                     False, HEAD_DIM, BLOCK_D,
-                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                 )  # fmt: skip
             elif empty == 0:
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
-                    stride_vd, t * BLOCK_N, Lk, qk_scale, window,
+                    stride_vd, t * BLOCK_N, Lk, qk_scale, window, slope,
                     True, HEAD_DIM, BLOCK_D,
-                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                 )  # fmt: skip
         for t in range(f_first, f_end):
             dq = _dq_tile(
                 dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
-                stride_vd, t * BLOCK_N, Lk, qk_scale, window,
-                False, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                stride_vd, t * BLOCK_N, Lk, qk_scale, window, slope,
+                False, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
             )  # fmt: skip
         for t in range(f_end, end):
             empty, full = _tile_class(
@@ -174,16 +181,16 @@ def _dq_kernel(
             if full:
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
-                    stride_vd, t * BLOCK_N, Lk, qk_scale, window,
+                    stride_vd, t * BLOCK_N, Lk, qk_scale, window, slope,
                     False, HEAD_DIM, BLOCK_D,
-                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                 )  # fmt: skip
             elif empty == 0:
                 dq = _dq_tile(
                     dq, q, do, lse2, delta, qp, qd, m_ok, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn,
-                    stride_vd, t * BLOCK_N, Lk, qk_scale, window,
+                    stride_vd, t * BLOCK_N, Lk, qk_scale, window, slope,
                     True, HEAD_DIM, BLOCK_D,
-                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                 )  # fmt: skip
         g_ptrs = (
             DQ + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
@@ -196,10 +203,10 @@ def _dq_kernel(
 def _dkdv_tile(
     dk, dv, kk, vv, kp, kd, n_ok, Q, DO, LSE, DELTA, QPOS, QDOC,
     stride_qm, stride_qd, stride_om, stride_od, stride_lm,
-    start_m, Lq, qk_scale, window,
+    start_m, Lq, qk_scale, window, slope,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):  # fmt: skip
     """One query tile against the program's key tile, in transposed form (keys are the rows)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -235,6 +242,8 @@ def _dkdv_tile(
     if SOFTCAP > 0.0:
         tt = _tanh(st / SOFTCAP)
         st = SOFTCAP * tt
+    if ALIBI:
+        st += slope * (kp[:, None] - tl.load(QPOS + offs_m, mask=m_ok, other=0)[None, :]).to(tl.float32)
     pt = tl.math.exp2(st - lse2[None, :])
     if MASKED:
         qp = tl.load(QPOS + offs_m, mask=m_ok, other=0)
@@ -258,7 +267,7 @@ def _dkdv_tile(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QDOC, KDOC,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QDOC, KDOC, SLOPES,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -271,6 +280,7 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -311,6 +321,10 @@ def _dkdv_kernel(
             bh_l = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
             LSEh = LSE + bh_l
             DELTAh = DELTA + bh_l
+            if ALIBI:
+                slope = tl.load(SLOPES + h).to(tl.float32) * _LOG2E
+            else:
+                slope = 0.0
             for t in range(first, f_first):
                 empty, full = _tile_class(
                     QPOS, QDOC, t, Lq, k_lo, k_hi, kd_lo, kd_hi, window, False, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS
@@ -318,23 +332,23 @@ def _dkdv_kernel(
                 if full:
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
-                        stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
+                        stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window, slope,
                         False, HEAD_DIM, BLOCK_D,
-                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                     )  # fmt: skip
                 elif empty == 0:
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
-                        stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
+                        stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window, slope,
                         True, HEAD_DIM, BLOCK_D,
-                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                     )  # fmt: skip
             for t in range(f_first, f_end):
                 dk, dv = _dkdv_tile(
                     dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
-                    stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
+                    stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window, slope,
                     False, HEAD_DIM, BLOCK_D,
-                    HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                 )  # fmt: skip
             for t in range(f_end, end):
                 empty, full = _tile_class(
@@ -343,16 +357,16 @@ def _dkdv_kernel(
                 if full:
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
-                        stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
+                        stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window, slope,
                         False, HEAD_DIM, BLOCK_D,
-                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                     )  # fmt: skip
                 elif empty == 0:
                     dk, dv = _dkdv_tile(
                         dk, dv, kk, vv, kp, kd, n_ok, Qh, DOh, LSEh, DELTAh, QPOS, QDOC,
-                        stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window,
+                        stride_qm, stride_qd, stride_om, stride_od, stride_lm, t * BLOCK_M, Lq, qk_scale, window, slope,
                         True, HEAD_DIM, BLOCK_D,
-                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                     )  # fmt: skip
         dk_ptrs = (
             DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
@@ -367,12 +381,29 @@ def _dkdv_kernel(
 
 
 def bwd_launch(
-    do, q, k, v, lse, delta, pos, scale: float, causal: bool, window, dq, dk, dv, cfg, softcap=None, blocks=False
+    do,
+    q,
+    k,
+    v,
+    lse,
+    delta,
+    pos,
+    scale: float,
+    causal: bool,
+    window,
+    dq,
+    dk,
+    dv,
+    cfg,
+    softcap=None,
+    blocks=False,
+    slopes=None,
 ):
     """Launch the dQ and dK/dV kernels; ``dq``, ``dk``, ``dv`` (fp32) are accumulated in place.
 
     pos: ``(q_pos, k_pos, q_doc, k_doc)`` int32 device tensors (docs ``[1 or B, L]`` or None).
-    cfg: a ``triton_backend.KernelConfig`` (its ``dq_*`` and ``dkv_*`` fields). softcap, blocks: as in ``fwd_launch``.
+    cfg: a ``triton_backend.KernelConfig`` (its ``dq_*`` and ``dkv_*`` fields). softcap, blocks, slopes: as in
+    ``fwd_launch``.
     """
     batch, hq, lq, head_dim = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -385,18 +416,19 @@ def bwd_launch(
     common = dict(
         **head_dims(head_dim, v.shape[-1]), SCAN=cfg.scan,
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=doc_mode(has_docs, blocks),
-        UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
+        UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap), ALIBI=slopes is not None,
     )  # fmt: skip
+    slopes = q_pos if slopes is None else slopes  # (a pointer the kernels do not read without ALIBI)
     win = 0 if window is None else int(window)
     _dq_kernel[(triton.cdiv(lq, cfg.dq_block_m), batch * hq)](
-        q, k, v, do, lse, delta, dq, q_pos, k_pos, q_doc, k_doc,
+        q, k, v, do, lse, delta, dq, q_pos, k_pos, q_doc, k_doc, slopes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *lse.stride(), *doc_strides,
         lq, lk, hq, hq // hkv, scale * LOG2E, scale, win,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages,
         **common,
     )  # fmt: skip
     _dkdv_kernel[(triton.cdiv(lk, cfg.dkv_block_n), batch * hkv)](
-        q, k, v, do, lse, delta, dk, dv, q_pos, k_pos, q_doc, k_doc,
+        q, k, v, do, lse, delta, dk, dv, q_pos, k_pos, q_doc, k_doc, slopes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *lse.stride(),
         *doc_strides, lq, lk, hkv, hq // hkv, scale * LOG2E, scale, win,
         BLOCK_M=cfg.dkv_block_m, BLOCK_N=cfg.dkv_block_n, num_warps=cfg.dkv_num_warps,

@@ -205,13 +205,14 @@ def _visible(qp, kp, qd, kd, row_ok, col_ok, window,
 @triton.jit
 def _fwd_tile(
     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
-    start_n, Lk, qk_scale, window,
+    start_n, Lk, qk_scale, window, slope,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):  # fmt: skip
     """One key tile of the online softmax; ``MASKED`` evaluates the mask element-wise; ``SOFTCAP`` > 0
-    caps the (log2-unit) scores at ``SOFTCAP * tanh(s / SOFTCAP)`` before the mask."""
+    caps the (log2-unit) scores at ``SOFTCAP * tanh(s / SOFTCAP)`` before the mask; ``ALIBI`` adds
+    ``slope * (k_pos - q_pos)`` (``slope``: the head's, in log2 units)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -238,6 +239,12 @@ def _fwd_tile(
         s = tl.dot(q, kt) * qk_scale
     if SOFTCAP > 0.0:
         s = SOFTCAP * _tanh(s / SOFTCAP)
+    if ALIBI:
+        if MASKED:
+            kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
+        else:  # (a full tile lies inside the block)
+            kp = tl.load(KPOS + offs_n)
+        s += slope * (kp[None, :] - qp[:, None]).to(tl.float32)
     if MASKED:
         kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
         if HAS_DOCS:
@@ -264,7 +271,7 @@ def _fwd_tile(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, OUT, LSE, QPOS, KPOS, QDOC, KDOC,
+    Q, K, V, OUT, LSE, QPOS, KPOS, QDOC, KDOC, SLOPES,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -275,12 +282,17 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
+    if ALIBI:
+        slope = tl.load(SLOPES + h).to(tl.float32) * _LOG2E
+    else:
+        slope = 0.0
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Lq
@@ -316,23 +328,23 @@ def _fwd_kernel(
             if full:
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
-                    t * BLOCK_N, Lk, qk_scale, window,
+                    t * BLOCK_N, Lk, qk_scale, window, slope,
                     False, HEAD_DIM, BLOCK_D,
-                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                 )  # fmt: skip
             elif empty == 0:
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
-                    t * BLOCK_N, Lk, qk_scale, window,
+                    t * BLOCK_N, Lk, qk_scale, window, slope,
                     True, HEAD_DIM, BLOCK_D,
-                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                 )  # fmt: skip
         # The run of fully visible tiles: no mask, no branch.
         for t in range(f_first, f_end):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
-                t * BLOCK_N, Lk, qk_scale, window,
-                False, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                t * BLOCK_N, Lk, qk_scale, window, slope,
+                False, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
             )  # fmt: skip
         # Tiles after it (the diagonal of a causal block, the edge of a window).
         for t in range(f_end, end):
@@ -342,16 +354,16 @@ def _fwd_kernel(
             if full:
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
-                    t * BLOCK_N, Lk, qk_scale, window,
+                    t * BLOCK_N, Lk, qk_scale, window, slope,
                     False, HEAD_DIM, BLOCK_D,
-                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                 )  # fmt: skip
             elif empty == 0:
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, qp, qd, K, V, KPOS, KDOC, stride_kn, stride_kd, stride_vn, stride_vd,
-                    t * BLOCK_N, Lk, qk_scale, window,
+                    t * BLOCK_N, Lk, qk_scale, window, slope,
                     True, HEAD_DIM, BLOCK_D,
-                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_DOCS, UPCAST, SOFTCAP, ALIBI,
                 )  # fmt: skip
         # Epilogue: merge (acc / l_i, m_i + log2 l_i) into the natural-log accumulators in place.
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -377,13 +389,15 @@ def _fwd_kernel(
         tl.store(l_ptrs, lse_new * _LN2, mask=m_ok)
 
 
-def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, softcap=None, blocks=False) -> None:
+def fwd_launch(
+    q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, softcap=None, blocks=False, slopes=None
+) -> None:
     """Launch the forward kernel; ``out`` [B, Hq, Lq, Dv] and ``lse`` [B, Hq, Lq] fp32 are updated in place
     (``Dv``: v's head_dim, which may differ from q's and k's).
 
     pos: ``(q_pos, k_pos, q_doc, k_doc)`` int32 device tensors (docs ``[1 or B, L]`` or None).
     cfg: a ``triton_backend.KernelConfig``. softcap: attention logit softcapping (None: off). blocks: the docs are
-    block codes (``mask.BlockMask.blocks``).
+    block codes (``mask.BlockMask.blocks``). slopes: ALiBi's, [q_heads] fp32 on the device (None: off).
     """
     batch, hq, lq, head_dim = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -395,11 +409,11 @@ def fwd_launch(q, k, v, pos, scale: float, causal: bool, window, out, lse, cfg, 
         q_doc, k_doc, doc_strides = q_pos, k_pos, (0, 0)
     grid = (triton.cdiv(lq, cfg.block_m), batch * hq)
     _fwd_kernel[grid](
-        q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc,
+        q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, q_pos if slopes is None else slopes,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *doc_strides,
         lq, lk, hq, hq // hkv, scale * LOG2E, 0 if window is None else int(window),
         **head_dims(head_dim, v.shape[-1]), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SCAN=cfg.scan,
         CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_DOCS=doc_mode(has_docs, blocks),
-        UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap),
+        UPCAST=cfg.upcast or q.dtype == torch.float32, SOFTCAP=softcap_constexpr(softcap), ALIBI=slopes is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
