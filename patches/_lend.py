@@ -84,34 +84,50 @@ class HandOver:
     """Hooks of each ``PreTrainedModel`` of a model whose decoder layers are called with hidden states, mask, cache and
     positions only (Falcon, GPT-Neo, BLOOM, MPT; Falcon's causal LM does not even pass its keywords to its base
     model). The forward pre-hook pushes an entry on ``HANDED_OVER.stack``: the model, its config, and the ``HANDED``
-    keywords of its call beside those of the levels around it; the forward hook (run even when the forward raises)
-    pops it. While the model builds its causal mask, ``hf_attention.ring_mask_function`` finds the entry of that config
-    and returns the mask with its keywords (``Lent``): the mask is passed to every layer, and from there to the
-    attention (``patches._own`` unpacks it). A base model called on its own pushes and pops its own entry; another
-    model called inside builds its mask without them. The keywords travel in the mask argument, so a checkpointed
-    layer's recomputation sees them again."""
+    keywords of its call beside those of the model around it (``parent``, whose forward calls this one; None for the
+    outermost); the forward hook (run even when the forward raises) pops it. While the model builds its causal mask,
+    ``hf_attention.ring_mask_function`` finds the entry of that config and returns the mask with its keywords
+    (``Lent``): the mask is passed to every layer, and from there to the attention (``patches._own`` unpacks it).
+
+    A model called with its parent's entry not on top (the outermost one, or a base model called on its own: a value
+    head) starts the stack anew, so what a forward interrupted by a ``BaseException`` left there (Torch runs the
+    closing hooks on ``Exception`` only) is dropped, never inherited; another model called inside builds its mask
+    without them (another config). The keywords travel in the mask argument, so a checkpointed layer's recomputation
+    sees them again."""
+
+    def __init__(self, parent: torch.nn.Module | None):
+        self.parent = parent
 
     def before(self, module, args, kwargs) -> None:
         stack = HANDED_OVER.__dict__.setdefault("stack", [])
-        given = {k: kwargs[k] for k in HANDED if k in kwargs}
+        if self.parent is None or not stack or stack[-1][0] is not self.parent:
+            stack.clear()
         around = stack[-1][2] if stack else {}
+        given = {k: kwargs[k] for k in HANDED if k in kwargs}
         stack.append((module, getattr(module, "config", None), {**around, **given}))
 
     def after(self, module, args, output) -> None:
-        stack = getattr(HANDED_OVER, "stack", None)
-        if stack and stack[-1][0] is module:  # (a pre-hook before this one raised: nothing was pushed)
-            stack.pop()
+        stack = getattr(HANDED_OVER, "stack", None) or []
+        for i in range(len(stack) - 1, -1, -1):  # (its entry and any an interrupted inner call left above it)
+            if stack[i][0] is module:
+                del stack[i:]
+                break
 
 
 def hand_over(model: torch.nn.Module) -> None:
     """Install ``HandOver`` on ``model`` and every ``PreTrainedModel`` inside it (``remove`` takes them down)."""
     from transformers import PreTrainedModel
 
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel):
-            hook = HandOver()
-            m.register_forward_pre_hook(hook.before, with_kwargs=True)
-            m.register_forward_hook(hook.after, always_call=True)
+    def walk(module, parent):
+        if isinstance(module, PreTrainedModel):
+            hook = HandOver(parent)
+            module.register_forward_pre_hook(hook.before, with_kwargs=True)
+            module.register_forward_hook(hook.after, always_call=True)
+            parent = module
+        for child in module.children():
+            walk(child, parent)
+
+    walk(model, None)
 
 
 def install(

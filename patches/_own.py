@@ -25,6 +25,8 @@ model hands them over through its causal mask (``patches._lend.HandOver``), and 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..batch_checks import without_all_true
@@ -106,9 +108,21 @@ def _gpt_neo(m, hidden_states: torch.Tensor, attention_mask=None, layer_past=Non
 
 def _bloom_slopes(m, device) -> torch.Tensor:
     """BLOOM's ALiBi slopes, [heads] fp32, from Transformers' own bias of two positions (``slope * k_pos``)."""
-    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+    return _slopes_of("bloom", m.num_heads, device)
 
-    return build_alibi_tensor(torch.ones(1, 2, device=device), m.num_heads, torch.float32)[:, 0, 1]
+
+@functools.cache
+def _slopes_of(family: str, heads: int, device) -> torch.Tensor:
+    """The family's ALiBi slopes for ``heads`` heads on ``device``, computed once (a fixed tensor, read only; an
+    ordinary one, even when first asked for under ``torch.inference_mode``, so that the ring may save it)."""
+    with torch.inference_mode(False), torch.no_grad():
+        if family == "bloom":
+            from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+            return build_alibi_tensor(torch.ones(1, 2, device=device), heads, torch.float32)[:, 0, 1].contiguous()
+        from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+        return -build_mpt_alibi_tensor(heads, 2, device=device)[:, 0, 0].float()  # (its model's default bias max)
 
 
 def _bloom(m, hidden_states: torch.Tensor, residual: torch.Tensor, alibi, attention_mask, layer_past=None,
@@ -140,9 +154,7 @@ def _bloom(m, hidden_states: torch.Tensor, residual: torch.Tensor, alibi, attent
 def _mpt_slopes(m, device) -> torch.Tensor:
     """MPT's ALiBi slopes, [heads] fp32, from Transformers' own bias of two positions (``slope * (k - 1)``), with the
     bias maximum its model passes (the default: Transformers' MPT does not read ``attn_config.alibi_bias_max``)."""
-    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
-
-    return -build_mpt_alibi_tensor(m.n_heads, 2, device=device)[:, 0, 0].float()  # (its model's default bias max)
+    return _slopes_of("mpt", m.n_heads, device)
 
 
 def _mpt(m, hidden_states: torch.Tensor, position_bias, cache=None, attention_mask=None, **kwargs):

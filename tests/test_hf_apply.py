@@ -362,6 +362,21 @@ def test_attention_computed_in_the_modules_own_forward_goes_through_the_ring(fam
     with pytest.raises(ValueError, match="output_attentions=True is not supported"):
         model(**hf_ring.shard_batch(batch), output_attentions=True)
     assert not HANDED_OVER.stack
+
+    class Interrupt(BaseException):  # (as Ctrl-C: Torch runs no closing hook for it)
+        pass
+
+    def interrupt(*args):
+        raise Interrupt
+
+    handle = get_patch(family).attention_modules(model)[-1].register_forward_pre_hook(interrupt)
+    with pytest.raises(Interrupt):
+        model(**hf_ring.shard_batch(batch))
+    handle.remove()
+    assert HANDED_OVER.stack  # left behind: the next call drops them, never inherits them
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"])
+    assert seen[-1].kwargs == {} and not HANDED_OVER.stack
     # its base model called on its own (a value head, an embedding) takes its own keywords and leaves none behind
     with torch.no_grad():
         inner = model.base_model(**{k: v for k, v in hf_ring.shard_batch(batch).items() if k != "labels"})
