@@ -48,6 +48,7 @@ CASES = {  # name: (keyword arguments, number of newest tokens queried)
     "value_head_dim": ({"dv": 24}, 2),  # values with their own head_dim (multi-head latent attention)
     "selected": ({"selected": True, "dv": 24}, 2),  # each query's top-k keys (DeepSeek sparse attention), any rank's
     "selected_blocks": ({"selected": 3, "docs": True}, 2),  # blocks of 3 keys per key/value head (MiniMax M3's)
+    "alibi": ({"alibi": True, "docs": True}, 2),  # ALiBi's slopes (BLOOM, MPT), by global distance
 }
 
 
@@ -69,6 +70,8 @@ def _case(name, rank, world):
         docs[0, 19:] = 2
         docs[1, :] = -1  # row 1: padding only (its queries see nothing, its keys are seen by nothing)
         ref_kw["docs"] = docs
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = ref_kw["alibi"] = torch.tensor([0.5, 2**-0.5, 0.125, 0.0625])
     q_pos = torch.arange(s - t, s)
     k_pos = _mine(rank, world)
     block = kw.pop("selected", False)
