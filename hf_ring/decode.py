@@ -176,6 +176,9 @@ def _error(q, k, v, q_pos, k_pos, q_doc, k_doc, sinks, distance_bias=None, alibi
         or tuple(distance_bias.shape[:3]) != (b, hq, t)
     ):  # fmt: skip
         return f"distance_bias must be a tensor [batch={b}, q_heads={hq}, new={t}, extent]"
-    if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape) != (hq,)):
-        return f"alibi_slopes must be a tensor [q_heads={hq}]"
+    if alibi_slopes is not None and (
+        not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape) != (hq,)
+        or not alibi_slopes.dtype.is_floating_point or alibi_slopes.device != q.device or alibi_slopes.requires_grad
+    ):  # fmt: skip
+        return f"alibi_slopes must be a floating-point tensor [q_heads={hq}] on q's device that requires no gradient"
     return None

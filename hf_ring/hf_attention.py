@@ -47,7 +47,7 @@ from .comm import group_rank_and_size
 from .guard import InStepError
 from .layout import documents_from_cu_seqlens, index_in_document, packed_rows, positions, several_documents
 from .ring import raise_on_every_rank, ring_attention
-from .ring_config import (  # (they were defined here: their import from this module stays)
+from .ring_config import (  # (most were defined here: their import from this module stays)
     BATCH_DOCUMENT_KWARGS,
     BLOCK_IDS_KWARG,
     CONFIG_ATTR,
@@ -234,7 +234,8 @@ def ring_attention_forward(
         sliding_window: Transformers' window W (key visible iff ``q - W < k <= q``), or None.
         kwargs: ``ring_document_ids``, ``ring_shard_info``, ``cu_seq_lens_q`` / ``cu_seq_lens_k``,
             ``seq_idx``, ``position_ids``, ``is_causal``, ``output_attentions``, ``softcap`` (attention logit
-            softcapping), ``s_aux`` (learned sinks, [q_heads]), ``ring_block_ids`` (bidirectional blocks), and
+            softcapping), ``s_aux`` (learned sinks, [q_heads]), ``ring_block_ids`` (bidirectional blocks),
+            ``alibi_slopes`` (ALiBi's, [q_heads]: BLOOM's and MPT's forwards under hf_ring pass them), and
             keywords that do not change attention (``_HARMLESS_KWARGS``); any other keyword with a value raises
             ValueError (e.g. ``position_bias``): a feature hf_ring does not implement is never dropped silently.
 

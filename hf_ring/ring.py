@@ -142,8 +142,8 @@ def ring_attention(
             the torch backend, which reads it per tile. Not with ``ulysses``, ``shared`` or ``softcap``.
         alibi_slopes: [q_heads] floating, on q's device, without gradient: ALiBi (BLOOM, MPT): the score of a key at
             global distance ``d = q_pos - k_pos`` gets ``-slope * d`` (its query head's slope). The steps then run on
-            a backend that takes them: the triton kernels on CUDA (the plan's backend, or the masked steps'), the
-            torch backend elsewhere. With ``ulysses`` too (each rank the slopes of its heads); not with ``distance_bias``,
+            a backend that takes them: the plan's (``"torch"``, ``"triton"``), else the masked steps' (triton on
+            CUDA), else torch. With ``ulysses`` too (each rank the slopes of its heads); not with ``distance_bias``,
             ``shared`` or ``softcap``.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"sdpa"``, ``"cudnn"`` or ``"flash_attn"``.
         comm: a ``RingComm`` to send through (its byte counters then include this call), or a

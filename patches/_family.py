@@ -453,7 +453,8 @@ class FamilyPatch:
     # shifts them), given that numbering from the batch's document ids (``patches._mask_positions``); None:
     # its model numbers them 0, 1, ... as shard_batch does
     mask_positions: str | None = None
-    # the family's attention modules compute attention themselves (Falcon, GPT-Neo), not through Transformers'
+    # the family's attention modules compute attention themselves (Falcon, GPT-Neo, BLOOM, MPT), not
+    # through Transformers'
     # AttentionInterface: their ``forward`` is replaced while patched by ``patches._own.FORWARDS[own_attention]``, and
     # the model hands the batch's keywords to its layers through its causal mask (``patches._lend.HandOver``)
     own_attention: str | None = None

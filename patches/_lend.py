@@ -11,8 +11,10 @@ keywords travel in the calls' arguments, nothing is kept between calls, so a che
 (with Transformers running module hooks inside the checkpoint or outside) sees them again.
 
 ``install`` / ``install_on_model`` set these hooks up (for the attention modules of a family whose decoder layers
-drop the keywords, ``FamilyPatch.lend_attention_kwargs``; for the mixers, through ``hf_ring.patches.linear.install``),
-``remove`` takes every one of them down.
+drop the keywords, ``FamilyPatch.lend_attention_kwargs``; for the mixers, through ``hf_ring.patches.linear.install``).
+Models whose layers are called with none of the batch's keywords (Falcon, GPT-Neo, BLOOM, MPT) hand them over
+through their causal mask instead (``HandOver``, set up by ``hand_over``). ``remove`` takes every one of these hooks
+down.
 """
 
 from __future__ import annotations
@@ -75,9 +77,11 @@ class UnpackLent:
 
 
 HANDED = (DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG, POSITIONS_KWARG, DECODE_KWARG, "cu_seq_lens_q", "cu_seq_lens_k",
-          "seq_idx")  # fmt: skip
+          "seq_idx", "output_attentions")  # fmt: skip
 """The keywords a model whose layers are called without any hands over through its mask (``HandOver``): documents,
-padding, packing, the shard, positions, ring_generate's cache. (``position_ids`` reach those layers by name.)"""
+padding, packing, the shard, positions, ring_generate's cache; ``output_attentions``, which the attention function
+refuses (MPT's blocks do not pass it on: its attention weights would be None without a word). (``position_ids`` reach
+those layers by name.)"""
 
 
 class HandOver:
@@ -103,7 +107,7 @@ class HandOver:
         if self.parent is None or not stack or stack[-1][0] is not self.parent:
             stack.clear()
         around = stack[-1][2] if stack else {}
-        given = {k: kwargs[k] for k in HANDED if k in kwargs}
+        given = {k: kwargs[k] for k in HANDED if k in kwargs and (k != "output_attentions" or kwargs[k])}
         stack.append((module, getattr(module, "config", None), {**around, **given}))
 
     def after(self, module, args, output) -> None:
@@ -163,7 +167,7 @@ def install_on_model(model: torch.nn.Module, keys: tuple, unpack_in_base: bool) 
 
 
 def remove(model: torch.nn.Module) -> None:
-    """Remove every hook ``install`` and ``install_on_model`` added (found by their class, so a deep copy's are found
-    too)."""
+    """Remove every hook ``install``, ``install_on_model`` and ``hand_over`` added (found by their class, so a deep
+    copy's are found too)."""
     for m in model.modules():
         remove_hooks(m, (LendKeywords, UnpackLent, HandOver))

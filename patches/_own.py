@@ -36,12 +36,15 @@ from ..ring_config import CONFIG_ATTR, Lent
 __all__ = ["FORWARDS", "OwnAttention", "check", "install", "remove"]
 
 
-def _unpacked(m, attention_mask, kwargs: dict) -> tuple:
-    """The mask and the keywords of the call, with those the model handed over through the mask. A mask without
-    padding is dropped (Transformers 5.17's BLOOM makes an all-ones one when given none, which the attention function
-    would refuse beside shard_batch's document ids): one host read per forward."""
+def _unpacked(m, attention_mask, kwargs: dict, output_attentions: bool = False) -> tuple:
+    """The mask and the keywords of the call, with those the model handed over through the mask (and
+    ``output_attentions``, asked for by the call or by the model's, which the attention function refuses). A mask
+    without padding is dropped (Transformers 5.17's BLOOM makes an all-ones one when given none, which the attention
+    function would refuse beside shard_batch's document ids): one host read per forward."""
     if isinstance(attention_mask, Lent):
         attention_mask, kwargs = attention_mask.mask, {**attention_mask.kwargs, **kwargs}
+    if output_attentions or kwargs.pop("output_attentions", None):  # (else the model's config says, as elsewhere)
+        kwargs["output_attentions"] = True
     plans = getattr(getattr(m, CONFIG_ATTR, None), "plans", None)
     return without_all_true(attention_mask, plans), kwargs
 
@@ -77,7 +80,7 @@ def _falcon(
 
     if alibi is not None:  # (refused at apply: a model built with alibi=True after it)
         raise ValueError("hf_ring does not support Falcon with ALiBi (config.alibi=True)")
-    mask, kwargs = _unpacked(m, attention_mask, kwargs)
+    mask, kwargs = _unpacked(m, attention_mask, kwargs, output_attentions)
     b, s, _ = hidden_states.shape
     q, k, v = (t.transpose(1, 2) for t in _falcon_heads(m, m.query_key_value(hidden_states)))
     cos, sin = position_embeddings
@@ -86,14 +89,14 @@ def _falcon(
         k, v = layer_past.update(k, v, m.layer_idx)
     out, _ = ring_attention_forward(
         m, q, k, v, mask, scaling=m.inv_norm_factor, dropout=0.0, position_ids=position_ids, use_cache=use_cache,
-        output_attentions=output_attentions, **kwargs,
+        **kwargs,
     )  # fmt: skip
     return m.dense(out.reshape(b, s, -1)), None
 
 
 def _gpt_neo(m, hidden_states: torch.Tensor, attention_mask=None, layer_past=None, use_cache: bool = False,
              output_attentions: bool = False, **kwargs):  # fmt: skip
-    mask, kwargs = _unpacked(m, attention_mask, kwargs)
+    mask, kwargs = _unpacked(m, attention_mask, kwargs, output_attentions)
     b, s, _ = hidden_states.shape
     q, k, v = (m._split_heads(p(hidden_states), m.num_heads, m.head_dim) for p in (m.q_proj, m.k_proj, m.v_proj))
     if layer_past is not None:
@@ -101,7 +104,7 @@ def _gpt_neo(m, hidden_states: torch.Tensor, attention_mask=None, layer_past=Non
     window = m.config.window_size if m.attention_type == "local" else None
     out, _ = ring_attention_forward(
         m, q, k, v, mask, scaling=1.0, dropout=m.attn_dropout.p if m.training else 0.0, sliding_window=window,
-        use_cache=use_cache, output_attentions=output_attentions, **kwargs,
+        use_cache=use_cache, **kwargs,
     )  # fmt: skip
     return m.resid_dropout(m.out_proj(out.reshape(b, s, -1))), None
 
@@ -111,10 +114,18 @@ def _bloom_slopes(m, device) -> torch.Tensor:
     return _slopes_of("bloom", m.num_heads, device)
 
 
-@functools.cache
 def _slopes_of(family: str, heads: int, device) -> torch.Tensor:
-    """The family's ALiBi slopes for ``heads`` heads on ``device``, computed once (a fixed tensor, read only; an
-    ordinary one, even when first asked for under ``torch.inference_mode``, so that the ring may save it)."""
+    """The family's ALiBi slopes for ``heads`` heads on ``device``: computed once (``_computed``), but anew while a
+    compiler traces (its tensors may be fake: never kept)."""
+    if torch.compiler.is_compiling():
+        return _computed.__wrapped__(family, heads, device)
+    return _computed(family, heads, device)
+
+
+@functools.cache
+def _computed(family: str, heads: int, device) -> torch.Tensor:
+    """The slopes, a fixed tensor read only: an ordinary one, even when first asked for under
+    ``torch.inference_mode``, so that the ring may save it for the backward."""
     with torch.inference_mode(False), torch.no_grad():
         if family == "bloom":
             from transformers.models.bloom.modeling_bloom import build_alibi_tensor
@@ -129,14 +140,14 @@ def _bloom(m, hidden_states: torch.Tensor, residual: torch.Tensor, alibi, attent
            use_cache: bool = False, output_attentions: bool = False, **kwargs):  # fmt: skip
     from transformers.models.bloom.modeling_bloom import dropout_add
 
-    mask, kwargs = _unpacked(m, attention_mask, kwargs)
+    mask, kwargs = _unpacked(m, attention_mask, kwargs, output_attentions)
     b, s, _ = hidden_states.shape
     q, k, v = m._reshape(m.query_key_value(hidden_states))
     if layer_past is not None:
         k, v = layer_past.update(k, v, m.layer_idx)
     out, _ = ring_attention_forward(
         m, q, k, v, mask, scaling=m.inv_norm_factor, dropout=m.attention_dropout.p if m.training else 0.0,
-        alibi_slopes=_bloom_slopes(m, q.device), use_cache=use_cache, output_attentions=output_attentions, **kwargs,
+        alibi_slopes=_bloom_slopes(m, q.device), use_cache=use_cache, **kwargs,
     )  # fmt: skip
     context = out.reshape(b, s, -1)
     if m.pretraining_tp > 1 and m.slow_but_exact:  # (its output projection in slices, as the module does)
@@ -196,7 +207,8 @@ def check(model: torch.nn.Module, modules: list, family: str) -> None:
     if family == "falcon" and any(getattr(m, "use_alibi", False) for m in model.modules()):
         raise ValueError(
             "falcon: this model was built with ALiBi (config.alibi=True, the Falcon-RW models), which hf_ring does not "
-            "support for Falcon; Falcon models with rotary positions (alibi=False: Falcon 7B, 40B, 180B, Falcon 2) are"
+            "support for Falcon; Falcon models with rotary positions (alibi=False: Falcon 7B, 40B, 180B, Falcon 2) are "
+            "supported"
         )
     other = [m for m in modules if "forward" in m.__dict__ and not isinstance(m.__dict__["forward"], OwnAttention)]
     if other:

@@ -464,12 +464,10 @@ CROSS_ATTENTION = {
 holds whole): their modules attend locally, by the model's own implementation
 (``FamilyPatch.local_attention_class``)."""
 
-NO_ULYSSES = {
-    **dict.fromkeys(
-        ("inkling_text", "inkling2_text", "inkling2_loop_text"),
-        "its relative position bias (a table per query) and sinks per query do not travel the Ulysses all-to-all yet",
-    ),
-}
+NO_ULYSSES = dict.fromkeys(
+    ("inkling_text", "inkling2_text", "inkling2_loop_text"),
+    "its relative position bias (a table per query) and sinks per query do not travel the Ulysses all-to-all yet",
+)
 """Families the Ulysses x Ring hybrid does not take, and why: ``ulysses_size="auto"`` gives them the pure ring, an
 explicit ``ulysses_size`` above 1 is refused by name (``hf_ring.apply``)."""
 

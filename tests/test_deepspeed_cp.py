@@ -331,10 +331,6 @@ def test_trl_sft_trainer_with_deepspeed_zero3_matches_single_process(launch):
     assert ref["trainer_trl_weights_err"] <= RTOL, f"{ref['trainer_trl_weights_err']:.2e}"
 
 
-if __name__ == "__main__":
-    run_worker(worker, Path(sys.argv[1]))
-
-
 def test_bloom_with_deepspeed_zero3_matches_single_process_training(launch):
     """BLOOM under ZeRO-3, every parameter partitioned: its attention modules run hf_ring's forward (ALiBi through the
     ring, the batch's keywords handed over through the mask), gathering their projections as modules; losses and final
@@ -345,3 +341,7 @@ def test_bloom_with_deepspeed_zero3_matches_single_process_training(launch):
         assert r["bloom_losses"] == pytest.approx(results[0]["bloom_ref_losses"], rel=RTOL)
     err = results[0]["bloom_weights_err"]
     assert err <= RTOL, f"world {world}, BLOOM under ZeRO-3: final weights differ by {err:.2e}"
+
+
+if __name__ == "__main__":
+    run_worker(worker, Path(sys.argv[1]))

@@ -303,7 +303,7 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
         hf_ring.apply_ring_attention(model)  # again: the hooks replaced, not added
         assert sum(isinstance(h, LendKeywords) for h in model._forward_pre_hooks.values()) == 1
         assert sum(isinstance(h, UnpackLent) for h in model.backbone._forward_pre_hooks.values()) == unpacks
-    itself = get_patch(family).own_attention is not None  # (Falcon, GPT-Neo: forward replaced, keywords handed over)
+    itself = get_patch(family).own_attention is not None  # (Falcon, GPT-Neo, BLOOM, MPT: own forward, hand-over)
     assert all(isinstance(m.__dict__.get("forward"), OwnAttention) == itself for m in modules)
     assert bool(_handing_over(model)) == itself
     ring = _logits(model, input_ids=ids)
@@ -335,9 +335,9 @@ def _handing_over(model) -> list:
     return [h for h in hooks if isinstance(getattr(h, "__self__", h), HandOver)]
 
 
-@pytest.mark.parametrize("family", ["falcon", "gpt_neo"])
+@pytest.mark.parametrize("family", ["falcon", "gpt_neo", "bloom", "mpt"])
 def test_attention_computed_in_the_modules_own_forward_goes_through_the_ring(family):
-    """Falcon's and GPT-Neo's attention modules compute attention themselves: while patched, their forward is
+    """Falcon's, GPT-Neo's, BLOOM's and MPT's attention modules compute attention themselves: while patched, their forward is
     hf_ring's (``patches._own``), and the model hands the batch's keywords to them through its causal mask, also to a
     forward that raises, leaving nothing behind; a deep copy's modules have forwards of their own."""
     import copy
