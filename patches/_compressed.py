@@ -15,6 +15,7 @@ import inspect
 import torch
 
 from ..compressed import ATTR, CompressorCall
+from ._hooks import remove_forward
 
 __all__ = ["DeferCompressor", "install", "remove"]
 
@@ -48,6 +49,5 @@ def install(modules: list) -> None:
 def remove(model: torch.nn.Module) -> None:
     """Give every compressor of ``model`` its own ``forward`` back, and drop any call left recorded."""
     for m in model.modules():
-        if isinstance(m.__dict__.get("forward"), DeferCompressor):
-            del m.__dict__["forward"]
+        remove_forward(m, DeferCompressor)
         m.__dict__.pop(ATTR, None)

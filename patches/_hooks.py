@@ -1,10 +1,11 @@
-"""Removing the forward hooks hf_ring's patches add, found by their class (so a deep copy's are found too)."""
+"""Removing the forward hooks and forwards hf_ring's patches add, found by their class (so a deep copy's are found
+too)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["remove_hooks"]
+__all__ = ["remove_forward", "remove_hooks"]
 
 
 def remove_hooks(module: torch.nn.Module, kinds: type | tuple) -> None:
@@ -18,3 +19,9 @@ def remove_hooks(module: torch.nn.Module, kinds: type | tuple) -> None:
                 del hooks[hook_id]
                 for flag in flags:
                     flag.pop(hook_id, None)
+
+
+def remove_forward(module: torch.nn.Module, kinds: type | tuple) -> None:
+    """Give ``module`` its class's ``forward`` back when its own (an instance attribute) is one of ``kinds``."""
+    if isinstance(module.__dict__.get("forward"), kinds):
+        del module.__dict__["forward"]

@@ -32,6 +32,7 @@ import torch
 from ..batch_checks import without_all_true
 from ..hf_attention import ring_attention_forward
 from ..ring_config import CONFIG_ATTR, Lent
+from ._hooks import remove_forward
 
 __all__ = ["FORWARDS", "OwnAttention", "check", "install", "remove"]
 
@@ -225,5 +226,4 @@ def install(modules: list, family: str) -> None:
 
 def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
-        if isinstance(m.__dict__.get("forward"), OwnAttention):
-            del m.forward
+        remove_forward(m, OwnAttention)

@@ -31,6 +31,7 @@ import torch
 
 from ..comm import RingComm
 from ..hf_attention import LOST_GROUP, lost_group
+from ._hooks import remove_forward
 
 __all__ = ["UnshardedPositions", "check", "declared", "install", "remove", "rotary_modules", "undecorated"]
 
@@ -167,5 +168,4 @@ def install(modules: list, cfg) -> None:
 
 def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
-        if isinstance(m.__dict__.get("forward"), UnshardedPositions):
-            del m.forward
+        remove_forward(m, UnshardedPositions)

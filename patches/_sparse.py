@@ -24,7 +24,7 @@ import inspect
 import torch
 
 from ..sparse import IndexerCall, SparseMask
-from ._hooks import remove_hooks
+from ._hooks import remove_forward, remove_hooks
 
 __all__ = ["CarryCall", "DeferIndexer", "WrapMask", "install", "remove"]
 
@@ -100,8 +100,7 @@ def install(modules: list) -> None:
 def remove(model: torch.nn.Module) -> None:
     """Undo ``install`` on every module of ``model`` (found by class, so a deep copy's are found too)."""
     for m in model.modules():
-        if isinstance(m.__dict__.get("forward"), DeferIndexer):
-            del m.__dict__["forward"]
+        remove_forward(m, DeferIndexer)
         if isinstance(m.__dict__.get(MASK_BUILDER), CarryCall):
             del m.__dict__[MASK_BUILDER]
         remove_hooks(m, WrapMask)

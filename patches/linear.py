@@ -42,6 +42,7 @@ from ..hf_attention import DOCUMENT_IDS_KWARG, LOST_GROUP, RingConfig, lost_grou
 from ..layout import LAYOUTS, documents_from_cu_seqlens, positions, several_documents
 from ..linear_attention import causal_conv1d, chunks, diagonal_scan
 from . import _lend, _mixers
+from ._hooks import remove_forward
 from ._lend import LENT, Lent
 
 __all__ = ["FIELDS", "ShardedCCA", "ShardedLinear", "ShardedMixer", "ShardedPLE", "ShardedRecurrentBlock",
@@ -560,5 +561,4 @@ def _layer_index(model: torch.nn.Module, module: torch.nn.Module) -> int | None:
 
 def remove(model: torch.nn.Module) -> None:
     for m in model.modules():
-        if isinstance(m.__dict__.get("forward"), ShardedMixer):  # (ShardedPLE too)
-            del m.forward
+        remove_forward(m, ShardedMixer)  # (ShardedPLE too)

@@ -72,11 +72,12 @@ def _dq_tile(
     if SOFTCAP > 0.0:
         t = _tanh(s / SOFTCAP)
         s = SOFTCAP * t
+    if MASKED or ALIBI:  # (the key positions, loaded once for the mask and ALiBi's bias)
+        kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
     if ALIBI:  # (ALiBi's bias: no gradient of its own, the score's flows to q and k as without it)
-        s += slope * (tl.load(KPOS + offs_n, mask=n_ok, other=0)[None, :] - qp[:, None]).to(tl.float32)
+        s += slope * (kp[None, :] - qp[:, None]).to(tl.float32)
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
-        kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
         if HAS_DOCS:
             kd = tl.load(KDOC + offs_n, mask=n_ok, other=-1)
         else:
@@ -242,11 +243,12 @@ def _dkdv_tile(
     if SOFTCAP > 0.0:
         tt = _tanh(st / SOFTCAP)
         st = SOFTCAP * tt
+    if MASKED or ALIBI:  # (the query positions, loaded once for the mask and ALiBi's bias)
+        qp = tl.load(QPOS + offs_m, mask=m_ok, other=0)
     if ALIBI:
-        st += slope * (kp[:, None] - tl.load(QPOS + offs_m, mask=m_ok, other=0)[None, :]).to(tl.float32)
+        st += slope * (kp[:, None] - qp[None, :]).to(tl.float32)
     pt = tl.math.exp2(st - lse2[None, :])
     if MASKED:
-        qp = tl.load(QPOS + offs_m, mask=m_ok, other=0)
         if HAS_DOCS:
             qd = tl.load(QDOC + offs_m, mask=m_ok, other=-1)
         else:

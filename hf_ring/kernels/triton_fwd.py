@@ -239,14 +239,13 @@ def _fwd_tile(
         s = tl.dot(q, kt) * qk_scale
     if SOFTCAP > 0.0:
         s = SOFTCAP * _tanh(s / SOFTCAP)
+    if MASKED:  # (the key positions, loaded once for the mask and ALiBi's bias)
+        kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
+    elif ALIBI:  # (a full tile lies inside the block)
+        kp = tl.load(KPOS + offs_n)
     if ALIBI:
-        if MASKED:
-            kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
-        else:  # (a full tile lies inside the block)
-            kp = tl.load(KPOS + offs_n)
         s += slope * (kp[None, :] - qp[:, None]).to(tl.float32)
     if MASKED:
-        kp = tl.load(KPOS + offs_n, mask=n_ok, other=0)
         if HAS_DOCS:
             kd = tl.load(KDOC + offs_n, mask=n_ok, other=-1)
         else:
