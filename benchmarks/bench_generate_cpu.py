@@ -78,6 +78,7 @@ def _worker(args) -> None:
         "tokens": out[0, ids.shape[1] :].tolist(),
     }
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # (every rank alive while the group closes: gloo can abort a process left alone)
     dist.destroy_process_group()
 
 

@@ -80,6 +80,7 @@ def _measure(rank, world, args, port, out_q):
     if world > 1:
         every = [None] * world
         dist.all_gather_object(every, result)
+        dist.barrier()  # (every rank alive while the group closes: gloo can abort a process left alone)
         dist.destroy_process_group()
         result = dict(
             fwd=max(r["fwd"] for r in every),  # the ring is as slow as its slowest rank

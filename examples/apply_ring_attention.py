@@ -55,6 +55,7 @@ def main():
         if rank == 0:
             extra = f"  (unsharded model: {unsharded:.6f})" if step == 0 else ""
             print(f"step {step}: loss {total.item():.6f}{extra}", flush=True)
+    dist.barrier()  # (every rank alive while the group closes: gloo can abort a process left alone)
     dist.destroy_process_group()
 
 

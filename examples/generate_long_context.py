@@ -66,6 +66,7 @@ def main(argv=None) -> int:
         print(f"each rank caches about {ids.shape[1] // world + args.new_tokens // world} of the "
               f"{ids.shape[1] + args.new_tokens - 1} tokens' keys/values per layer")  # fmt: skip
         print(f"tokens equal the single-process generate(): {same}")
+    dist.barrier()  # (every rank alive while the group closes: gloo can abort a process left alone)
     dist.destroy_process_group()
     return 0 if same else 1
 

@@ -75,6 +75,7 @@ def main():
     ok = max(errs.values()) < 1e-5 and fwd_bytes == expected
     if rank == 0:
         print("exact: yes" if ok else "exact: NO", flush=True)
+    dist.barrier()  # (every rank alive while the group closes: gloo can abort a process left alone)
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 1)
 

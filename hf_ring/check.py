@@ -105,6 +105,8 @@ def main(argv=None) -> int:
         )  # fmt: skip
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(report, flush=True)
+        if created:  # (every rank alive while the group closes: gloo can abort a process that leaves alone)
+            dist.barrier()
         return 0 if report.ok else 1
     finally:
         if created:

@@ -128,6 +128,7 @@ def test_bench_longest_gpu_dry_run_bisects_to_the_budget(tmp_path, capsys):
         assert mine[192] == "ok" and mine[208].startswith("out of memory") and mine[256].startswith("out of memory")
 
 
+@pytest.mark.slow  # (a CPU benchmark's dry run: make test-all)
 def test_bench_ring_cpu_counts_the_bytes_of_the_ring_and_of_the_hybrid(tmp_path):
     """bench_ring_cpu.py at a tiny size, pure ring (U = 1) and Ulysses x Ring (U = 2, a ring of one): the bytes
     per rank it records are the floors, computed here from the shapes."""
@@ -146,6 +147,7 @@ def test_bench_ring_cpu_counts_the_bytes_of_the_ring_and_of_the_hybrid(tmp_path)
     assert all(float(r["tn_fwdbwd"]) > 0 and float(r["sdpa1_fwdbwd"]) > 0 for r in rows.values())
 
 
+@pytest.mark.slow  # (a CPU benchmark's dry run: make test-all)
 def test_bench_failures_reports_what_every_rank_raised(tmp_path):
     """bench_failures.py's bad-input and caught-failure cases: rows for both ranks, errors named, times measured."""
     import bench_failures
@@ -206,6 +208,7 @@ def test_bench_loss_cpu_times_both_ways_of_the_head_and_their_error(tmp_path):
     assert all(r["min_ms"] > 0 for r in rows) and len(_rows(tmp_path, "loss_cpu")) == 4
 
 
+@pytest.mark.slow  # (a CPU benchmark's dry run: make test-all)
 def test_bench_vision_split_cpu_divides_the_patches_and_keeps_the_result(tmp_path):
     """bench_vision_split_cpu.py at a tiny size: both modes' rows; each rank encodes half the patches with the split,
     all of them without, and both give the same loss and vision-tower gradient."""

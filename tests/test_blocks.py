@@ -81,7 +81,9 @@ def test_blocks_change_the_result():
     not (torch.cuda.is_available() or triton_backend.interpreted()),
     reason="needs CUDA or Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)",
 )
-@pytest.mark.parametrize("layout, n", [("zigzag", 2), ("striped", 3), ("contiguous", 1)])
+@pytest.mark.parametrize(
+    "layout, n", [("zigzag", 2), pytest.param("striped", 3, marks=pytest.mark.slow), ("contiguous", 1)]
+)
 def test_blocks_triton_kernels(layout, n):
     q, k, v, do = _inputs(d=32)
     blocks = _blocks()

@@ -1138,7 +1138,13 @@ def _core(name: str) -> bool:
 
 @pytest.mark.parametrize(
     "world_size,which",
-    [(1, "core"), (2, "all"), (4, "core"), *(pytest.param(w, "all", marks=pytest.mark.slow) for w in (1, 4))],
+    # (every family at 2 ranks; the 4-rank runs under make test-all)
+    [
+        (1, "core"),
+        (2, "all"),
+        pytest.param(4, "core", marks=pytest.mark.slow),
+        *(pytest.param(w, "all", marks=pytest.mark.slow) for w in (1, 4)),
+    ],
     ids=["1", "2", "4", "1-all", "4-all"],
 )
 def test_hf_integration_distributed(world_size, which):

@@ -106,6 +106,7 @@ def _check(per_rank: list) -> None:
                 assert rel_err(total, runs[0]["ref_dsinks"]) <= FP32_TOL, (label, backend)
 
 
+@pytest.mark.slow  # (the two-rank run below goes through the same steps, and the ring besides)
 def test_softcap_and_sinks_one_rank():
     _check([_worker(0, 1)])
 
