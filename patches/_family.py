@@ -89,6 +89,12 @@ def _class(path: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
+@functools.cache
+def _reads(path: str, name: str) -> bool:
+    """Whether the ``forward`` of the class at ``path`` (unwrapped from its decorators) reads an attribute ``name``."""
+    return name in inspect.unwrap(_class(path).forward).__code__.co_names
+
+
 def _no_check(config) -> None:
     return None
 
@@ -378,10 +384,14 @@ class LogitTransform:
     multiply: str | None = None
     divide: str | None = None
     softcap: str | None = None
+    # the head class whose forward must read ``multiply`` for it to apply (Aya Vision's: from Transformers 5.25 on;
+    # before, its head left the logits unscaled though its text config has a scale); None: always applies
+    multiplied_by: str | None = None
 
     def scale(self, config) -> float:
         """The logit scale as one factor (1.0: none)."""
-        factor = getattr(config, self.multiply, None) if self.multiply else None
+        applies = self.multiply and (self.multiplied_by is None or _reads(self.multiplied_by, self.multiply))
+        factor = getattr(config, self.multiply, None) if applies else None
         factor = 1.0 if factor is None else float(factor)  # (a config may leave the scale unset: none)
         return factor / float(getattr(config, self.divide)) if self.divide else factor
 

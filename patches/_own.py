@@ -14,7 +14,10 @@ model hands them over through its causal mask (``patches._lend.HandOver``), and 
   (``new_decoder_architecture``: grouped keys and values; ``multi_query``: one key / value head; neither: one per
   query head). Keys and values keep their own heads (Transformers broadcasts them to every query head first; the
   ring sends only the key / value heads). Its rotary path applies no attention dropout, and neither does this one.
-  ALiBi (a model built with ``config.alibi``, the Falcon-RW models) is refused by ``check``.
+  ALiBi (a model built with ``config.alibi``, the Falcon-RW models) is refused by ``check``. From Transformers 5.25
+  its module calls the attention interface itself, but not for a registered function, and its layers still pass no
+  keywords: the same forward takes the calls of either release (5.25's pass no ``alibi``), with the module's
+  ``scaling`` where it has one.
 - GPT-Neo (``gpt_neo``): unscaled scores (scale 1), its local layers a window of ``config.window_size`` keys
   (``q - W < k <= q``, Transformers' sliding-window rule), attention dropout as configured (refused in training
   when not 0, as for every family).
@@ -68,8 +71,8 @@ def _falcon_heads(m, fused: torch.Tensor) -> tuple:
 def _falcon(
     m,
     hidden_states: torch.Tensor,
-    alibi,
-    attention_mask,
+    alibi=None,  # (Transformers 5.25's layers pass none: its model adds ALiBi to the mask)
+    attention_mask=None,
     position_ids=None,
     layer_past=None,
     use_cache: bool = False,
@@ -89,7 +92,7 @@ def _falcon(
     if layer_past is not None:
         k, v = layer_past.update(k, v, m.layer_idx)
     out, _ = ring_attention_forward(
-        m, q, k, v, mask, scaling=m.inv_norm_factor, dropout=0.0, position_ids=position_ids, use_cache=use_cache,
+        m, q, k, v, mask, scaling=getattr(m, "scaling", m.inv_norm_factor), dropout=0.0, position_ids=position_ids, use_cache=use_cache,
         **kwargs,
     )  # fmt: skip
     return m.dense(out.reshape(b, s, -1)), None

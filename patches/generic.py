@@ -76,6 +76,7 @@ FAMILIES = {
     "dots1": "transformers.models.dots1.modeling_dots1.Dots1Attention",
     "dots3_note_text": "transformers.models.dots3_note.modeling_dots3_note.Dots3NoteTextAttention",
     "emu3_text_model": "transformers.models.emu3.modeling_emu3.Emu3Attention",
+    "ergo": "transformers.models.ergo.modeling_ergo.ErgoAttention",
     "ernie4_5": "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention",
     "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeAttention",
     "exaone4": "transformers.models.exaone4.modeling_exaone4.Exaone4Attention",
@@ -140,6 +141,7 @@ FAMILIES = {
     "mellum": "transformers.models.mellum.modeling_mellum.MellumAttention",
     "mimo_v2_flash": "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashAttention",
     "minicpm3": "transformers.models.minicpm3.modeling_minicpm3.MiniCPM3Attention",
+    "minicpm5_moe": "transformers.models.minicpm5_moe.modeling_minicpm5_moe.MiniCPM5MoeAttention",
     "minimax": "transformers.models.minimax.modeling_minimax.MiniMaxAttention",
     "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2.MiniMaxM2Attention",
     "minimax_m3_vl_text": "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLAttention",
@@ -523,7 +525,7 @@ OWN_ATTENTION = {"falcon", "gpt_neo", "bloom", "mpt"}
 """Families whose attention modules compute attention themselves (not through Transformers' AttentionInterface):
 their ``forward`` is replaced while patched (``hf_ring.patches._own``)."""
 
-ALIASES = {"sarvam_mla": "deepseek_v3", "sarvam_moe": "glm4_moe"}
+ALIASES = {"sarvam_mla": "deepseek_v3", "sarvam_moe": "glm4_moe", "param2moe": "glm4_moe"}
 """Model types whose checkpoints load another family's model classes (a config of their own, the modules of the
 family named): that family's patch. (Llama's: ``hf_ring.patches.llama``.)"""
 

@@ -85,8 +85,9 @@ audio tokens attending causally; so do the clips of the audio-language models (`
 with their ``feature_attention_mask``, Granite Speech's with ``input_features_mask``; the Qwen-Omni thinkers' with a
 ``feature_attention_mask``). Gemma 4's head softcaps its logits with the text config's
 ``final_logit_softcapping`` (``LOGIT_TRANSFORMS``, for the chunked loss), Granite 4 Vision's divides them by its
-``logits_scaling``; Gemma 3's and Mistral 3's apply nothing, nor do Aya Vision's and Command A Vision's (``cohere2_vision``), though their Cohere2
-text config has a ``logit_scale`` (which ``Cohere2ForCausalLM`` applies).
+``logits_scaling``; Gemma 3's and Mistral 3's apply nothing, nor does Command A Vision's (``cohere2_vision``), though its Cohere2 text
+config has a ``logit_scale`` (which ``Cohere2ForCausalLM`` applies); Aya Vision's multiplies by it from Transformers 5.25
+on, and not before (``LogitTransform.multiplied_by``).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "llava_onevision": ("qwen2",),  # LLaVA-OneVision (0.5B, 7B, 72B): any-resolution tiles, video frames pooled
     "idefics3": ("llama",),  # Idefics3
     "smolvlm": ("llama",),  # SmolVLM
-    "aya_vision": ("cohere2",),  # Aya Vision 8B / 32B (its head applies no logit_scale)
+    "aya_vision": ("cohere2",),  # Aya Vision 8B / 32B (its head applies logit_scale from Transformers 5.25 on)
     "cohere2_vision": ("cohere2",),  # Command A Vision
     "idefics2": ("mistral",),  # Idefics2
     "lighton_ocr": ("qwen3",),  # LightOnOCR
@@ -426,6 +427,10 @@ LOGIT_TRANSFORMS = {
     "inkling2": generic.LOGIT_TRANSFORMS["inkling2_text"],
     "gemma4": generic.LOGIT_TRANSFORMS["gemma4_text"],
     "cohere_compass": generic.LOGIT_TRANSFORMS["cohere_compass_text"],  # the text config's logit_scale (None: none)
+    "aya_vision": LogitTransform(  # the text config's logit_scale where its head applies it (Transformers 5.25 on)
+        multiply="logit_scale",
+        multiplied_by="transformers.models.aya_vision.modeling_aya_vision.AyaVisionForConditionalGeneration",
+    ),
     "hyperclovax_vision_v2": generic.LOGIT_TRANSFORMS["hyperclovax"],  # the text config's logits_scaling
     "muse_spark": LogitTransform(multiply="output_multiplier", softcap="final_logit_softcapping"),
     "muse_glimmer": LogitTransform(multiply="output_multiplier", softcap="final_logit_softcapping"),

@@ -178,6 +178,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", {"head_dim": 16, "global_head_dim": 32, "num_hidden_layers": 4, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2, "attention_k_eq_v": True, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "final_logit_softcapping": 2.0, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}),
     "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
     "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", _MLA),  # scaled embeddings and residuals
+    # MiniCPM 5 MoE: a sigmoid gate per query head on the attention output (q_gate_proj), a dense first layer
+    "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"]}),
+    # Ergo: sliding layers and full ones whose queries and keys are scaled (global_attention_scale), QK norm, experts
+    "ergo": ("ErgoConfig", "ErgoForCausalLM", {"sliding_window": 6, "global_attention_every_n_layers": 2, "global_attention_scale": 2.0, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_intermediate_size": 32, "first_dense_intermediate_size": 96, "num_dense_blocks": 1}),
     "youtu": ("YoutuConfig", "YoutuForCausalLM", _MLA),
     "axk1": ("AXK1Config", "AXK1ForCausalLM", {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 32}),
     # sinks, sliding / full mix, values with their own head_dim, experts
@@ -217,6 +221,8 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM", {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2,
                    "n_shared_experts": 1, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
                    "first_k_dense_replace": 1}),
+    "param2moe": ("Param2MoeConfig", "Glm4MoeForCausalLM", {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
     "sarvam_moe": ("SarvamMoEConfig", "Glm4MoeForCausalLM", {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
                    "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
                    "topk_group": 1}),
@@ -807,7 +813,8 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "minicpmv4_7": "5.24", "muse_spark": "5.24", "dots3_note_text": "5.24",
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
          "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
-         "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24", "inkling2_loop_text": "5.24"}  # fmt: skip
+         "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24", "inkling2_loop_text": "5.24",
+         "minicpm5_moe": "5.25", "ergo": "5.25", "param2moe": "5.25"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -1195,6 +1202,15 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
     return model
 
 
+def _takes_num_crops() -> bool:
+    """Molmo2's image encoder takes ``image_num_crops`` (Transformers 5.25 on): its pooling indices are per image."""
+    import inspect
+
+    from transformers.models.molmo2.modeling_molmo2 import Molmo2Model
+
+    return "image_num_crops" in inspect.signature(Molmo2Model.get_image_features).parameters
+
+
 _IMAGE_SPOTS = ((0, 5), (0, 25), (1, 17))  # (row, first image token) of each image
 GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "subsampling_conv_channels": [128, 4], "output_proj_dims": 32}  # fmt: skip
@@ -1433,8 +1449,12 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         extra["image_sizes"] = torch.tensor([[4, 4]] * len(spots))
     elif family == "molmo2":  # one crop of 2 x 2 patches of 14 x 14 x 3 per image, 2 x 2 tokens (image_grids), each
         # pooling two of its patches (image_token_pooling: indices into all crops' patches); the image tokens type 1
+        # (from Transformers 5.25 the indices are each image's own, placed by image_num_crops: the same pooling)
         extra["pixel_values"] = torch.randn(len(spots), 4, 3 * 14 * 14, generator=g)
         index = torch.arange(4 * len(spots)).view(-1, 4)
+        if _takes_num_crops():
+            index = index % 4
+            extra["image_num_crops"] = torch.ones(len(spots), dtype=torch.long)
         extra["image_token_pooling"] = torch.stack([index, index.roll(-1, 1)], -1).view(-1, 2)
         extra["image_grids"] = torch.tensor([[2, 2, 0, 0]] * len(spots))
         extra["mm_token_type_ids"] = types

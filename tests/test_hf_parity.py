@@ -287,6 +287,8 @@ CASES = {
     "longcat_flash-packed": ("longcat_flash", "packed", 40, {}),
     "mistral4-plain": ("mistral4", "plain", 45, {}),
     "minicpm3-packed": ("minicpm3", "packed", 40, {}),
+    "minicpm5_moe-padded-lora": ("minicpm5_moe", "padded", 45, {"lora": True}),
+    "ergo-packed": ("ergo", "packed", 40, {}),
     "youtu-padded": ("youtu", "padded", 45, {}),
     "axk1-plain": ("axk1", "plain", 40, {}),
     "mimo_v2_flash-packed": ("mimo_v2_flash", "packed", 45, {}),
@@ -332,6 +334,7 @@ CASES = {
     "iquestcoder-plain": ("iquestcoder", "plain", 40, {}),
     "sarvam_mla-padded": ("sarvam_mla", "padded", 45, {}),
     "sarvam_moe-packed": ("sarvam_moe", "packed", 40, {}),
+    "param2moe-padded": ("param2moe", "padded", 45, {}),  # (Transformers 5.25)
     # vision-language models, text-only batches (their text model patched; the vision tower gets no gradient)
     "gemma3-packed": ("gemma3", "packed", 45, {}),
     "gemma3-padded-lora-checkpointing": ("gemma3", "padded", 40, {"lora": True, "checkpointing": True}),
