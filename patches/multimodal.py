@@ -148,6 +148,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "cohere2_vision": ("cohere2",),  # Command A Vision
     "idefics2": ("mistral",),  # Idefics2
     "lighton_ocr": ("qwen3",),  # LightOnOCR
+    "llava_onevision1_5": ("qwen3",),  # LLaVA-OneVision-1.5 (RICE-ViT tower by image grid; Transformers 5.25)
     "got_ocr2": ("qwen2",),  # GOT-OCR 2.0
     "ovis2": ("qwen2",),  # Ovis2
     "qianfan_ocr": ("qwen3",),  # Qianfan-OCR
@@ -232,6 +233,7 @@ IMAGES = (
     "cohere2_vision",
     "idefics2",
     "lighton_ocr",
+    "llava_onevision1_5",
     "got_ocr2",
     "ovis2",
     "qianfan_ocr",

@@ -596,6 +596,11 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "apertus1p5": ("Apertus1p5Config", "Apertus1p5ForConditionalGeneration", MORE_FAMILIES["apertus1p5_text"][2],
                    {"codebook_size": 8, "embed_dim": 8, "latent_channels": 8, "base_channels": 32,
                     "channel_multiplier": [1, 1], "num_res_blocks": 1, "attn_resolutions": [], "resolution": 4}),
+    # LLaVA-OneVision-1.5: Qwen3 text, a RICE-ViT tower of 4 x 4 patches of 14 x 14 x 3 merged 2 x 2: 4 tokens
+    "llava_onevision1_5": ("LlavaOnevision15Config", "LlavaOnevision15ForConditionalGeneration",
+                           {"model_type": "qwen3", "head_dim": 16},
+                           {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                            "out_hidden_size": 64, "patch_size": 14}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
@@ -814,7 +819,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
          "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
          "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24", "inkling2_loop_text": "5.24",
-         "minicpm5_moe": "5.25", "ergo": "5.25", "param2moe": "5.25"}  # fmt: skip
+         "minicpm5_moe": "5.25", "ergo": "5.25", "param2moe": "5.25", "llava_onevision1_5": "5.25"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -1306,6 +1311,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         "muse_glimmer",
         "dots3_note",
         "glm5_next",
+        "llava_onevision1_5",
     )
     qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
     gemma = ("gemma3", "gemma4", "gemma4_unified")
@@ -1341,7 +1347,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
             if family in OMNI_AUDIO:  # the seconds each temporal patch spans (its processor's, from the fps)
                 extra["video_second_per_grid"] = torch.tensor([1.0])
-        if family == "dots3_note":  # each patch 3 x 14 x 14 flat (no temporal patch)
+        if family in ("dots3_note", "llava_onevision1_5"):  # each patch 3 x 14 x 14 flat (no temporal patch)
             extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 14 * 14, generator=g)
         if family == "paddleocr_vl":  # each patch 3 x 14 x 14 (no temporal patch)
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)
@@ -1356,6 +1362,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             "muse_glimmer",
             "dots3_note",
             "glm5_next",
+            "llava_onevision1_5",
         ):  # (no token types from
             # their processors)
             extra["mm_token_type_ids"] = types

@@ -302,6 +302,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "muse_glimmer-images": ("muse_glimmer", "images-padded", {}),  # gated attention, a full layer without RoPE
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "cosmos3_edge-images": ("cosmos3_edge", "images-padded", {}),  # interleaved multimodal RoPE in decoding
+    "llava_onevision1_5-images": ("llava_onevision1_5", "images-padded", {}),  # a tower by image grid, 1-D RoPE
     "voxtral-audio": ("voxtral", "audio", {}),
     "moss_transcribe_diarize-audio": ("moss_transcribe_diarize", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),

@@ -451,6 +451,7 @@ def _sub_configs(config) -> list:
         "lfm2_vl-text-only",  # (every wrapper takes images: a text-only one made by tests.hf_models.text_only)
         "lfm3_vl",
         "lighton_ocr",
+        "llava_onevision1_5",
         "llama4",
         "llava",
         "llava_next",
@@ -610,6 +611,7 @@ def _text_only_batches_and_refused_images(family):
         ("cohere2_vision", "images"),
         ("idefics2", "images-padded"),  # perceiver latents
         ("lighton_ocr", "images"),
+        ("llava_onevision1_5", "images-padded"),  # a RICE-ViT tower by image grid (a class token per image)
         ("got_ocr2", "images-padded"),
         ("ovis2", "images"),  # visual indicator tokens
         ("qianfan_ocr", "images-padded"),

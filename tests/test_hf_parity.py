@@ -435,6 +435,14 @@ CASES = {
     "idefics2-images-padded": ("idefics2", "images-padded", 45, {}),  # perceiver latents, Mistral windows
     "idefics2-packed": ("idefics2", "packed", 40, {}),
     "lighton_ocr-images-padded": ("lighton_ocr", "images-padded", 45, {}),  # Pixtral features, Qwen3 text
+    # RICE-ViT features by image grid (Transformers 5.25), Qwen3 text
+    "llava_onevision1_5-images-padded": ("llava_onevision1_5", "images-padded", 45, {}),
+    "llava_onevision1_5-images-lora-checkpointing": (
+        "llava_onevision1_5",
+        "images",
+        40,
+        {"lora": True, "checkpointing": True},
+    ),
     "got_ocr2-images-padded": ("got_ocr2", "images-padded", 45, {}),  # Qwen2 text, its windows off (as checkpoints)
     "ovis2-images-padded": ("ovis2", "images-padded", 45, {}),  # visual indicator tokens' embeddings replaced too
     "qianfan_ocr-images-padded": ("qianfan_ocr", "images-padded", 45, {}),  # InternViT-like tower, Qwen3 text
