@@ -151,6 +151,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "llava_onevision1_5": ("qwen3",),  # LLaVA-OneVision-1.5 (RICE-ViT tower by image grid; Transformers 5.25)
     "got_ocr2": ("qwen2",),  # GOT-OCR 2.0
     "ovis2": ("qwen2",),  # Ovis2
+    "ovis2_5": ("qwen3",),  # Ovis2.5 (a NaViT tower by image grid, visual indicator tokens; Transformers 5.25)
     "qianfan_ocr": ("qwen3",),  # Qianfan-OCR
     "llama4": ("llama4_text",),  # Llama 4 Scout, Maverick (their text model: a causal LM inside the wrapper)
     "kimi_k25": ("deepseek_v3",),  # Kimi K2.5, K2.6
@@ -236,6 +237,7 @@ IMAGES = (
     "llava_onevision1_5",
     "got_ocr2",
     "ovis2",
+    "ovis2_5",
     "qianfan_ocr",
     "llama4",
     "kimi_k25",

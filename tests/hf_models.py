@@ -601,6 +601,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                            {"model_type": "qwen3", "head_dim": 16},
                            {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                             "out_hidden_size": 64, "patch_size": 14}),
+    # Ovis2.5: Qwen3 text, a NaViT tower of 4 x 4 patches of 14 x 14 x 3 (a windowed layer of 2 x 2 patches, a full
+    # one), merged 2 x 2 into visual tokens: 4 per image, between start and end markers (their own embeddings)
+    "ovis2_5": ("Ovis2_5Config", "Ovis2_5ForConditionalGeneration", {"model_type": "qwen3", "head_dim": 16},
+                {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                 "patch_size": 14, "image_size": 56, "vocab_size": 24, "window_size": 28,
+                 "layer_types": ["window_attention", "full_attention"]}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                  "image_size": 28, "patch_size": 14}),
@@ -819,7 +825,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
          "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
          "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24", "inkling2_loop_text": "5.24",
-         "minicpm5_moe": "5.25", "ergo": "5.25", "param2moe": "5.25", "llava_onevision1_5": "5.25"}  # fmt: skip
+         "minicpm5_moe": "5.25", "ergo": "5.25", "param2moe": "5.25", "llava_onevision1_5": "5.25", "ovis2_5": "5.25"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -1138,7 +1144,7 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
             model.config.image_grid_pinpoints = GRANITE4_VISION_PINPOINTS
         for key, value in MEDIA_TOKENS.items():
             setattr(model.config, key, value)
-        if family == "ernie4_5_vl_moe":  # its image start / end tokens (other names than Qwen-VL's)
+        if family in ("ernie4_5_vl_moe", "ovis2_5"):  # its image start / end tokens (other names than Qwen-VL's)
             model.config.image_start_token_id = MEDIA_TOKENS["vision_start_token_id"]
             model.config.image_end_token_id = MEDIA_TOKENS["vision_end_token_id"]
         if family == "molmo2":  # its image and video token one (both names map to image_patch_id): the image one
@@ -1312,6 +1318,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         "dots3_note",
         "glm5_next",
         "llava_onevision1_5",
+        "ovis2_5",
     )
     qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
     gemma = ("gemma3", "gemma4", "gemma4_unified")
@@ -1347,7 +1354,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
             if family in OMNI_AUDIO:  # the seconds each temporal patch spans (its processor's, from the fps)
                 extra["video_second_per_grid"] = torch.tensor([1.0])
-        if family in ("dots3_note", "llava_onevision1_5"):  # each patch 3 x 14 x 14 flat (no temporal patch)
+        if family in ("dots3_note", "llava_onevision1_5", "ovis2_5"):  # each patch 3 x 14 x 14 flat (no temporal one)
             extra["pixel_values"] = torch.randn(16 * len(spots), 3 * 14 * 14, generator=g)
         if family == "paddleocr_vl":  # each patch 3 x 14 x 14 (no temporal patch)
             extra["pixel_values"] = torch.randn(16 * len(spots), 3, 14, 14, generator=g)

@@ -303,6 +303,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "cosmos3_omni-images": ("cosmos3_omni", "images-padded", {}),
     "cosmos3_edge-images": ("cosmos3_edge", "images-padded", {}),  # interleaved multimodal RoPE in decoding
     "llava_onevision1_5-images": ("llava_onevision1_5", "images-padded", {}),  # a tower by image grid, 1-D RoPE
+    "ovis2_5-images": ("ovis2_5", "images-padded", {}),  # visual tokens, start / end markers
     "voxtral-audio": ("voxtral", "audio", {}),
     "moss_transcribe_diarize-audio": ("moss_transcribe_diarize", "audio", {}),
     "granite_speech-audio": ("granite_speech", "audio", {}),

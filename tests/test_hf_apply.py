@@ -452,6 +452,7 @@ def _sub_configs(config) -> list:
         "lfm3_vl",
         "lighton_ocr",
         "llava_onevision1_5",
+        "ovis2_5",
         "llama4",
         "llava",
         "llava_next",
@@ -612,6 +613,7 @@ def _text_only_batches_and_refused_images(family):
         ("idefics2", "images-padded"),  # perceiver latents
         ("lighton_ocr", "images"),
         ("llava_onevision1_5", "images-padded"),  # a RICE-ViT tower by image grid (a class token per image)
+        ("ovis2_5", "images"),  # visual tokens and indicator tokens, a windowed tower layer
         ("got_ocr2", "images-padded"),
         ("ovis2", "images"),  # visual indicator tokens
         ("qianfan_ocr", "images-padded"),

@@ -437,6 +437,7 @@ CASES = {
     "lighton_ocr-images-padded": ("lighton_ocr", "images-padded", 45, {}),  # Pixtral features, Qwen3 text
     # RICE-ViT features by image grid (Transformers 5.25), Qwen3 text
     "llava_onevision1_5-images-padded": ("llava_onevision1_5", "images-padded", 45, {}),
+    "ovis2_5-images-padded": ("ovis2_5", "images-padded", 45, {}),  # visual tokens, start / end markers (5.25)
     "llava_onevision1_5-images-lora-checkpointing": (
         "llava_onevision1_5",
         "images",

@@ -319,12 +319,13 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
     hf_ring.apply_ring_attention(model)
     frames = 2 if method == "get_video_features" else 1
     grids = torch.tensor([[frames, h, w] for h, w in SPLIT_GRIDS])
-    # (HunYuan's patches: 16 x 16, Dots3 Note's 14 x 14, without a temporal patch)
+    # (HunYuan's patches: 16 x 16, Dots3 Note's, LLaVA-OneVision-1.5's and Ovis2.5's 14 x 14, without a temporal patch)
     width = {
         "hy_v4_vl": 3 * 16 * 16,
         "dots3_note": 3 * 14 * 14,
         "cosmos3_edge": 3 * 16 * 16,
         "llava_onevision1_5": 3 * 14 * 14,
+        "ovis2_5": 3 * 14 * 14,
     }.get(family, 3 * 2 * 14 * 14)
     pixels = torch.randn(int(grids.prod(-1).sum()), width, generator=torch.Generator().manual_seed(3))
     rows = []
@@ -378,6 +379,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         ("cosmos3_edge", "get_image_features", 2),
         ("glm5_next", "get_image_features", 2),
         ("llava_onevision1_5", "get_image_features", 2),
+        ("ovis2_5", "get_image_features", 2),
     ],  # fmt: skip
     ids=[
         "qwen3_vl-videos-2",
@@ -393,6 +395,7 @@ def _split_worker(rank: int, world: int, family: str, method: str) -> dict:
         "cosmos3_edge-images-2",
         "glm5_next-images-2",
         "llava_onevision1_5-images-2",
+        "ovis2_5-images-2",
     ],  # fmt: skip
 )
 def test_the_vision_split_gives_every_rank_every_feature_and_the_whole_gradient(family, method, world):
