@@ -89,10 +89,17 @@ def _class(path: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-@functools.cache
 def _reads(path: str, name: str) -> bool:
-    """Whether the ``forward`` of the class at ``path`` (unwrapped from its decorators) reads an attribute ``name``."""
-    return name in inspect.unwrap(_class(path).forward).__code__.co_names
+    """Whether the ``forward`` of the class at ``path`` (as it is now, unwrapped from its decorators) reads an attribute
+    ``name``, in its own body or in code nested in it (a comprehension, a lambda)."""
+    return name in _names(inspect.unwrap(_class(path).forward).__code__)
+
+
+@functools.cache
+def _names(code) -> frozenset:
+    """The names a code object and the code objects nested in it read."""
+    nested = (_names(c) for c in code.co_consts if isinstance(c, type(code)))
+    return frozenset(code.co_names).union(*nested)
 
 
 def _no_check(config) -> None:

@@ -13,7 +13,9 @@ model hands them over through its causal mask (``patches._lend.HandOver``), and 
 - Falcon (``falcon``: Falcon 7B / 40B / 180B, Falcon 2; rotary positions): its three query / key / value layouts
   (``new_decoder_architecture``: grouped keys and values; ``multi_query``: one key / value head; neither: one per
   query head). Keys and values keep their own heads (Transformers broadcasts them to every query head first; the
-  ring sends only the key / value heads). Its rotary path applies no attention dropout, and neither does this one.
+  ring sends only the key / value heads). Its rotary path applies no attention dropout before Transformers 5.25,
+  and neither does this one; 5.25's applies ``attention_dropout`` in training, which is refused there (as for every
+  family).
   ALiBi (a model built with ``config.alibi``, the Falcon-RW models) is refused by ``check``. From Transformers 5.25
   its module calls the attention interface itself, but not for a registered function, and its layers still pass no
   keywords: the same forward takes the calls of either release (5.25's pass no ``alibi``), with the module's
@@ -91,9 +93,13 @@ def _falcon(
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     if layer_past is not None:
         k, v = layer_past.update(k, v, m.layer_idx)
+    # 5.25's module applies its attention dropout in training (a float there; refused by the attention function);
+    # 5.17's rotary path none (an nn.Dropout there)
+    p = m.attention_dropout
+    dropout = p if isinstance(p, (int, float)) and m.training else 0.0
     out, _ = ring_attention_forward(
-        m, q, k, v, mask, scaling=getattr(m, "scaling", m.inv_norm_factor), dropout=0.0, position_ids=position_ids, use_cache=use_cache,
-        **kwargs,
+        m, q, k, v, mask, scaling=getattr(m, "scaling", m.inv_norm_factor), dropout=dropout, position_ids=position_ids,
+        use_cache=use_cache, **kwargs,
     )  # fmt: skip
     return m.dense(out.reshape(b, s, -1)), None
 

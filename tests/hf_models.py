@@ -385,7 +385,8 @@ _GLM5_NEXT = {"num_hidden_layers": 3, "num_key_value_heads": 4, "q_lora_rank": 2
 _GLM5_NEXT_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
                      "projection_intermediate_size": 48, "patch_size": 14}  # fmt: skip
 
-# Cohere2 text (sliding / full, a logit scale that the vision-language heads do not apply); a SigLIP tower of 2 x 2
+# Cohere2 text (sliding / full, a logit scale that Aya Vision's head applies from Transformers 5.25 on, Command A
+# Vision's not); a SigLIP tower of 2 x 2
 # patches per 28 x 28 image, pixel-shuffled 2 x 2 into one token (Aya Vision, Command A Vision)
 _COHERE2_TEXT = {"model_type": "cohere2", "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
                  "logit_scale": 0.5}  # fmt: skip

@@ -405,6 +405,24 @@ def test_falcon_built_with_alibi_and_a_forward_replaced_by_someone_else_are_refu
     assert model.config._attn_implementation != "hf_ring"
 
 
+def test_falcon_attention_dropout_in_training_is_refused_where_its_module_applies_it():
+    """From Transformers 5.25 Falcon's module applies ``attention_dropout`` (a float there) in training: refused, as
+    for every family; in eval mode none. (Before 5.25 its rotary path applied none, an ``nn.Dropout`` it never ran.)"""
+    model = make_model("falcon")
+    modules = get_patch("falcon").attention_modules(model)
+    if isinstance(modules[0].attention_dropout, torch.nn.Module):
+        pytest.skip("Transformers before 5.25: Falcon's rotary path applies no attention dropout")
+    for m in modules:
+        m.attention_dropout = 0.1
+    hf_ring.apply_ring_attention(model)
+    ids = _ids()
+    model.train()
+    with pytest.raises(ValueError, match="attention dropout 0.1 is not supported"):
+        model(input_ids=ids)
+    model.eval()
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
 def _lends(model, mixer) -> bool:
     """The decoder layer holding ``mixer`` has the hook that lends it the layer's keywords (``patches.linear``)."""
     layer = next(p for p in model.modules() if any(c is mixer for c in p.children()))

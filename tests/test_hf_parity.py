@@ -430,7 +430,7 @@ CASES = {
     "mistral3-images-lora": ("mistral3", "images", 40, {"lora": True}),
     "idefics3-images-padded": ("idefics3", "images-padded", 40, {}),
     "smolvlm-images": ("smolvlm", "images", 45, {}),
-    "aya_vision-images-padded": ("aya_vision", "images-padded", 45, {}),  # Cohere2 text, its head without logit_scale
+    "aya_vision-images-padded": ("aya_vision", "images-padded", 45, {}),  # Cohere2 text (logit_scale from 5.25)
     "cohere2_vision-images-lora": ("cohere2_vision", "images", 40, {"lora": True}),
     "idefics2-images-padded": ("idefics2", "images-padded", 45, {}),  # perceiver latents, Mistral windows
     "idefics2-packed": ("idefics2", "packed", 40, {}),
