@@ -170,6 +170,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "glm4v": ("glm4v_text",),  # GLM-4.1V
     "glm4v_moe": ("glm4v_moe_text",),  # GLM-4.5V, GLM-4.6V
     "glm46v": ("glm4v_text", "glm4v_moe_text"),  # GLM-4.6V's own class (any GLM-4V text model: AutoModel)
+    "glmga": ("glm4v_text", "glm4v_moe_text"),  # GLM-GA: a config of its own over GLM-4.6V's classes (5.25)
     "glm_ocr": ("glm_ocr_text",),  # GLM-OCR
     "hy_v4_vl": ("hy_v4_vl_text",),  # HunYuan V4 VL (DeepSeek sparse attention, multimodal RoPE; Transformers 5.24)
     "hunyuan_vl": ("hunyuan_vl_text",),  # HunyuanOCR (a HunYuan dense text model, multimodal RoPE)
@@ -256,6 +257,7 @@ IMAGES = (
     "glm4v",
     "glm4v_moe",
     "glm46v",
+    "glmga",
     "glm_ocr",
     "hunyuan_vl",
     "hy_v4_vl",

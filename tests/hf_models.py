@@ -662,6 +662,7 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                    "moe_intermediate_size": 32, "first_k_dense_replace": 1}, _GLM_VISION),
     # GLM-4.6V's class: GLM-4.1V's, its text model built by AutoModel (a GLM-4.1V one, or GLM-4.5V's with experts)
     "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration", {"rope_parameters": _GLM_ROPE}, _GLM_VISION),
+    "glmga": ("GlmgaConfig", "Glm46VForConditionalGeneration", {"rope_parameters": _GLM_ROPE}, _GLM_VISION),
     "glm46v-moe": ("Glm46VConfig", "Glm46VForConditionalGeneration",
                    {"model_type": "glm4v_moe_text", "rope_parameters": _GLM_ROPE, "n_routed_experts": 4,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1}, _GLM_VISION),
@@ -826,7 +827,8 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "dots3_note": "5.24", "qwen4_exp_text": "5.24", "qwen4_exp": "5.24", "minicpm_ocr": "5.24",
          "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
          "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24", "inkling2_loop_text": "5.24",
-         "minicpm5_moe": "5.25", "ergo": "5.25", "param2moe": "5.25", "llava_onevision1_5": "5.25", "ovis2_5": "5.25"}  # fmt: skip
+         "minicpm5_moe": "5.25", "ergo": "5.25", "param2moe": "5.25", "llava_onevision1_5": "5.25", "ovis2_5": "5.25",
+         "glmga": "5.25"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -1321,7 +1323,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         "llava_onevision1_5",
         "ovis2_5",
     )
-    qwen = family.startswith(("qwen", "glm4v", "glm46v", "glm_ocr")) or family in qwen_like  # (Qwen-VL's layout)
+    qwen = (
+        family.startswith(("qwen", "glm4v", "glm46v", "glmga", "glm_ocr")) or family in qwen_like
+    )  # (Qwen-VL's layout)
     gemma = ("gemma3", "gemma4", "gemma4_unified")
     per_image = 4 if qwen or family in _FOUR_TOKENS else GEMMA3_IMAGE_TOKENS if family in gemma else 1
     if family == "hunyuan_vl":  # 2 x 2 merged patches, a newline per row, begin and end

@@ -454,6 +454,7 @@ def _sub_configs(config) -> list:
         "glm4v_moe",
         "glm46v",
         "glm46v-moe",
+        "glmga",
         "glm_ocr",
         "got_ocr2",
         "granite4_vision",
@@ -663,6 +664,7 @@ def _text_only_batches_and_refused_images(family):
         ("glm4v_moe", "images"),  # experts
         ("glm46v", "images-padded"),
         ("glm46v-moe", "images"),  # its text model GLM-4.5V's (AutoModel)
+        ("glmga", "images-padded"),  # GLM-4.6V's classes under a config of its own
         ("glm_ocr", "images-padded"),
         ("hunyuan_vl", "images-padded"),  # 4-axis multimodal RoPE, padding numbered 0
         ("granite4_vision", "images-padded"),  # deepstack features added before text layers, LLaVA-NeXT tiles

@@ -525,6 +525,7 @@ CASES = {
     "glm46v-images-padded": ("glm46v", "images-padded", 45, {}),
     "glm46v-moe-images-padded": ("glm46v-moe", "images-padded", 40, {}),
     "glm46v-moe-packed": ("glm46v-moe", "packed", 45, {}),
+    "glmga-images-padded": ("glmga", "images-padded", 45, {}),  # GLM-4.6V's classes (Transformers 5.25)
     # GLM-OCR: GLM-4.1V's images and multimodal RoPE, a text model of its own
     "glm_ocr-images-padded": ("glm_ocr", "images-padded", 45, {}),
     "glm_ocr-images-lora": ("glm_ocr", "images", 40, {"lora": True}),
