@@ -602,11 +602,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
                            {"model_type": "qwen3", "head_dim": 16},
                            {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                             "out_hidden_size": 64, "patch_size": 14}),
-    # Ovis2.5: Qwen3 text, a NaViT tower of 4 x 4 patches of 14 x 14 x 3 (a windowed layer of 2 x 2 patches, a full
-    # one), merged 2 x 2 into visual tokens: 4 per image, between start and end markers (their own embeddings)
+    # Ovis2.5: Qwen3 text, a NaViT tower of 4 x 4 patches of 14 x 14 x 3 (a windowed layer: windows of 2 x 2 merged
+    # patches, reordering the vision split test's 8 x 8 grid; a full one), merged 2 x 2 into visual tokens: 4 per image,
+    # between start and end markers (their own embeddings)
     "ovis2_5": ("Ovis2_5Config", "Ovis2_5ForConditionalGeneration", {"model_type": "qwen3", "head_dim": 16},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
-                 "patch_size": 14, "image_size": 56, "vocab_size": 24, "window_size": 28,
+                 "patch_size": 14, "image_size": 56, "vocab_size": 24, "window_size": 56,
                  "layer_types": ["window_attention", "full_attention"]}),
     "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", {"model_type": "llama"},
                 {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -1375,6 +1376,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             "dots3_note",
             "glm5_next",
             "llava_onevision1_5",
+            "ovis2_5",
         ):  # (no token types from
             # their processors)
             extra["mm_token_type_ids"] = types
