@@ -28,7 +28,11 @@ call. Caveats: on NCCL the connections are not broken (aborting communicators fr
 the peers' kernels); the peers' waits there end by the process group's timeout and NCCL's watchdog, and the
 record names the failure when they raise. A backward that fails before reaching the model's outputs' hooks
 (a loss computed outside the model) is not seen here; a backward failure is found when the model is called again,
-so another collective before that waits for its own timeout; ``timeout=`` bounds the ring's waits.
+so another collective before that waits for its own timeout; ``timeout=`` bounds the ring's waits. The break on
+gloo is best effort: on a loaded host a peer's pending exchange sometimes misses it and keeps waiting (seen in 1 to
+6 runs in 100 of ``tests/test_reliability.py``'s failure inside a ring call, four runs at a time on 2 busy cores). With ``timeout=`` that wait ends within the
+timeout, and the error names the recorded failure all the same (``StoppedError``); without one it waits for the
+process group's timeout. Set ``timeout=`` where a caught failure must end every rank promptly.
 """
 
 from __future__ import annotations

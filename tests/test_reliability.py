@@ -5,7 +5,8 @@
   all-to-all) and its peers, within the timeout (plus a margin) instead of the process group's 30 minutes.
 - A one-sided failure that the failing rank's code catches before calling the model again (inside a ring call,
   between the calls of a forward, in a backward): no rank goes on out of step; every rank raises
-  ``StoppedError`` naming the rank and the call that failed, within the issue's 60 s (measured: well under 1 s).
+  ``StoppedError`` naming the rank and the call that failed, within the issue's 60 s (measured: well under 1 s;
+  a peer that misses the break of the connections, rarely, at the ring's ``timeout=``, 20 s here).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def test_timeout_reaches_every_attention_module_and_is_validated():
 
 FAIL_RANK = 1
 BUDGET = 60.0  # seconds from the failure to every rank's error (the issue's target)
+ONE_SIDED_TIMEOUT = 20.0  # the ring's bound in these runs: well inside the budget, far above a healthy exchange
 
 
 def _one_sided(rank: int, world_size: int, where: str) -> dict:
@@ -119,7 +121,10 @@ def _one_sided(rank: int, world_size: int, where: str) -> dict:
     family = "llama"
     if where == "between-linear":  # Qwen3.5: the peers wait in layer 2's linear-attention all-gather
         family, config["layer_types"] = "qwen3_5_text", ["linear_attention", "full_attention", "linear_attention"]
-    model = hf_ring.apply_ring_attention(make_model(family, **config), ulysses_size=2 if hybrid else None)
+    # timeout: a peer whose wait misses the break of the group's connections (gloo, a loaded host: a few runs in 100)
+    # raises after it, naming the recorded failure all the same (hf_ring.guard)
+    model = hf_ring.apply_ring_attention(make_model(family, **config), ulysses_size=2 if hybrid else None,
+                                         timeout=ONE_SIDED_TIMEOUT)  # fmt: skip
     if where == "backward-reentrant":  # the layers' forwards run without grad, recomputed in the backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.enable_input_require_grads()
