@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 __all__ = [
     "ACCELERATOR_WAY_OUT",
+    "DISCRETE_TOKENIZERS",
     "check_ddp_reaches_every_parameter",
     "data_parallel_scheduler",
     "engine_of",
@@ -271,18 +272,23 @@ def outside_text_model(model) -> list:
     return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
 
 
+DISCRETE_TOKENIZERS = ("ChameleonVQVAE",)
+"""Image tokenizers inside a model whose output is discrete codes (a VQ-VAE's argmin): no gradient reaches them."""
+
+
 def without_gradient(model) -> list:
     """Names of ``model``'s trainable parameters that no batch gives a gradient: those of DeepSeek sparse attention's
-    indexers (Transformers runs them under ``no_grad``; ``hf_ring.sparse``); [] for other families."""
+    indexers (Transformers runs them under ``no_grad``; ``hf_ring.sparse``) and of an image tokenizer whose codes
+    are discrete (Chameleon's VQ-VAE: ``DISCRETE_TOKENIZERS``); [] for other families."""
     from .apply import unwrap_transformers_model
     from .patches import REGISTRY
 
     target = unwrap_transformers_model(model)
     patch = REGISTRY.get(getattr(target.config, "model_type", None))
-    if not getattr(patch, "sparse", False):
-        return []
-    indexers = [getattr(m, "indexer", None) for m in patch.attention_modules(target)]
-    ids = {id(p) for i in indexers if isinstance(i, torch.nn.Module) for p in i.parameters()}
+    idle = [m for m in target.modules() if type(m).__name__ in DISCRETE_TOKENIZERS]
+    if getattr(patch, "sparse", False):
+        idle += [getattr(m, "indexer", None) for m in patch.attention_modules(target)]
+    ids = {id(p) for m in idle if isinstance(m, torch.nn.Module) for p in m.parameters()}
     return [n for n, p in model.named_parameters() if p.requires_grad and id(p) in ids]
 
 
@@ -303,6 +309,12 @@ def check_ddp_reaches_every_parameter(accelerator, model, way_out: str = ACCELER
     if engine_of(accelerator) != "ddp" or getattr(handler, "find_unused_parameters", False):
         return
     idle = without_gradient(model)
+    if idle and ".vqmodel." in f".{idle[0]}":
+        raise ValueError(
+            f"{len(idle)} trainable parameters of this model's image tokenizer (e.g. {idle[0]}) get no gradient (its "
+            "images become discrete codes), which DDP refuses at the second step: freeze it "
+            f"(model.model.vqmodel.requires_grad_(False)) or {way_out}"
+        )
     if idle:
         raise ValueError(
             f"{len(idle)} trainable parameters of this model's sparse-attention indexers (e.g. {idle[0]}) get no "

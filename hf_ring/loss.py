@@ -86,6 +86,7 @@ def chunked_causal_lm_loss(
     ignore_index: int = -100,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    masked_tokens=None,
     chunk_size: int | None = None,
     backend: str = "torch",
 ) -> torch.Tensor:
@@ -100,6 +101,8 @@ def chunked_causal_lm_loss(
             None: the mean over this call's targets.
         logit_scale, logit_softcap: what the family does to the logits before the loss: multiply by
             ``logit_scale``, then ``cap * tanh(logits / cap)`` with ``cap = logit_softcap`` when set.
+        masked_tokens: token ids whose logits the family sets to the dtype's lowest value, last (Chameleon's head,
+            for its image codes); ``"torch"`` only.
         chunk_size: tokens per chunk (default: ``default_chunk_size`` of the head's output width; ``"torch"`` only,
             Liger sizes its own chunks).
         backend: ``"torch"`` (checkpointed chunks, any device) or ``"liger"`` (Liger-Kernel's fused linear
@@ -119,10 +122,16 @@ def chunked_causal_lm_loss(
         )
     keep = (targets != ignore_index).nonzero().squeeze(1)  # only positions with a target are projected
     flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
+    masked = None if masked_tokens is None or not len(masked_tokens) else torch.as_tensor(masked_tokens)
+    if backend == "liger" and masked is not None:
+        raise ValueError(
+            "backend='liger' cannot mask the logits of some token ids as this model's head does; use backend='torch'"
+        )
     if backend == "liger" and flat.shape[0]:  # (no target: the empty chunk below gives the head its zero gradient)
         total = _liger_sum(flat, head, targets, logit_scale, logit_softcap)
     else:
-        transform = None if (logit_scale, logit_softcap) == (1.0, None) else _ScaleCap(logit_scale, logit_softcap)
+        plain = (logit_scale, logit_softcap, masked) == (1.0, None, None)
+        transform = None if plain else _Transform(logit_scale, logit_softcap, masked)
         total = _chunked_sum(flat, head, targets, ignore_index, transform, chunk_size)
     if num_items_in_batch is None:
         return total / keep.numel()  # the mean over targets (NaN without any, as Transformers)
@@ -248,15 +257,19 @@ def _vocab_width(head) -> int:
     return getattr(last, "out_features", None) or getattr(getattr(last, "weight", None), "shape", [1])[0]
 
 
-class _ScaleCap:
-    """The logit transform: ``logits * scale``, then ``cap * tanh(logits / cap)`` when ``cap`` is set."""
+class _Transform:
+    """The logit transform: ``logits * scale``, then ``cap * tanh(logits / cap)`` when ``cap`` is set, then the
+    ``masked`` ids' logits at the dtype's lowest value."""
 
-    def __init__(self, scale: float, cap: float | None):
-        self.scale, self.cap = scale, cap
+    def __init__(self, scale: float, cap: float | None, masked: torch.Tensor | None = None):
+        self.scale, self.cap, self.masked = scale, cap, masked
 
     def __call__(self, logits):
         logits = logits * self.scale if self.scale != 1.0 else logits
-        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+        logits = logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+        if self.masked is None:
+            return logits
+        return logits.index_fill(-1, self.masked.to(logits.device), torch.finfo(logits.dtype).min)
 
 
 def liger_unavailable(device: torch.device) -> str | None:
@@ -486,6 +499,7 @@ def _chunked_forward(
         ignore_index=ignore_index,
         logit_scale=1.0 if transform is None else transform.scale(self.config.get_text_config()),
         logit_softcap=None if transform is None else transform.cap(self.config.get_text_config()),
+        masked_tokens=None if transform is None else transform.masked_ids(self),
         chunk_size=chunk_size,
         backend=backend,
     )
@@ -600,6 +614,12 @@ def apply_chunked_loss(model, *, chunk_size: int | None = None, backend: str = "
     check_loss_backend(backend)
     target = _transformers_model(model)
     _check(target)
+    transform = _patch_of(target).logit_transform
+    if backend == "liger" and transform is not None and transform.masked:
+        raise ValueError(
+            f"{target.config.model_type}: its head masks the logits of some token ids ({transform.masked}), which "
+            "backend='liger' cannot do; use backend='torch'"
+        )
     own = vars(target).get("forward")
     if own is not None and not isinstance(own, _ChunkedForward):
         raise ValueError(

@@ -275,12 +275,19 @@ class ShardEmbeddings:
     token goes to) and, for Qwen3-VL's deepstack, cuts ``visual_pos_masks`` and picks the
     rank's rows of ``deepstack_visual_embeds`` (Granite 4 Vision's: ``vision_mask`` and each layer's
     ``deepstack_features``).
-    The cut is an index (``layout.shard``), so gradients flow back to the embeddings and the vision tower."""
+    The cut is an index (``layout.shard``), so gradients flow back to the embeddings and the vision tower.
+    ``merge``: a text model that merges the images into its embeddings in its own forward (Chameleon: images as
+    codes of its own vocabulary) has that merge done here, on the whole sequence, before the cut."""
+
+    def __init__(self, merge: Callable | None = None):
+        self.merge = merge  # ``(text model, keywords) -> keywords``: the family's own merge, ahead of the cut
 
     def __call__(self, module, args, kwargs):
         info = kwargs.get(SHARD_INFO_KWARG)
         if not isinstance(info, ShardInfo) or not info.whole_inputs:
             return None
+        if self.merge is not None and not args:
+            kwargs = self.merge(module, dict(kwargs))
         embeds = kwargs.get("inputs_embeds")
         if args or not isinstance(embeds, torch.Tensor) or embeds.shape[1] != info.seq_len:
             got = "positional arguments" if args else getattr(embeds, "shape", None)
@@ -350,10 +357,13 @@ def _switch(model, implementation: str, own: bool = False) -> None:
     model.set_attn_implementation({key: implementation})
 
 
-def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None, blocks: BlockIds | None = None):
+def _set_hooks(
+    model, plans: PlanCache | None, text_only: TextOnly | None = None, blocks: BlockIds | None = None,
+    merge: Callable | None = None,
+):  # fmt: skip
     """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans`` (and
     ``text_only`` and ``blocks`` on the outermost model and the inner ones sharing its config; for a family that
-    takes images, ``ShardEmbeddings`` on its text model)."""
+    takes images, ``ShardEmbeddings`` on its text model, with the family's ``merge``)."""
     from transformers import PreTrainedModel
 
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
@@ -379,14 +389,16 @@ def _set_hooks(model, plans: PlanCache | None, text_only: TextOnly | None = None
             if text_only is not None and m.config is top.config:  # every level that takes images (not the tower)
                 m.register_forward_pre_hook(text_only, with_kwargs=True, prepend=True)
             if m is cutter:  # the text model inside the wrapper
-                m.register_forward_pre_hook(ShardEmbeddings(), with_kwargs=True, prepend=True)
+                m.register_forward_pre_hook(ShardEmbeddings(merge), with_kwargs=True, prepend=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class LogitTransform:
     """What a causal-LM head does to the lm_head output before the loss, named by config attributes:
     multiply by ``config.<multiply>``, divide by ``config.<divide>``, then ``cap * tanh(logits / cap)`` with
-    ``cap = config.<softcap>`` when that is set (``hf_ring.apply_chunked_loss`` applies it)."""
+    ``cap = config.<softcap>`` when that is set; last, the logits of the token ids at ``model.<masked>`` set to the
+    dtype's lowest value (Chameleon's image codes, which its head never predicts) (``hf_ring.apply_chunked_loss``
+    applies it)."""
 
     multiply: str | None = None
     divide: str | None = None
@@ -394,6 +406,15 @@ class LogitTransform:
     # the head class whose forward must read ``multiply`` for it to apply (Aya Vision's: from Transformers 5.25 on;
     # before, its head left the logits unscaled though its text config has a scale); None: always applies
     multiplied_by: str | None = None
+    masked: str | None = None  # a dotted attribute path on the causal LM: the token ids whose logits are masked
+
+    def masked_ids(self, model) -> list | None:
+        """The token ids whose logits the head masks, or None."""
+        if not self.masked:
+            return None
+        for name in self.masked.split("."):
+            model = getattr(model, name)
+        return list(model)
 
     def scale(self, config) -> float:
         """The logit scale as one factor (1.0: none)."""
@@ -434,6 +455,9 @@ class FamilyPatch:
     # ``(config, arguments) -> [batch, seq] ids or None``: the bidirectional blocks of a batch (Gemma 3's images;
     # ``BlockIds``); None: the family's attention is causal over every token
     block_ids: Callable | None = None
+    # ``(text model, keywords) -> keywords``: a text model that merges the images into its embeddings in its own
+    # forward has it done by ``ShardEmbeddings`` before the cut (Chameleon); None: the wrapper merges them
+    merge: Callable | None = None
     # the family's linear-attention, Mamba2 or short-convolution class (hybrid models: ``generic.LINEAR``; or a tuple
     # of them: Qwen4-Exp's Gated DeltaNet and per-layer embedding), whose modules' forward ``patches.linear``
     # replaces while the model is patched; None: attention layers only
@@ -588,7 +612,7 @@ class FamilyPatch:
         linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)  # (after _lend.remove: its hooks too)
         cross = bool(self.cross_modules(model))
         text_only = TextOnly(self.name, self.media, self.images, cfg, cross=cross) if self.media else None
-        _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None)
+        _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None, self.merge)
         _own.remove(model)
         if self.own_attention:  # (after _set_hooks: the hand-over sees the positions StartBatch adds)
             _own.install(modules, self.own_attention)

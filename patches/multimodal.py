@@ -20,7 +20,9 @@ Vision ``Granite4VisionForConditionalGeneration`` (a Granite one, vision feature
 layers: ``_family.ShardEmbeddings`` cuts them too), PaddleOCR-VL ``PaddleOCRVLForConditionalGeneration`` (an
 ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Aria ``AriaForConditionalGeneration`` (its MoE
 text model, ``aria_text``), Molmo2 ``Molmo2ForConditionalGeneration`` (its own text model: ``INNER``), Emu3
-``Emu3ForConditionalGeneration`` (images as discrete codes its ``emu3_text_model`` embeds), Phi-4-multimodal
+``Emu3ForConditionalGeneration`` (images as discrete codes its ``emu3_text_model`` embeds), Chameleon
+``ChameleonForConditionalGeneration`` (its model tokenizes the images into codes of its vocabulary and merges them in
+its own forward: ``MERGES`` does that merge before the cut; its head gives the codes the lowest logit), Phi-4-multimodal
 ``Phi4MultimodalForCausalLM`` (text-only: its text model is the top model and merges images and audio in its own
 forward; ``INNER``), ERNIE-4.5-VL ``Ernie4_5_VLMoeForConditionalGeneration`` (its MoE text model routes each token
 to text or vision experts by ``moe_mm_token_type_ids``, which ``_family.ShardEmbeddings`` cuts with the embeddings;
@@ -49,7 +51,7 @@ Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, 
 Ovis2.5, Qianfan-OCR,
 Gemma 3, Gemma 3n, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-GA, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, ERNIE-4.5-VL, Step 3.7, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers,
+Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, Chameleon, ERNIE-4.5-VL, Step 3.7, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers,
 Cosmos3; audio: Gemma 3n, Qwen2-Audio, Voxtral, MOSS-Transcribe-Diarize, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model
 attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
@@ -104,7 +106,7 @@ from ._family import FamilyPatch, LogitTransform
 from ._hooks import remove_hooks
 
 __all__ = ["BLOCKS", "DEDICATED", "EXTRA_LOSS", "ExtraLossPatch", "IMAGES", "INNER", "MEDIA", "OWN_LOSS", "OwnLossPatch",
-           "PATCHES", "PaliGemmaPatch", "VisionLanguagePatch", "WRAPPERS"]  # fmt: skip
+           "MERGES", "PATCHES", "PaliGemmaPatch", "VisionLanguagePatch", "WRAPPERS"]  # fmt: skip
 
 MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_features", "input_values",
          "mm_encoder_outputs", "image_pixel_values", "audio_input_features")  # fmt: skip
@@ -192,6 +194,9 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     "aria": ("aria_text",),  # Aria (its MoE text model; images through a cross-attention projector)
     "molmo2": ("molmo2_text",),  # Molmo2 (Transformers 5.24; its image tokens see each other both ways)
     "emu3": ("emu3_text_model",),  # Emu3 (understanding: images in as VQ codes its text model embeds, text out)
+    # Chameleon: its model is the text model (its config the text config), which tokenizes the images by its VQ-VAE
+    # and embeds their codes in its own forward (``MERGES``); its head never predicts an image code
+    "chameleon": ("chameleon",),
     # Phi-4-multimodal, text-only: its phi3-like text model is the top model (its config the text config), and merges
     # the image and audio features inside its own forward, from the whole input_ids, where no hook can cut them
     "phi4_multimodal": ("phi4_multimodal",),
@@ -279,6 +284,7 @@ IMAGES = (
     "aria",
     "molmo2",
     "emu3",
+    "chameleon",
     "ernie4_5_vl_moe",
     "step3p7",
 )
@@ -446,9 +452,37 @@ LOGIT_TRANSFORMS = {
     "granite4_vision": generic.LOGIT_TRANSFORMS["granite"],  # its head divides by the text config's logits_scaling
     "granite_docling": generic.LOGIT_TRANSFORMS["granite"],  # (the same)
     "mistral_large4": generic.LOGIT_TRANSFORMS["gemma2"],  # its head softcaps with the text config's cap (always set)
+    "chameleon": LogitTransform(masked="model.vocabulary_mapping.image_tokens"),  # image codes: the lowest logit
 }
 """What a vision-language head does to the logits, read from the text config (Gemma 4's and PaliGemma 2's heads
 softcap them as their text models' do; Gemma 3's does not)."""
+
+
+def _chameleon_merge(model, kwargs: dict) -> dict:
+    """Chameleon's merge, which its text model does in its own forward: the images tokenized by its VQ-VAE, their
+    codes embedded and put in place of the image tokens, by the model's own functions; here on the whole sequence,
+    so that ``ShardEmbeddings`` cuts the merged embeddings (the images and the embeddings leave the keywords)."""
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    if (ids is None) == (embeds is None):  # (neither or both: the model's own error)
+        return kwargs
+    pixels, encoded = kwargs.pop("pixel_values", None), kwargs.pop("mm_encoder_outputs", None)
+    kwargs.pop("input_ids", None)
+    if embeds is None:
+        embeds = model.get_input_embeddings()(ids)
+    image = (encoded or {}).get("image")
+    if image is None and pixels is not None:
+        image = model.get_image_features(pixels, return_dict=True)
+    if image is not None:
+        features = image.pooler_output
+        mask = model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=features)
+        embeds = embeds.masked_scatter(mask, features)
+    kwargs["inputs_embeds"] = embeds
+    return kwargs
+
+
+MERGES = {"chameleon": _chameleon_merge}
+"""Wrappers whose text model merges the images into its embeddings in its own forward: that merge, done before the
+cut (``_family.ShardEmbeddings``)."""
 
 
 DEDICATED = {t: m.PATCH for m in (llama, mistral, qwen2, qwen3) for t in m.PATCH.model_types}
@@ -496,6 +530,7 @@ INNER = {
         ),
         "molmo2_text": "transformers.models.molmo2.modeling_molmo2.Molmo2Attention",
         "phi4_multimodal": "transformers.models.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention",
+        "chameleon": "transformers.models.chameleon.modeling_chameleon.ChameleonAttention",
         "step3p5": "transformers.models.step3p7.modeling_step3p7.Step3p7Attention",
         "ernie4_5_vl_moe_text": (
             "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeTextAttention"
@@ -723,6 +758,7 @@ PATCHES = {
         media=MEDIA,
         images=model_type in IMAGES,
         block_ids=BLOCKS.get(model_type),
+        merge=MERGES.get(model_type),
         text_types=types,
         loss_skips_padding=model_type in OWN_LOSS,
         **{field: getattr(text_patch(types[0]), field) for field in INHERITED},

@@ -12,6 +12,7 @@ __all__ = ["MORE_FAMILIES", "PAD_ID", "in_transformers", "VISION_LANGUAGE", "SCA
            "prepare", "reference_step", "rel", "ring_step", "text_only", "with_token_types"]  # fmt: skip
 
 VOCAB = 96
+CHAMELEON_CODES = 8  # Chameleon's VQ-VAE codebook in the test models
 PAD_ID = 0
 
 # every attention module's `scaling` is multiplied by SCALE_FACTOR: an implementation that ignored Transformers'
@@ -733,6 +734,12 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
              {"codebook_size": 8, "embed_dim": 8, "latent_channels": 8, "base_channels": 32,
               "channel_multiplier": [1, 1], "num_res_blocks": 1, "attn_resolutions": [],
               "temporal_downsample_factor": 2, "hidden_size": 32}),
+    # Chameleon: its model is the text model, which tokenizes images by its VQ-VAE (4 x 4 pixels, downsampled 2 x 2:
+    # 4 codes) and embeds the codes' tokens (the vocabulary's last 8 ids: CHAMELEON_CODES); the VQ-VAE as small as it
+    # goes; qk-norm per head
+    "chameleon": ("ChameleonConfig", "ChameleonForConditionalGeneration", {"attention_dropout": 0.0},
+                  {"embed_dim": 8, "num_embeddings": CHAMELEON_CODES, "latent_channels": 8, "base_channels": 32,
+                   "channel_multiplier": [1, 1], "num_res_blocks": 1, "attn_resolutions": [], "resolution": 4}),
     # Phi-4-multimodal (text-only): its phi3-like text model is the top model (the image and audio embeddings merge
     # inside it: no images under the ring); its vision and audio towers as small as they go, never run
     "phi4_multimodal": ("Phi4MultimodalConfig", "Phi4MultimodalForCausalLM", {"sliding_window": 7},
@@ -1065,7 +1072,13 @@ def make_config(family: str, **overrides):
         if family == "nemotron_h_omni":  # Parakeet: 32 frames of 16 mel bins subsampled 4 times -> 8 tokens
             top = {"audio_config": NEMOTRON_H_OMNI_AUDIO, "audio_token_id": AUDIO_TOKEN, "vision_hidden_size": 32,
                    "projector_hidden_size": 64}  # fmt: skip
-        if family == "phi4_multimodal":  # its text config the top one, the towers' sub-configs beside it
+        if family == "chameleon":  # its text config the top one; the image codes' tokens the vocabulary's last
+            size = overrides.get("vocab_size", VOCAB)
+            codes = {f"IMGIMG{chr(ord('A') + i)}Z": size - CHAMELEON_CODES + i for i in range(CHAMELEON_CODES)}
+            vocabulary = {"<image>": MEDIA_TOKENS["image_token_id"], **codes}
+            cfg = getattr(tf, config_class)(**{**common, "vocab_size": size}, **extra, vq_config=vision,
+                                            vocabulary_map=vocabulary)  # fmt: skip
+        elif family == "phi4_multimodal":  # its text config the top one, the towers' sub-configs beside it
             audio = {"hidden_size": 32, "intermediate_size": 48, "num_blocks": 1, "num_attention_heads": 2,
                      "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32,
                      "nemo_conv_channels": 32}  # fmt: skip
@@ -1095,8 +1108,10 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
     """A tiny random model of ``family``; ``images``: a vision-language model that takes ``MEDIA_TOKENS``."""
     import transformers as tf
 
+    if family == "chameleon":  # its image codes' tokens after the rest (never drawn as text)
+        overrides = {"vocab_size": (VOCAB + len(MEDIA_TOKENS) + 4 if images else VOCAB) + CHAMELEON_CODES, **overrides}
     if images:
-        vocab = {"vocab_size": VOCAB + len(MEDIA_TOKENS) + 4}
+        vocab = {} if family == "chameleon" else {"vocab_size": VOCAB + len(MEDIA_TOKENS) + 4}
         if family.startswith("gemma4"):  # its per-layer embeddings of every token (one it generates too)
             vocab["vocab_size_per_layer_input"] = vocab["vocab_size"]
         overrides = {**vocab, **overrides}
@@ -1335,6 +1350,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         per_image = 6
     if family == "emu3":  # 2 x 2 codes, an end of line after each row
         per_image = 6
+    if family == "chameleon":  # 2 x 2 codes
+        per_image = 4
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in gemma:  # longer images: two in row 0 still inside 40 tokens
         spots = ((0, 3), (0, 21), (1, 17))
@@ -1465,6 +1482,8 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
             extra["video_merge_sizes"] = torch.tensor([2])
+    elif family == "chameleon":  # images of 4 x 4 pixels
+        extra["pixel_values"] = torch.randn(len(spots), 3, 4, 4, generator=g)
     elif family == "emu3":  # images of 4 x 4 pixels (their sizes)
         extra["pixel_values"] = torch.randn(len(spots), 3, 4, 4, generator=g)
         extra["image_sizes"] = torch.tensor([[4, 4]] * len(spots))
@@ -1731,12 +1750,12 @@ def prepare(family, opts, dtype=None, images: bool = False):
 
 
 def grads(model) -> dict:
-    from hf_ring.engines import outside_text_model
+    from hf_ring.engines import outside_text_model, without_gradient
 
-    # zeros for a vision-language model's vision tower (a text-only batch cannot reach it) and for DeepSeek sparse
-    # attention's indexers (Transformers runs them without gradients); elsewhere every trainable parameter must have
-    # a gradient
-    unreached = set(outside_text_model(model))
+    # zeros for a vision-language model's vision tower (a text-only batch cannot reach it), for DeepSeek sparse
+    # attention's indexers (Transformers runs them without gradients) and Chameleon's VQ-VAE (discrete codes);
+    # elsewhere every trainable parameter must have a gradient
+    unreached = set(outside_text_model(model)) | set(without_gradient(model))
     unreached |= {n for n, _ in model.named_parameters() if ".indexer." in n}
     cross = getattr(model.config.get_text_config(), "cross_attention_layers", None) or ()  # (Mllama: text-only
     # batches skip its cross-attention layers)

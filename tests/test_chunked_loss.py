@@ -455,6 +455,9 @@ def test_liger_backend_refuses_what_it_cannot_compute(monkeypatch):
         dory = hf_ring.apply_chunked_loss(make_model("dory"), backend="liger")
         with pytest.raises(ValueError, match="lm_head is a DoryLMHead, not a plain nn.Linear"):
             dory(**batch)
+    if in_transformers("chameleon"):  # its head masks its image codes' logits, which Liger's kernel cannot
+        with pytest.raises(ValueError, match=r"chameleon: its head masks the logits of some token ids"):
+            hf_ring.apply_chunked_loss(make_model("chameleon"), backend="liger")
     with pytest.raises(ValueError, match="unknown loss backend 'fused'"):
         hf_ring.apply_chunked_loss(make_model("llama"), backend="fused")
     model = hf_ring.apply_chunked_loss(make_model("llama"), backend="liger")
@@ -488,6 +491,8 @@ def _cp_worker(rank: int, world: int) -> dict:
     cases += [("mamba2", "padded", {"random_biases": True}), ("mixtral", "padded", router)]
     if in_transformers("qwen3_vl_moe") and transformers_at_least("5.24"):  # (5.17's adds no router loss by config)
         cases.append(("qwen3_vl_moe", "images-padded", router))
+    if in_transformers("chameleon"):  # images merged by its text model, its head's masked logits (image codes)
+        cases.append(("chameleon", "images-padded", {}))
     for family, kind, opts in cases:
         images = kind.startswith("images")
         batch, ref_batch = make_batch(kind, 40, family=family if images else None)

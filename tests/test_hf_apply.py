@@ -444,6 +444,7 @@ def _sub_configs(config) -> list:
         "exaone4_5",
         "deepseek_vl",
         "deepseek_vl_hybrid",
+        "chameleon",
         "emu3",
         "ernie4_5_vl_moe",
         "gemma3",
@@ -686,6 +687,7 @@ def _text_only_batches_and_refused_images(family):
         ("aria", "images-padded"),  # a cross-attention projector, MoE text (Aria)
         ("molmo2", "images-padded"),  # image tokens attending both ways (one block per row), pooled patches
         ("emu3", "images-padded"),  # images as VQ codes embedded by the text model
+        ("chameleon", "images-padded"),  # images as VQ codes, merged by the text model in its own forward
         ("ernie4_5_vl_moe", "images-padded"),  # experts by token type (moe_mm_token_type_ids), 3-D multimodal RoPE
         ("step3p7", "images-padded"),  # sliding and full layers of their own head counts, head-wise gates
     ],
@@ -1832,10 +1834,10 @@ def test_a_selection_of_keys_is_checked_before_any_communication():
         assert hf_ring.ring_attention(q, kv, kv, selected=selected).shape == q.shape
 
 
-def test_ddp_is_told_up_front_that_sparse_attention_indexers_get_no_gradient():
-    """Transformers runs DeepSeek sparse attention's indexers without gradients, so DDP would fail at the second step
-    on their trainable weights: refused before training, unless they are frozen (or LoRA leaves them frozen) or DDP
-    looks for unused parameters; other families have none."""
+def test_ddp_is_told_up_front_that_indexers_and_image_tokenizers_get_no_gradient():
+    """Transformers runs DeepSeek sparse attention's indexers without gradients, and Chameleon's VQ-VAE gives discrete
+    codes, so DDP would fail at the second step on their trainable weights: refused before training, unless they are
+    frozen (or LoRA leaves them frozen) or DDP looks for unused parameters; other families have none."""
     from types import SimpleNamespace
 
     from peft import LoraConfig, get_peft_model
@@ -1868,3 +1870,14 @@ def test_ddp_is_told_up_front_that_sparse_attention_indexers_get_no_gradient():
         assert idle and len(idle) == sum(".indexer." in n for n, _ in vlm.named_parameters())
         with pytest.raises(ValueError, match=r"indexers .* get no gradient"):
             check_ddp_reaches_every_parameter(ddp(False), vlm)
+    # Chameleon's VQ-VAE turns images into discrete codes: no gradient reaches it, whatever the batch (checked by a
+    # backward with images: every other parameter has one)
+    cham = make_model("chameleon", images=True)
+    idle = without_gradient(cham)
+    assert idle and set(idle) == {n for n, _ in cham.named_parameters() if n.startswith("model.vqmodel.")}
+    cham(**make_batch("images", 40, family="chameleon")[1]).loss.backward()
+    assert {n for n, p in cham.named_parameters() if p.grad is None} == set(idle)
+    with pytest.raises(ValueError, match=r"image tokenizer .* get no gradient .*vqmodel.requires_grad_\(False\)"):
+        check_ddp_reaches_every_parameter(ddp(False), cham)
+    cham.model.vqmodel.requires_grad_(False)
+    assert without_gradient(cham) == []
