@@ -53,10 +53,12 @@ __all__ = ["shard_batch", "shard_for", "reduce_loss", "carries", "multimodal", "
 
 IGNORE_INDEX = -100
 
-MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features", "pixel_values_images", "input_values")
+MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features", "pixel_values_images", "input_values",
+              "image_patches")  # fmt: skip
 """Keys whose presence makes a batch multimodal (its inputs go to the model whole, see the module docstring):
 images, video, and audio (Gemma 4's ``input_features``, Apertus 1.5's waveform ``input_values``); Video-LLaVA's
-processor names its images ``pixel_values_images`` (on 5.17 always, later by default)."""
+processor names its images ``pixel_values_images`` (on 5.17 always, later by default), Fuyu's its patches
+``image_patches`` (its model's ``pixel_values`` from Transformers 5.23 on)."""
 
 PER_IMAGE_KEYS = (*MEDIA_KEYS, "pixel_attention_mask", "spatial_shapes", "image_sizes", "image_grid_thw",
                   "video_grid_thw", "image_position_ids", "input_features_mask", "padding_mask",

@@ -22,7 +22,8 @@ ERNIE-4.5-like text model with multimodal RoPE: ``INNER``), Aria ``AriaForCondit
 text model, ``aria_text``), Molmo2 ``Molmo2ForConditionalGeneration`` (its own text model: ``INNER``), Emu3
 ``Emu3ForConditionalGeneration`` (images as discrete codes its ``emu3_text_model`` embeds), Chameleon
 ``ChameleonForConditionalGeneration`` (its model tokenizes the images into codes of its vocabulary and merges them in
-its own forward: ``MERGES`` does that merge before the cut; its head gives the codes the lowest logit), Phi-4-multimodal
+its own forward: ``MERGES`` does that merge before the cut; its head gives the codes the lowest logit), Fuyu
+``FuyuForCausalLM`` (a Persimmon one; its image patches projected by one linear layer), Phi-4-multimodal
 ``Phi4MultimodalForCausalLM`` (text-only: its text model is the top model and merges images and audio in its own
 forward; ``INNER``), ERNIE-4.5-VL ``Ernie4_5_VLMoeForConditionalGeneration`` (its MoE text model routes each token
 to text or vision experts by ``moe_mm_token_type_ids``, which ``_family.ShardEmbeddings`` cuts with the embeddings;
@@ -51,7 +52,7 @@ Idefics2, Idefics3, SmolVLM, LFM2-VL, Aya Vision, Command A Vision, LightOnOCR, 
 Ovis2.5, Qianfan-OCR,
 Gemma 3, Gemma 3n, Gemma 4, Llama 4, Kimi K2.5, EXAONE 4.5, MiniMax M3, LFM3-VL, Apertus 1.5, PaliGemma, MiniCPM-V 4.6,
 VideoLLaMA3, DeepSeek-VL, DeepSeek-VL-Hybrid, Janus, GLM-4.1V, GLM-4.5V / 4.6V, GLM-GA, GLM-OCR, HunyuanOCR, Granite 4
-Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, Chameleon, ERNIE-4.5-VL, Step 3.7, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers,
+Vision, PaddleOCR-VL, Aria, Molmo2, Emu3, Chameleon, Fuyu, ERNIE-4.5-VL, Step 3.7, the Qwen2.5-Omni and Qwen3-Omni-MoE thinkers,
 Cosmos3; audio: Gemma 3n, Qwen2-Audio, Voxtral, MOSS-Transcribe-Diarize, Granite Speech, Granite Speech Plus, Nemotron 3 Nano Omni). Their text model
 attends causally over image tokens as over text, so the
 ring needs nothing new, but for Gemma 3 and Gemma 4, whose image tokens also see each other both ways: their hook
@@ -108,11 +109,12 @@ from ._hooks import remove_hooks
 __all__ = ["BLOCKS", "DEDICATED", "EXTRA_LOSS", "ExtraLossPatch", "IMAGES", "INNER", "MEDIA", "OWN_LOSS", "OwnLossPatch",
            "MERGES", "PATCHES", "PaliGemmaPatch", "VisionLanguagePatch", "WRAPPERS"]  # fmt: skip
 
-MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_features", "input_values",
+MEDIA = ("pixel_values", "pixel_values_videos", "pixel_values_images", "input_features", "input_values", "image_patches",
          "mm_encoder_outputs", "image_pixel_values", "audio_input_features")  # fmt: skip
 """Keywords that carry images, video or audio into these models' forward (Video-LLaVA's images
 ``pixel_values_images``, the name its processor gives them; Gemma 4's audio ``input_features``, Apertus 1.5's
-``input_values``; Phi-4-multimodal's ``image_pixel_values`` and ``audio_input_features``)."""
+``input_values``; Phi-4-multimodal's ``image_pixel_values`` and ``audio_input_features``; Fuyu's patches
+``image_patches``, as its processor names them)."""
 
 WRAPPERS = {  # model_type: the text config's model types it may hold (the first: its usual one)
     "gemma3": ("gemma3_text",),
@@ -197,6 +199,7 @@ WRAPPERS = {  # model_type: the text config's model types it may hold (the first
     # Chameleon: its model is the text model (its config the text config), which tokenizes the images by its VQ-VAE
     # and embeds their codes in its own forward (``MERGES``); its head never predicts an image code
     "chameleon": ("chameleon",),
+    "fuyu": ("persimmon",),  # Fuyu (Persimmon text; image patches projected linearly, no vision tower)
     # Phi-4-multimodal, text-only: its phi3-like text model is the top model (its config the text config), and merges
     # the image and audio features inside its own forward, from the whole input_ids, where no hook can cut them
     "phi4_multimodal": ("phi4_multimodal",),
@@ -285,6 +288,7 @@ IMAGES = (
     "molmo2",
     "emu3",
     "chameleon",
+    "fuyu",
     "ernie4_5_vl_moe",
     "step3p7",
 )

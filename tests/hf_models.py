@@ -740,6 +740,8 @@ VISION_LANGUAGE = {  # model_type: (config class, model class, text config beyon
     "chameleon": ("ChameleonConfig", "ChameleonForConditionalGeneration", {"attention_dropout": 0.0},
                   {"embed_dim": 8, "num_embeddings": CHAMELEON_CODES, "latent_channels": 8, "base_channels": 32,
                    "channel_multiplier": [1, 1], "num_res_blocks": 1, "attn_resolutions": [], "resolution": 4}),
+    # Fuyu: a Persimmon text model; image patches of 2 x 2 pixels x 3 channels projected into it by one linear layer
+    "fuyu": ("FuyuConfig", "FuyuForCausalLM", {"model_type": "persimmon", "partial_rotary_factor": 0.5}, None),
     # Phi-4-multimodal (text-only): its phi3-like text model is the top model (the image and audio embeddings merge
     # inside it: no images under the ring); its vision and audio towers as small as they go, never run
     "phi4_multimodal": ("Phi4MultimodalConfig", "Phi4MultimodalForCausalLM", {"sliding_window": 7},
@@ -1072,6 +1074,10 @@ def make_config(family: str, **overrides):
         if family == "nemotron_h_omni":  # Parakeet: 32 frames of 16 mel bins subsampled 4 times -> 8 tokens
             top = {"audio_config": NEMOTRON_H_OMNI_AUDIO, "audio_token_id": AUDIO_TOKEN, "vision_hidden_size": 32,
                    "projector_hidden_size": 64}  # fmt: skip
+        if family == "fuyu":  # its patches: 2 x 2 pixels x 3 channels, projected to its hidden size (5.17's
+            # projection reads the top config's)
+            top = {"patch_size": 2, "num_channels": 3, "image_token_id": MEDIA_TOKENS["image_token_id"],
+                   "hidden_size": common["hidden_size"]}  # fmt: skip
         if family == "chameleon":  # its text config the top one; the image codes' tokens the vocabulary's last
             size = overrides.get("vocab_size", VOCAB)
             codes = {f"IMGIMG{chr(ord('A') + i)}Z": size - CHAMELEON_CODES + i for i in range(CHAMELEON_CODES)}
@@ -1350,7 +1356,7 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
         per_image = 6
     if family == "emu3":  # 2 x 2 codes, an end of line after each row
         per_image = 6
-    if family == "chameleon":  # 2 x 2 codes
+    if family in ("chameleon", "fuyu"):  # 2 x 2 codes; 4 patches
         per_image = 4
     spots = _IMAGE_SPOTS if kind != "video" else _IMAGE_SPOTS[:1]
     if family in gemma:  # longer images: two in row 0 still inside 40 tokens
@@ -1482,6 +1488,9 @@ def _media_batch(kind: str, seq_len: int, family: str, g: torch.Generator) -> di
             extra["pixel_values_videos"] = torch.randn(32, patch, generator=g)
             extra["video_grid_thw"] = torch.tensor([[2, 4, 4]])
             extra["video_merge_sizes"] = torch.tensor([2])
+    elif family == "fuyu":  # 4 patches of 2 x 2 pixels x 3 channels per image, all the batch's images in one tensor,
+        # under the name its processor gives them by default (its model's pixel_values from Transformers 5.23 on)
+        extra["image_patches"] = torch.randn(4 * len(spots), 12, generator=g)
     elif family == "chameleon":  # images of 4 x 4 pixels
         extra["pixel_values"] = torch.randn(len(spots), 3, 4, 4, generator=g)
     elif family == "emu3":  # images of 4 x 4 pixels (their sizes)

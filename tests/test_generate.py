@@ -291,6 +291,7 @@ IMAGE_PROMPTS = {  # name: (family, kind, text config): prompts with images (41 
     "molmo2-images": ("molmo2", "images-padded", {}),
     "emu3-images": ("emu3", "images-padded", {}),
     "chameleon-images": ("chameleon", "images-padded", {}),  # images merged by its text model; image codes masked
+    "fuyu-images": ("fuyu", "images-padded", {}),  # Persimmon text, patches projected (image_patches)
     "step3p7-images": ("step3p7", "images-padded", {}),
     "mistral_large4-images": ("mistral_large4", "images-padded", {}),  # DeepSeek sparse attention over image tokens
     "hy_v4_vl-images": ("hy_v4_vl", "images-padded", {}),  # sparse attention, multimodal RoPE in decoding

@@ -18,6 +18,7 @@ from hf_ring.patches.linear import ShardedCCA, ShardedMixer, ShardedPLE, Sharded
 
 import hf_ring
 from hf_ring import hf_attention
+from hf_ring.batch import MEDIA_KEYS
 from tests.hf_models import (
     AUDIO_CLIPS,
     DYNAMIC,
@@ -446,6 +447,7 @@ def _sub_configs(config) -> list:
         "deepseek_vl_hybrid",
         "chameleon",
         "emu3",
+        "fuyu",
         "ernie4_5_vl_moe",
         "gemma3",
         "gemma3n",
@@ -688,6 +690,7 @@ def _text_only_batches_and_refused_images(family):
         ("molmo2", "images-padded"),  # image tokens attending both ways (one block per row), pooled patches
         ("emu3", "images-padded"),  # images as VQ codes embedded by the text model
         ("chameleon", "images-padded"),  # images as VQ codes, merged by the text model in its own forward
+        ("fuyu", "images-padded"),  # patches projected linearly (image_patches, its processor's name)
         ("ernie4_5_vl_moe", "images-padded"),  # experts by token type (moe_mm_token_type_ids), 3-D multimodal RoPE
         ("step3p7", "images-padded"),  # sliding and full layers of their own head counts, head-wise gates
     ],
@@ -708,7 +711,7 @@ def test_vision_language_models_take_image_batches_whole_at_one_rank(family, kin
     hf_ring.apply_ring_attention(model)
     local = hf_ring.shard_batch(batch)
     assert local[hf_attention.SHARD_INFO_KWARG].whole_inputs and "position_ids" not in local
-    media = next(k for k in ("pixel_values", "pixel_values_images", "input_features", "input_values") if k in batch)
+    media = next(k for k in MEDIA_KEYS if k in batch)
     assert torch.equal(local["input_ids"], batch["input_ids"]) and local[media] is batch[media]
     real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
     torch.testing.assert_close(_logits(model, **local)[real], before[real], atol=ATOL, rtol=0)

@@ -561,6 +561,13 @@ CASES = {
     "chameleon-plain": ("chameleon", "plain", 45, {}),
     "chameleon-images-padded": ("chameleon", "images-padded", 45, {}),
     "chameleon-images-lora-checkpointing": ("chameleon", "images", 45, {"lora": True, "checkpointing": True}),
+    "fuyu-images-padded": ("fuyu", "images-padded", 45, {}),
+    "fuyu-images-lora-checkpointing": (
+        "fuyu",
+        "images",
+        45,
+        {"lora": ["query_key_value", "dense"], "checkpointing": True},
+    ),
     # Phi-4-multimodal, text-only: its phi3-like text model (fused qkv, every layer sliding; LongRoPE); LoRA on the
     # fused projections (its checkpoints' vision and speech adapters are PEFT LoRA of these)
     "phi4_multimodal-padded": ("phi4_multimodal", "padded", 45, {}),
