@@ -129,6 +129,12 @@ NUMBERS_FROM_MASK = ("opt",)
 (``hf_ring.patches.generic.MASK_POSITIONS``); switched by ``attn_implementation`` alone, they are refused."""
 
 
+MAKES_A_MASK = ("biogpt",)
+"""Model types whose model makes an all-ones attention mask of the local length when given none (BioGPT): such a
+mask, without padding, is dropped (one host read per forward, kept in the plan cache); one with padding is refused
+next to ``shard_batch``'s output as any other."""
+
+
 def _unknown_kwargs_error(kwargs: dict) -> str | None:
     """Why keywords this function does not implement were passed with a value, or None."""
     known = (*_READ_KWARGS, *PACKING_KWARGS, *_HARMLESS_KWARGS)
@@ -261,6 +267,8 @@ def ring_attention_forward(
         if call is not None and pools_tokens(call.module):  # GLM-5.3-Flash: the 2-D padding mask its indexer got
             given = call.mask.mask if isinstance(call.mask, SparseMask) else call.mask
             attention_mask = batch_checks.without_all_true(given, cfg.plans)
+    if getattr(getattr(module, "config", None), "model_type", None) in MAKES_A_MASK:
+        attention_mask = batch_checks.without_all_true(attention_mask, cfg.plans)
     if kwargs.get("block_indices") is not None:  # MiniMax M3's indexer's blocks of keys, under their own name
         kwargs = {**kwargs, "indices": kwargs["block_indices"]}
     kwargs.pop("block_indices", None)

@@ -352,7 +352,7 @@ def _check(target) -> None:
         )
     if _inner_causal_lm(target) is not None:
         return
-    for name, module in (("lm_head", getattr(target, "lm_head", None)), ("base model", _base(target))):
+    for name, module in (("lm_head", _lm_head(target)), ("base model", _base(target))):
         if not isinstance(module, torch.nn.Module):
             raise ValueError(
                 f"{type(target).__name__} has no {name} module: hf_ring's chunked loss applies to causal-LM "
@@ -364,13 +364,19 @@ def _head(target) -> torch.nn.Module:
     """The module mapping the base model's last hidden states to the logits: the ``lm_head``, or, where the family's
     head is two modules, both in turn (ModernBERT decoder: its prediction head ``lm_head``, then its output embeddings
     ``decoder``, the projection to the vocabulary)."""
-    head, out = target.lm_head, target.get_output_embeddings()
+    head, out = _lm_head(target), target.get_output_embeddings()
     if isinstance(out, torch.nn.Module) and all(out is not m for m in head.modules()):
         head = torch.nn.Sequential(head, out)
     kept = getattr(target.config.get_text_config(), "unpadded_vocab_size", None)
     if kept is not None and kept < getattr(target.config.get_text_config(), "vocab_size", kept):
         return _Unpadded(head, kept)
     return head
+
+
+def _lm_head(target):
+    """The causal LM's ``lm_head``, else its output embeddings (BioGPT's ``output_projection``), else None."""
+    head = getattr(target, "lm_head", None)
+    return head if isinstance(head, torch.nn.Module) else target.get_output_embeddings()
 
 
 class _Unpadded(torch.nn.Module):

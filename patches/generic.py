@@ -98,6 +98,7 @@ FAMILIES = {
     "glm4_moe_lite": "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
     "glm_moe_dsa": "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaAttention",
     "gpt2": "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
+    "biogpt": "transformers.models.biogpt.modeling_biogpt.BioGptAttention",
     "gpt_bigcode": "transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention",
     "gpt_neo": "transformers.models.gpt_neo.modeling_gpt_neo.GPTNeoSelfAttention",
     "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
@@ -324,13 +325,19 @@ def check_opt(config) -> None:
     their ring steps would wait on it)."""
     import transformers
 
-    check(config)
     if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24):
         raise ValueError(
             f"opt: Transformers {transformers.__version__}'s OPT decoder builds an all-ones attention mask when given "
             "none, which hf_ring cannot tell from padding beside shard_batch's document ids; hf_ring supports OPT from "
             "Transformers 5.24"
         )
+    check_no_layerdrop(config)
+
+
+def check_no_layerdrop(config) -> None:
+    """``check``, and no LayerDrop (``config.layerdrop > 0`` skips each layer at random in training, a draw each rank
+    makes on its own: a layer one rank skips, the others run, and their ring steps would wait on it)."""
+    check(config)
     if (getattr(config, "layerdrop", None) or 0) > 0:
         raise ValueError(
             f"{config.model_type}: config.layerdrop={config.layerdrop} skips layers at random in training, a draw of "
@@ -438,7 +445,7 @@ CHECKS = {
     **{model_type: check_sparse for model_type in SPARSE},
     "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
     "glm5_next_text": check_sparse_linear,
-    "minimax_m3_vl_text": check_minimax_m3, "opt": check_opt, "deepseek_v4": check_deepseek_v4,
+    "minimax_m3_vl_text": check_minimax_m3, "opt": check_opt, "biogpt": check_no_layerdrop, "deepseek_v4": check_deepseek_v4,
 }  # fmt: skip
 """Families with a stricter config check than ``check``."""
 

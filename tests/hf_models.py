@@ -283,6 +283,9 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     # mixtures of attention heads (JetMoE), differential attention (DiffLlama), shared experts, and sinks with
     # windows (Granite MoE variants)
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    # BioGPT: learned positions (offset 2) from position_ids, scaled embeddings
+    "biogpt": ("BioGptConfig", "BioGptForCausalLM", {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+               "activation_dropout": 0.0, "layerdrop": 0.0, "scale_embedding": True}),
     # attention computed in the modules' own forward (hf_ring.patches._own): Falcon's three query / key / value
     # layouts (grouped keys and values as Falcon 40B / 180B, one key / value head with parallel attention as Falcon
     # 7B, one per query head with sequential blocks), rotary positions; GPT-Neo's unscaled scores with global and local

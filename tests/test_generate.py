@@ -81,6 +81,7 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "phi3-longrope-crossing": ("phi3", 2, 33, 2, {"config": LONGROPE}),
     "llama-dynamic-padded-batch": ("llama", 2, 30, 3, {"config": DYNAMIC}),
     "gpt2-learned-positions": ("gpt2", 2, 14, 3, {}),  # absolute positions from the global position ids
+    "biogpt-own-mask": ("biogpt", 2, 14, 3, {}),  # learned positions; the all-ones mask it makes (decoding) dropped
     "opt-mask-positions": ("opt", 2, 14, 3, {"scores": True}),  # learned positions numbered from the mask
     "diffllama-differential": ("diffllama", 1, 13, 0, {}),  # two attention maps per layer, each decoded
     "modernbert-decoder-windows": ("modernbert-decoder", 2, 14, 3, {"scores": True}),  # sliding and full layers

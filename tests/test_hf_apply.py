@@ -120,6 +120,15 @@ def test_generic_patch_refuses_what_it_does_not_implement():
     else:
         with pytest.raises(ValueError, match="hf_ring supports OPT from Transformers 5.24"):
             hf_ring.apply_ring_attention(make_model("opt"))
+    # BioGPT: LayerDrop as OPT's; the all-ones mask its model makes when given none is dropped (else refused as a
+    # mask next to shard_batch's output), a mask with padding there still refused
+    with pytest.raises(ValueError, match="config.layerdrop=0.1 skips layers at random"):
+        hf_ring.apply_ring_attention(make_model("biogpt", layerdrop=0.1))
+    bio, (batch, _) = hf_ring.apply_ring_attention(make_model("biogpt")), make_batch("padded", 40)
+    local = hf_ring.shard_batch(batch)
+    assert bio(**local).logits.shape[:2] == batch["input_ids"].shape
+    with pytest.raises(ValueError, match="attention_mask cannot be passed to a ring-attention model"):
+        bio(**local, attention_mask=batch["attention_mask"])
     # Gemma 4 as an encoder (measured: its two-sided sliding mask is not the ring's, loss apart by 9e-3)
     for family in ("gemma4_text", "gemma4"):
         with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):

@@ -558,6 +558,9 @@ CASES = {
     "molmo2-images-checkpointing": ("molmo2", "images", 40, {"checkpointing": True}),
     # Emu3: images tokenized by its VQ-VAE into codes (rows ended by an end-of-line token) its text model embeds
     "emu3-images-padded": ("emu3", "images-padded", 45, {}),
+    "biogpt-plain": ("biogpt", "plain", 45, {}),
+    "biogpt-padded": ("biogpt", "padded", 45, {}),
+    "biogpt-packed": ("biogpt", "packed", 45, {}),
     "chameleon-plain": ("chameleon", "plain", 45, {}),
     "chameleon-images-padded": ("chameleon", "images-padded", 45, {}),
     "chameleon-images-lora-checkpointing": ("chameleon", "images", 45, {"lora": True, "checkpointing": True}),
