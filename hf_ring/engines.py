@@ -272,14 +272,14 @@ def outside_text_model(model) -> list:
     return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
 
 
-DISCRETE_TOKENIZERS = ("ChameleonVQVAE",)
+DISCRETE_TOKENIZERS = ("ChameleonVQVAE", "Emu3VQVAE")
 """Image tokenizers inside a model whose output is discrete codes (a VQ-VAE's argmin): no gradient reaches them."""
 
 
 def without_gradient(model) -> list:
     """Names of ``model``'s trainable parameters that no batch gives a gradient: those of DeepSeek sparse attention's
     indexers (Transformers runs them under ``no_grad``; ``hf_ring.sparse``) and of an image tokenizer whose codes
-    are discrete (Chameleon's VQ-VAE: ``DISCRETE_TOKENIZERS``); [] for other families."""
+    are discrete (Chameleon's and Emu3's VQ-VAE: ``DISCRETE_TOKENIZERS``); [] for other families."""
     from .apply import unwrap_transformers_model
     from .patches import REGISTRY
 

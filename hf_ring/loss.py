@@ -269,7 +269,9 @@ class _Transform:
         logits = logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
         if self.masked is None:
             return logits
-        return logits.index_fill(-1, self.masked.to(logits.device), torch.finfo(logits.dtype).min)
+        if self.masked.device != logits.device:  # (once: every chunk, forward and backward, reuses it)
+            self.masked = self.masked.to(logits.device)
+        return logits.index_fill(-1, self.masked, torch.finfo(logits.dtype).min)
 
 
 def liger_unavailable(device: torch.device) -> str | None:

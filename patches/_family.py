@@ -494,6 +494,10 @@ class FamilyPatch:
     # shifts them), given that numbering from the batch's document ids (``patches._mask_positions``); None:
     # its model numbers them 0, 1, ... as shard_batch does
     mask_positions: str | None = None
+    # the family's model class, which makes an all-ones attention mask when given none (BioGPT): its attention
+    # function drops a mask without padding, and the model refuses a caller's mask where that function would
+    # (``patches._mask_positions.CallerMask``); None: the model passes a mask only when given one
+    makes_a_mask: str | None = None
     # the family's attention modules compute attention themselves (Falcon, GPT-Neo, BLOOM, MPT), not
     # through Transformers'
     # AttentionInterface: their ``forward`` is replaced while patched by ``patches._own.FORWARDS[own_attention]``, and
@@ -608,6 +612,9 @@ class FamilyPatch:
         if self.mask_positions:
             decoder = _class(self.mask_positions)
             _mask_positions.install([m for m in model.modules() if isinstance(m, decoder)])
+        if self.makes_a_mask:
+            maker = _class(self.makes_a_mask)
+            _mask_positions.install_refusal([m for m in model.modules() if isinstance(m, maker)], cfg)
         linear.remove(model)
         linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)  # (after _lend.remove: its hooks too)
         cross = bool(self.cross_modules(model))

@@ -10,13 +10,15 @@ the batch's document ids (every token's, -1 for padding, the same on every rank)
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..layout import shard
-from ..ring_config import DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG
+from ..ring_config import DECODE_KWARG, DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG
 from ._hooks import remove_hooks
 
-__all__ = ["MaskPositions", "install", "remove"]
+__all__ = ["CallerMask", "MaskPositions", "install", "install_refusal", "remove"]
 
 
 class MaskPositions:
@@ -39,7 +41,41 @@ def install(modules: list) -> None:
             m.register_forward_pre_hook(MaskPositions(), with_kwargs=True)
 
 
+class CallerMask:
+    """Forward pre-hook (with keywords) of a model that makes an all-ones attention mask when given none (BioGPT:
+    ``hf_attention.MAKES_A_MASK``), whose attention function then drops a mask without padding: a mask the caller
+    gives is refused here, where it can still be told from the model's own, wherever the attention function refuses
+    one (beside ``shard_batch``'s output, or with a ring of several ranks), so that a caller's mask whose shard has
+    no padding is never dropped in silence."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg  # (the model's RingConfig, not its group: a deep copy shares it, pickling drops the group)
+
+    def __call__(self, module, args, kwargs) -> None:
+        from ..comm import group_rank_and_size
+
+        names = list(inspect.signature(type(module).forward).parameters)[1:]
+        mask = dict(zip(names, args)).get("attention_mask", kwargs.get("attention_mask"))
+        if mask is None or DECODE_KWARG in kwargs:  # (ring_generate's decode steps: the cache knows the padding)
+            return
+        world = group_rank_and_size(self.cfg.group)[1]
+        if world > 1 or DOCUMENT_IDS_KWARG in kwargs:
+            raise ValueError(
+                f"attention_mask cannot be passed to a ring-attention model over {world} ranks, nor next to "
+                "shard_batch's output: padding of the unsharded sequence must reach the attention through "
+                f"hf_ring.shard_batch (which turns it into {DOCUMENT_IDS_KWARG}); pass the full batch, "
+                "attention_mask included, to shard_batch and its output alone to the model"
+            )
+
+
+def install_refusal(modules: list, cfg) -> None:
+    """Give each model of ``modules`` the ``CallerMask`` hook (replacing an earlier one)."""
+    for m in modules:
+        remove_hooks(m, CallerMask)
+        m.register_forward_pre_hook(CallerMask(cfg), with_kwargs=True)
+
+
 def remove(model: torch.nn.Module) -> None:
-    """Undo ``install`` on every module of ``model``."""
+    """Undo ``install`` and ``install_refusal`` on every module of ``model``."""
     for m in model.modules():
-        remove_hooks(m, MaskPositions)
+        remove_hooks(m, (MaskPositions, CallerMask))

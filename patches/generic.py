@@ -41,10 +41,10 @@ from ._family import FamilyPatch, LogitTransform, check_layer_types, check_windo
 __all__ = [
     "ALIASES", "CACHE_CLASSES", "CHECKS", "COMPRESSED", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS",
     "NO_ULYSSES",
-    "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "MASK_POSITIONS", "NO_GENERATE", "OWN_ATTENTION",
+    "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "MAKES_A_MASK", "MASK_POSITIONS", "NO_GENERATE", "OWN_ATTENTION",
     "PATCHES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_deepseek_v4", "check_gemma4", "check_gpt_neo", "check_linear", "check_linear_sliding",
-    "check_llama4", "check_minimax", "check_minimax_m3", "check_opt", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
+    "check_llama4", "check_minimax", "check_minimax_m3", "check_no_layerdrop", "check_opt", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
     "check_without_windows",
 ]  # fmt: skip
 
@@ -525,6 +525,9 @@ LOGIT_TRANSFORMS = {
 """What these families' causal-LM heads do to the lm_head output before the loss (the others: nothing)."""
 
 MASK_POSITIONS = {"opt": "transformers.models.opt.modeling_opt.OPTDecoder"}
+MAKES_A_MASK = {"biogpt": "transformers.models.biogpt.modeling_biogpt.BioGptModel"}
+"""The model class of the families that make an all-ones attention mask when given none (``hf_attention.MAKES_A_MASK``:
+the attention function drops such a mask; the model refuses a caller's where the attention function would)."""
 """Families whose model numbers its tokens from the attention mask, and the module that does
 (``hf_ring.patches._mask_positions``)."""
 
@@ -553,6 +556,7 @@ PATCHES = {
         local_attention_class=CROSS_ATTENTION.get(model_type),
         local_is_cross=model_type not in LOCAL_PER_TOKEN,
         mask_positions=MASK_POSITIONS.get(model_type),
+        makes_a_mask=MAKES_A_MASK.get(model_type),
         own_attention=model_type if model_type in OWN_ATTENTION else None,
     )
     for model_type, path in FAMILIES.items()

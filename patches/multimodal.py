@@ -470,6 +470,8 @@ def _chameleon_merge(model, kwargs: dict) -> dict:
     if (ids is None) == (embeds is None):  # (neither or both: the model's own error)
         return kwargs
     pixels, encoded = kwargs.pop("pixel_values", None), kwargs.pop("mm_encoder_outputs", None)
+    if pixels is not None and encoded is not None:  # (as the model's own forward)
+        raise ValueError("You cannot specify both pixel_values and mm_encoder_outputs at the same time")
     kwargs.pop("input_ids", None)
     if embeds is None:
         embeds = model.get_input_embeddings()(ids)

@@ -1117,8 +1117,8 @@ def make_model(family: str, *, seed: int = 0, dtype=torch.float32, images: bool 
     """A tiny random model of ``family``; ``images``: a vision-language model that takes ``MEDIA_TOKENS``."""
     import transformers as tf
 
-    if family == "chameleon":  # its image codes' tokens after the rest (never drawn as text)
-        overrides = {"vocab_size": (VOCAB + len(MEDIA_TOKENS) + 4 if images else VOCAB) + CHAMELEON_CODES, **overrides}
+    if family == "chameleon":  # its image codes' tokens after the rest (never drawn as text, never a media token)
+        overrides = {"vocab_size": VOCAB + len(MEDIA_TOKENS) + 4 + CHAMELEON_CODES, **overrides}
     if images:
         vocab = {} if family == "chameleon" else {"vocab_size": VOCAB + len(MEDIA_TOKENS) + 4}
         if family.startswith("gemma4"):  # its per-layer embeddings of every token (one it generates too)

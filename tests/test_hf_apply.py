@@ -121,14 +121,21 @@ def test_generic_patch_refuses_what_it_does_not_implement():
         with pytest.raises(ValueError, match="hf_ring supports OPT from Transformers 5.24"):
             hf_ring.apply_ring_attention(make_model("opt"))
     # BioGPT: LayerDrop as OPT's; the all-ones mask its model makes when given none is dropped (else refused as a
-    # mask next to shard_batch's output), a mask with padding there still refused
+    # mask next to shard_batch's output); a caller's mask there still refused, with padding or without (one without
+    # would pass for the model's own: its model refuses it first)
+    from hf_ring.patches import generic
+
+    assert generic.MAKES_A_MASK.keys() == set(hf_attention.MAKES_A_MASK)
     with pytest.raises(ValueError, match="config.layerdrop=0.1 skips layers at random"):
         hf_ring.apply_ring_attention(make_model("biogpt", layerdrop=0.1))
     bio, (batch, _) = hf_ring.apply_ring_attention(make_model("biogpt")), make_batch("padded", 40)
     local = hf_ring.shard_batch(batch)
     assert bio(**local).logits.shape[:2] == batch["input_ids"].shape
-    with pytest.raises(ValueError, match="attention_mask cannot be passed to a ring-attention model"):
-        bio(**local, attention_mask=batch["attention_mask"])
+    for mask in (batch["attention_mask"], torch.ones_like(batch["attention_mask"])):
+        with pytest.raises(ValueError, match="attention_mask cannot be passed to a ring-attention model"):
+            bio(**local, attention_mask=mask)
+    hf_ring.revert_ring_attention(bio)
+    assert bio(**make_batch("padded", 40)[1]).logits.shape[:2] == batch["input_ids"].shape  # (the hook gone)
     # Gemma 4 as an encoder (measured: its two-sided sliding mask is not the ring's, loss apart by 9e-3)
     for family in ("gemma4_text", "gemma4"):
         with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
@@ -1893,3 +1900,7 @@ def test_ddp_is_told_up_front_that_indexers_and_image_tokenizers_get_no_gradient
         check_ddp_reaches_every_parameter(ddp(False), cham)
     cham.model.vqmodel.requires_grad_(False)
     assert without_gradient(cham) == []
+    emu3 = make_model("emu3", images=True)  # (Emu3's VQ-VAE the same: its codes embedded by its text model)
+    assert set(without_gradient(emu3)) == {n for n, _ in emu3.named_parameters() if n.startswith("model.vqmodel.")}
+    with pytest.raises(ValueError, match=r"image tokenizer .* get no gradient"):
+        check_ddp_reaches_every_parameter(ddp(False), emu3)
