@@ -27,8 +27,8 @@ $(COMPAT)/.installed: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(COMPAT) "transformers==5.17.0" "huggingface-hub>=1.5,<2" "httpx<1" "httpcore<2"
 	touch $@
 
-# Tests run on up to 4 processes (pytest-xdist), a module on one (its tests share launched runs), the longest first
-# (tests/conftest.py).
+# Tests run on up to 4 processes (pytest-xdist), a module on one (its tests share launched runs) but for the in-process
+# ones named in tests/conftest.py, the longest first (tests/conftest.py's scheduler).
 XDIST := -n auto --maxprocesses 4 --dist loadfile
 # On 5.17 the Transformers tests whose outcome is the models' code: the families (apply, parity at 2 ranks, which
 # reach every family's code), generation and vision-language training; the rest on 5.17 under make test-gpu-image.
@@ -43,7 +43,7 @@ $(IMAGE)/.installed: pyproject.toml
 	python3 -m venv $(IMAGE)
 	$(IMAGE)/bin/python -m pip install -q --upgrade pip
 	$(IMAGE)/bin/python -m pip install -q "torch==2.11.0" "triton==3.6.0" "transformers==5.17.0" "accelerate==1.15.*" \
-		"peft>=0.21,<0.22" "numpy<2.3" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6.100" "setuptools>=77,<82" wheel
+		"peft>=0.21,<0.22" "numpy<2.3" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.8" "hypothesis>=6.100" "setuptools>=77,<82" wheel
 	$(IMAGE)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

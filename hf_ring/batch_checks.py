@@ -27,7 +27,7 @@ from .ring_config import (
 
 __all__ = [
     "chunk_size", "chunked", "documents", "dropped_documents_error", "hand_sharded_error", "ids_from_cu_seqlens",
-    "packed_documents", "positions_error", "shard_info_error", "sharding_error", "with_model_positions",
+    "packed_documents", "positions_error", "refuse_mask", "shard_info_error", "sharding_error", "with_model_positions",
     "without_all_true",
 ]  # fmt: skip
 
@@ -54,6 +54,18 @@ def without_all_true(mask, plans=None):
     return None if (make() if plans is None else plans.derived((without_all_true, mask), make)) else mask
 
 
+def refuse_mask(world_size: int, from_shard_batch: bool) -> None:
+    """ValueError for a caller's 2-D ``attention_mask`` where the ring cannot take one: over several ranks, or next to
+    ``shard_batch``'s output (padding reaches the attention as document ids)."""
+    if world_size > 1 or from_shard_batch:
+        raise ValueError(
+            f"attention_mask cannot be passed to a ring-attention model over {world_size} ranks, nor next to "
+            "shard_batch's output: padding of the unsharded sequence must reach the attention through "
+            f"hf_ring.shard_batch (which turns it into {DOCUMENT_IDS_KWARG}); pass the full batch, "
+            "attention_mask included, to shard_batch and its output alone to the model"
+        )
+
+
 def documents(attention_mask, kwargs: dict, full: int, world_size: int) -> tuple[Any, Any]:
     """``(document_ids, cu_seqlens)`` for the core call (at most one is not None).
 
@@ -68,13 +80,7 @@ def documents(attention_mask, kwargs: dict, full: int, world_size: int) -> tuple
                 "hf_ring attention takes no 4-D or block attention mask; pass padding as a 2-D "
                 "attention_mask (one rank) or through hf_ring.shard_batch"
             )
-        if world_size > 1 or from_shard_batch:
-            raise ValueError(
-                f"attention_mask cannot be passed to a ring-attention model over {world_size} ranks, nor next to "
-                "shard_batch's output: padding of the unsharded sequence must reach the attention through "
-                f"hf_ring.shard_batch (which turns it into {DOCUMENT_IDS_KWARG}); pass the full batch, "
-                "attention_mask included, to shard_batch and its output alone to the model"
-            )
+        refuse_mask(world_size, from_shard_batch)
     if from_shard_batch:
         return kwargs[DOCUMENT_IDS_KWARG], None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

@@ -276,20 +276,32 @@ DISCRETE_TOKENIZERS = ("ChameleonVQVAE", "Emu3VQVAE")
 """Image tokenizers inside a model whose output is discrete codes (a VQ-VAE's argmin): no gradient reaches them."""
 
 
-def without_gradient(model) -> list:
-    """Names of ``model``'s trainable parameters that no batch gives a gradient: those of DeepSeek sparse attention's
-    indexers (Transformers runs them under ``no_grad``; ``hf_ring.sparse``) and of an image tokenizer whose codes
-    are discrete (Chameleon's and Emu3's VQ-VAE: ``DISCRETE_TOKENIZERS``); [] for other families."""
+def _idle_modules(model) -> tuple[dict, list]:
+    """``({name: image tokenizer}, [sparse-attention indexers])``: the modules of ``model`` that no batch gives a
+    gradient (``without_gradient``), the tokenizers by their name in ``model``."""
     from .apply import unwrap_transformers_model
     from .patches import REGISTRY
 
     target = unwrap_transformers_model(model)
     patch = REGISTRY.get(getattr(target.config, "model_type", None))
-    idle = [m for m in target.modules() if type(m).__name__ in DISCRETE_TOKENIZERS]
-    if getattr(patch, "sparse", False):
-        idle += [getattr(m, "indexer", None) for m in patch.attention_modules(target)]
-    ids = {id(p) for m in idle if isinstance(m, torch.nn.Module) for p in m.parameters()}
+    tokenizers = {n: m for n, m in model.named_modules() if type(m).__name__ in DISCRETE_TOKENIZERS}
+    layers = patch.attention_modules(target) if getattr(patch, "sparse", False) else []
+    indexers = [getattr(m, "indexer", None) for m in layers]
+    return tokenizers, [m for m in indexers if isinstance(m, torch.nn.Module)]
+
+
+def _trainable_in(model, modules) -> list:
+    """Names of ``model``'s trainable parameters that belong to ``modules``."""
+    ids = {id(p) for m in modules for p in m.parameters()}
     return [n for n, p in model.named_parameters() if p.requires_grad and id(p) in ids]
+
+
+def without_gradient(model) -> list:
+    """Names of ``model``'s trainable parameters that no batch gives a gradient: those of DeepSeek sparse attention's
+    indexers (Transformers runs them under ``no_grad``; ``hf_ring.sparse``) and of an image tokenizer whose codes
+    are discrete (Chameleon's and Emu3's VQ-VAE: ``DISCRETE_TOKENIZERS``); [] for other families."""
+    tokenizers, indexers = _idle_modules(model)
+    return _trainable_in(model, [*tokenizers.values(), *indexers])
 
 
 ACCELERATOR_WAY_OUT = (
@@ -308,13 +320,16 @@ def check_ddp_reaches_every_parameter(accelerator, model, way_out: str = ACCELER
     handler = getattr(accelerator, "ddp_handler", None)
     if engine_of(accelerator) != "ddp" or getattr(handler, "find_unused_parameters", False):
         return
-    idle = without_gradient(model)
-    if idle and ".vqmodel." in f".{idle[0]}":
-        raise ValueError(
-            f"{len(idle)} trainable parameters of this model's image tokenizer (e.g. {idle[0]}) get no gradient (its "
-            "images become discrete codes), which DDP refuses at the second step: freeze it "
-            f"(model.model.vqmodel.requires_grad_(False)) or {way_out}"
-        )
+    tokenizers, indexers = _idle_modules(model)
+    for name, tokenizer in tokenizers.items():
+        idle = _trainable_in(model, [tokenizer])
+        if idle:
+            raise ValueError(
+                f"{len(idle)} trainable parameters of this model's image tokenizer (e.g. {idle[0]}) get no gradient "
+                f"(its images become discrete codes), which DDP refuses at the second step: freeze it "
+                f"(model.{name}.requires_grad_(False)) or {way_out}"
+            )
+    idle = _trainable_in(model, indexers)
     if idle:
         raise ValueError(
             f"{len(idle)} trainable parameters of this model's sparse-attention indexers (e.g. {idle[0]}) get no "

@@ -61,7 +61,7 @@ from . import (
     _temperature,
     linear,
 )
-from ._hooks import remove_hooks
+from ._hooks import named_arguments, remove_hooks
 from ._neftune import NoiseScale
 
 __all__ = [
@@ -154,7 +154,7 @@ class StartBatch:
         # attention layer (recomputed ones too): a family whose layers do not pass position_ids on (Llama 4,
         # StarCoder 1, Dory) still shows the attention its positions. An inner model's (cut to the shard) replace
         # the outer one's.
-        pos = _named(module, args, kwargs).get("position_ids")
+        pos = named_arguments(module, args, kwargs).get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.dim() == 2 and _takes_keywords(type(module)):
             return args, {**kwargs, POSITIONS_KWARG: pos}
         return None
@@ -179,15 +179,6 @@ class EndBatch:
             self.plans.progress.end_forward(output)
 
 
-def _named(module, args, kwargs) -> dict:
-    """The call's arguments by name, positional ones too (``model(input_ids, pixel_values)``)."""
-    named = dict(kwargs)
-    if args:
-        names = list(inspect.signature(type(module).forward).parameters)[1:]
-        named.update(zip(names, args))
-    return named
-
-
 class BlockIds:
     """Forward pre-hook (with keywords) of a vision-language model whose image tokens attend to each other both ways
     (Gemma 3, Gemma 4): ``derive(config, arguments)`` gives the batch's ``RingBlocks`` (Transformers'
@@ -202,7 +193,7 @@ class BlockIds:
     def __call__(self, module, args, kwargs):
         if kwargs.get(BLOCK_IDS_KWARG) is not None:  # (also when recomputed in the backward: the ids are pure)
             return None
-        ids = self.derive(module.config, _named(module, args, kwargs))
+        ids = self.derive(module.config, named_arguments(module, args, kwargs))
         if ids is None:
             return None
         return args, {**kwargs, BLOCK_IDS_KWARG: ids}
@@ -231,7 +222,7 @@ class TextOnly:
         self.cross = cross
 
     def __call__(self, module, args, kwargs) -> None:
-        named = _named(module, args, kwargs)
+        named = named_arguments(module, args, kwargs)
         given = [k for k in self.media if carries(named.get(k))]
         if self.images and self.cross:
             info = named.get(SHARD_INFO_KWARG)

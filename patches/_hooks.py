@@ -1,11 +1,13 @@
 """Removing the forward hooks and forwards hf_ring's patches add, found by their class (so a deep copy's are found
-too)."""
+too), and a hook's view of the call's arguments by name."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-__all__ = ["remove_forward", "remove_hooks"]
+__all__ = ["named_arguments", "remove_forward", "remove_hooks"]
 
 
 def remove_hooks(module: torch.nn.Module, kinds: type | tuple) -> None:
@@ -25,3 +27,12 @@ def remove_forward(module: torch.nn.Module, kinds: type | tuple) -> None:
     """Give ``module`` its class's ``forward`` back when its own (an instance attribute) is one of ``kinds``."""
     if isinstance(module.__dict__.get("forward"), kinds):
         del module.__dict__["forward"]
+
+
+def named_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """A forward pre-hook's call arguments by name, positional ones too (``model(input_ids, pixel_values)``)."""
+    named = dict(kwargs)
+    if args:
+        names = list(inspect.signature(type(module).forward).parameters)[1:]
+        named.update(zip(names, args))
+    return named

@@ -10,13 +10,13 @@ the batch's document ids (every token's, -1 for padding, the same on every rank)
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
+from ..batch_checks import refuse_mask
+from ..comm import group_rank_and_size
 from ..layout import shard
 from ..ring_config import DECODE_KWARG, DOCUMENT_IDS_KWARG, SHARD_INFO_KWARG
-from ._hooks import remove_hooks
+from ._hooks import named_arguments, remove_hooks
 
 __all__ = ["CallerMask", "MaskPositions", "install", "install_refusal", "remove"]
 
@@ -52,20 +52,9 @@ class CallerMask:
         self.cfg = cfg  # (the model's RingConfig, not its group: a deep copy shares it, pickling drops the group)
 
     def __call__(self, module, args, kwargs) -> None:
-        from ..comm import group_rank_and_size
-
-        names = list(inspect.signature(type(module).forward).parameters)[1:]
-        mask = dict(zip(names, args)).get("attention_mask", kwargs.get("attention_mask"))
-        if mask is None or DECODE_KWARG in kwargs:  # (ring_generate's decode steps: the cache knows the padding)
-            return
-        world = group_rank_and_size(self.cfg.group)[1]
-        if world > 1 or DOCUMENT_IDS_KWARG in kwargs:
-            raise ValueError(
-                f"attention_mask cannot be passed to a ring-attention model over {world} ranks, nor next to "
-                "shard_batch's output: padding of the unsharded sequence must reach the attention through "
-                f"hf_ring.shard_batch (which turns it into {DOCUMENT_IDS_KWARG}); pass the full batch, "
-                "attention_mask included, to shard_batch and its output alone to the model"
-            )
+        if named_arguments(module, args, kwargs).get("attention_mask") is None or DECODE_KWARG in kwargs:
+            return  # (ring_generate's decode steps: the cache knows the padding)
+        refuse_mask(group_rank_and_size(self.cfg.group)[1], DOCUMENT_IDS_KWARG in kwargs)
 
 
 def install_refusal(modules: list, cfg) -> None:
