@@ -28,9 +28,8 @@ $(COMPAT)/.installed: $(STAMP)
 	touch $@
 
 # Tests run on up to 4 processes (pytest-xdist), a module on one (its tests share launched runs), handed out by their
-# number of tests, most first (pytest-xdist's order; measured faster on 2 cores than the launched modules first, whose
-# runs then all share the cores at once: 21:58 against 25:08 for the first command), with one Torch thread each
-# (tests/conftest.py).
+# number of tests, most first (pytest-xdist's order; the launched modules first measured no faster on 2 cores: 25:08
+# against 24:48 for the first command in a fresh clone), with one Torch thread each (tests/conftest.py).
 XDIST := -n auto --maxprocesses 4 --dist loadfile
 # On 5.17 the Transformers tests whose outcome is the models' code: the families (apply, parity at 2 ranks, which
 # reach every family's code), generation and vision-language training; the rest on 5.17 under make test-gpu-image.
