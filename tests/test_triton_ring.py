@@ -1,7 +1,8 @@
 """The whole ring with ``backend="triton"`` on 2 gloo ranks against plain attention on the unsharded sequence.
 
-Every case runs in one spawn (process start costs seconds); the kernels run in Triton's interpreter,
-inherited by the spawned ranks through TRITON_INTERPRET (set by conftest before the spawn).
+The cases of one test run in one launch (process start costs seconds); the kernels run in Triton's interpreter,
+inherited by the ranks through TRITON_INTERPRET (set by conftest before the launch). ``make test`` runs each
+feature once (``FEATURES``); the combinations of features run under ``make test-all``.
 """
 
 from __future__ import annotations
@@ -88,7 +89,13 @@ def _run_case(rank, world, case, dtype, seed):
     return mine, sdpa
 
 
-def _worker(rank, world):
+# each layout, causal and not, GQA, MQA, a window, packed and padded documents, MLA's value head_dim, ALiBi: once each
+FEATURES = (0, 1, 3, 4, 6, 7, 8, 10, 12, 13)
+COMBINATIONS = tuple(i for i in range(len(_cases())) if i not in FEATURES)
+FP16 = (0, 7)  # (in FEATURES' launch)
+
+
+def _worker(rank, world, which):
     biased = []  # the triton kernels' calls with ALiBi's slopes (not the torch backend's)
     for name in ("forward", "backward"):
         kernel = getattr(triton_backend, name)
@@ -98,9 +105,10 @@ def _worker(rank, world):
             return _kernel(*args, **kwargs)
 
         setattr(triton_backend, name, spy)
-    results = {"fp32": [_run_case(rank, world, c, torch.float32, seed=i) for i, c in enumerate(_cases())]}
+    cases = _cases()
+    results = {"fp32": [_run_case(rank, world, cases[i], torch.float32, seed=i) for i in which]}
     results["biased_calls"] = sum(biased)
-    results["fp16"] = [_run_case(rank, world, _cases()[i], torch.float16, seed=10 + i) for i in (0, 7)]
+    results["fp16"] = [_run_case(rank, world, cases[i], torch.float16, seed=10 + i) for i in FP16 if i in which]
     return results
 
 
@@ -108,14 +116,24 @@ def _label(case):
     return {key: val for key, val in case.items() if not isinstance(val, torch.Tensor)}
 
 
-def test_triton_ring_matches_plain_attention():
+def _check(which):
     cases = _cases()
-    for rank, res in enumerate(run_distributed(_worker, WORLD, timeout=600)):
-        for case, (errs, _) in zip(cases, res["fp32"]):
-            assert max(errs) <= FP32_TOL, f"rank {rank} fp32 {_label(case)}: rel errors (out, dq, dk, dv) {errs}"
-        assert res["biased_calls"] == 2 * 2 * WORLD  # two ALiBi cases: every step forward and backward
-        for i, (errs, sdpa) in zip((0, 7), res["fp16"]):
+    for rank, res in enumerate(run_distributed(_worker, WORLD, which, timeout=600)):
+        for i, (errs, _) in zip(which, res["fp32"]):
+            assert max(errs) <= FP32_TOL, f"rank {rank} fp32 {_label(cases[i])}: rel errors (out, dq, dk, dv) {errs}"
+        # the ALiBi cases: the triton kernels took the slopes at every step, forward and backward
+        assert res["biased_calls"] == sum(cases[i]["alibi"] for i in which) * 2 * WORLD > 0
+        for i, (errs, sdpa) in zip([i for i in FP16 if i in which], res["fp16"]):
             for name, e, s in zip(("out", "dq", "dk", "dv"), errs, sdpa):
                 assert e <= LOWP_FACTOR * s + LOWP_EPS, (
                     f"rank {rank} fp16 {_label(cases[i])} {name}: {e:.2e} vs SDPA {s:.2e}"
                 )
+
+
+def test_triton_ring_matches_plain_attention():
+    _check(FEATURES)
+
+
+@pytest.mark.slow  # (each feature alone runs above)
+def test_triton_ring_matches_plain_attention_on_combined_features():
+    _check(COMBINATIONS)
