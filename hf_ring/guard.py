@@ -21,7 +21,9 @@ Only failures that can leave a peer waiting stop the group: an error inside a ri
 of more than one rank, an error escaping a model's forward after its first ring exchange, and a backward of such
 a forward that began but did not finish (found when the model is called again). Bad input found by the
 pre-flight check raises on every rank at the same point and leaves the group usable, as does a forward refused by
-a hook that runs before hf_ring's own (``ring_generate``'s checks, a vision-language model's text-only check).
+a hook that runs before hf_ring's own (``ring_generate``'s checks, a vision-language model's text-only check);
+except where the world has ranks outside the CP group (other DP groups, which did not raise): a refusal escaping a
+patched model's forward then stops the group too (``Progress.refused``).
 
 Nothing here runs while all is well: no collective, no store access, no host sync; a few host counters per
 call. Caveats: on NCCL the connections are not broken (aborting communicators from one side does not release
@@ -196,6 +198,9 @@ class Progress:
     # model forwards begun (hf_ring's pre-hook ran) and not ended: a forward refused by a hook that runs before it
     # (``ring_generate``'s, a vision-language model's text-only check) must not read the counts of the one before
     depth: int = 0
+    # the model's CP group (None: the default group), set where the model is patched: a refusal of its input is
+    # one-sided when the world has ranks outside it (``refused``)
+    group: object = None
 
     def begin_forward(self) -> None:
         if self.backward_began and not self.backward_ended:
@@ -204,7 +209,7 @@ class Progress:
                 f"global rank {global_rank()} failed in its backward (after {self.backward_calls} ring-attention "
                 "backward calls of the step) and was called again",
             )
-        for group in self.groups:
+        for group in (*self.groups, self.group):
             raise_if_stopped(group)
         self.calls = self.grad_calls = self.backward_calls = 0
         self.backward_began = self.backward_ended = False
@@ -224,10 +229,13 @@ class Progress:
     def name(self) -> str:
         return f"ring-attention call {self.calls}" + (f" ({self.label})" if self.label else "")
 
-    def end_forward(self, output) -> None:
+    def end_forward(self, output, outermost: bool = False) -> None:
         """After the model's forward (``output`` None: it raised): stop the group if it raised after exchanging;
         otherwise watch for the backward to begin (a hook on the output tensors that need a gradient). Nothing for
-        a forward that was refused before it began (``depth`` 0)."""
+        a forward that was refused before it began (``depth`` 0), except what ``refused`` stops (``outermost``:
+        the hook of the outermost model)."""
+        if output is None and outermost:
+            self.refused(sys.exc_info()[1])
         if self.depth == 0:
             return
         self.depth -= 1
@@ -250,6 +258,24 @@ class Progress:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._began)
 
+    def refused(self, error) -> None:
+        """A refusal (``InStepError``) escaped the model's forward while the world has ranks outside its CP group
+        (other DP groups): every rank of this CP group raised it, but those ranks did not, and go on to their next
+        collective (a ZeRO-3 or FSDP2 parameter gather, DDP's gradient reduction) with this group's ranks; were this
+        group's ranks to catch it and go on, their next collectives would pair with the wrong ones (a hang, or
+        mixed-up data). So the group is stopped: the error propagates as it is, and a later call of the model on
+        this group raises ``StoppedError``."""
+        if not isinstance(error, InStepError) or not (dist.is_available() and dist.is_initialized()):
+            return
+        group = _resolve(self.group)
+        if dist.get_world_size() == dist.get_world_size(group):
+            return  # (no rank outside the group: every rank raised it; the group stays usable)
+        stop(
+            [self.group],
+            f"global rank {global_rank()} refused its input while ranks outside its CP group (other DP groups) "
+            f"went on: {error}",
+        )
+
     def _began(self, grad):
         task = torch._C._current_graph_task_id()
         if task != self.task:  # a backward not watched yet
@@ -267,4 +293,4 @@ def in_backward() -> bool:
 
 class InStepError(ValueError):
     """Bad input that every rank of the group raises at the same point (the pre-flight check): nothing is
-    out of step, the group stays usable."""
+    out of step, the group stays usable (unless ranks outside it went on: ``Progress.refused``)."""

@@ -168,15 +168,17 @@ def _takes_keywords(cls) -> bool:
 
 
 class EndBatch:
-    """Forward hook, run even when the forward raises: tells the plan cache's ``Progress`` how it ended."""
+    """Forward hook, run even when the forward raises: tells the plan cache's ``Progress`` how it ended
+    (``outermost``: the hook of the outermost model)."""
 
-    def __init__(self, plans: PlanCache):
+    def __init__(self, plans: PlanCache, outermost: bool = False):
         self.plans = plans
+        self.outermost = outermost
 
     def __call__(self, module, args, output) -> None:
         if not in_backward():
             self.plans.batch_documents = False
-            self.plans.progress.end_forward(output)
+            self.plans.progress.end_forward(output, self.outermost)
 
 
 class BlockIds:
@@ -370,7 +372,7 @@ def _set_hooks(
         remove_hooks(m, (StartBatch, EndBatch, TextOnly, ShardEmbeddings, BlockIds, NoiseScale))
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
-            m.register_forward_hook(EndBatch(plans), always_call=True)
+            m.register_forward_hook(EndBatch(plans, outermost=m is top), always_call=True)
             if m is top:  # (NEFTune's noise: the unsharded batch's magnitude)
                 scale = NoiseScale()
                 m.register_forward_pre_hook(scale.before, with_kwargs=True)
@@ -610,6 +612,7 @@ class FamilyPatch:
         linear.install(model, mixers, cfg, lend=self.lend_mixer_kwargs)  # (after _lend.remove: its hooks too)
         cross = bool(self.cross_modules(model))
         text_only = TextOnly(self.name, self.media, self.images, cfg, cross=cross) if self.media else None
+        cfg.plans.progress.group = cfg.group  # (its refusals' reach: hf_ring.guard.Progress.refused)
         _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None, self.merge)
         _own.remove(model)
         if self.own_attention:  # (after _set_hooks: the hand-over sees the positions StartBatch adds)

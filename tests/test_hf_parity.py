@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hf_ring import sparse
+from hf_ring.guard import StoppedError
 from tests.dist_utils import run_distributed
 from tests.hf_models import (
     DYNAMIC,
@@ -961,7 +962,6 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     sub_local = hf_ring.shard_batch(batch, group=sub)
     with torch.no_grad():
         out["deepcopy_loss"] = (twin(**sub_local).loss - cp_model(**sub_local).loss).item()
-    out["group_mismatch_dp"] = error_of(lambda: twin(**local))  # shard_batch(group=None): the whole world
     with warnings.catch_warnings(record=True) as caught:  # pickling drops the group, with a warning
         warnings.simplefilter("always")
         loaded = pickle.loads(pickle.dumps(twin))
@@ -970,6 +970,14 @@ def _distributed_errors(rank: int, world_size: int) -> dict:
     hf_ring.apply_ring_attention(loaded, group=sub)
     with torch.no_grad():
         out["pickled_reapplied"] = (loaded(**sub_local).loss - cp_model(**sub_local).loss).item()
+    out["group_mismatch_dp"] = error_of(lambda: twin(**local))  # shard_batch(group=None): the whole world
+    # a refusal in a group that has ranks outside it (a DP group beside the others) stops that group: those ranks
+    # did not raise and go on to their next collective, which the group's next forward would pair with wrongly
+    try:
+        twin(**sub_local)
+        out["after_dp_refusal"] = "no error"
+    except StoppedError as e:
+        out["after_dp_refusal"] = str(e)
     # the same for vision-language models over the group (their hooks keep the model's config, not the group):
     # Qwen2-VL (its media check) and Granite Docling (its refusal of router_labels too) copy and pickle
     out["vlm_copies"] = {}
@@ -1212,6 +1220,9 @@ def test_hf_integration_distributed(world_size, which):
             assert "layout='contiguous'" in e["layout_mismatch"] and "same layout" in e["layout_mismatch"]
             for key in ("group_mismatch", "group_mismatch_dp"):
                 assert "same (context-parallel) group" in e[key], (key, e[key])
+            after = e["after_dp_refusal"]
+            assert "CP group was stopped" in after and "ranks outside its CP group (other DP groups)" in after, after
+            assert "same (context-parallel) group" in after, after  # (the refusal, named)
             assert "dropout" in e["dropout"]
             assert e["eval_runs"] and e["group_alive"] == world_size
             assert abs(e["cu_seq_lens"]) < 1e-6

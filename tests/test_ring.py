@@ -179,7 +179,8 @@ def _selection_worker(rank, world):
     return errs
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+# (4 ranks under make test-all: the ring's steps at 4 ranks run in test_matches_plain_attention_fp32)
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_selection_of_keys_per_query_matches_masked_plain_attention(world):
     for rank, errs in enumerate(run_distributed(_selection_worker, world, timeout=300)):
         if world > 1:
@@ -723,7 +724,8 @@ def _bias_worker(rank, world):
     return errs
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+# (4 ranks under make test-all: the ring's steps at 4 ranks run in test_matches_plain_attention_fp32)
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_bias_by_distance_and_alibi_match_plain_attention_with_the_dense_bias(world):
     for rank, errs in enumerate(run_distributed(_bias_worker, world, timeout=300)):
         assert "distance_bias must be a floating-point tensor [batch=1, q_heads=4" in errs.pop("shape")
