@@ -374,4 +374,5 @@ def test_sft_metrics_sum_every_cp_rank_on_a_cut_last_batch():
     """TRL sums its per-rank entropies and counts with gather_for_metrics, whose cut of the last batch keeps as many
     values as samples: over the CP group's processes it would keep rank 0's shard alone. Summed over the CP group
     first, gathered over DP (one group here): the whole sequence's sum on every rank."""
+    pytest.importorskip("trl")
     assert run_distributed(_metrics_gather, 2) == [[21.0], [21.0]]
