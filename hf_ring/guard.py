@@ -229,12 +229,11 @@ class Progress:
     def name(self) -> str:
         return f"ring-attention call {self.calls}" + (f" ({self.label})" if self.label else "")
 
-    def end_forward(self, output, outermost: bool = False) -> None:
+    def end_forward(self, output) -> None:
         """After the model's forward (``output`` None: it raised): stop the group if it raised after exchanging;
         otherwise watch for the backward to begin (a hook on the output tensors that need a gradient). Nothing for
-        a forward that was refused before it began (``depth`` 0), except what ``refused`` stops (``outermost``:
-        the hook of the outermost model)."""
-        if output is None and outermost:
+        a forward that was refused before it began (``depth`` 0), except what ``refused`` stops."""
+        if output is None:
             self.refused(sys.exc_info()[1])
         if self.depth == 0:
             return
@@ -264,7 +263,7 @@ class Progress:
         collective (a ZeRO-3 or FSDP2 parameter gather, DDP's gradient reduction) with this group's ranks; were this
         group's ranks to catch it and go on, their next collectives would pair with the wrong ones (a hang, or
         mixed-up data). So the group is stopped: the error propagates as it is, and a later call of the model on
-        this group raises ``StoppedError``."""
+        this group raises ``StoppedError``. (Each model level's closing hook calls this; ``stop`` acts once.)"""
         if not isinstance(error, InStepError) or not (dist.is_available() and dist.is_initialized()):
             return
         group = _resolve(self.group)

@@ -168,17 +168,15 @@ def _takes_keywords(cls) -> bool:
 
 
 class EndBatch:
-    """Forward hook, run even when the forward raises: tells the plan cache's ``Progress`` how it ended
-    (``outermost``: the hook of the outermost model)."""
+    """Forward hook, run even when the forward raises: tells the plan cache's ``Progress`` how it ended."""
 
-    def __init__(self, plans: PlanCache, outermost: bool = False):
+    def __init__(self, plans: PlanCache):
         self.plans = plans
-        self.outermost = outermost
 
     def __call__(self, module, args, output) -> None:
         if not in_backward():
             self.plans.batch_documents = False
-            self.plans.progress.end_forward(output, self.outermost)
+            self.plans.progress.end_forward(output)
 
 
 class BlockIds:
@@ -372,7 +370,7 @@ def _set_hooks(
         remove_hooks(m, (StartBatch, EndBatch, TextOnly, ShardEmbeddings, BlockIds, NoiseScale))
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
-            m.register_forward_hook(EndBatch(plans, outermost=m is top), always_call=True)
+            m.register_forward_hook(EndBatch(plans), always_call=True)
             if m is top:  # (NEFTune's noise: the unsharded batch's magnitude)
                 scale = NoiseScale()
                 m.register_forward_pre_hook(scale.before, with_kwargs=True)
