@@ -49,6 +49,13 @@ cache answering with them and with the position after the chunk as its length. O
 (``hf_attention`` refuses both). In ``ring_generate`` the cache keeps every token's packed keys on every rank, from
 which a decode step picks (``_decode_pools``).
 
+Kolibri 1.1's weightless indexer returns a mask (``MaskCall``, ``_select_by_mask``): an indexer layer picks each
+query's pool of candidates (blocks of keys, by their averages), every indexed layer the top-k keys of the last pool
+beside sink and local keys, all scored with key head 0. Its key head 0 of the whole sequence comes from one
+all-gather per layer; the model's own ``select_pool`` and ``select_tokens`` run on chunks of this rank's queries, and
+a later layer computes its source's pool again per chunk, from the queries and keys the source kept (a pool is as
+large as a dense mask). ``ring_generate`` refuses it.
+
 Memory: the indexer's scores are ``[batch, chunk, index_heads, seq]`` fp32 per chunk of queries, the chunk sized to
 keep them within ``chunk_bytes`` (256 MiB by default; the pass also holds their ReLU, the chunk's other indexer
 tensors, and an fp32 copy of the whole sequence's indexer keys); the unmodified model holds them for all its
@@ -79,7 +86,17 @@ from .comm import RingComm, StateGather, group_rank_and_size
 from .kernels.mask import BlockMask, Selection, upload
 from .ring import host_document_ids
 
-__all__ = ["CHUNK_BYTES", "IndexerCall", "SparseMask", "picks_key_blocks", "pools_tokens", "select", "select_decode"]
+__all__ = [
+    "CHUNK_BYTES",
+    "IndexerCall",
+    "MaskCall",
+    "SparseMask",
+    "picks_key_blocks",
+    "pools_tokens",
+    "select",
+    "select_decode",
+    "selects_by_mask",
+]
 
 CHUNK_BYTES = 256 * 2**20
 """Default bound on the indexer's fp32 scores of one chunk of queries (``select``)."""
@@ -228,6 +245,12 @@ def select(
     if picks_key_blocks(call.module):
         return _resolved(call, _select_key_blocks(call, group, world_size, layout, chunk_bytes, timeout))
     where = dict(cu_seqlens=cu_seqlens, document_ids=document_ids, timeout=timeout, plans=plans)
+    if isinstance(call, MaskCall):
+        picked = _select_by_mask(call, group, rank, world_size, layout, causal, chunk_bytes, **where)
+        call.keys = call.pool = None  # (a pool source keeps its queries and whole keys for the layers after it)
+        if not call.module.is_pool_source:
+            call.queries = None
+        return _resolved(call, picked)
     if _pools_blocks(call.module):
         return _resolved(call, _select_blocks(call, group, rank, world_size, layout, chunk_bytes, **where))
     if pools_tokens(call.module):
@@ -251,15 +274,15 @@ def select(
     picked = []
     for i in range(chunks):
         part = slice(min(local_len, i * rows), min(local_len, (i + 1) * rows))
-        mask = BlockMask(
-            q_pos=q_pos[part],
-            k_pos=k_pos,
-            causal=causal,
-            q_doc=None if docs is None else docs[:, q_pos[part]],
-            k_doc=docs,
-        ).visible()
-        picked.append(call.run(part, whole, mask))
+        picked.append(call.run(part, whole, _visible(q_pos[part], k_pos, docs, causal)))
     return _resolved(call, torch.cat(picked, dim=1))
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, docs: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """Which keys each of the queries at ``q_pos`` may see (causal, documents, padding): ``[batch or 1, queries,
+    keys]`` bool, the ring's mask as an indexer takes it (``docs``: the whole sequence's ids, -1 padding)."""
+    q_doc = None if docs is None else docs[:, q_pos]
+    return BlockMask(q_pos=q_pos, k_pos=k_pos, causal=causal, q_doc=q_doc, k_doc=docs).visible()
 
 
 def _chunk_count(module, chunks: int, device, timeout) -> int:
@@ -271,6 +294,73 @@ def _chunk_count(module, chunks: int, device, timeout) -> int:
         return chunks
     what = "the all-reduce of the sparse-attention indexer's chunk count (DeepSpeed ZeRO-3)"
     return int(RingComm(zero3, timeout=timeout).all_reduce_max(torch.tensor([chunks], device=device), what))
+
+
+def selects_by_mask(module) -> bool:
+    """The indexer returns the mask of the keys each query attends to, picked from a pool of candidates that an
+    earlier layer's indexer selected (Kolibri 1.1: ``select_pool``, ``select_tokens``)."""
+    return all(hasattr(module, name) for name in ("select_pool", "select_tokens", "is_pool_source"))
+
+
+@dataclasses.dataclass(eq=False)
+class MaskCall(IndexerCall):
+    """The deferred call of an indexer that returns a mask (``selects_by_mask``): this layer's queries and keys as the
+    model gave them, and the call of the indexer whose pool of candidates it picks from (itself for a pool source).
+    Once resolved, a pool source keeps the queries its pool is scored by and the whole sequence's keys, from which a
+    later layer's ``select`` computes the pool of its own chunks of queries again (a pool is ``[batch, queries,
+    keys]``: kept whole, it would cost as much as a dense mask)."""
+
+    queries: torch.Tensor | None = None  # [batch, heads, local_seq, head_dim]
+    keys: torch.Tensor | None = None  # [batch, kv_heads, local_seq, head_dim]
+    pool: MaskCall | None = None
+    whole_keys: torch.Tensor | None = None  # once resolved: key head 0 of the whole sequence, [batch, 1, seq, dim]
+
+
+def _select_by_mask(call: MaskCall, group, rank, world_size, layout, causal, chunk_bytes, *, cu_seqlens, document_ids,
+                    timeout, plans) -> torch.Tensor:  # fmt: skip
+    """Kolibri 1.1's selection over the whole sequence for this rank's queries: ``[batch, local_seq, topk + local +
+    sinks]`` int32 global positions, -1 for none, by the model's own indexer code.
+
+    Its indexer scores keys with key head 0 and the first ``num_heads`` query heads. A pool source picks each query's
+    pool of candidates (all its visible keys, or the best blocks of ``compression`` keys, by block averages); every
+    indexed layer then keeps the best ``topk`` of its pool's keys, the first ``num_sink_tokens`` and the last
+    ``num_local_tokens`` of the query's visible ones. Here key head 0 of the whole sequence comes from one all-gather
+    per layer, and the model's own ``select_pool`` and ``select_tokens`` run on chunks of this rank's queries, their
+    mask the ring's (causal, documents, padding); a layer picking from an earlier layer's pool computes that pool
+    again for its chunk, from the queries and keys its source kept. A query's keys are counted from its first
+    visible one, as the model counts them (``query_groups``): keys no query of a chunk sees lie before that or after
+    the query, where the model's scores never reach."""
+    m = call.module
+    with torch.no_grad():
+        keys = call.keys[:, :1]
+        if world_size > 1:
+            what = "the all-gather of the sparse-attention indexer keys"
+            keys = _layout.unshard(list(StateGather(group, timeout, what=what).gather(keys)), dim=2, layout=layout)
+        queries = call.queries[:, : m.num_heads]
+        source = call if m.is_pool_source else call.pool
+        if m.is_pool_source:
+            call.whole_keys, call.queries = keys, queries.detach()
+        if source is None or source.whole_keys is None:
+            raise RuntimeError(
+                f"layer {getattr(m, 'layer_idx', '?')}: its indexer picks from an earlier indexer's pool, which hf_ring "
+                "was not given (the model's layers run out of order?)"
+            )
+        batch, local_len, full = queries.shape[0], queries.shape[2], keys.shape[2]
+        q_pos, k_pos, docs = _seen(plans, cu_seqlens, document_ids, full, rank, world_size, layout, keys.device)[:3]
+        rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * batch * full))
+        budget = min(full, m.topk + m.num_local_tokens + m.num_sink_tokens)
+        index = torch.arange(full, device=keys.device)
+        picked = []
+        for lo in range(0, local_len, rows):
+            part = slice(lo, min(local_len, lo + rows))
+            visible = _visible(q_pos[part], k_pos, docs, causal).expand(batch, -1, -1)
+            pool = type(source.module).select_pool(
+                source.module, source.queries[:, :, part], source.whole_keys, visible
+            )
+            chosen = type(m).select_tokens(m, queries[:, :, part], keys, visible, pool)
+            first = torch.where(chosen, index, full).topk(budget, dim=-1, largest=False).values
+            picked.append(torch.where(first < full, first, -1))
+        return torch.cat(picked, dim=1)
 
 
 def picks_key_blocks(module) -> bool:

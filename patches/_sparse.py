@@ -19,14 +19,15 @@ function can gather (it knows the group, the layout and the batch's documents). 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
 
-from ..sparse import IndexerCall, SparseMask
+from ..sparse import IndexerCall, MaskCall, SparseMask, selects_by_mask
 from ._hooks import remove_forward, remove_hooks
 
-__all__ = ["CarryCall", "DeferIndexer", "WrapMask", "install", "remove"]
+__all__ = ["CarryCall", "DeferIndexer", "DeferMaskIndexer", "WrapMask", "install", "remove"]
 
 MASK_BUILDER = "build_attention_mask_from_topk"
 """The method of a DSA attention module that makes a dense mask of its indexer's top-k (GLM-5.3-Flash)."""
@@ -54,6 +55,34 @@ class DeferIndexer:
             cache=cache,
             mask=given.get("attention_mask"),
         )
+
+
+class DeferMaskIndexer(DeferIndexer):
+    """The ``forward`` of an indexer that returns a mask (Kolibri 1.1's, ``hf_ring.sparse.selects_by_mask``) while
+    patched: its mask is the ``SparseMask`` the module was given, carrying the deferred call (``MaskCall``), which the
+    module hands to the attention function as its mask; its pool is the call of the indexer whose pool this layer picks
+    from (this call for a pool source), which the model passes on to the layers after it."""
+
+    def __call__(self, *args, **kwargs) -> tuple[SparseMask, MaskCall]:
+        given = {**dict(zip(self.names, args)), **kwargs}
+        mask, pool = given["attention_mask"], given.get("index_pool")
+        if not isinstance(mask, SparseMask):
+            raise TypeError(f"{type(self.module).__name__}: expected the mask hf_ring wraps, got {type(mask).__name__}")
+        if pool is not None and not isinstance(pool, MaskCall):
+            raise TypeError(
+                f"{type(self.module).__name__}: expected hf_ring's deferred pool, got {type(pool).__name__}"
+            )
+        call = MaskCall(
+            module=self.module,
+            hidden_states=None,
+            q_resid=None,
+            position_embeddings=None,
+            position_ids=None,
+            queries=given["query_states"],
+            keys=given["key_states"],
+            pool=pool,
+        )
+        return dataclasses.replace(mask, call=call), call if self.module.is_pool_source else pool
 
 
 class CarryCall:
@@ -90,7 +119,7 @@ def install(modules: list) -> None:
     for m in modules:
         indexer = getattr(m, "indexer", None)
         if isinstance(indexer, torch.nn.Module) and not isinstance(indexer.__dict__.get("forward"), DeferIndexer):
-            indexer.forward = DeferIndexer(indexer)
+            indexer.forward = (DeferMaskIndexer if selects_by_mask(indexer) else DeferIndexer)(indexer)
         if callable(getattr(type(m), MASK_BUILDER, None)) and not isinstance(m.__dict__.get(MASK_BUILDER), CarryCall):
             setattr(m, MASK_BUILDER, CarryCall())
         if not any(isinstance(h, WrapMask) for h in m._forward_pre_hooks.values()):

@@ -130,6 +130,7 @@ FAMILIES = {
     "jetmoe": "transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearAttention",
     "kolibri1": "transformers.models.kolibri1.modeling_kolibri1.Kolibri1Attention",
+    "kolibri1_1": "transformers.models.kolibri1_1.modeling_kolibri1_1.Kolibri1_1Attention",
     "laguna": "transformers.models.laguna.modeling_laguna.LagunaAttention",
     "lara_mini": "transformers.models.lara_mini.modeling_lara_mini.LaraMiniAttention",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
@@ -425,11 +426,11 @@ LINEAR = {
 Mamba2, short-convolution or RG-LRU (RecurrentGemma) class, whose modules' forward ``hf_ring.patches.linear`` replaces while the model is patched."""
 
 SPARSE = ("axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "glm5_next_text", "hy_v4", "hy_v4_vl_text", "mistral_large4_text",
-          "minimax_m3_vl_text", "qwen4_exp_text")  # fmt: skip
+          "minimax_m3_vl_text", "qwen4_exp_text", "kolibri1_1")  # fmt: skip
 """Families with DeepSeek sparse attention: an indexer beside each attention layer (``hf_ring.patches._sparse``;
-Qwen4-Exp's picks blocks of keys, MiniMax M3's blocks of keys per key/value head: ``hf_ring.sparse``); HunYuan V4
-VL's, Mistral Large 4's and MiniMax M3's text models exist only inside their vision-language models
-(``multimodal.INNER``)."""
+Qwen4-Exp's picks blocks of keys, MiniMax M3's blocks of keys per key/value head, Kolibri 1.1's a mask of keys from
+an earlier layer's pool: ``hf_ring.sparse``); HunYuan V4 VL's, Mistral Large 4's and MiniMax M3's text models exist
+only inside their vision-language models (``multimodal.INNER``)."""
 
 COMPRESSED = ("deepseek_v4",)
 """Families with DeepSeek-V4's compressed attention layers (``hf_ring.patches._compressed``, ``hf_ring.compressed``)."""
@@ -443,7 +444,7 @@ CHECKS = {
     "recurrent_gemma": check_linear_sliding, "zaya": check_zaya, "inkling_text": check_inkling,
     "inkling2_text": check_inkling, "inkling2_loop_text": check_inkling,
     **{model_type: check_sparse for model_type in SPARSE},
-    "dots3_note_text": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
+    "dots3_note_text": check_sparse_sliding, "kolibri1_1": check_sparse_sliding, "qwen4_exp_text": check_sparse_linear,
     "glm5_next_text": check_sparse_linear,
     "minimax_m3_vl_text": check_minimax_m3, "opt": check_opt, "biogpt": check_no_layerdrop, "deepseek_v4": check_deepseek_v4,
 }  # fmt: skip
@@ -490,6 +491,7 @@ NO_GENERATE = {
     "dory": "its looped layers copy their KV cache for every loop, which the sharded cache does not follow",
     "deepseek_v4": "its compressed layers keep their compressors' windows in the model's own cache, which the sharded "
     "cache does not follow",
+    "kolibri1_1": "its sparse layers' pools of candidate keys are not kept for decode steps by the sharded cache yet",
 }
 """Families ``hf_ring.ring_generate`` refuses, and why."""
 

@@ -196,6 +196,9 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "apertus1p5_text": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {"head_dim": 16}),
     "flint": ("FlintConfig", "FlintForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **_SLIDE_FULL}),
     "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **_SLIDE_FULL}),
+    # (a sliding layer, then indexed ones: layer 1 picks the pool, layer 2 reads its keys and values, layer 3 has its
+    # own; windows and budgets the test sequences exceed: a pool of 4 blocks of 4 keys, 4 + 4 local + 2 sink keys)
+    "kolibri1_1": ("Kolibri1_1Config", "Kolibri1_1ForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "sliding_window": 6, "layer_types": ["sliding_attention", *["indexed_attention"] * 3], "index_layers": [1], "kv_source_layers": [0, 1, 1, 3], "mlp_only_layers": [0], "mlp_only_intermediate_size": 48, "index_topk": 4, "index_pool_size": 16, "index_compression": 4, "index_num_heads": 2, "index_num_local_tokens": 4, "index_num_sink_tokens": 2}),
     "dory": ("DoryConfig", "DoryForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "n_input_layers": 1, "n_output_layers": 1, "n_recurrent_loops": 2, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2}),
     # Mamba2 alone (no attention layer): its convolution and scan over the ranks
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", {"num_heads": 8, "head_dim": 16, "expand": 2, "state_size": 8, "n_groups": 2, "chunk_size": 8, "conv_kernel": 4}),
@@ -841,7 +844,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
          "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24", "inkling2_loop_text": "5.24",
          "minicpm5_moe": "5.25", "ergo": "5.25", "param2moe": "5.25", "llava_onevision1_5": "5.25", "ovis2_5": "5.25",
-         "glmga": "5.25"}  # fmt: skip
+         "glmga": "5.25", "kolibri1_1": "5.25"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given

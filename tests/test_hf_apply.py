@@ -1809,6 +1809,70 @@ def test_glm5_next_picks_the_pools_its_own_indexer_picks_and_reverts(monkeypatch
         assert float((model(**plain).logits - ref[0]).norm() / ref[0].norm()) > 1e-3
 
 
+def test_kolibri1_1_picks_the_keys_its_own_indexer_picks_and_reverts(monkeypatch):
+    """Kolibri 1.1's indexed layers at one rank: layer 1 picks each query's pool (the best 4 blocks of 4 keys by their
+    averages), every indexed layer keeps the best 4 keys of the pool beside 2 sink and 4 local ones; layer 2 reads
+    layer 1's keys and values, layer 3 has its own keys and layer 1's pool. Each layer's keys per real query are the
+    set the unmodified indexer gives, with a padding mask (left and right), packed documents (restarting positions)
+    or neither, and with the pools and scores in chunks of one query (a later layer's pool computed again from its
+    source's queries and keys); the logits are the unmodified model's. Both budgets bite (controls: a larger pool, a
+    larger top-k, each changes the logits). Revert restores the indexers and the masks."""
+    from hf_ring.patches._sparse import DeferMaskIndexer, WrapMask
+
+    from hf_ring import sparse
+
+    if not in_transformers("kolibri1_1"):
+        pytest.skip("Kolibri 1.1 is not in this Transformers release")
+    model = make_model("kolibri1_1").eval()
+    padded, plain, keep = _padded_and_plain()
+    packed = {
+        "input_ids": plain["input_ids"][:1],
+        "position_ids": torch.cat([torch.arange(n) for n in (9, 17, 14)])[None],
+    }
+    inputs = (plain, padded, packed)
+    rows = (torch.ones_like(keep), keep, torch.ones_like(keep[:1]))
+    layers = model.model.layers
+    indexers = [layer.self_attn.indexer for layer in layers[1:]]
+    assert layers[0].self_attn.indexer is None and [i.is_pool_source for i in indexers] == [True, False, False]
+    theirs, ours = [], []
+    hooks = [i.register_forward_hook(lambda m, a, out: theirs.append(out[0][:, 0])) for i in indexers]
+    with torch.no_grad():
+        ref = [model(**x).logits for x in inputs]
+    for h in hooks:
+        h.remove()
+    hf_ring.apply_ring_attention(model)
+    hf_ring.apply_ring_attention(model)  # again: nothing doubled
+    assert all(isinstance(vars(i).get("forward"), DeferMaskIndexer) for i in indexers)
+    assert [sum(isinstance(h, WrapMask) for h in m.self_attn._forward_pre_hooks.values()) for m in layers] == [1] * 4
+    real = sparse._select_by_mask
+    monkeypatch.setattr(sparse, "_select_by_mask", lambda *a, **k: ours.append(real(*a, **k)) or ours[-1])
+    with torch.no_grad():
+        got = [model(**x).logits for x in inputs]
+        monkeypatch.setattr(sparse, "CHUNK_BYTES", 1)  # one query per chunk
+        chunked = [model(**x).logits for x in inputs]
+    assert len(theirs) == 9 and len(ours) == 18
+    for i, (want, picked) in enumerate(zip(theirs, ours[:9], strict=True)):  # the same keys, for every real query
+        k = rows[i // 3]
+        assert torch.equal(_chosen(picked)[k], want[k]), i
+        if i // 3 < 2:  # (one document of 40: the budget of 10 reached)
+            assert int(want[k].sum(-1).max()) == 4 + 4 + 2, i
+    assert all(torch.equal(a, b) for a, b in zip(ours[9:], ours[:9], strict=True))
+    for r, g, c, k in zip(ref, got, chunked, rows, strict=True):
+        assert float((g - r)[k].norm() / r[k].norm()) <= 1e-5
+        assert float((c - r)[k].norm() / r[k].norm()) <= 1e-5
+    hf_ring.revert_ring_attention(model)
+    assert not any(isinstance(vars(m).get("forward"), DeferMaskIndexer) for m in model.modules())
+    assert not any(isinstance(h, WrapMask) for m in model.modules() for h in m._forward_pre_hooks.values())
+    with torch.no_grad():
+        assert torch.equal(model(**plain).logits, ref[0])
+        indexers[0].pool_size = 64  # (every visible key a candidate)
+        assert float((model(**plain).logits - ref[0]).norm() / ref[0].norm()) > 1e-3
+        indexers[0].pool_size = 16
+        for i in indexers:
+            i.topk = 64  # (every key of the pool)
+        assert float((model(**plain).logits - ref[0]).norm() / ref[0].norm()) > 1e-3
+
+
 def test_cosmos3_edge_sees_one_document_where_transformers_5_17_reads_its_image_positions_as_packing():
     """Transformers 5.17's Cosmos3 Edge, given no attention mask and no cache (``use_cache=False``, as under gradient
     checkpointing), reads the jumps of its multimodal positions at an image as packed documents; with a cache or a

@@ -271,6 +271,13 @@ CASES = {
         45,
         {"checkpointing": True, "chunk_bytes": 1},
     ),
+    # Kolibri 1.1: a sliding layer, then indexed layers without positions: the first picks each query's pool (the best
+    # 4 blocks of 4 keys), each picks 4 keys of it beside 2 sink and 4 local ones; the second reads the first's keys
+    # and values, the third has its own (its keys, the first's pool: computed again per chunk of queries)
+    "kolibri1_1-padded": ("kolibri1_1", "padded", 45, {}),
+    "kolibri1_1-packed-checkpointing-chunked": ("kolibri1_1", "packed", 45, {"checkpointing": True, "chunk_bytes": 1}),
+    "kolibri1_1-plain-lora-striped": ("kolibri1_1", "plain", 45, {"lora": True, "layout": "striped"}),
+    "kolibri1_1-padded-ulysses": ("kolibri1_1", "padded", 40, {"ulysses": 2}),
     # Mistral Large 4: an indexer without a query latent, queries scaled by their global positions, shared latents
     "mistral_large4-packed": ("mistral_large4", "packed", 40, {}),
     "mistral_large4-padded-checkpointing-chunked": (
