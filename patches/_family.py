@@ -256,6 +256,20 @@ class TextOnly:
             )
 
 
+class Refuse:
+    """Forward pre-hook (with keywords) of a family's model levels: ``why(config, arguments)`` names what of the call
+    the family does not support under ring attention (a keyword given, the same on every rank), raised before
+    anything runs; None: nothing."""
+
+    def __init__(self, why: Callable):
+        self.why = why
+
+    def __call__(self, module, args, kwargs) -> None:
+        problem = self.why(module.config, named_arguments(module, args, kwargs))
+        if problem:
+            raise ValueError(problem)
+
+
 class ShardEmbeddings:
     """Forward pre-hook (with keywords) of the text model of a vision-language model that takes images under the
     ring. For a batch ``shard_batch`` left whole (``ShardInfo.whole_inputs``: it has images or video) the model has
@@ -350,11 +364,11 @@ def _switch(model, implementation: str, own: bool = False) -> None:
 
 def _set_hooks(
     model, plans: PlanCache | None, text_only: TextOnly | None = None, blocks: BlockIds | None = None,
-    merge: Callable | None = None,
+    merge: Callable | None = None, refuse: Refuse | None = None,
 ):  # fmt: skip
     """Remove hf_ring's pre-hooks from the model's ``PreTrainedModel`` modules; add new ones for ``plans`` (and
-    ``text_only`` and ``blocks`` on the outermost model and the inner ones sharing its config; for a family that
-    takes images, ``ShardEmbeddings`` on its text model, with the family's ``merge``)."""
+    ``text_only``, ``blocks`` and ``refuse`` on the outermost model and the inner ones sharing its config; for a
+    family that takes images, ``ShardEmbeddings`` on its text model, with the family's ``merge``)."""
     from transformers import PreTrainedModel
 
     top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
@@ -367,7 +381,7 @@ def _set_hooks(
     for m in model.modules():
         if not isinstance(m, PreTrainedModel):
             continue
-        remove_hooks(m, (StartBatch, EndBatch, TextOnly, ShardEmbeddings, BlockIds, NoiseScale))
+        remove_hooks(m, (StartBatch, EndBatch, TextOnly, ShardEmbeddings, BlockIds, NoiseScale, Refuse))
         if plans is not None:
             m.register_forward_pre_hook(StartBatch(plans, top=m is top), with_kwargs=True)
             m.register_forward_hook(EndBatch(plans), always_call=True)
@@ -379,6 +393,8 @@ def _set_hooks(
                 m.register_forward_pre_hook(blocks, with_kwargs=True, prepend=True)
             if text_only is not None and m.config is top.config:  # every level that takes images (not the tower)
                 m.register_forward_pre_hook(text_only, with_kwargs=True, prepend=True)
+            if refuse is not None and m.config is top.config:
+                m.register_forward_pre_hook(refuse, with_kwargs=True, prepend=True)
             if m is cutter:  # the text model inside the wrapper
                 m.register_forward_pre_hook(ShardEmbeddings(merge), with_kwargs=True, prepend=True)
 
@@ -489,6 +505,9 @@ class FamilyPatch:
     # function drops a mask without padding, and the model refuses a caller's mask where that function would
     # (``patches._mask_positions.CallerMask``); None: the model passes a mask only when given one
     makes_a_mask: str | None = None
+    # ``(config, arguments) -> str or None``: what of a call the family does not support under the ring (a keyword
+    # given; ``Refuse``), raised on every rank before anything runs; None: nothing beyond the common checks
+    refuse: Callable | None = None
     # the family's attention modules compute attention themselves (Falcon, GPT-Neo, BLOOM, MPT), not
     # through Transformers'
     # AttentionInterface: their ``forward`` is replaced while patched by ``patches._own.FORWARDS[own_attention]``, and
@@ -611,7 +630,8 @@ class FamilyPatch:
         cross = bool(self.cross_modules(model))
         text_only = TextOnly(self.name, self.media, self.images, cfg, cross=cross) if self.media else None
         cfg.plans.progress.group = cfg.group  # (its refusals' reach: hf_ring.guard.Progress.refused)
-        _set_hooks(model, cfg.plans, text_only, BlockIds(self.block_ids) if self.block_ids else None, self.merge)
+        blocks = BlockIds(self.block_ids) if self.block_ids else None
+        _set_hooks(model, cfg.plans, text_only, blocks, self.merge, Refuse(self.refuse) if self.refuse else None)
         _own.remove(model)
         if self.own_attention:  # (after _set_hooks: the hand-over sees the positions StartBatch adds)
             _own.install(modules, self.own_attention)

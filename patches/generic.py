@@ -42,10 +42,10 @@ __all__ = [
     "ALIASES", "CACHE_CLASSES", "CHECKS", "COMPRESSED", "CROSS_ATTENTION", "FAMILIES", "LENDS_ATTENTION_KWARGS",
     "NO_ULYSSES",
     "LENDS_MIXER_KWARGS", "LINEAR", "LOGIT_TRANSFORMS", "MAKES_A_MASK", "MASK_POSITIONS", "NO_GENERATE", "OWN_ATTENTION",
-    "PATCHES", "SPARSE", "check",
+    "PATCHES", "REFUSES", "SPARSE", "check",
     "check_causal_mask_only", "check_decoder_only", "check_deepseek_v4", "check_gemma4", "check_gpt_neo", "check_linear", "check_linear_sliding",
     "check_llama4", "check_minimax", "check_minimax_m3", "check_no_layerdrop", "check_opt", "check_zaya", "check_sparse", "check_sparse_linear", "check_sparse_sliding",
-    "check_without_windows",
+    "check_without_windows", "refuse_prefix_types",
 ]  # fmt: skip
 
 FAMILIES = {
@@ -131,6 +131,7 @@ FAMILIES = {
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearAttention",
     "kolibri1": "transformers.models.kolibri1.modeling_kolibri1.Kolibri1Attention",
     "kolibri1_1": "transformers.models.kolibri1_1.modeling_kolibri1_1.Kolibri1_1Attention",
+    "hrm_text": "transformers.models.hrm_text.modeling_hrm_text.HrmTextAttention",
     "laguna": "transformers.models.laguna.modeling_laguna.LagunaAttention",
     "lara_mini": "transformers.models.lara_mini.modeling_lara_mini.LaraMiniAttention",
     "lfm2": "transformers.models.lfm2.modeling_lfm2.Lfm2Attention",
@@ -317,6 +318,19 @@ def check_sparse_linear(config) -> None:
     ``hf_ring.sparse``); no windows."""
     what = getattr(config, "model_type", "model")
     check_layer_types(config, what, allowed=("linear_attention", "indexed_attention"), window=False)
+
+
+def refuse_prefix_types(config, arguments: dict) -> str | None:
+    """``refuse`` for HRM-Text: ``token_type_ids`` under ``config.prefix_lm`` make the tokens of type 1 (the
+    instruction) one block attending both ways (Transformers' ``block_sequence_ids``), which the ring would need for
+    the whole sequence on every rank; refused by the keyword's presence (the same on every rank), not its values."""
+    if getattr(config, "prefix_lm", False) and arguments.get("token_type_ids") is not None:
+        return (
+            f"{config.model_type}: token_type_ids with config.prefix_lm=True make the instruction tokens (type 1) "
+            "attend to each other both ways, which hf_ring does not implement for this family yet; train it "
+            "causally: drop token_type_ids from the batch (or set config.prefix_lm=False, which ignores them)"
+        )
+    return None
 
 
 def check_opt(config) -> None:
@@ -533,6 +547,9 @@ the attention function drops such a mask; the model refuses a caller's where the
 """Families whose model numbers its tokens from the attention mask, and the module that does
 (``hf_ring.patches._mask_positions``)."""
 
+REFUSES = {"hrm_text": refuse_prefix_types}
+"""Families refusing something of a call under the ring (``FamilyPatch.refuse``)."""
+
 OWN_ATTENTION = {"falcon", "gpt_neo", "bloom", "mpt"}
 """Families whose attention modules compute attention themselves (not through Transformers' AttentionInterface):
 their ``forward`` is replaced while patched (``hf_ring.patches._own``)."""
@@ -560,6 +577,7 @@ PATCHES = {
         mask_positions=MASK_POSITIONS.get(model_type),
         makes_a_mask=MAKES_A_MASK.get(model_type),
         own_attention=model_type if model_type in OWN_ATTENTION else None,
+        refuse=REFUSES.get(model_type),
     )
     for model_type, path in FAMILIES.items()
 }

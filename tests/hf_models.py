@@ -58,6 +58,9 @@ reference is Transformers' eager attention. PaliGemma
 too: its text attention says ``is_causal=False``, so SDPA attends both ways where Transformers skips the causal mask
 (no token types, no padding); eager always applies the mask (``patches.multimodal.PaliGemmaPatch``)."""
 
+ABSENT = object()
+"""A common size a family's config does not take (``MORE_FAMILIES``: left out of the config, as its checkpoints' have it)."""
+
 _SLIDE_FULL = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
 _LINEAR = {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 12,
@@ -196,6 +199,10 @@ MORE_FAMILIES = {  # model_type: (config class, causal-LM class, what the tiny c
     "apertus1p5_text": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {"head_dim": 16}),
     "flint": ("FlintConfig", "FlintForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **_SLIDE_FULL}),
     "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **_SLIDE_FULL}),
+    # HRM-Text: two stacks of 2 layers (config.num_hidden_layers becomes 2 x 2 x 3 cache slots), each run several
+    # times per forward (2 high cycles of 2 low ones and the high stack), the first low cycle of the first high one
+    # without gradient; multi-head attention (no num_key_value_heads) with a sigmoid output gate
+    "hrm_text": ("HrmTextConfig", "HrmTextForCausalLM", {"head_dim": 16, "num_key_value_heads": ABSENT, "H_cycles": 2, "L_cycles": 2, "L_bp_cycles": [1, 2]}),
     # (a sliding layer, then indexed ones: layer 1 picks the pool, layer 2 reads its keys and values, layer 3 has its
     # own; windows and budgets the test sequences exceed: a pool of 4 blocks of 4 keys, 4 + 4 local + 2 sink keys)
     "kolibri1_1": ("Kolibri1_1Config", "Kolibri1_1ForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "sliding_window": 6, "layer_types": ["sliding_attention", *["indexed_attention"] * 3], "index_layers": [1], "kv_source_layers": [0, 1, 1, 3], "mlp_only_layers": [0], "mlp_only_intermediate_size": 48, "index_topk": 4, "index_pool_size": 16, "index_compression": 4, "index_num_heads": 2, "index_num_local_tokens": 4, "index_num_sink_tokens": 2}),
@@ -844,7 +851,7 @@ SINCE = {"apertus1p5_text": "5.24", "dory": "5.24", "flint": "5.24", "kolibri1":
          "opt": "5.24", "moss_transcribe_diarize": "5.24", "glm5_next": "5.24",
          "inkling_text": "5.24", "inkling2_text": "5.24", "inkling2": "5.24", "inkling2_loop_text": "5.24",
          "minicpm5_moe": "5.25", "ergo": "5.25", "param2moe": "5.25", "llava_onevision1_5": "5.25", "ovis2_5": "5.25",
-         "glmga": "5.25", "kolibri1_1": "5.25"}  # fmt: skip
+         "glmga": "5.25", "kolibri1_1": "5.25", "hrm_text": "5.25"}  # fmt: skip
 """Families tested from a later Transformers release than the oldest one supported: new models, or models whose
 attention went through Transformers' attention interface only later (GPT-J, CodeGen; hf_ring refuses them by name on
 a release where they do not), OPT, whose 5.17 decoder builds an all-ones mask (refused by name there), and Perception LM, whose 5.17 config builds its timm vision tower whatever it is given
@@ -977,7 +984,7 @@ def make_config(family: str, **overrides):
                               layer_types=["sliding_attention", "full_attention"])  # fmt: skip
     elif family in MORE_FAMILIES:
         config_class, _, extra = MORE_FAMILIES[family]
-        cfg = getattr(tf, config_class)(**{**common, **extra})
+        cfg = getattr(tf, config_class)(**{k: v for k, v in {**common, **extra}.items() if v is not ABSENT})
     elif family in VISION_LANGUAGE:  # the image token lies outside the vocabulary the test batches draw from
         config_class, _, extra, vision = VISION_LANGUAGE[family]
         top = {"mm_tokens_per_image": GEMMA3_IMAGE_TOKENS} if family == "gemma3" else {}

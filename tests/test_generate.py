@@ -97,6 +97,8 @@ CASES = {  # name: (family, batch, prompt length, left padding of row 1, options
     "gpt_neo-own-attention-windows": ("gpt_neo", 2, 14, 3, {"scores": True}),  # a local layer of window 6
     "bloom-alibi": ("bloom", 2, 14, 3, {"scores": True}),  # ALiBi's slopes in the decode steps too
     "mpt-alibi": ("mpt-six-heads", 2, 14, 3, {"scores": True}),  # (its reference generates without a cache)
+    # HRM-Text: each attention layer's calls in every cycle write a cache slot of their own (layer + cycle offset)
+    "hrm_text-cycles": ("hrm_text", 2, 14, 3, {"scores": True}),
 }
 CASES = {name: case for name, case in CASES.items() if in_transformers(case[0])}
 

@@ -293,7 +293,9 @@ def test_every_family_applies_and_revert_restores_outputs_exactly(family):
         2 * text.num_hidden_layers + loop if residuals else len(getattr(text, "cross_attention_layers", None) or ())
     )
     types = list(getattr(text, "layer_types", None) or [])
-    mixing = [t for t in types if t not in ("mlp", "moe")] or [None] * text.num_hidden_layers  # (Nemotron-H: MLPs)
+    # (HRM-Text's num_hidden_layers counts its cache slots: two stacks of num_layers_per_stack, run in cycles)
+    stacked = 2 * text.num_layers_per_stack if family == "hrm_text" else text.num_hidden_layers
+    mixing = [t for t in types if t not in ("mlp", "moe")] or [None] * stacked  # (Nemotron-H: MLPs)
     ple = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedPLE)]  # (Qwen4-Exp's, beside a mixer)
     assert len(ple) == len(getattr(text, "ple_layer_ids", None) or ()) and all(_lends(model, m) for m in ple)
     cca = [m for m in linear if isinstance(m.__dict__.get("forward"), ShardedCCA)]  # (ZAYA's, inside each attention)
@@ -1807,6 +1809,37 @@ def test_glm5_next_picks_the_pools_its_own_indexer_picks_and_reverts(monkeypatch
         assert torch.equal(model(**plain).logits, ref[0])
         layers[1].self_attn.indexer.index_topk = 40  # (every pool)
         assert float((model(**plain).logits - ref[0]).norm() / ref[0].norm()) > 1e-3
+
+
+def test_hrm_text_refuses_prefix_token_types_and_runs_causally():
+    """HRM-Text's ``token_type_ids`` under ``config.prefix_lm`` make the instruction tokens attend both ways, which hf_ring
+    does not implement for it: refused by name before anything runs (by the keyword's presence, the same on every
+    rank), also for a batch of type 0 only; without them, or with ``prefix_lm=False`` (the model ignores them), the
+    logits are the unmodified model's. Unrefused, the ring would silently run them causally (a control: the
+    unmodified model's logits move with them). Revert removes the refusal."""
+    from hf_ring.patches._family import Refuse
+
+    if not in_transformers("hrm_text"):
+        pytest.skip("HRM-Text is not in this Transformers release")
+    model = make_model("hrm_text").eval()
+    padded, plain, keep = _padded_and_plain()
+    types = torch.zeros_like(plain["input_ids"])
+    types[:, :12] = 1
+    with torch.no_grad():
+        ref = model(**padded).logits
+        prefix = model(**padded, token_type_ids=types).logits
+    assert float((prefix - ref)[keep].norm() / ref[keep].norm()) > 1e-3
+    hf_ring.apply_ring_attention(model)
+    assert sum(isinstance(h, Refuse) for h in model.model._forward_pre_hooks.values()) == 1
+    with torch.no_grad():
+        for given in (types, torch.zeros_like(types)):
+            with pytest.raises(ValueError, match="token_type_ids with config.prefix_lm=True"):
+                model(**padded, token_type_ids=given)
+        assert float((model(**padded).logits - ref)[keep].norm() / ref[keep].norm()) <= 1e-5
+        model.config.prefix_lm = False
+        assert float((model(**padded, token_type_ids=types).logits - ref)[keep].norm() / ref[keep].norm()) <= 1e-5
+    hf_ring.revert_ring_attention(model)
+    assert not any(isinstance(h, Refuse) for m in model.modules() for h in m._forward_pre_hooks.values())
 
 
 def test_kolibri1_1_picks_the_keys_its_own_indexer_picks_and_reverts(monkeypatch):

@@ -271,6 +271,10 @@ CASES = {
         45,
         {"checkpointing": True, "chunk_bytes": 1},
     ),
+    # HRM-Text: two stacks run in cycles (each attention layer called 3 times per forward, once without gradient)
+    "hrm_text-padded": ("hrm_text", "padded", 45, {}),
+    "hrm_text-packed-lora-checkpointing": ("hrm_text", "packed", 40, {"lora": True, "checkpointing": True}),
+    "hrm_text-plain-striped": ("hrm_text", "plain", 45, {"layout": "striped"}),
     # Kolibri 1.1: a sliding layer, then indexed layers without positions: the first picks each query's pool (the best
     # 4 blocks of 4 keys), each picks 4 keys of it beside 2 sink and 4 local ones; the second reads the first's keys
     # and values, the third has its own (its keys, the first's pool: computed again per chunk of queries)
