@@ -246,11 +246,7 @@ def select(
         return _resolved(call, _select_key_blocks(call, group, world_size, layout, chunk_bytes, timeout))
     where = dict(cu_seqlens=cu_seqlens, document_ids=document_ids, timeout=timeout, plans=plans)
     if isinstance(call, MaskCall):
-        picked = _select_by_mask(call, group, rank, world_size, layout, causal, chunk_bytes, **where)
-        call.keys = call.pool = None  # (a pool source keeps its queries and whole keys for the layers after it)
-        if not call.module.is_pool_source:
-            call.queries = None
-        return _resolved(call, picked)
+        return _resolved(call, _select_by_mask(call, group, rank, world_size, layout, causal, chunk_bytes, **where))
     if _pools_blocks(call.module):
         return _resolved(call, _select_blocks(call, group, rank, world_size, layout, chunk_bytes, **where))
     if pools_tokens(call.module):
@@ -338,8 +334,9 @@ def _select_by_mask(call: MaskCall, group, rank, world_size, layout, causal, chu
             keys = _layout.unshard(list(StateGather(group, timeout, what=what).gather(keys)), dim=2, layout=layout)
         queries = call.queries[:, : m.num_heads]
         source = call if m.is_pool_source else call.pool
-        if m.is_pool_source:
-            call.whole_keys, call.queries = keys, queries.detach()
+        # (a pool source keeps the queries its pool is scored by and the whole keys, for the layers after it)
+        call.whole_keys, call.queries = (keys, queries.detach()) if m.is_pool_source else (None, None)
+        call.keys = call.pool = None
         if source is None or source.whole_keys is None:
             raise RuntimeError(
                 f"layer {getattr(m, 'layer_idx', '?')}: its indexer picks from an earlier indexer's pool, which hf_ring "
